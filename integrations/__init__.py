@@ -1,0 +1,1 @@
+"""kvbranch integrations (LangChain, LlamaIndex) on top of sdk/."""

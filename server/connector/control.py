@@ -1,0 +1,132 @@
+"""The engine-side control socket: how the HTTP routes reach the session registry.
+
+Why a socket: the registry and block index live with the connector's *scheduler* side, in the
+engine-core process, while the routes run in the API-server process. vLLM's sanctioned channel
+(``EngineClient.collective_rpc``) reaches the *workers*, which share a process with the
+scheduler only in single-process executors. A Unix socket owned by the scheduler side works for
+every executor and keeps the routes cheap (no engine step involved).
+
+Protocol: one JSON object per line each way: ``{"op": ..., **args}`` →
+``{"ok": true, "result": ...}`` or ``{"ok": false, "status": 404, "message": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import socketserver
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger("kvbranch.control")
+
+MAX_LINE = 64 * 1024 * 1024
+
+
+class ControlError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+Handler = Callable[[dict], Any]
+
+
+class ControlServer:
+    """Serves ``handler(request_dict) -> result`` on a Unix socket in a daemon thread."""
+
+    def __init__(self, path: str, handler: Handler) -> None:
+        self.path = path
+        self.handler = handler
+        if os.path.exists(path):
+            os.unlink(path)
+        outer = self
+
+        class _RequestHandler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                for line in self.rfile:
+                    reply = outer._dispatch(line)
+                    self.wfile.write(json.dumps(reply).encode() + b"\n")
+                    self.wfile.flush()
+
+        class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+            daemon_threads = True
+
+        self._server = _Server(path, _RequestHandler)
+        os.chmod(path, 0o600)
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="kvbranch-control", daemon=True)
+        self._thread.start()
+        logger.info("kvbranch control socket at %s", path)
+
+    def _dispatch(self, line: bytes) -> dict:
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict) or "op" not in request:
+                raise ControlError(400, "control request must be an object with 'op'")
+            return {"ok": True, "result": self.handler(request)}
+        except ControlError as exc:
+            return {"ok": False, "status": exc.status, "message": exc.message}
+        except Exception as exc:  # noqa: BLE001 - report, never kill the engine
+            logger.exception("kvbranch control op failed")
+            return {"ok": False, "status": 500, "message": f"internal error: {exc}"}
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def _unwrap(reply: dict) -> Any:
+    if reply.get("ok"):
+        return reply.get("result")
+    raise ControlError(int(reply.get("status", 500)), str(reply.get("message", "error")))
+
+
+def call_sync(path: str, op: str, timeout: float = 5.0, **args: Any) -> Any:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            raise ControlError(503, f"kvbranch connector not reachable: {exc}") from None
+        sock.sendall(json.dumps({"op": op, **args}).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            data += chunk
+    return _unwrap(json.loads(data))
+
+
+class AsyncControlClient:
+    """A small pool-less async client: one short connection per call (calls are rare)."""
+
+    def __init__(self, path: str, timeout: float = 10.0) -> None:
+        self.path = path
+        self.timeout = timeout
+
+    async def call(self, op: str, **args: Any) -> Any:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(self.path, limit=MAX_LINE), self.timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise ControlError(503, f"kvbranch connector not reachable: {exc}") from None
+        try:
+            writer.write(json.dumps({"op": op, **args}).encode() + b"\n")
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), self.timeout)
+        except asyncio.TimeoutError:
+            raise ControlError(504, f"kvbranch connector did not answer {op!r}") from None
+        finally:
+            writer.close()
+        if not line:
+            raise ControlError(503, "kvbranch connector closed the control connection")
+        return _unwrap(json.loads(line))

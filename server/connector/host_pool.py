@@ -1,0 +1,126 @@
+"""Worker-side host memory for KV blocks, and the copies between it and the paged KV cache.
+
+One host tensor per KV cache tensor of the engine, with the same shape except that the block
+dimension has ``num_slots`` entries. Copies are whole blocks in both directions:
+
+* CPU platform: batched ``index_select``/``index_copy_`` (the paged cache is host memory too);
+* CUDA: the host tensors are pinned, and copies run on a dedicated stream, one async memcpy per
+  (layer, block). A save is complete before the next forward may overwrite its source blocks:
+  :meth:`HostKVPool.fence` (called at the start of each step's load) waits for it. Loads are
+  synchronous with respect to the forward that needs them.
+
+The CUDA branch is deliberately thin; the block planning that decides *what* to copy is shared
+and covered by the CPU tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
+    """The dimension of a paged KV tensor that indexes blocks.
+
+    vLLM backends lay blocks out first (CPU: ``[blocks, heads, block_size, 2*head]``) or second
+    (``[2, blocks, ...]``); we pick the first dimension whose size is ``num_blocks`` and prefer
+    dimension 0, then 1.
+    """
+    for dim in (0, 1):
+        if dim < len(shape) and shape[dim] == num_blocks:
+            return dim
+    for dim, size in enumerate(shape):
+        if size == num_blocks:
+            return dim
+    raise ValueError(f"no dimension of size {num_blocks} in KV cache shape {tuple(shape)}")
+
+
+class HostKVPool:
+    """Host copies of KV blocks, addressed by slot."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, num_slots: int) -> None:
+        self.num_slots = num_slots
+        # Layers may share one tensor (e.g. cross-layer sharing); copy each storage once.
+        seen: dict[int, str] = {}
+        self.device_caches: dict[str, torch.Tensor] = {}
+        for name, tensor in kv_caches.items():
+            key = tensor.data_ptr()
+            if key in seen:
+                continue
+            seen[key] = name
+            self.device_caches[name] = tensor
+        first = next(iter(self.device_caches.values()))
+        self.device = first.device
+        self.cuda = first.is_cuda
+        self.block_dims: dict[str, int] = {}
+        self.host_caches: dict[str, torch.Tensor] = {}
+        for name, tensor in self.device_caches.items():
+            dim = find_block_dim(tensor.shape, num_blocks)
+            shape = list(tensor.shape)
+            shape[dim] = num_slots
+            self.block_dims[name] = dim
+            self.host_caches[name] = torch.empty(
+                shape, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda
+            )
+        self.block_bytes = sum(
+            t.element_size() * t.numel() // max(t.shape[self.block_dims[n]], 1)
+            for n, t in self.device_caches.items()
+        )
+        self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._pending_save: torch.cuda.Event | None = None
+
+    # --- device -> host ----------------------------------------------------------------------
+    def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        if not block_ids:
+            return
+        if self.cuda:
+            self._save_cuda(block_ids, slots)
+            return
+        src_idx = torch.tensor(block_ids, dtype=torch.long)
+        dst_idx = torch.tensor(slots, dtype=torch.long)
+        for name, dev in self.device_caches.items():
+            dim = self.block_dims[name]
+            self.host_caches[name].index_copy_(dim, dst_idx, dev.index_select(dim, src_idx))
+
+    def _save_cuda(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for name, dev in self.device_caches.items():
+                dim, host = self.block_dims[name], self.host_caches[name]
+                for block, slot in zip(block_ids, slots):
+                    host.select(dim, slot).copy_(dev.select(dim, block), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._pending_save = event
+
+    # --- host -> device ----------------------------------------------------------------------
+    def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        if not slots:
+            return
+        if self.cuda:
+            self._load_cuda(slots, block_ids)
+            return
+        src_idx = torch.tensor(slots, dtype=torch.long)
+        dst_idx = torch.tensor(block_ids, dtype=torch.long)
+        for name, dev in self.device_caches.items():
+            dim = self.block_dims[name]
+            dev.index_copy_(dim, dst_idx, self.host_caches[name].index_select(dim, src_idx))
+
+    def _load_cuda(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            for name, dev in self.device_caches.items():
+                dim, host = self.block_dims[name], self.host_caches[name]
+                for slot, block in zip(slots, block_ids):
+                    dev.select(dim, block).copy_(host.select(dim, slot), non_blocking=True)
+        # The forward that reads these blocks runs on the compute stream right after.
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def fence(self) -> None:
+        """Wait for outstanding saves (their source blocks may be reused by the next forward,
+        and a slot written by a save may be read by this step's loads)."""
+        if self._pending_save is not None:
+            self._pending_save.synchronize()
+            self._pending_save = None

@@ -1,0 +1,17 @@
+"""What the scheduler side tells the worker side each step (pickled across processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class KVBranchMetadata(KVConnectorMetadata):
+    #: Host slot -> device block copies to run before this step's forward.
+    load_slots: list[int] = field(default_factory=list)
+    load_blocks: list[int] = field(default_factory=list)
+    #: Device block -> host slot copies to run after this step's forward.
+    save_blocks: list[int] = field(default_factory=list)
+    save_slots: list[int] = field(default_factory=list)

@@ -1,0 +1,192 @@
+"""Scheduler-side planning: which prompt blocks load from the host store, which computed blocks
+save to it, where each request's prompt tokens came from, and the session bookkeeping that
+follows a finished request.
+
+Kept free of vLLM types beyond duck typing (``request.block_hashes``, ``all_token_ids``,
+``session_id``, ``sampling_params.extra_args``, ``cache_salt``, ``num_prompt_tokens``) so that
+unit tests can drive it with small fakes and the real engine drives it unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from server.connector.block_index import HostBlockIndex
+from server.connector.sessions import DEFAULT_BRANCH, RegistryError, SessionRegistry
+
+BRANCH_XARG = "kvbranch_branch"
+TAG_XARG = "kvbranch_tag"
+PREFETCH_XARG = "kvbranch_prefetch"
+OWNER_XARG = "kvbranch_owner"
+SPLIT_HISTORY = 10_000
+
+
+@dataclass
+class RequestPlan:
+    request: Any
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    load_slots: list[int] | None = None
+    load_start_block: int = 0
+    next_save_block: int = 0
+    recorded: bool = False
+
+
+def _extra_args(request: Any) -> dict:
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) if params is not None else None
+    return extra if isinstance(extra, dict) else {}
+
+
+class Planner:
+    def __init__(self, index: HostBlockIndex, registry: SessionRegistry, block_size: int) -> None:
+        self.index = index
+        self.registry = registry
+        self.block_size = block_size
+        self.lock = threading.RLock()
+        self.plans: dict[str, RequestPlan] = {}
+        self.splits: OrderedDict[str, dict] = OrderedDict()
+        self.hits_tokens = {"device": 0, "host": 0, "recomputed": 0}
+        self.requests = 0
+        self.prefetches = 0
+        self.load_seconds = 0.0
+
+    # --- vLLM scheduler hooks ----------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        with self.lock:
+            self.plans[request.request_id] = RequestPlan(request)
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Host-store hits right after the device hit. Never the whole prompt: vLLM must
+        compute at least one token, so the last prompt token is always left out."""
+        with self.lock:
+            bs = self.block_size
+            start = num_computed_tokens // bs
+            loadable = (request.num_prompt_tokens - 1) // bs - start
+            if loadable <= 0 or self.index.num_slots == 0:
+                return 0
+            slots = self.index.match(request.block_hashes, request.all_token_ids, bs,
+                                     start, loadable)
+            plan = self.plans.setdefault(request.request_id, RequestPlan(request))
+            plan.device_hit_tokens = num_computed_tokens
+            plan.load_slots = slots
+            plan.load_start_block = start
+            return len(slots) * bs
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int,
+                    meta_loads: list[tuple[int, int]]) -> None:
+        with self.lock:
+            plan = self.plans.setdefault(request.request_id, RequestPlan(request))
+            n_blocks = num_external_tokens // self.block_size
+            if n_blocks and plan.load_slots:
+                start = plan.load_start_block
+                for i in range(n_blocks):
+                    slot = plan.load_slots[i]
+                    meta_loads.append((slot, block_ids[start + i]))
+                    self.index.touch(request.block_hashes[start + i])
+                self.index.counters.loaded_blocks += n_blocks
+            plan.host_hit_tokens = n_blocks * self.block_size
+            plan.load_slots = None
+            if not plan.recorded:
+                self._record_split(plan)
+
+    def plan_saves(self, scheduled: dict[str, int], resolve_block_ids,
+                   protected: set[int]) -> list[tuple[int, int]]:
+        """(device block, host slot) copies for every block that becomes full this step."""
+        saves: list[tuple[int, int]] = []
+        if self.index.num_slots == 0:
+            return saves
+        with self.lock:
+            bs = self.block_size
+            for req_id, n_scheduled in scheduled.items():
+                plan = self.plans.get(req_id)
+                if plan is None:
+                    continue
+                request = plan.request
+                done = request.num_computed_tokens + n_scheduled
+                full = min(done // bs, len(request.block_hashes))
+                if full <= plan.next_save_block:
+                    continue
+                block_ids = None
+                tokens = request.all_token_ids
+                for k in range(plan.next_save_block, full):
+                    block_hash = request.block_hashes[k]
+                    if block_hash in self.index:
+                        self.index.touch(block_hash)
+                        continue
+                    if block_ids is None:
+                        groups = resolve_block_ids(req_id)
+                        if not groups:
+                            break
+                        block_ids = groups[0]
+                    if k >= len(block_ids):
+                        break
+                    slot = self.index.allocate(block_hash, tokens[k * bs:(k + 1) * bs],
+                                               protected)
+                    if slot is not None:
+                        saves.append((block_ids[k], slot))
+                plan.next_save_block = full
+        return saves
+
+    def request_finished(self, request: Any) -> dict | None:
+        """Forget the request; update its branch (lease renewal, tokens for prefetch/fork).
+        Returns the prompt-source split, also put into ``kv_transfer_params``."""
+        with self.lock:
+            plan = self.plans.pop(request.request_id, None)
+            extra = _extra_args(request)
+            split = self.splits.get(extra.get(TAG_XARG, "")) if extra.get(TAG_XARG) else None
+            if plan is not None and not plan.recorded:
+                split = self._record_split(plan)
+            session_id = getattr(request, "session_id", None)
+            if session_id and not extra.get(PREFETCH_XARG):
+                branch_id = str(extra.get(BRANCH_XARG) or DEFAULT_BRANCH)
+                try:
+                    self.registry.observe_request(
+                        session_id, branch_id, request.all_token_ids, request.block_hashes,
+                        getattr(request, "cache_salt", None), owner=extra.get(OWNER_XARG))
+                except RegistryError:
+                    pass  # e.g. another tenant's session id: serve the request, keep no state
+            self.registry.expire()
+            return split
+
+    # --- accounting --------------------------------------------------------------------------
+    def _record_split(self, plan: RequestPlan) -> dict:
+        request = plan.request
+        extra = _extra_args(request)
+        prompt = request.num_prompt_tokens
+        device = min(plan.device_hit_tokens, prompt)
+        host = min(plan.host_hit_tokens, prompt - device)
+        split = {
+            "session_id": getattr(request, "session_id", None),
+            "branch_id": (str(extra.get(BRANCH_XARG) or DEFAULT_BRANCH)
+                          if getattr(request, "session_id", None) else None),
+            "prompt_tokens": prompt,
+            "device_hit_tokens": device,
+            "host_hit_tokens": host,
+            "recomputed_tokens": prompt - device - host,
+        }
+        plan.recorded = True
+        if extra.get(PREFETCH_XARG):
+            self.prefetches += 1
+        else:
+            self.requests += 1
+            self.hits_tokens["device"] += device
+            self.hits_tokens["host"] += host
+            self.hits_tokens["recomputed"] += split["recomputed_tokens"]
+        tag = extra.get(TAG_XARG)
+        if tag:
+            self.splits[str(tag)] = split
+            while len(self.splits) > SPLIT_HISTORY:
+                self.splits.popitem(last=False)
+        return split
+
+    def split_for(self, tag: str) -> dict | None:
+        with self.lock:
+            return self.splits.get(tag)
+
+    def now(self) -> float:
+        return time.monotonic()

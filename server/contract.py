@@ -1,0 +1,215 @@
+"""The wire contract between kvbranch clients (sdk/) and the server: route paths, request and
+response bodies, and how a chat request carries its session and branch.
+
+This module is the single source of truth: the server's routes validate against these models,
+and the sdk imports them (it depends on pydantic only — no engine imports here, ever).
+
+How a chat completion names its session and branch (OpenAI-compatible body):
+
+* ``session_id`` — vLLM 0.32's own field (or the ``X-Session-ID`` header). vLLM puts it on the
+  engine ``Request`` that the KV connector sees.
+* ``vllm_xargs["kvbranch_branch"]`` — the branch id (default ``"main"``); or the
+  ``X-KVBranch-Branch`` header, which the server copies into ``vllm_xargs``. ``vllm_xargs`` is
+  vLLM's supported channel for extension parameters (it lands in
+  ``SamplingParams.extra_args``).
+
+Where the prompt's tokens came from is reported on every completion as a top-level ``kvbranch``
+object (:class:`PromptSourceSplit`) — in the JSON body, and in the final usage chunk of a stream
+(``stream_options.include_usage=true``). ``usage.prompt_tokens_details.cached_tokens`` stays
+vLLM's own number (device hits + host-store loads).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+API_PREFIX = "/v1/kvbranch"  # under /v1, so vLLM's --api-key check guards it
+PROTOCOL_VERSION = "1"
+
+HEALTH_PATH = f"{API_PREFIX}/health"
+STATS_PATH = f"{API_PREFIX}/stats"
+SESSIONS_PATH = f"{API_PREFIX}/sessions"
+
+
+def session_path(session_id: str) -> str:
+    return f"{SESSIONS_PATH}/{session_id}"
+
+
+def branches_path(session_id: str) -> str:
+    return f"{session_path(session_id)}/branches"
+
+
+def branch_path(session_id: str, branch_id: str) -> str:
+    return f"{branches_path(session_id)}/{branch_id}"
+
+
+def pin_path(session_id: str, branch_id: str) -> str:
+    return f"{branch_path(session_id, branch_id)}/pin"
+
+
+def prefetch_path(session_id: str, branch_id: str) -> str:
+    return f"{branch_path(session_id, branch_id)}/prefetch"
+
+
+# --- request identity -----------------------------------------------------------------------
+SESSION_HEADER = "X-Session-ID"
+BRANCH_HEADER = "X-KVBranch-Branch"
+BRANCH_XARG = "kvbranch_branch"
+#: Set by the server (never by clients) to find a request's accounting after it finished.
+TAG_XARG = "kvbranch_tag"
+DEFAULT_BRANCH = "main"
+RESPONSE_FIELD = "kvbranch"
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+_ID_RE = re.compile(ID_PATTERN)
+MAX_TTL_S = 24 * 3600.0
+
+
+def check_id(value: str, what: str = "id") -> str:
+    """Ids are 1-128 characters of ``[A-Za-z0-9._:-]``, starting alphanumeric."""
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ValueError(
+            f"{what} must be 1-128 characters of letters, digits, '.', '_', ':' or '-' "
+            f"(starting with a letter or digit), got {value!r}"
+        )
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- requests --------------------------------------------------------------------------------
+class CreateSessionRequest(_Strict):
+    session_id: str | None = Field(None, description="Chosen id; the server makes an "
+                                   "unguessable one when omitted.")
+    pin_ttl_s: float | None = Field(None, gt=0, le=MAX_TTL_S, description="Pin every "
+                                    "branch of this session for this long after each use "
+                                    "(server default when omitted; 0 is not allowed, use "
+                                    "auto_pin=false).")
+    auto_pin: bool = True
+
+    @field_validator("session_id")
+    @classmethod
+    def _check_session_id(cls, value: str | None) -> str | None:
+        return None if value is None else check_id(value, "session_id")
+
+
+class ForkRequest(_Strict):
+    parent: str = Field(DEFAULT_BRANCH, description="Branch to fork from.")
+    branch_id: str | None = Field(None, description="Id of the new branch (server-made "
+                                  "when omitted).")
+    token_offset: int | None = Field(None, ge=0, description="Fork after this many tokens of "
+                                     "the parent's last sequence (default: all of it).")
+    messages: list[dict[str, Any]] | None = Field(None, description="Fork at the point where "
+                                                  "these chat messages end (rendered with the "
+                                                  "model's chat template).")
+
+    @field_validator("parent", "branch_id")
+    @classmethod
+    def _check_ids(cls, value: str | None) -> str | None:
+        return None if value is None else check_id(value, "branch id")
+
+
+class PinRequest(_Strict):
+    ttl_s: float = Field(..., gt=0, le=MAX_TTL_S, description="Lease length in seconds; "
+                         "each use of the branch renews it.")
+
+
+# --- responses -------------------------------------------------------------------------------
+class BranchInfo(BaseModel):
+    session_id: str
+    branch_id: str
+    parent: str | None = None
+    fork_offset_tokens: int | None = None
+    num_tokens: int = Field(0, description="Tokens of the branch's last known sequence.")
+    pinned: bool = False
+    pin_expires_in_s: float | None = None
+    pinned_blocks: int = 0
+    pinned_bytes: int = 0
+    stored_blocks: int = Field(0, description="Blocks of the branch present in the host store.")
+    degraded: bool = Field(False, description="The pin was demoted to LRU retention because "
+                           "the pin budget was full.")
+    requests: int = 0
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    created_at: float
+    auto_pin: bool
+    pin_ttl_s: float
+    branches: list[BranchInfo]
+    pinned_blocks: int = 0
+    pinned_bytes: int = 0
+
+
+class DeleteResult(BaseModel):
+    deleted: str
+    released_blocks: int
+
+
+class PrefetchResult(BaseModel):
+    session_id: str
+    branch_id: str
+    status: Literal["scheduled", "nothing_to_do"]
+    num_tokens: int
+
+
+class PromptSourceSplit(BaseModel):
+    """Where a completion's prompt tokens came from."""
+
+    session_id: str | None = None
+    branch_id: str | None = None
+    prompt_tokens: int
+    device_hit_tokens: int = Field(description="Reused from vLLM's on-device prefix cache.")
+    host_hit_tokens: int = Field(description="Loaded from the kvbranch host store.")
+    recomputed_tokens: int = Field(description="Prefilled from scratch.")
+
+
+class ConnectorInfo(BaseModel):
+    loaded: bool
+    name: str
+    block_size: int | None = None
+    store_capacity_bytes: int | None = None
+    pin_budget_bytes: int | None = None
+    platform: str | None = None
+
+
+class HealthInfo(BaseModel):
+    status: Literal["ok", "degraded"]
+    kvbranch_version: str
+    protocol_version: str = PROTOCOL_VERSION
+    vllm_version: str
+    model: str
+    connector: ConnectorInfo
+
+
+class StoreStats(BaseModel):
+    capacity_blocks: int
+    used_blocks: int
+    pinned_blocks: int
+    block_bytes: int
+    used_bytes: int
+    pin_budget_bytes: int
+    pinned_bytes: int
+    evictions: int
+    saved_blocks: int
+    loaded_blocks: int
+
+
+class Stats(BaseModel):
+    store: StoreStats
+    hits_tokens: dict[str, int] = Field(description="Prompt tokens by source: device, host, "
+                                        "recomputed.")
+    requests: int
+    pins_degraded: int
+    pins_refused: int
+    prefetches: int
+    sessions: list[SessionInfo]
+
+
+class ErrorBody(BaseModel):
+    error: dict[str, Any]

@@ -1,0 +1,49 @@
+"""The vLLM endpoint plugin (entry point group ``vllm.endpoint_plugins``, name ``kvbranch``,
+enabled through ``VLLM_PLUGINS``): the ``/v1/kvbranch`` routes, the completion middleware and
+the Prometheus collector."""
+
+from __future__ import annotations
+
+import logging
+import os
+from argparse import Namespace
+from typing import Any
+
+from fastapi import FastAPI
+
+logger = logging.getLogger("kvbranch.plugin")
+
+ENV_CONTROL_SOCKET = "KVBRANCH_CONTROL_SOCKET"
+ENV_MODEL_NAME = "KVBRANCH_MODEL_NAME"
+
+
+class KVBranchPlugin:
+    name = "kvbranch"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        from server.plugin.middleware import KVBranchMiddleware
+        from server.plugin.routes import router
+
+        app.include_router(router)
+        app.add_middleware(KVBranchMiddleware)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        from server.connector.control import AsyncControlClient
+        from server.plugin.metrics import register_collector
+        from server.plugin.routes import PluginState
+
+        path = os.environ.get(ENV_CONTROL_SOCKET)
+        control = AsyncControlClient(path) if path else None
+        names = getattr(args, "served_model_name", None) or [args.model]
+        model_name = os.environ.get(ENV_MODEL_NAME) or names[0]
+        max_len = getattr(args, "max_model_len", None) or 8192
+        state.kvbranch = PluginState(engine_client, control, model_name, max_len)
+        if path:
+            register_collector(path)
+        logger.info("kvbranch routes ready (connector control: %s)", path or "none")
+
+
+def plugin() -> KVBranchPlugin:
+    """Entry point factory."""
+    return KVBranchPlugin()

@@ -1,0 +1,74 @@
+"""Prometheus metrics for kvbranch, served on vLLM's own ``/metrics``.
+
+A custom collector reads the connector's counters over the control socket at scrape time, so
+the numbers are the engine's own (no second bookkeeping in the API process)."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from server.connector.control import ControlError, call_sync
+
+logger = logging.getLogger("kvbranch.metrics")
+_registered: set[str] = set()
+
+
+class KVBranchCollector:
+    def __init__(self, control_path: str) -> None:
+        self.control_path = control_path
+
+    def collect(self):
+        try:
+            stats = call_sync(self.control_path, "stats", timeout=2.0, all_owners=True)
+        except (ControlError, OSError, ValueError) as exc:
+            logger.debug("kvbranch metrics unavailable: %s", exc)
+            up = GaugeMetricFamily("kvbranch_connector_up", "1 when the connector answers")
+            up.add_metric([], 0)
+            yield up
+            return
+        store = stats["store"]
+        up = GaugeMetricFamily("kvbranch_connector_up", "1 when the connector answers")
+        up.add_metric([], 1)
+        yield up
+        tokens = CounterMetricFamily("kvbranch_prompt_tokens",
+                                     "Prompt tokens by where their KV came from",
+                                     labels=["source"])
+        for source, value in stats["hits_tokens"].items():
+            tokens.add_metric([source], value)
+        yield tokens
+        for name, doc, value in [
+            ("kvbranch_requests", "Completed requests seen by the connector", stats["requests"]),
+            ("kvbranch_prefetches", "Prefetch requests run", stats["prefetches"]),
+            ("kvbranch_store_evictions", "Host store LRU evictions", store["evictions"]),
+            ("kvbranch_store_saved_blocks", "Blocks copied device to host", store["saved_blocks"]),
+            ("kvbranch_store_loaded_blocks", "Blocks copied host to device",
+             store["loaded_blocks"]),
+            ("kvbranch_pins_degraded", "Leases demoted to LRU by the pin budget",
+             stats["pins_degraded"]),
+            ("kvbranch_pins_refused", "Explicit pins refused (over budget)",
+             stats["pins_refused"]),
+        ]:
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+        for name, doc, value in [
+            ("kvbranch_store_used_bytes", "Host store bytes in use", store["used_bytes"]),
+            ("kvbranch_store_capacity_bytes", "Host store capacity",
+             store["capacity_blocks"] * store["block_bytes"]),
+            ("kvbranch_pinned_bytes", "Bytes held by pins", store["pinned_bytes"]),
+            ("kvbranch_pin_budget_bytes", "Pin budget", store["pin_budget_bytes"]),
+            ("kvbranch_sessions", "Live sessions", stats.get("num_sessions", 0)),
+        ]:
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+
+
+def register_collector(control_path: str) -> None:
+    if control_path in _registered:
+        return
+    REGISTRY.register(KVBranchCollector(control_path))
+    _registered.add(control_path)

@@ -1,0 +1,191 @@
+"""ASGI middleware around vLLM's completion routes.
+
+On the way in it stamps each chat/completion request with a server-made tag (to find its
+accounting afterwards), copies the ``X-KVBranch-Branch`` header into ``vllm_xargs``, and, when
+API keys are configured, stamps the caller's tenant (``owner``) and salts the prefix cache per
+tenant (vLLM's ``cache_salt``) unless the request chose a salt itself.
+
+On the way out it adds the top-level ``kvbranch`` object (:class:`PromptSourceSplit`) to the
+JSON body, or to the usage chunk of a stream — vLLM returns ``kv_transfer_params`` only on
+non-streaming responses, so a side channel is the only way a streaming client learns it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from server.connector.planner import BRANCH_XARG, OWNER_XARG, TAG_XARG
+from server.contract import BRANCH_HEADER, RESPONSE_FIELD
+from server.plugin.tenancy import owner_of
+
+logger = logging.getLogger("kvbranch.middleware")
+
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+MAX_BODY = 32 * 1024 * 1024
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def rewrite_request(payload: dict, *, tag: str, branch_header: str | None,
+                    owner: str | None) -> dict:
+    """Add our ``vllm_xargs`` (tag, branch, owner) and the tenant salt. Pure, for tests."""
+    xargs = payload.get("vllm_xargs")
+    if xargs is None:
+        xargs = {}
+    if not isinstance(xargs, dict):
+        return payload  # vLLM rejects it with its own message
+    xargs = {k: v for k, v in xargs.items() if k not in (TAG_XARG, OWNER_XARG)}
+    xargs[TAG_XARG] = tag
+    if branch_header and BRANCH_XARG not in xargs:
+        xargs[BRANCH_XARG] = branch_header
+    if owner:
+        xargs[OWNER_XARG] = owner
+        if not payload.get("cache_salt"):
+            payload["cache_salt"] = owner
+    payload["vllm_xargs"] = xargs
+    return payload
+
+
+def add_split_to_event(event: bytes, split: dict | None) -> bytes:
+    """Put ``split`` into an SSE ``data:`` event that carries a non-null ``usage``."""
+    if split is None or not event.startswith(b"data: {") or b'"usage"' not in event:
+        return event
+    try:
+        chunk = json.loads(event[len(b"data: "):])
+    except ValueError:
+        return event
+    if not isinstance(chunk, dict) or not chunk.get("usage"):
+        return event
+    chunk[RESPONSE_FIELD] = split
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+
+
+class KVBranchMiddleware:
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if (scope["type"] != "http" or scope.get("method") != "POST"
+                or scope.get("path") not in COMPLETION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if len(body) > MAX_BODY or not message.get("more_body"):
+                break
+        tag = f"kvb-{uuid.uuid4().hex}"
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict):
+            payload = rewrite_request(
+                payload, tag=tag, branch_header=_header(scope, BRANCH_HEADER.lower().encode()),
+                owner=owner_of(_header(scope, b"authorization")))
+            body = json.dumps(payload).encode()
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            scope = dict(scope, headers=headers)
+        else:
+            tag = ""
+
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        state = _ResponseRewriter(scope, send, tag)
+        await self.app(scope, replay, state.send)
+
+
+class _ResponseRewriter:
+    def __init__(self, scope: dict, send: Any, tag: str) -> None:
+        self._send = send
+        self._tag = tag
+        self._start: dict | None = None
+        self._mode = "pass"
+        self._buffer = b""
+        self._split: dict | None = None
+        self._split_fetched = False
+        self._app_state = scope.get("app").state if scope.get("app") is not None else None
+
+    async def _fetch_split(self) -> dict | None:
+        if self._split_fetched or not self._tag:
+            return self._split
+        self._split_fetched = True
+        kvb = getattr(self._app_state, "kvbranch", None) if self._app_state else None
+        if kvb is None or kvb.control is None:
+            return None
+        try:
+            self._split = await kvb.control.call("split", tag=self._tag)
+        except Exception as exc:  # noqa: BLE001 - accounting must never break a response
+            logger.debug("kvbranch: no split for %s: %s", self._tag, exc)
+        return self._split
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            headers = dict((k.lower(), v) for k, v in message.get("headers", []))
+            ctype = headers.get(b"content-type", b"")
+            if message.get("status") == 200 and self._tag:
+                if ctype.startswith(b"application/json"):
+                    self._mode = "json"
+                    self._start = message
+                    return
+                if ctype.startswith(b"text/event-stream"):
+                    self._mode = "sse"
+            await self._send(message)
+            return
+        if message["type"] != "http.response.body" or self._mode == "pass":
+            await self._send(message)
+            return
+        more = message.get("more_body", False)
+        self._buffer += message.get("body", b"")
+        if self._mode == "json":
+            if more:
+                return
+            await self._flush_json()
+            return
+        out = []
+        while b"\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split(b"\n\n", 1)
+            if b'"usage"' in event:
+                event = add_split_to_event(event, await self._fetch_split())
+            out.append(event + b"\n\n")
+        if not more and self._buffer:
+            out.append(self._buffer)
+            self._buffer = b""
+        await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": more})
+
+    async def _flush_json(self) -> None:
+        body = self._buffer
+        try:
+            payload = json.loads(body)
+            if isinstance(payload, dict) and "usage" in payload:
+                split = await self._fetch_split()
+                if split is not None:
+                    payload[RESPONSE_FIELD] = split
+                    body = json.dumps(payload).encode()
+        except ValueError:
+            pass
+        assert self._start is not None
+        headers = [(k, v) for k, v in self._start.get("headers", [])
+                   if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self._send(dict(self._start, headers=headers))
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
