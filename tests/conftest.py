@@ -1,0 +1,38 @@
+"""Shared fixtures: the real kvbranch server (real vLLM, real model, real connector), started
+once per test session and stopped with all its child processes at the end.
+
+``kvbranch_server`` — connector on; small device KV cache (0.5 GiB) and host store (0.25 GiB,
+about 45 blocks of 128 tokens; pin budget 0.05 GiB, 9 blocks) so that eviction and pin-budget
+behaviour is reachable in tests with short prompts;
+``VLLM_SERVER_DEV_MODE=1`` so tests can drop the device prefix cache (``POST
+/reset_prefix_cache``) and make the host store the only source.
+``plain_server`` — the same engine without the connector: the reference for greedy outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server_process import ServerProcess
+
+KVBRANCH_ARGS = ["--kv-cache-gib", "0.5", "--host-store-gib", "0.25", "--pin-budget-gib", "0.05",
+                 "--max-model-len", "4096"]
+
+
+@pytest.fixture(scope="session")
+def kvbranch_server():
+    with ServerProcess(KVBRANCH_ARGS, name="kvbranch") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def plain_server():
+    with ServerProcess(["--kv-cache-gib", "0.5", "--max-model-len", "4096", "--no-connector"],
+                       name="plain") as server:
+        yield server
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/integration" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.integration)

@@ -1,0 +1,56 @@
+"""Small HTTP helpers for the server's integration tests (plain httpx: these tests check the
+server, not the sdk)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+
+BLOCK = 128
+
+
+def client(server) -> httpx.Client:
+    return httpx.Client(base_url=server.url, timeout=600.0, headers=server.headers())
+
+
+def chat(server, messages, *, session=None, branch=None, max_tokens=12, **extra) -> dict:
+    body = {"model": server.model, "messages": messages, "temperature": 0,
+            "max_tokens": max_tokens, **extra}
+    if session:
+        body["session_id"] = session
+    if branch:
+        body["vllm_xargs"] = {"kvbranch_branch": branch}
+    with client(server) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text_of(response: dict) -> str:
+    return response["choices"][0]["message"]["content"]
+
+
+def reset_device_cache(server) -> None:
+    """Drop vLLM's device prefix cache (not the host store): dev-mode route."""
+    with client(server) as c:
+        for _ in range(50):
+            if c.post("/reset_prefix_cache").json().get("success"):
+                return
+            time.sleep(0.2)
+    raise AssertionError("device prefix cache could not be reset")
+
+
+def system_prompt(words: int = 450, seed: int = 0) -> str:
+    rnd = random.Random(seed)
+    vocab = ["agent", "tool", "branch", "cache", "result", "query", "plan", "step", "value",
+             "check", "record", "index", "weather", "city", "price", "order", "status"]
+    return "You are a careful assistant. Context: " + " ".join(
+        f"{rnd.choice(vocab)}{rnd.randint(0, 99)}" for _ in range(words))
+
+
+def filler(i: int, words: int = 300) -> list[dict]:
+    rnd = random.Random(1000 + i)
+    return [{"role": "user", "content": f"Document {i}: " + " ".join(
+        str(rnd.randint(0, 10**6)) for _ in range(words)) + " Summarize."}]
