@@ -34,6 +34,7 @@ class RequestPlan:
     load_start_block: int = 0
     next_save_block: int = 0
     recorded: bool = False
+    split: dict | None = None
 
 
 def _extra_args(request: Any) -> dict:
@@ -138,9 +139,10 @@ class Planner:
         with self.lock:
             plan = self.plans.pop(request.request_id, None)
             extra = _extra_args(request)
-            split = self.splits.get(extra.get(TAG_XARG, "")) if extra.get(TAG_XARG) else None
-            if plan is not None and not plan.recorded:
-                split = self._record_split(plan)
+            if plan is not None:
+                split = plan.split if plan.recorded else self._record_split(plan)
+            else:
+                split = self.splits.get(str(extra[TAG_XARG])) if extra.get(TAG_XARG) else None
             session_id = getattr(request, "session_id", None)
             if session_id and not extra.get(PREFETCH_XARG):
                 branch_id = str(extra.get(BRANCH_XARG) or DEFAULT_BRANCH)
@@ -170,6 +172,7 @@ class Planner:
             "recomputed_tokens": prompt - device - host,
         }
         plan.recorded = True
+        plan.split = split
         if extra.get(PREFETCH_XARG):
             self.prefetches += 1
         else:
