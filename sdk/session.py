@@ -35,7 +35,7 @@ from server.contract import (
 )
 
 from sdk._common import ChatParams, check_messages
-from sdk.errors import ConflictError, KVBranchUnavailableError, NotFoundError
+from sdk.errors import BadRequestError, ConflictError, KVBranchUnavailableError, NotFoundError
 from sdk.types import ChatResult
 
 if TYPE_CHECKING:
@@ -153,6 +153,18 @@ class _BranchBase(Generic[S]):
             return {"messages": self.messages}
         return {"token_offset": 0}
 
+    def _fork_fallback(self, parent_len: int | None, exc: BadRequestError) -> dict[str, Any]:
+        """Fork fields to use when the server could not render the history with the chat
+        template: the parent's whole sequence when forking at its end, else no shared
+        prefix. Either way the answers are unchanged (the full history is sent each turn);
+        only cache sharing between the branches is lost."""
+        logger.warning("kvbranch: the server could not fork %s/%s at its messages (%s); "
+                       "forking without a shared prefix", self.session_id, self.branch_id,
+                       exc.message)
+        if parent_len is not None and self.fork_index == parent_len:
+            return {}
+        return {"token_offset": 0}
+
 
 class _SessionBase:
     def __init__(self, client: Any, session_id: str, *, auto_pin: bool,
@@ -259,8 +271,7 @@ class Session(_SessionBase):
             pass  # the session exists; the branch was missing
         if branch is not None and branch.branch_id != DEFAULT_BRANCH:
             try:
-                self.client.fork_branch(self.session_id, parent=DEFAULT_BRANCH,
-                                        branch_id=branch.branch_id, **branch._fork_body())
+                self._fork(DEFAULT_BRANCH, branch, None)
             except ConflictError:
                 pass
         if branch is not None and branch.pin_ttl_s is not None:
@@ -269,6 +280,17 @@ class Session(_SessionBase):
             except ConflictError as exc:
                 logger.warning("kvbranch: could not re-pin %s/%s: %s", self.session_id,
                                branch.branch_id, exc.message)
+
+    def _fork(self, parent: str, child: Branch, parent_len: int | None) -> BranchInfo:
+        try:
+            return self.client.fork_branch(self.session_id, parent=parent,
+                                           branch_id=child.branch_id, **child._fork_body())
+        except BadRequestError as exc:
+            if not child._messages:
+                raise
+            return self.client.fork_branch(self.session_id, parent=parent,
+                                           branch_id=child.branch_id,
+                                           **child._fork_fallback(parent_len, exc))
 
     def info(self) -> SessionInfo | None:
         """The server's view of the session (``None`` without kvbranch)."""
@@ -312,9 +334,8 @@ class Branch(_BranchBase[Session]):
         sharing the common blocks."""
         index = self._fork_index(at_message)
         child = self._new_child(index, branch_id)
-        self.session._server(self, lambda: self.session.client.fork_branch(
-            self.session_id, parent=self.branch_id, branch_id=child.branch_id,
-            **child._fork_body()))
+        self.session._server(self, lambda: self.session._fork(self.branch_id, child,
+                                                              len(self._messages)))
         self.session.branches[child.branch_id] = child
         return child
 
@@ -414,9 +435,7 @@ class AsyncSession(_SessionBase):
             pass
         if branch is not None and branch.branch_id != DEFAULT_BRANCH:
             try:
-                await self.client.fork_branch(self.session_id, parent=DEFAULT_BRANCH,
-                                              branch_id=branch.branch_id,
-                                              **branch._fork_body())
+                await self._fork(DEFAULT_BRANCH, branch, None)
             except ConflictError:
                 pass
         if branch is not None and branch.pin_ttl_s is not None:
@@ -426,6 +445,19 @@ class AsyncSession(_SessionBase):
             except ConflictError as exc:
                 logger.warning("kvbranch: could not re-pin %s/%s: %s", self.session_id,
                                branch.branch_id, exc.message)
+
+    async def _fork(self, parent: str, child: AsyncBranch, parent_len: int | None
+                    ) -> BranchInfo:
+        try:
+            return await self.client.fork_branch(self.session_id, parent=parent,
+                                                 branch_id=child.branch_id,
+                                                 **child._fork_body())
+        except BadRequestError as exc:
+            if not child._messages:
+                raise
+            return await self.client.fork_branch(self.session_id, parent=parent,
+                                                 branch_id=child.branch_id,
+                                                 **child._fork_fallback(parent_len, exc))
 
     async def info(self) -> SessionInfo | None:
         return await self._server(None, lambda: self.client.get_session(self.session_id))
@@ -459,9 +491,8 @@ class AsyncBranch(_BranchBase[AsyncSession]):
                    ) -> AsyncBranch:
         index = self._fork_index(at_message)
         child = self._new_child(index, branch_id)
-        await self.session._server(self, lambda: self.session.client.fork_branch(
-            self.session_id, parent=self.branch_id, branch_id=child.branch_id,
-            **child._fork_body()))
+        await self.session._server(self, lambda: self.session._fork(
+            self.branch_id, child, len(self._messages)))
         self.session.branches[child.branch_id] = child
         return child
 

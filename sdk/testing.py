@@ -1,0 +1,370 @@
+"""An in-process fake kvbranch server for tests (no engine, no network): an httpx
+``MockTransport`` that speaks the chat API (plain and SSE streamed, tool calls), the
+``/v1/kvbranch`` routes of :mod:`server.contract`, and injectable failures.
+
+    fake = FakeKVBranchServer()
+    client = KVBranchClient("http://fake", transport=fake.transport(), retry=fast_retry)
+    fake.fail_next(503, headers={"Retry-After": "2"})   # the next request gets a 503
+    fake.lose_state()                                  # like a server restart
+
+Answers are deterministic functions of the messages (``reply``), so tests can check that a
+conversation continues identically after the fake lost its state. Meant for the sdk's tests and
+for integrations built on the sdk; it is not a model of the real server's cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from server.contract import (
+    API_PREFIX,
+    BRANCH_XARG,
+    DEFAULT_BRANCH,
+    HEALTH_PATH,
+    RESPONSE_FIELD,
+    SESSIONS_PATH,
+    STATS_PATH,
+    CreateSessionRequest,
+    ForkRequest,
+    PinRequest,
+)
+
+__all__ = ["FakeKVBranchServer", "Reply", "FakeToolCall"]
+
+
+@dataclass
+class FakeToolCall:
+    name: str
+    arguments: str
+    id: str = "call_0"
+
+
+@dataclass
+class Reply:
+    content: str = ""
+    tool_calls: list[FakeToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def default_reply(messages: list[dict[str, Any]]) -> Reply:
+    """``"echo <n>: <last user text>"``, n = number of messages: deterministic."""
+    last = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
+    return Reply(content=f"echo {len(messages)}: {last}")
+
+
+def _tokens(messages: list[dict[str, Any]]) -> list[str]:
+    """A stand-in tokenization: one token per word of each rendered message."""
+    out: list[str] = []
+    for m in messages:
+        out.append(f"<{m.get('role')}>")
+        out.extend(str(m.get("content") or "").split())
+        for tc in m.get("tool_calls") or []:
+            out.append(json.dumps(tc, sort_keys=True))
+    return out
+
+
+class FakeKVBranchServer:
+    def __init__(self, *, kvbranch: bool = True, model: str = "fake-model",
+                 reply: Callable[[list[dict[str, Any]]], Reply] = default_reply,
+                 stream_piece: int = 4) -> None:
+        self.kvbranch = kvbranch
+        self.model = model
+        self.reply = reply
+        self.stream_piece = stream_piece
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.requests: list[tuple[str, str, Any, httpx.Headers]] = []
+        self._failures: list[Callable[[httpx.Request], httpx.Response]] = []
+        self._ids = itertools.count(1)
+        self.stats = {"device": 0, "host": 0, "recomputed": 0, "requests": 0, "prefetches": 0}
+
+    # --- test controls --------------------------------------------------------------------
+    def transport(self) -> httpx.MockTransport:
+        """For ``KVBranchClient`` and ``AsyncKVBranchClient`` alike."""
+        return httpx.MockTransport(self.handle)
+
+    def fail_next(self, status_or_exc: int | Exception, *, body: Any = None,
+                  headers: dict[str, str] | None = None, times: int = 1) -> None:
+        """The next ``times`` requests fail with this status (JSON ``body``, default the
+        kvbranch error format) or raise this exception (e.g. ``httpx.ConnectError``)."""
+        for _ in range(times):
+            if isinstance(status_or_exc, Exception):
+                exc = status_or_exc
+
+                def fail(request: httpx.Request, exc: Exception = exc) -> httpx.Response:
+                    raise exc
+            else:
+                status = status_or_exc
+                payload = body if body is not None else {"error": {
+                    "message": f"injected {status}", "type": "Injected", "code": status}}
+
+                def fail(request: httpx.Request, status: int = status,
+                         payload: Any = payload) -> httpx.Response:
+                    if isinstance(payload, (bytes, str)):
+                        return httpx.Response(status, content=payload, headers=headers)
+                    return httpx.Response(status, json=payload, headers=headers)
+            self._failures.append(fail)
+
+    def break_next_stream(self, after_events: int) -> None:
+        """The next streamed answer sends ``after_events`` events, then the connection
+        breaks (``httpx.ReadError``)."""
+        self._break_after = after_events
+
+    def lose_state(self) -> None:
+        """Forget every session and branch, as a restarted server does."""
+        self.sessions.clear()
+
+    def chat_requests(self) -> list[dict[str, Any]]:
+        return [body for method, path, body, _ in self.requests
+                if path == "/v1/chat/completions"]
+
+    def paths(self) -> list[str]:
+        return [f"{method} {path}" for method, path, _, _ in self.requests]
+
+    # --- the server -----------------------------------------------------------------------
+    _break_after: int | None = None
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        path = request.url.path
+        self.requests.append((request.method, path, body, request.headers))
+        if self._failures:
+            return self._failures.pop(0)(request)
+        if path == "/v1/models" and request.method == "GET":
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"id": self.model, "object": "model"}]})
+        if path == "/v1/chat/completions" and request.method == "POST":
+            return self._chat(body or {})
+        if path.startswith(API_PREFIX):
+            if not self.kvbranch:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            return self._kvbranch(request.method, path, body)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    @staticmethod
+    def _error(status: int, message: str) -> httpx.Response:
+        return httpx.Response(status, json={"error": {"message": message,
+                                                      "type": "Error", "code": status}})
+
+    def _session(self, sid: str, **settings: Any) -> dict[str, Any]:
+        session = {"session_id": sid, "created_at": time.time(),
+                   "auto_pin": settings.get("auto_pin", True),
+                   "pin_ttl_s": settings.get("pin_ttl_s") or 300.0, "branches": {}}
+        session["branches"][DEFAULT_BRANCH] = self._branch(sid, DEFAULT_BRANCH)
+        self.sessions[sid] = session
+        return session
+
+    @staticmethod
+    def _branch(sid: str, bid: str, parent: str | None = None, tokens: list[str] | None = None,
+                offset: int | None = None) -> dict[str, Any]:
+        return {"session_id": sid, "branch_id": bid, "parent": parent,
+                "fork_offset_tokens": offset, "tokens": list(tokens or []), "pinned": False,
+                "pin_ttl_s": None, "requests": 0}
+
+    @staticmethod
+    def _branch_info(b: dict[str, Any]) -> dict[str, Any]:
+        return {"session_id": b["session_id"], "branch_id": b["branch_id"],
+                "parent": b["parent"], "fork_offset_tokens": b["fork_offset_tokens"],
+                "num_tokens": len(b["tokens"]), "pinned": b["pinned"],
+                "pin_expires_in_s": b["pin_ttl_s"], "requests": b["requests"]}
+
+    def _session_info(self, s: dict[str, Any]) -> dict[str, Any]:
+        return {"session_id": s["session_id"], "created_at": s["created_at"],
+                "auto_pin": s["auto_pin"], "pin_ttl_s": s["pin_ttl_s"],
+                "branches": [self._branch_info(b) for b in s["branches"].values()]}
+
+    def _kvbranch(self, method: str, path: str, body: Any) -> httpx.Response:
+        if path == HEALTH_PATH:
+            return httpx.Response(200, json={
+                "status": "ok", "kvbranch_version": "fake", "vllm_version": "fake",
+                "model": self.model, "connector": {"loaded": True, "name": "fake"}})
+        if path == STATS_PATH:
+            return httpx.Response(200, json={
+                "store": {k: 0 for k in ("capacity_blocks", "used_blocks", "pinned_blocks",
+                                         "block_bytes", "used_bytes", "pin_budget_bytes",
+                                         "pinned_bytes", "evictions", "saved_blocks",
+                                         "loaded_blocks")},
+                "hits_tokens": {k: self.stats[k] for k in ("device", "host", "recomputed")},
+                "requests": self.stats["requests"], "pins_degraded": 0, "pins_refused": 0,
+                "prefetches": self.stats["prefetches"],
+                "sessions": [self._session_info(s) for s in self.sessions.values()]})
+        if path == SESSIONS_PATH and method == "POST":
+            req = CreateSessionRequest.model_validate(body or {})
+            sid = req.session_id or f"sess_fake{next(self._ids)}"
+            if sid in self.sessions:
+                return self._error(409, f"session {sid!r} already exists")
+            session = self._session(sid, auto_pin=req.auto_pin, pin_ttl_s=req.pin_ttl_s)
+            return httpx.Response(201, json=self._session_info(session))
+        parts = path[len(SESSIONS_PATH) + 1:].split("/")
+        sid = parts[0]
+        session = self.sessions.get(sid)
+        if session is None:
+            return self._error(404, f"session {sid!r} not found")
+        if len(parts) == 1:
+            if method == "GET":
+                return httpx.Response(200, json=self._session_info(session))
+            if method == "DELETE":
+                del self.sessions[sid]
+                return httpx.Response(200, json={"deleted": sid, "released_blocks": 0})
+        branches = session["branches"]
+        if len(parts) == 2 and parts[1] == "branches":
+            if method == "GET":
+                return httpx.Response(200, json=[self._branch_info(b)
+                                                 for b in branches.values()])
+            req = ForkRequest.model_validate(body or {})
+            parent = branches.get(req.parent)
+            if parent is None:
+                return self._error(404, f"branch {req.parent!r} not found in session {sid!r}")
+            bid = req.branch_id or f"br_fake{next(self._ids)}"
+            if bid in branches:
+                return self._error(409, f"branch {bid!r} already exists")
+            if req.messages is not None:
+                prefix = _tokens(req.messages)
+                offset = 0
+                for a, b in zip(parent["tokens"], prefix):
+                    if a != b:
+                        break
+                    offset += 1
+            elif req.token_offset is not None:
+                offset = req.token_offset
+            else:
+                offset = len(parent["tokens"])
+            branches[bid] = self._branch(sid, bid, req.parent, parent["tokens"][:offset],
+                                         offset)
+            return httpx.Response(201, json=self._branch_info(branches[bid]))
+        bid = parts[2]
+        branch = branches.get(bid)
+        if branch is None:
+            return self._error(404, f"branch {bid!r} not found in session {sid!r}")
+        action = parts[3] if len(parts) > 3 else None
+        if action is None and method == "GET":
+            return httpx.Response(200, json=self._branch_info(branch))
+        if action is None and method == "DELETE":
+            del branches[bid]
+            return httpx.Response(200, json={"deleted": bid, "released_blocks": 0})
+        if action == "pin" and method == "POST":
+            req = PinRequest.model_validate(body or {})
+            branch["pinned"], branch["pin_ttl_s"] = True, req.ttl_s
+            return httpx.Response(200, json=self._branch_info(branch))
+        if action == "pin" and method == "DELETE":
+            branch["pinned"], branch["pin_ttl_s"] = False, None
+            return httpx.Response(200, json=self._branch_info(branch))
+        if action == "prefetch" and method == "POST":
+            self.stats["prefetches"] += 1
+            n = len(branch["tokens"])
+            return httpx.Response(202, json={
+                "session_id": sid, "branch_id": bid, "num_tokens": n,
+                "status": "scheduled" if n > 1 else "nothing_to_do"})
+        return httpx.Response(405, json={"detail": "Method Not Allowed"})
+
+    def _chat(self, body: dict[str, Any]) -> httpx.Response:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return self._error(400, "messages must be a non-empty list")
+        if body.get("model") != self.model:
+            return self._error(404, f"The model `{body.get('model')}` does not exist.")
+        reply = self.reply(messages)
+        max_tokens = body.get("max_tokens")
+        words = reply.content.split(" ") if reply.content else []
+        finish = reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop")
+        if max_tokens is not None and len(words) > max_tokens:
+            words, finish = words[:max_tokens], "length"
+        content = " ".join(words)
+        prompt = _tokens(messages)
+        split = None
+        sid = body.get("session_id")
+        cached = 0
+        if sid and self.kvbranch:
+            bid = (body.get("vllm_xargs") or {}).get(BRANCH_XARG) or DEFAULT_BRANCH
+            session = self.sessions.get(sid) or self._session(sid)
+            branch = session["branches"].setdefault(bid, self._branch(sid, bid))
+            for a, b in zip(branch["tokens"], prompt):
+                if a != b:
+                    break
+                cached += 1
+            cached = min(cached, len(prompt) - 1)
+            answer = {"role": "assistant", "content": content}
+            branch["tokens"] = prompt + _tokens([answer])[1:]
+            branch["requests"] += 1
+            split = {"session_id": sid, "branch_id": bid, "prompt_tokens": len(prompt),
+                     "device_hit_tokens": cached, "host_hit_tokens": 0,
+                     "recomputed_tokens": len(prompt) - cached}
+            self.stats["device"] += cached
+            self.stats["recomputed"] += len(prompt) - cached
+        self.stats["requests"] += 1
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(words),
+                 "total_tokens": len(prompt) + len(words),
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        cid = f"chatcmpl-fake{next(self._ids)}"
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            events = self._events(cid, content, reply.tool_calls, finish,
+                                  usage if include_usage else None, split)
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  stream=_EventStream(events))
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reply.tool_calls:
+            message["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
+                "name": tc.name, "arguments": tc.arguments}} for tc in reply.tool_calls]
+        data = {"id": cid, "object": "chat.completion", "model": self.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": usage}
+        if split is not None:
+            data[RESPONSE_FIELD] = split
+        return httpx.Response(200, json=data)
+
+    def _events(self, cid: str, content: str, tool_calls: list[FakeToolCall], finish: str,
+                usage: dict | None, split: dict | None) -> Iterator[bytes]:
+        def chunk(delta: dict, finish_reason: str | None = None) -> dict:
+            return {"id": cid, "object": "chat.completion.chunk", "model": self.model,
+                    "choices": [{"index": 0, "delta": delta,
+                                 "finish_reason": finish_reason}]}
+
+        events: list[dict] = [chunk({"role": "assistant", "content": ""})]
+        n = self.stream_piece
+        for i in range(0, len(content), n):
+            events.append(chunk({"content": content[i:i + n]}))
+        for index, tc in enumerate(tool_calls):
+            events.append(chunk({"tool_calls": [{"index": index, "id": tc.id,
+                                                 "type": "function", "function": {
+                                                     "name": tc.name, "arguments": ""}}]}))
+            for i in range(0, len(tc.arguments), n):
+                events.append(chunk({"tool_calls": [{"index": index, "function": {
+                    "arguments": tc.arguments[i:i + n]}}]}))
+        events.append(chunk({}, finish))
+        if usage is not None:
+            last = {"id": cid, "object": "chat.completion.chunk", "model": self.model,
+                    "choices": [], "usage": usage}
+            if split is not None:
+                last[RESPONSE_FIELD] = split
+            events.append(last)
+        break_after, self._break_after = self._break_after, None
+
+        def gen() -> Iterator[bytes]:
+            for i, event in enumerate(events):
+                if break_after is not None and i >= break_after:
+                    raise httpx.ReadError("connection reset by peer (injected)")
+                yield b"data: " + json.dumps(event).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return gen()
+
+
+class _EventStream(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A response body readable by the sync and the async client."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._chunks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self._chunks:
+            yield chunk
