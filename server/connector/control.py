@@ -56,6 +56,11 @@ class ControlServer:
 
         class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             daemon_threads = True
+            # socketserver's default backlog is 5. A Unix-socket connect to a full backlog
+            # fails with EAGAIN, which asyncio mistakes for "connected": the client then
+            # dies with EINVAL. Bursts of concurrent calls (one per finished completion)
+            # are normal here.
+            request_queue_size = socket.SOMAXCONN
 
         self._server = _Server(path, _RequestHandler)
         os.chmod(path, 0o600)
@@ -66,7 +71,10 @@ class ControlServer:
 
     def _dispatch(self, line: bytes) -> dict:
         try:
-            request = json.loads(line)
+            try:
+                request = json.loads(line)
+            except ValueError as exc:
+                raise ControlError(400, f"malformed control request: {exc}") from None
             if not isinstance(request, dict) or "op" not in request:
                 raise ControlError(400, "control request must be an object with 'op'")
             return {"ok": True, "result": self.handler(request)}
@@ -125,6 +133,8 @@ class AsyncControlClient:
             line = await asyncio.wait_for(reader.readline(), self.timeout)
         except asyncio.TimeoutError:
             raise ControlError(504, f"kvbranch connector did not answer {op!r}") from None
+        except OSError as exc:  # e.g. the engine went away mid-call
+            raise ControlError(503, f"kvbranch connector connection failed: {exc}") from None
         finally:
             writer.close()
         if not line:
