@@ -1,0 +1,572 @@
+"""SessionRegistry: sessions, owners, forks sharing blocks, TTL leases, the pin budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.connector.block_index import HostBlockIndex
+from server.connector.sessions import (
+    DEFAULT_BRANCH,
+    Conflict,
+    NotFound,
+    RegistryError,
+    SessionRegistry,
+    new_id,
+)
+
+BS = 4
+BLOCK_BYTES = 100
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make(num_slots: int = 20, budget_blocks: int = 6, ttl: float = 60.0, **kw):
+    clock = FakeClock()
+    index = HostBlockIndex(num_slots)
+    reg = SessionRegistry(index, block_size=BS, block_bytes=BLOCK_BYTES,
+                          pin_budget_bytes=budget_blocks * BLOCK_BYTES, default_ttl_s=ttl,
+                          clock=clock, wall_clock=lambda: 12345.0, **kw)
+    return reg, index, clock
+
+
+def conv(tag: str, n_blocks: int, extra_tokens: int = 0, base: list[int] | None = None):
+    """Tokens and per-full-block hashes; hashes chain over the prefix like vLLM's."""
+    tokens = list(base or [])
+    start = len(tokens)
+    tokens += [hash((tag, i)) % 50_000 for i in range(start, n_blocks * BS + extra_tokens)]
+    hashes = [f"{tuple(tokens[:(k + 1) * BS])}".encode() for k in range(len(tokens) // BS)]
+    return tokens, hashes
+
+
+def observe(reg, sid, branch, tokens, hashes, salt=None, owner=None):
+    return reg.observe_request(sid, branch, tokens, hashes, salt, owner=owner)
+
+
+# --- sessions ---------------------------------------------------------------------------------
+def test_new_id_is_prefixed_and_unique():
+    ids = {new_id("sess") for _ in range(200)}
+    assert len(ids) == 200
+    assert all(i.startswith("sess_") and len(i) > 20 for i in ids)
+
+
+def test_create_session_defaults():
+    reg, _, _ = make(ttl=42.0)
+    s = reg.create_session()
+    assert s.session_id.startswith("sess_")
+    assert s.auto_pin is True
+    assert s.pin_ttl_s == 42.0
+    assert s.created_at == 12345.0
+    assert s.owner is None
+    assert list(s.branches) == [DEFAULT_BRANCH]
+    assert reg.get_session(s.session_id) is s
+    assert reg.get_branch(s.session_id, DEFAULT_BRANCH).session_id == s.session_id
+
+
+def test_create_session_explicit_id_and_options():
+    reg, _, _ = make()
+    s = reg.create_session("mine", auto_pin=False, pin_ttl_s=5.0, owner="t_a")
+    assert s.session_id == "mine" and not s.auto_pin and s.pin_ttl_s == 5.0
+    assert s.owner == "t_a"
+
+
+def test_create_duplicate_session_conflicts():
+    reg, _, _ = make()
+    reg.create_session("s1")
+    with pytest.raises(Conflict) as exc:
+        reg.create_session("s1")
+    assert exc.value.status == 409
+
+
+def test_create_duplicate_of_other_owner_is_not_found():
+    reg, _, _ = make()
+    reg.create_session("s1", owner="t_a")
+    with pytest.raises(NotFound) as exc:
+        reg.create_session("s1", owner="t_b")
+    assert exc.value.status == 404
+
+
+def test_max_sessions():
+    reg, _, _ = make(max_sessions=2)
+    reg.create_session("a")
+    reg.create_session("b")
+    with pytest.raises(Conflict):
+        reg.create_session("c")
+    reg.delete_session("a")
+    reg.create_session("c")
+
+
+def test_error_statuses():
+    assert RegistryError("x").status == 400
+    assert NotFound("x").status == 404
+    assert Conflict("x").status == 409
+    assert Conflict("boom").message == "boom"
+    assert issubclass(NotFound, RegistryError) and issubclass(Conflict, RegistryError)
+
+
+def test_get_unknown_session_and_branch():
+    reg, _, _ = make()
+    with pytest.raises(NotFound):
+        reg.get_session("nope")
+    reg.create_session("s")
+    with pytest.raises(NotFound):
+        reg.get_branch("s", "nope")
+    with pytest.raises(NotFound):
+        reg.delete_branch("s", "nope")
+
+
+def test_delete_session():
+    reg, index, _ = make()
+    tokens, hashes = conv("a", 3)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    assert index.pinned_hashes == 3
+    assert reg.delete_session("s") == 3
+    assert index.pinned_hashes == 0
+    with pytest.raises(NotFound):
+        reg.get_session("s")
+    with pytest.raises(NotFound):
+        reg.delete_session("s")
+
+
+# --- owner isolation --------------------------------------------------------------------------
+def test_owner_isolation_everywhere():
+    reg, index, _ = make()
+    tokens, hashes = conv("a", 2)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes, owner="t_a")
+    for other in ("t_b", None):
+        with pytest.raises(NotFound):
+            reg.get_session("s", other)
+        with pytest.raises(NotFound):
+            reg.get_branch("s", DEFAULT_BRANCH, other)
+        with pytest.raises(NotFound):
+            reg.fork("s", DEFAULT_BRANCH, "f", owner=other)
+        with pytest.raises(NotFound):
+            reg.pin("s", DEFAULT_BRANCH, 10.0, owner=other)
+        with pytest.raises(NotFound):
+            reg.unpin("s", DEFAULT_BRANCH, owner=other)
+        with pytest.raises(NotFound):
+            reg.delete_branch("s", DEFAULT_BRANCH, owner=other)
+        with pytest.raises(NotFound):
+            reg.delete_session("s", owner=other)
+        with pytest.raises(NotFound):
+            observe(reg, "s", DEFAULT_BRANCH, tokens, hashes, owner=other)
+    # the owner's state is untouched by the refused calls
+    branch = reg.get_branch("s", DEFAULT_BRANCH, "t_a")
+    assert branch.requests == 1 and branch.pinned
+    assert index.pinned_hashes == 2
+    assert "f" not in reg.get_session("s", "t_a").branches
+
+
+# --- forks ------------------------------------------------------------------------------------
+def test_fork_by_token_offset():
+    reg, _, _ = make()
+    tokens, hashes = conv("a", 3, extra_tokens=2)  # 14 tokens, 3 full blocks
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes, salt="salty")
+    fork = reg.fork("s", DEFAULT_BRANCH, "f", token_offset=9)
+    assert fork.branch_id == "f" and fork.parent == DEFAULT_BRANCH
+    assert fork.fork_offset_tokens == 9
+    assert fork.token_ids == tokens[:9]
+    assert fork.block_hashes == hashes[:2]
+    assert fork.cache_salt == "salty"
+    assert reg.get_branch("s", "f") is fork
+
+
+def test_fork_token_offset_zero_and_end():
+    reg, _, _ = make()
+    tokens, hashes = conv("a", 2)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    zero = reg.fork("s", DEFAULT_BRANCH, "zero", token_offset=0)
+    assert zero.token_ids == [] and zero.block_hashes == []
+    end = reg.fork("s", DEFAULT_BRANCH, "end", token_offset=len(tokens))
+    assert end.token_ids == tokens and end.block_hashes == hashes
+
+
+def test_fork_offset_past_end_is_400():
+    reg, _, _ = make()
+    tokens, hashes = conv("a", 2)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    with pytest.raises(RegistryError) as exc:
+        reg.fork("s", DEFAULT_BRANCH, "f", token_offset=len(tokens) + 1)
+    assert exc.value.status == 400
+    assert "f" not in reg.get_session("s").branches
+
+
+def test_fork_by_token_prefix_uses_longest_common_prefix():
+    reg, _, _ = make()
+    tokens, hashes = conv("a", 3)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    prefix = tokens[:6] + [-5, -6, -7]
+    fork = reg.fork("s", DEFAULT_BRANCH, "f", token_prefix=prefix)
+    assert fork.fork_offset_tokens == 6
+    assert fork.token_ids == tokens[:6]
+    assert fork.block_hashes == hashes[:1]
+    longer = reg.fork("s", DEFAULT_BRANCH, "g", token_prefix=tokens + [1, 2, 3])
+    assert longer.fork_offset_tokens == len(tokens)
+    # token_prefix wins over token_offset
+    both = reg.fork("s", DEFAULT_BRANCH, "h", token_offset=1, token_prefix=tokens[:5])
+    assert both.fork_offset_tokens == 5
+
+
+def test_fork_default_is_whole_parent_and_generated_id():
+    reg, _, _ = make()
+    tokens, hashes = conv("a", 2, extra_tokens=3)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    fork = reg.fork("s", DEFAULT_BRANCH)
+    assert fork.branch_id.startswith("br_")
+    assert fork.token_ids == tokens and fork.block_hashes == hashes
+    assert fork.fork_offset_tokens == len(tokens)
+    # the fork's lists are copies: extending it leaves the parent alone
+    fork.token_ids.append(1)
+    assert reg.get_branch("s", DEFAULT_BRANCH).token_ids == tokens
+
+
+def test_fork_duplicate_branch_conflicts_and_unknown_parent():
+    reg, _, _ = make()
+    reg.create_session("s")
+    reg.fork("s", DEFAULT_BRANCH, "f")
+    with pytest.raises(Conflict):
+        reg.fork("s", DEFAULT_BRANCH, "f")
+    with pytest.raises(Conflict):
+        reg.fork("s", "f", DEFAULT_BRANCH)
+    with pytest.raises(NotFound):
+        reg.fork("s", "nope", "g")
+    with pytest.raises(NotFound):
+        reg.fork("nope", DEFAULT_BRANCH, "g")
+
+
+def test_fork_shares_blocks_by_reference():
+    reg, index, _ = make()
+    tokens, hashes = conv("a", 4)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    assert index.pinned_hashes == 4
+    fork = reg.fork("s", DEFAULT_BRANCH, "f", token_offset=12)
+    assert fork.pinned
+    assert fork.pinned_hashes == hashes[:3]
+    assert index.pinned_hashes == 4  # nothing new pinned: shared
+    assert [index.pin_count(x) for x in hashes] == [2, 2, 2, 1]
+    info = reg.session_info(reg.get_session("s"))
+    assert info["pinned_blocks"] == 4
+    assert info["pinned_bytes"] == 4 * BLOCK_BYTES
+
+
+def test_deleting_fork_releases_only_its_own_blocks():
+    reg, index, _ = make(budget_blocks=10)
+    tokens, hashes = conv("a", 3)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    fork = reg.fork("s", DEFAULT_BRANCH, "f", token_offset=8)
+    f_tokens, f_hashes = conv("b", 5, base=fork.token_ids)
+    assert f_hashes[:2] == hashes[:2]
+    observe(reg, "s", "f", f_tokens, f_hashes)
+    assert index.pinned_hashes == 3 + 3  # main's 3 + the fork's own 3
+    released = reg.delete_branch("s", "f")
+    assert released == 3
+    assert index.pinned_hashes == 3
+    assert all(index.pin_count(x) == 1 for x in hashes)
+    assert all(index.pin_count(x) == 0 for x in f_hashes[2:])
+    assert "f" not in reg.get_session("s").branches
+
+
+def test_deleting_parent_keeps_fork_blocks_pinned():
+    reg, index, _ = make()
+    tokens, hashes = conv("a", 3)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    reg.fork("s", DEFAULT_BRANCH, "f", token_offset=8)
+    assert reg.delete_branch("s", DEFAULT_BRANCH) == 1  # only block 3 was main's alone
+    assert index.pinned_hashes == 2
+    assert reg.delete_session("s") == 2
+    assert index.pinned_hashes == 0
+
+
+def test_fork_of_unpinned_parent_without_auto_pin_is_unpinned():
+    reg, index, _ = make()
+    reg.create_session("s", auto_pin=False)
+    tokens, hashes = conv("a", 2)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    assert not reg.get_branch("s", DEFAULT_BRANCH).pinned
+    fork = reg.fork("s", DEFAULT_BRANCH, "f")
+    assert not fork.pinned and fork.pinned_hashes == []
+    assert index.pinned_hashes == 0
+
+
+def test_fork_of_pinned_parent_without_auto_pin_is_pinned_with_parent_ttl():
+    reg, index, clock = make()
+    reg.create_session("s", auto_pin=False)
+    tokens, hashes = conv("a", 2)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    reg.pin("s", DEFAULT_BRANCH, 7.0)
+    fork = reg.fork("s", DEFAULT_BRANCH, "f")
+    assert fork.pinned
+    assert fork.pin_ttl_s == 7.0
+    assert fork.pin_expires_at == clock.now + 7.0
+    assert index.pinned_hashes == 2
+
+
+# --- TTL --------------------------------------------------------------------------------------
+def test_pin_ttl_expires_with_fake_clock():
+    reg, index, clock = make()
+    reg.create_session("s", auto_pin=False)
+    tokens, hashes = conv("a", 3)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    assert index.pinned_hashes == 0
+    branch = reg.pin("s", DEFAULT_BRANCH, 10.0)
+    assert branch.pinned and branch.pin_expires_at == clock.now + 10.0
+    assert index.pinned_hashes == 3
+    assert reg.branch_info(branch)["pin_expires_in_s"] == 10.0
+    clock.advance(9.5)
+    assert reg.expire() == 0
+    assert branch.pinned
+    assert reg.branch_info(branch)["pin_expires_in_s"] == 0.5
+    clock.advance(0.5)
+    assert reg.expire() == 1
+    assert not branch.pinned
+    assert branch.pin_expires_at is None
+    assert branch.pinned_hashes == []
+    assert index.pinned_hashes == 0
+    assert reg.expire() == 0
+    assert reg.branch_info(branch)["pin_expires_in_s"] is None
+
+
+def test_use_renews_lease():
+    reg, index, clock = make(ttl=10.0)
+    tokens, hashes = conv("a", 2)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    branch = reg.get_branch("s", DEFAULT_BRANCH)
+    assert branch.pin_expires_at == clock.now + 10.0
+    clock.advance(8)
+    tokens2, hashes2 = conv("a", 3)
+    observe(reg, "s", DEFAULT_BRANCH, tokens2, hashes2)
+    assert branch.pin_expires_at == clock.now + 10.0
+    clock.advance(8)
+    assert reg.expire() == 0
+    assert index.pinned_hashes == 3
+    clock.advance(2)
+    assert reg.expire() == 1
+    assert index.pinned_hashes == 0
+
+
+def test_unpin_releases_and_clears_lease():
+    reg, index, _ = make()
+    tokens, hashes = conv("a", 2)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    branch = reg.unpin("s", DEFAULT_BRANCH)
+    assert not branch.pinned and branch.pin_expires_at is None and not branch.degraded
+    assert index.pinned_hashes == 0
+    # blocks are LRU again: evictable
+    for x in hashes:
+        index.allocate(x, [0] * BS)
+    for i in range(index.num_slots):
+        index.allocate(f"other{i}".encode(), [i] * BS)
+    assert all(x not in index for x in hashes)
+
+
+def test_session_ttl_used_for_new_branches():
+    reg, _, clock = make(ttl=60.0)
+    reg.create_session("s", pin_ttl_s=3.0)
+    tokens, hashes = conv("a", 1)
+    branch = observe(reg, "s", "other", tokens, hashes)
+    assert branch.pin_ttl_s == 3.0
+    assert branch.pin_expires_at == clock.now + 3.0
+
+
+# --- budget -----------------------------------------------------------------------------------
+def test_budget_is_capped_by_slots():
+    clock = FakeClock()
+    reg = SessionRegistry(HostBlockIndex(5), block_size=BS, block_bytes=BLOCK_BYTES,
+                          pin_budget_bytes=10_000, default_ttl_s=1, clock=clock)
+    assert reg.pin_budget_blocks == 5
+    assert reg.pin_budget_bytes == 5 * BLOCK_BYTES
+
+
+def test_oldest_lease_degrades_when_budget_is_full():
+    reg, index, clock = make(budget_blocks=6)
+    ta, ha = conv("a", 3)
+    tb, hb = conv("b", 2)
+    tc, hc = conv("c", 3)
+    a = observe(reg, "A", DEFAULT_BRANCH, ta, ha)
+    clock.advance(1)
+    b = observe(reg, "B", DEFAULT_BRANCH, tb, hb)
+    clock.advance(1)
+    assert index.pinned_hashes == 5
+    c = observe(reg, "C", DEFAULT_BRANCH, tc, hc)  # needs 3, 1 free: A (oldest) degrades
+    assert a.degraded and not a.pinned and a.pinned_hashes == []
+    assert b.pinned and not b.degraded
+    assert c.pinned
+    assert reg.pins_degraded == 1
+    assert index.pinned_hashes == 5
+    assert all(index.pin_count(x) == 0 for x in ha)
+    assert reg.branch_info(a)["degraded"] is True
+
+
+def test_degrade_order_follows_pinned_at_not_creation():
+    reg, _, clock = make(budget_blocks=6)
+    ta, ha = conv("a", 3)
+    tb, hb = conv("b", 3)
+    a = observe(reg, "A", DEFAULT_BRANCH, ta, ha)
+    clock.advance(1)
+    b = observe(reg, "B", DEFAULT_BRANCH, tb, hb)
+    clock.advance(1)
+    observe(reg, "A", DEFAULT_BRANCH, ta, ha)  # renew A: B is now the oldest lease
+    clock.advance(1)
+    tc, hc = conv("c", 2)
+    observe(reg, "C", DEFAULT_BRANCH, tc, hc)
+    assert a.pinned and b.degraded
+
+
+def test_explicit_pin_larger_than_budget_is_409():
+    reg, index, _ = make(budget_blocks=4)
+    reg.create_session("s", auto_pin=False)
+    tokens, hashes = conv("a", 5)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    with pytest.raises(Conflict) as exc:
+        reg.pin("s", DEFAULT_BRANCH, 30.0)
+    assert exc.value.status == 409
+    assert "budget" in exc.value.message
+    assert reg.pins_refused == 1
+    assert index.pinned_hashes == 0
+    assert not reg.get_branch("s", DEFAULT_BRANCH).pinned
+
+
+def test_explicit_pin_over_budget_does_not_degrade_others():
+    reg, index, clock = make(budget_blocks=4)
+    ta, ha = conv("a", 3)
+    a = observe(reg, "A", DEFAULT_BRANCH, ta, ha)
+    clock.advance(1)
+    reg.create_session("s", auto_pin=False)
+    tokens, hashes = conv("b", 5)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    with pytest.raises(Conflict):
+        reg.pin("s", DEFAULT_BRANCH, 30.0)
+    assert a.pinned and not a.degraded
+    assert index.pinned_hashes == 3
+
+
+def test_automatic_pin_larger_than_budget_degrades_without_error():
+    reg, index, _ = make(budget_blocks=4)
+    tokens, hashes = conv("a", 5)
+    branch = observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    assert branch.degraded and not branch.pinned
+    assert reg.pins_refused == 0
+    assert reg.pins_degraded == 1
+    assert index.pinned_hashes == 0
+
+
+def test_explicit_pin_that_fits_degrades_older_leases():
+    reg, index, clock = make(budget_blocks=4)
+    ta, ha = conv("a", 3)
+    a = observe(reg, "A", DEFAULT_BRANCH, ta, ha)
+    clock.advance(1)
+    reg.create_session("s", auto_pin=False)
+    tokens, hashes = conv("b", 3)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    b = reg.pin("s", DEFAULT_BRANCH, 30.0)
+    assert b.pinned and a.degraded
+    assert index.pinned_hashes == 3
+
+
+def test_degraded_branch_repins_on_next_use():
+    reg, index, clock = make(budget_blocks=4)
+    ta, ha = conv("a", 3)
+    tb, hb = conv("b", 3)
+    a = observe(reg, "A", DEFAULT_BRANCH, ta, ha)
+    clock.advance(1)
+    b = observe(reg, "B", DEFAULT_BRANCH, tb, hb)
+    assert a.degraded and b.pinned
+    clock.advance(1)
+    observe(reg, "A", DEFAULT_BRANCH, ta, ha)
+    assert a.pinned and not a.degraded
+    assert a.pinned_hashes == ha
+    assert b.degraded
+    assert reg.pins_degraded == 2
+    assert index.pinned_hashes == 3
+
+
+def test_degraded_branch_of_non_autopin_session_repins_on_use():
+    reg, _, clock = make(budget_blocks=4)
+    reg.create_session("A", auto_pin=False)
+    ta, ha = conv("a", 3)
+    observe(reg, "A", DEFAULT_BRANCH, ta, ha)
+    a = reg.pin("A", DEFAULT_BRANCH, 100.0)
+    clock.advance(1)
+    tb, hb = conv("b", 3)
+    observe(reg, "B", DEFAULT_BRANCH, tb, hb)
+    assert a.degraded
+    clock.advance(1)
+    observe(reg, "A", DEFAULT_BRANCH, ta, ha)  # lease exists (degraded): renewed
+    assert a.pinned and a.pin_ttl_s == 100.0
+    assert a.pin_expires_at == clock.now + 100.0
+
+
+def test_growing_pin_keeps_shared_blocks_counted_once():
+    reg, index, _ = make(budget_blocks=6)
+    tokens, hashes = conv("a", 2)
+    branch = observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    tokens2, hashes2 = conv("a", 4)
+    assert hashes2[:2] == hashes
+    observe(reg, "s", DEFAULT_BRANCH, tokens2, hashes2)
+    assert branch.pinned_hashes == hashes2
+    assert [index.pin_count(x) for x in hashes2] == [1, 1, 1, 1]
+    assert index.pinned_hashes == 4
+
+
+def test_changed_branch_unpins_blocks_it_no_longer_has():
+    reg, index, _ = make(budget_blocks=6)
+    tokens, hashes = conv("a", 3)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    other_tokens, other_hashes = conv("z", 2)
+    branch = observe(reg, "s", DEFAULT_BRANCH, other_tokens, other_hashes)
+    assert branch.pinned_hashes == other_hashes
+    assert index.pinned_hashes == 2
+    assert all(index.pin_count(x) == 0 for x in hashes)
+
+
+# --- observe_request --------------------------------------------------------------------------
+def test_observe_request_auto_creates_session_and_branch():
+    reg, index, clock = make(ttl=30.0)
+    tokens, hashes = conv("a", 2, extra_tokens=1)
+    branch = observe(reg, "new", "b1", tokens, hashes, salt="s1", owner="t_x")
+    session = reg.get_session("new", "t_x")
+    assert session.owner == "t_x" and session.auto_pin
+    assert set(session.branches) == {DEFAULT_BRANCH, "b1"}
+    assert branch.token_ids == tokens and branch.block_hashes == hashes
+    assert branch.cache_salt == "s1"
+    assert branch.requests == 1
+    assert branch.pinned and branch.pin_expires_at == clock.now + 30.0
+    assert index.pinned_hashes == 2
+    observe(reg, "new", "b1", tokens, hashes, salt="s1", owner="t_x")
+    assert branch.requests == 2
+
+
+def test_branch_info_and_session_info():
+    reg, index, clock = make()
+    tokens, hashes = conv("a", 3, extra_tokens=1)
+    index.allocate(hashes[0], tokens[:BS])
+    index.allocate(hashes[1], tokens[BS:2 * BS])
+    branch = observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    info = reg.branch_info(branch)
+    assert info == {
+        "session_id": "s",
+        "branch_id": DEFAULT_BRANCH,
+        "parent": None,
+        "fork_offset_tokens": None,
+        "num_tokens": 13,
+        "pinned": True,
+        "pin_expires_in_s": 60.0,
+        "pinned_blocks": 3,
+        "pinned_bytes": 3 * BLOCK_BYTES,
+        "stored_blocks": 2,
+        "degraded": False,
+        "requests": 1,
+    }
+    sinfo = reg.session_info(reg.get_session("s"))
+    assert sinfo["session_id"] == "s"
+    assert sinfo["auto_pin"] is True
+    assert [b["branch_id"] for b in sinfo["branches"]] == [DEFAULT_BRANCH]
+    assert sinfo["pinned_blocks"] == 3
