@@ -166,8 +166,8 @@ def resolve_model(model: str | None) -> str:
 def plan_launch(args: argparse.Namespace, passthrough: list[str],
                 cuda: bool | None = None) -> LaunchPlan:
     """Turn our flags into vLLM's argv. Pure apart from model resolution (testable)."""
+    model_path = resolve_model(args.model)  # first: a bad --model fails before importing torch
     cuda = _has_cuda() if cuda is None else cuda
-    model_path = resolve_model(args.model)
     served = args.served_model_name or Path(model_path.rstrip("/")).name
     argv = [
         "--model", model_path,
