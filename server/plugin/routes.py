@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import uuid
 from typing import Any
@@ -144,7 +145,9 @@ async def _render(request: Request, messages: list[dict]) -> list[int] | JSONRes
     """Token ids of ``messages`` through the model's chat template (no generation prompt)."""
     kvb = _kvb(request)
     try:
-        tokenizer = await kvb.engine_client.get_tokenizer()
+        tokenizer = kvb.engine_client.get_tokenizer()
+        if inspect.isawaitable(tokenizer):  # async in some vLLM releases
+            tokenizer = await tokenizer
         ids = tokenizer.apply_chat_template(messages, tokenize=True,
                                             add_generation_prompt=False)
     except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
