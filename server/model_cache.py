@@ -87,13 +87,28 @@ def _check_safetensors_header(path: Path) -> None:
         header_len = int.from_bytes(raw, "little")
         if header_len <= 0 or header_len > size - 8:
             raise ModelCacheError(f"{path.name}: bad safetensors header length")
-        header = json.loads(fh.read(header_len))
-    end = max(
-        (meta["data_offsets"][1] for key, meta in header.items() if key != "__metadata__"),
-        default=0,
-    )
+        raw_header = fh.read(header_len)
+    try:
+        header = json.loads(raw_header)
+        end = max(
+            (int(meta["data_offsets"][1]) for key, meta in header.items()
+             if key != "__metadata__"),
+            default=0,
+        )
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ModelCacheError(f"{path.name}: unreadable safetensors header ({exc})") from None
     if 8 + header_len + end != size:
         raise ModelCacheError(f"{path.name}: size {size} does not match its header")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as exc:  # includes a UnicodeDecodeError
+        raise ModelCacheError(f"{path.parent}: {path.name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelCacheError(f"{path.parent}: {path.name} is not a JSON object")
+    return value
 
 
 def validate(folder: Path, *, deep: bool = True) -> dict:
@@ -109,9 +124,15 @@ def validate(folder: Path, *, deep: bool = True) -> dict:
         manifest = json.loads(manifest_path.read_text())
     except ValueError as exc:
         raise ModelCacheError(f"{folder}: unreadable manifest: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise ModelCacheError(f"{folder}: unreadable manifest: not a JSON object")
     if manifest.get("version") != MANIFEST_VERSION:
         raise ModelCacheError(f"{folder}: manifest version {manifest.get('version')!r} is stale")
     files: dict[str, dict] = manifest.get("files", {})
+    if not isinstance(files, dict) or not all(
+            isinstance(meta, dict) and "size" in meta and "sha256" in meta
+            for meta in files.values()):
+        raise ModelCacheError(f"{folder}: unreadable manifest: malformed 'files'")
     for name in REQUIRED_FILES:
         if name not in files:
             raise ModelCacheError(f"{folder}: manifest lacks {name}")
@@ -128,12 +149,12 @@ def validate(folder: Path, *, deep: bool = True) -> dict:
         raise ModelCacheError(f"{folder}: no safetensors weights")
     for path in weights:
         _check_safetensors_header(path)
-    config = json.loads((folder / "config.json").read_text())
+    config = _read_json(folder / "config.json")
     if "quantization_config" in config:
         raise ModelCacheError(f"{folder}: config still carries a quantization_config")
     if not config.get("architectures"):
         raise ModelCacheError(f"{folder}: config.json has no architectures")
-    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config = _read_json(folder / "tokenizer_config.json")
     if not (tok_config.get("chat_template") or (folder / "chat_template.jinja").is_file()):
         raise ModelCacheError(f"{folder}: the tokenizer has no chat template")
     return manifest
