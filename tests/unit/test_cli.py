@@ -1,0 +1,368 @@
+"""The launcher's pure parts: flags, the vLLM argv and environment it plans, launch errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server import cli
+from server.cli import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    ENV_API_KEYS,
+    ENV_CONTROL_SOCKET,
+    ENV_MODEL_NAME,
+    GIB,
+    LaunchError,
+    build_parser,
+    check_port_free,
+    plan_launch,
+    resolve_model,
+    split_passthrough,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    folder = tmp_path / "TinyModel"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, f"{flag} appears {argv.count(flag)} times in {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- parser -----------------------------------------------------------------------------------
+def test_parser_defaults():
+    args = parse()
+    assert args.model is None
+    assert args.host == "127.0.0.1"
+    assert args.port == 8000
+    assert args.kv_cache_gib == 1.0
+    assert args.block_size is None
+    assert args.host_store_gib == 2.0
+    assert args.pin_budget_gib is None
+    assert args.pin_ttl_s == 300.0
+    assert args.max_model_len == 8192
+    assert args.api_key is None
+    assert args.log_level == "info"
+    assert args.no_connector is False
+    assert args.served_model_name is None
+
+
+def test_help_lists_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse("--help")
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--model", "--host", "--port", "--kv-cache-gib", "--block-size", "--api-key",
+                 "--log-level", "--host-store-gib", "--pin-budget-gib", "--pin-ttl-s",
+                 "--no-connector", "--served-model-name"):
+        assert flag in text
+    assert "'--'" in text  # the passthrough convention is explained
+
+
+def test_parser_values():
+    args = parse("--model", "m", "--host", "0.0.0.0", "--port", "9001", "--kv-cache-gib", "0.5",
+                 "--block-size", "16", "--host-store-gib", "0", "--pin-budget-gib", "0.25",
+                 "--pin-ttl-s", "1.5", "--api-key", "k1", "--api-key", "k2",
+                 "--log-level", "debug", "--no-connector", "--served-model-name", "x")
+    assert args.port == 9001 and args.kv_cache_gib == 0.5 and args.block_size == 16
+    assert args.host_store_gib == 0.0 and args.pin_budget_gib == 0.25 and args.pin_ttl_s == 1.5
+    assert args.api_key == ["k1", "k2"]
+    assert args.log_level == "debug" and args.no_connector and args.served_model_name == "x"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--kv-cache-gib", "abc"], "not a number"),
+    (["--kv-cache-gib", "0"], "greater than 0"),
+    (["--kv-cache-gib", "-1"], "greater than 0"),
+    (["--kv-cache-gib", "nan"], "greater than 0"),
+    (["--port", "0"], "1-65535"),
+    (["--port", "65536"], "1-65535"),
+    (["--port", "http"], "not a port number"),
+    (["--block-size", "3"], "power of two"),
+    (["--block-size", "0"], "power of two"),
+    (["--block-size", "-16"], "power of two"),
+    (["--block-size", "1.5"], "not an integer"),
+    (["--host-store-gib", "-0.5"], "must not be negative"),
+    (["--pin-budget-gib", "x"], "not a number"),
+    (["--pin-ttl-s", "0"], "greater than 0"),
+    (["--log-level", "verbose"], "invalid choice"),
+    (["--max-model-len", "many"], "invalid int"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_values_rejected(capsys, argv, needle):
+    with pytest.raises(SystemExit) as exc:
+        parse(*argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err
+
+
+# --- split_passthrough ------------------------------------------------------------------------
+def test_split_passthrough():
+    assert split_passthrough(["--port", "1"]) == (["--port", "1"], [])
+    assert split_passthrough(["--port", "1", "--", "--seed", "3", "--", "x"]) == (
+        ["--port", "1"], ["--seed", "3", "--", "x"])
+    assert split_passthrough(["--"]) == ([], [])
+
+
+# --- resolve_model ----------------------------------------------------------------------------
+def test_resolve_existing_folder(model_dir):
+    assert resolve_model(str(model_dir)) == str(model_dir.resolve())
+
+
+def test_resolve_missing_folder_raises(tmp_path):
+    with pytest.raises(LaunchError, match="no such model folder"):
+        resolve_model(str(tmp_path / "absent"))
+    with pytest.raises(LaunchError, match="no such model folder"):
+        resolve_model("/nonexistent")
+    with pytest.raises(LaunchError):
+        resolve_model("./not-here")
+
+
+def test_resolve_folder_without_config(tmp_path):
+    with pytest.raises(LaunchError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_resolve_file_is_not_a_folder(tmp_path):
+    f = tmp_path / "model.gguf"
+    f.write_text("x")
+    with pytest.raises(LaunchError, match="no such model folder"):
+        resolve_model(str(f))
+
+
+def test_resolve_hub_name_passes_through(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_resolve_default_uses_embedded_model(monkeypatch, model_dir):
+    import server.model_cache as mc
+
+    monkeypatch.setattr(mc, "ensure_model", lambda: model_dir)
+    assert resolve_model(None) == str(model_dir)
+
+    def broken():
+        raise mc.ModelCacheError("no gguf")
+
+    monkeypatch.setattr(mc, "ensure_model", broken)
+    with pytest.raises(LaunchError, match="embedded model unavailable: no gguf"):
+        resolve_model(None)
+
+
+# --- plan_launch ------------------------------------------------------------------------------
+def test_plan_cpu(model_dir):
+    args = parse("--model", str(model_dir), "--port", "8123", "--kv-cache-gib", "0.5")
+    plan = plan_launch(args, [], cuda=False)
+    argv = plan.vllm_argv
+    assert flag_value(argv, "--model") == str(model_dir.resolve())
+    assert flag_value(argv, "--served-model-name") == "TinyModel"
+    assert flag_value(argv, "--host") == "127.0.0.1"
+    assert flag_value(argv, "--port") == "8123"
+    assert flag_value(argv, "--dtype") == "float32"
+    assert "--enforce-eager" in argv
+    assert flag_value(argv, "--kv-cache-memory-bytes") == str(GIB // 2)
+    assert flag_value(argv, "--max-model-len") == "8192"
+    assert "--enable-prompt-tokens-details" in argv
+    assert "--block-size" not in argv
+    assert "--api-key" not in argv
+    config = json.loads(flag_value(argv, "--kv-transfer-config"))
+    assert config["kv_connector"] == CONNECTOR_CLASS == "KVBranchConnector"
+    assert config["kv_connector_module_path"] == CONNECTOR_MODULE == "server.connector.connector"
+    assert config["kv_role"] == "kv_both"
+    extra = config["kv_connector_extra_config"]
+    assert extra["host_store_bytes"] == 2 * GIB
+    assert extra["pin_budget_bytes"] == GIB  # half the store by default
+    assert extra["pin_ttl_s"] == 300.0
+    assert extra["control_socket"] == plan.control_socket
+    assert plan.control_socket.endswith("-8123.sock")
+    assert "kvbranch" in plan.env["VLLM_PLUGINS"].split(",")
+    assert plan.env[ENV_CONTROL_SOCKET] == plan.control_socket
+    assert plan.env[ENV_MODEL_NAME] == "TinyModel"
+    assert plan.env["VLLM_LOGGING_LEVEL"] == "INFO"
+    assert ENV_API_KEYS not in plan.env
+    assert plan.model_path == str(model_dir.resolve())
+    assert plan.served_model_name == "TinyModel"
+    assert all(isinstance(a, str) for a in argv)
+
+
+def test_plan_cuda_omits_cpu_flags(model_dir):
+    plan = plan_launch(parse("--model", str(model_dir)), [], cuda=True)
+    assert "--enforce-eager" not in plan.vllm_argv
+    assert "--dtype" not in plan.vllm_argv
+    assert "--kv-transfer-config" in plan.vllm_argv
+    assert "--kv-cache-memory-bytes" in plan.vllm_argv
+
+
+def test_plan_no_connector(model_dir):
+    plan = plan_launch(parse("--model", str(model_dir), "--no-connector"), [], cuda=False)
+    assert "--kv-transfer-config" not in plan.vllm_argv
+    assert not any("KVBranchConnector" in a for a in plan.vllm_argv)
+    assert plan.control_socket is None
+    assert ENV_CONTROL_SOCKET not in plan.env
+    assert "--enable-prompt-tokens-details" in plan.vllm_argv
+
+
+def test_plan_passthrough_appended_unchanged(model_dir):
+    extra = ["--max-num-seqs", "8", "--seed", "1", "--weird=a b"]
+    plan = plan_launch(parse("--model", str(model_dir)), list(extra), cuda=False)
+    assert plan.vllm_argv[-len(extra):] == extra
+
+
+def test_plan_api_keys(model_dir):
+    plan = plan_launch(parse("--model", str(model_dir), "--api-key", "k1", "--api-key", "k2"),
+                       [], cuda=False)
+    idx = [i for i, a in enumerate(plan.vllm_argv) if a == "--api-key"]
+    assert [plan.vllm_argv[i + 1] for i in idx] == ["k1", "k2"]
+    assert plan.env[ENV_API_KEYS] == "k1,k2"
+
+
+def test_plan_options_flow_through(model_dir):
+    args = parse("--model", str(model_dir), "--block-size", "32", "--host-store-gib", "4",
+                 "--pin-budget-gib", "0.5", "--pin-ttl-s", "12", "--served-model-name", "alias",
+                 "--log-level", "warning", "--max-model-len", "2048", "--host", "0.0.0.0")
+    plan = plan_launch(args, [], cuda=False)
+    argv = plan.vllm_argv
+    assert flag_value(argv, "--block-size") == "32"
+    assert flag_value(argv, "--served-model-name") == "alias"
+    assert flag_value(argv, "--max-model-len") == "2048"
+    assert flag_value(argv, "--host") == "0.0.0.0"
+    assert flag_value(argv, "--uvicorn-log-level") == "warning"
+    extra = json.loads(flag_value(argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra["host_store_bytes"] == 4 * GIB
+    assert extra["pin_budget_bytes"] == GIB // 2
+    assert extra["pin_ttl_s"] == 12.0
+    assert plan.env[ENV_MODEL_NAME] == "alias"
+    assert plan.env["VLLM_LOGGING_LEVEL"] == "WARNING"
+
+
+def test_plan_keeps_existing_plugins(model_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "other,thing")
+    plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
+    assert plan.env["VLLM_PLUGINS"] == "other,thing,kvbranch"
+    monkeypatch.setenv("VLLM_PLUGINS", "kvbranch,other")
+    plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
+    assert plan.env["VLLM_PLUGINS"] == "kvbranch,other"
+
+
+def test_plan_missing_model_raises(tmp_path):
+    with pytest.raises(LaunchError, match="no such model folder"):
+        plan_launch(parse("--model", str(tmp_path / "gone")), [], cuda=False)
+
+
+def test_plan_does_not_probe_cuda_for_bad_model(tmp_path, monkeypatch):
+    def boom():
+        raise AssertionError("CUDA probed before the model was checked")
+
+    monkeypatch.setattr(cli, "_has_cuda", boom)
+    with pytest.raises(LaunchError):
+        plan_launch(parse("--model", str(tmp_path / "gone")), [])
+
+
+def test_plan_probes_cuda_when_not_told(model_dir, monkeypatch):
+    monkeypatch.setattr(cli, "_has_cuda", lambda: True)
+    assert "--enforce-eager" not in plan_launch(parse("--model", str(model_dir)), []).vllm_argv
+    monkeypatch.setattr(cli, "_has_cuda", lambda: False)
+    assert "--enforce-eager" in plan_launch(parse("--model", str(model_dir)), []).vllm_argv
+
+
+# --- ports ------------------------------------------------------------------------------------
+def test_check_port_free_ok():
+    check_port_free("127.0.0.1", free_port())
+
+
+def test_check_port_free_busy():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"cannot listen on 127.0.0.1:{port}"):
+            check_port_free("127.0.0.1", port)
+
+
+# --- main, in process -------------------------------------------------------------------------
+def test_main_reports_launch_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "run", lambda plan: pytest.fail("must not start vLLM"))
+    code = cli.main(["--model", str(tmp_path / "gone"), "--port", str(free_port())])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"error: --model {tmp_path / 'gone'}: no such model folder"]
+
+
+def test_main_hands_plan_to_run(model_dir, monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "run", seen.append)
+    monkeypatch.setattr(cli, "_has_cuda", lambda: False)
+    assert cli.main(["--model", str(model_dir), "--port", str(free_port()), "--", "--seed", "7"]) == 0
+    assert len(seen) == 1
+    assert seen[0].vllm_argv[-2:] == ["--seed", "7"]
+
+
+# --- python -m server, as a subprocess --------------------------------------------------------
+def run_server(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("VLLM_PLUGINS", None)
+    return subprocess.run([sys.executable, "-m", "server", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, proc.stderr
+    assert needle in error_lines[0]
+
+
+def test_subprocess_bad_number():
+    proc = run_server("--kv-cache-gib", "abc")
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "--kv-cache-gib: 'abc' is not a number")
+
+
+def test_subprocess_missing_model():
+    proc = run_server("--model", "/nonexistent", "--port", str(free_port()))
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "--model /nonexistent: no such model folder")
+    assert proc.stderr.strip().count("\n") == 0  # exactly one line
+
+
+def test_subprocess_busy_port(model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        proc = run_server("--model", str(model_dir), "--port", str(port))
+    assert proc.returncode == 2
+    assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port}")
+    assert proc.stderr.strip().count("\n") == 0
