@@ -68,14 +68,16 @@ class Planner:
             bs = self.block_size
             start = num_computed_tokens // bs
             loadable = (request.num_prompt_tokens - 1) // bs - start
+            # Record the device hit even when nothing is left to load: it is part of the split.
+            plan = self.plans.setdefault(request.request_id, RequestPlan(request))
+            plan.device_hit_tokens = num_computed_tokens
+            plan.load_slots = None
+            plan.load_start_block = start
             if loadable <= 0 or self.index.num_slots == 0:
                 return 0
             slots = self.index.match(request.block_hashes, request.all_token_ids, bs,
                                      start, loadable)
-            plan = self.plans.setdefault(request.request_id, RequestPlan(request))
-            plan.device_hit_tokens = num_computed_tokens
             plan.load_slots = slots
-            plan.load_start_block = start
             return len(slots) * bs
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int,
