@@ -439,3 +439,49 @@ def test_untagged_request_still_returns_split_after_alloc():
     split = planner.request_finished(req)
     check_split(split, 13, 0, 8)
     assert planner.splits == {}  # untagged splits are not kept in the history
+
+
+def test_device_hit_recorded_when_nothing_is_left_to_load():
+    """A device hit that covers every loadable block must still count as device tokens."""
+    planner, index, _ = make_planner()
+    req = make_request("r", 14, extra={TAG_XARG: "t"})
+    store(index, req, range(3))
+    planner.on_new_request(req)
+    assert planner.num_new_matched_tokens(req, 12) == 0
+    planner.after_alloc(req, [], 0, [])
+    check_split(planner.request_finished(req), 14, 12, 0)
+    assert planner.hits_tokens == {"device": 12, "host": 0, "recomputed": 2}
+
+
+def test_device_hit_recorded_without_host_store():
+    planner, _, _ = make_planner(num_slots=0)
+    req = make_request("r", 20)
+    planner.on_new_request(req)
+    assert planner.num_new_matched_tokens(req, 8) == 0
+    planner.after_alloc(req, [], 0, [])
+    check_split(planner.request_finished(req), 20, 8, 0)
+
+
+def test_stale_load_plan_is_not_reused():
+    """A second scheduling attempt with nothing to load must not replay the first's loads."""
+    planner, index, _ = make_planner()
+    req = make_request("r", 13)
+    store(index, req, range(3))
+    planner.on_new_request(req)
+    assert planner.num_new_matched_tokens(req, 0) == 12
+    # not allocated this step (e.g. no room); next step the device holds the whole prefix
+    assert planner.num_new_matched_tokens(req, 12) == 0
+    loads: list[tuple[int, int]] = []
+    planner.after_alloc(req, [], 0, loads)
+    assert loads == []
+    check_split(planner.request_finished(req), 13, 12, 0)
+
+
+def test_tagged_split_found_after_plan_is_gone():
+    planner, _, _ = make_planner()
+    req = make_request("r", 9, extra={TAG_XARG: "t9"})
+    planner.on_new_request(req)
+    planner.after_alloc(req, [], 0, [])
+    first = planner.request_finished(req)
+    assert planner.request_finished(req) == first  # plan forgotten: found by its tag
+    assert planner.requests == 1
