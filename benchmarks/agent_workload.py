@@ -50,6 +50,7 @@ from benchmarks.common import (  # noqa: E402
     command_line,
     get_stats,
     git_rev,
+    load_md,
     machine_info,
     machine_md,
     md_table,
@@ -327,6 +328,8 @@ def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
              + f"seed {p['seed']}; device KV {args.kv_cache_gib} GiB "
              f"(~{int(args.kv_cache_gib * 23000)} tokens), host store {args.host_store_gib} GiB, "
              f"max-model-len {args.max_model_len}; streaming, TTFT at first content token",
+             load_md([r["extra"].get("load1", 0.0) for res in results.values()
+                      for r in res["records"]]),
              f"- Workload file: `{wl_path.relative_to(BENCH_DIR.parent)}`, raw data: "
              f"`{raw.relative_to(BENCH_DIR.parent)}` (not committed)"]
     if png:

@@ -81,6 +81,16 @@ def machine_md(info: dict[str, str]) -> str:
             f"transformers {info['transformers']}\n")
 
 
+def load_md(loads: list[float]) -> str:
+    """One line on how busy the (shared) machine was while measuring."""
+    if not loads:
+        return ""
+    return (f"- Machine load (1-min load average at request starts, {os.cpu_count()} cores): "
+            f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f}"
+            " — other developers' servers and tests share these cores, so absolute times are "
+            "noisy; compare the configurations side by side")
+
+
 def now_str() -> str:
     return _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
 
@@ -329,6 +339,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict,
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", 0)),
         cached_tokens=int(details.get("cached_tokens") or 0), split=split, started_at=started)
+    result.extra["load1"] = os.getloadavg()[0]  # the machine is shared: record how busy
     if ttft is None:
         result.extra["no_content"] = True
     return _finish(result)

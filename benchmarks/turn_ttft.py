@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     command_line,
     get_stats,
     git_rev,
+    load_md,
     machine_info,
     machine_md,
     md_table,
@@ -159,6 +160,8 @@ def report(args: argparse.Namespace, results: dict[str, dict], info: dict, elaps
              f"{args.filler_tokens} tokens from another tenant; device KV "
              f"{args.kv_cache_gib} GiB (~{int(args.kv_cache_gib * 23000)} tokens), host store "
              f"{args.host_store_gib} GiB, streaming, TTFT at first content token",
+             load_md([t["extra"].get("load1", 0.0) for res in results.values()
+                      for t in res["turns"]]),
              f"- Raw data: `{raw.relative_to(BENCH_DIR.parent)}` (not committed)"]
     if png:
         lines.append(f"- Plot: `{png.name}`")
