@@ -78,16 +78,19 @@ class KVBranchMiddleware:
             await self.app(scope, receive, send)
             return
         body = b""
+        more = False  # True when we stopped buffering a body larger than MAX_BODY
         while True:
             message = await receive()
             if message["type"] != "http.request":
+                more = False  # client gone: nothing more will come
                 break
             body += message.get("body", b"")
-            if len(body) > MAX_BODY or not message.get("more_body"):
+            more = bool(message.get("more_body"))
+            if len(body) > MAX_BODY or not more:
                 break
         tag = f"kvb-{uuid.uuid4().hex}"
         try:
-            payload = json.loads(body)
+            payload = None if more else json.loads(body)
         except ValueError:
             payload = None
         if isinstance(payload, dict):
@@ -107,7 +110,7 @@ class KVBranchMiddleware:
             nonlocal sent
             if not sent:
                 sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": more}
             return await receive()
 
         state = _ResponseRewriter(scope, send, tag)
