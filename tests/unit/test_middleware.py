@@ -415,3 +415,18 @@ def test_non_http_scope_passes_through():
     scope = {"type": "lifespan"}
     asyncio.run(KVBranchMiddleware(app)(scope, None, None))
     assert seen["scope"] is scope
+
+
+def test_oversized_request_body_is_forwarded_whole(monkeypatch):
+    """Past MAX_BODY the middleware stops buffering, but the app must still get every byte."""
+    import server.plugin.middleware as mw
+
+    monkeypatch.setattr(mw, "MAX_BODY", 16)
+    body = json.dumps({"model": "m", "prompt": "x" * 40}).encode()
+    raw = b'{"usage": {"prompt_tokens": 1}}'
+    app = FakeApp(200, b"application/json", [raw])
+    control = FakeControl()
+    sent = run_asgi(app, body=body, body_parts=5, control=control)
+    assert app.body == body
+    assert response_body(sent) == raw
+    assert control.calls == []
