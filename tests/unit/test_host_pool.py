@@ -96,9 +96,10 @@ def test_save_does_not_modify_device_and_load_does_not_modify_host(make, dim):
     pool = HostKVPool(caches, NUM_BLOCKS, NUM_SLOTS)
     pool.save([0, 5], [1, 2])
     assert torch.equal(caches["l0"], before)
-    host_before = pool.host_caches["l0"].clone()
+    # unsaved slots hold uninitialised memory (maybe NaN bit patterns): compare bits
+    host_before = pool.host_caches["l0"].clone().view(torch.int32)
     pool.load([1], [3])
-    assert torch.equal(pool.host_caches["l0"], host_before)
+    assert torch.equal(pool.host_caches["l0"].view(torch.int32), host_before)
     assert torch.equal(block(caches["l0"], dim, 3), block(before, dim, 0))
 
 
