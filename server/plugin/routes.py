@@ -150,11 +150,11 @@ async def _render(request: Request, messages: list[dict]) -> list[int] | JSONRes
             tokenizer = await tokenizer
         ids = tokenizer.apply_chat_template(messages, tokenize=True,
                                             add_generation_prompt=False)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
     except Exception as exc:  # noqa: BLE001 - a template error is the caller's input
         return error(400, f"messages could not be rendered with the chat template: {exc}")
-    if isinstance(ids, dict):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 @router.get("/sessions/{session_id}/branches/{branch_id}", response_model=BranchInfo)
