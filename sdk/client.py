@@ -125,7 +125,7 @@ class _ClientBase:
         if not self._warned:
             self._warned = True
             message = UNAVAILABLE_WARNING.format(url=self.base_url)
-            logger.warning(message)
+            logger.info(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     @staticmethod

@@ -78,7 +78,7 @@ class RetryPolicy:
     def _log(state: tenacity.RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
         wait = state.next_action.sleep if state.next_action is not None else 0.0
-        logger.warning("kvbranch: attempt %d failed (%s); retrying in %.2fs",
+        logger.info("kvbranch: attempt %d failed (%s); retrying in %.2fs",
                        state.attempt_number, error, wait)
 
     def _kwargs(self) -> dict[str, Any]:

@@ -52,6 +52,9 @@ def test_session_flow(kvbranch_server):
         assert child.messages == main.messages[:3]
         pinned = child.pin(300)
         assert pinned.pinned and pinned.branch_id == "alt"
+        # the server forked its token sequence where those messages end: the system prompt
+        # and the first exchange are shared with main
+        assert pinned.fork_offset_tokens >= first.usage.prompt_tokens - 8
         branch_ids = {b.branch_id for b in client.list_branches(session.session_id)}
         assert branch_ids == {"main", "alt"}
 
