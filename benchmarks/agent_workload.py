@@ -51,7 +51,7 @@ from benchmarks.common import (  # noqa: E402
     get_stats,
     git_rev,
     load_md,
-    machine_info,
+    machine_info_async,
     machine_md,
     md_table,
     median,
@@ -468,13 +468,14 @@ def main() -> int:
     wl_path = OUT_DIR / f"agent_workload-{args.profile}-{stamp}-workload.json"
     write_json(wl_path, workload)
     log(f"workload written to {wl_path}")
-    info = machine_info()
+    info_job = machine_info_async()  # a subprocess imports vLLM: overlap it with the runs
     results: dict[str, dict] = {}
     t0 = time.monotonic()
     for name in configs:
         log(f"=== configuration {name} ===")
         results[name] = asyncio.run(run_config(name, name == "kvbranch", args, workload, log))
     elapsed = time.monotonic() - t0
+    info = info_job.result()
     sums = {n: summarize(r) for n, r in results.items()}
     raw = OUT_DIR / f"agent_workload-{args.profile}-{stamp}.json"
     write_json(raw, {"args": {k: str(v) for k, v in vars(args).items()}, "machine": info,

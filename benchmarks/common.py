@@ -74,6 +74,16 @@ def machine_info() -> dict[str, str]:
     }
 
 
+def machine_info_async():
+    """:func:`machine_info` in a background thread; call ``.result()`` on the returned future."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(machine_info)
+    pool.shutdown(wait=False)
+    return future
+
+
 def machine_md(info: dict[str, str]) -> str:
     return (f"- Machine: {info['cpu']}, {info['cores']} cores, {info['ram']} RAM, "
             f"Linux {info['kernel']}\n"
