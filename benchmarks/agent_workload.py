@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     BENCH_DIR,
     BLOCK_TOKENS,
+    DEFAULT_RESERVED_CPUS,
     MODEL_NAME,
     OUT_DIR,
     MemorySampler,
@@ -56,6 +57,7 @@ from benchmarks.common import (  # noqa: E402
     md_table,
     median,
     now_str,
+    omp_binding,
     percentile,
     ratio,
     server_args,
@@ -234,7 +236,9 @@ class Runner:
 async def run_config(name: str, kvbranch: bool, args: argparse.Namespace, workload: dict,
                      log: Progress) -> dict:
     server = start_server(name, server_args(kvbranch, args.kv_cache_gib, args.host_store_gib,
-                                            args.max_model_len))
+                                            args.max_model_len),
+                          reserved_cpus=args.reserved_cpus)
+    binding = omp_binding(server)
     try:
         with MemorySampler(server_pgid(server)) as mem:
             limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
@@ -254,7 +258,7 @@ async def run_config(name: str, kvbranch: bool, args: argparse.Namespace, worklo
             "wall_s": wall, "stats": stats, "prefetches": runner.prefetches,
             "forks": runner.forks, "errors": runner.errors,
             "peak_rss_bytes": mem.peak_bytes, "peak_rss_procs": mem.peak_procs,
-            "mem_method": mem.method}
+            "mem_method": mem.method, "omp": binding}
 
 
 # --- summary -------------------------------------------------------------------------------------
@@ -330,6 +334,8 @@ def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
              f"max-model-len {args.max_model_len}; streaming, TTFT at first content token",
              load_md([r["extra"].get("load1", 0.0) for res in results.values()
                       for r in res["records"]]),
+             f"- Engine CPU binding (VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}): "
+             + "; ".join(f"{n}: {r.get('omp')}" for n, r in results.items()),
              f"- Workload file: `{wl_path.relative_to(BENCH_DIR.parent)}`, raw data: "
              f"`{raw.relative_to(BENCH_DIR.parent)}` (not committed)"]
     if png:
@@ -380,13 +386,14 @@ def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
             if n == "plain":
                 continue
             s = sums[n]
+            plain_rss = results["plain"]["peak_rss_bytes"]
             r_late = base["ttft_p50_late"] / s["ttft_p50_late"] if s["ttft_p50_late"] else 0
             lines.append(f"- Ratios plain/{n}: TTFT p50 turns>=5 {r_late:.2f}x, TTFT p95 turns>=5 "
                          f"{ratio(base['ttft_p95_late'], s['ttft_p95_late'])}, mean JCT "
                          f"{ratio(base['jct_mean'], s['jct_mean'])}, recomputed prompt tokens "
                          f"{ratio(base['tokens']['recomputed'], s['tokens']['recomputed'])}; "
                          f"{n}/plain output tok/s {ratio(s['out_tps'], base['out_tps'])}, peak "
-                         f"RSS {ratio(results[n]['peak_rss_bytes'], results['plain']['peak_rss_bytes'])}")
+                         f"RSS {ratio(results[n]['peak_rss_bytes'], plain_rss)}")
             lines.append(f"- Target (memory-pressure profile) kvbranch p50 TTFT at turns >= 5 at "
                          f"least 3.3x lower than plain: {'MET' if r_late >= 3.3 else 'NOT MET'} "
                          f"({r_late:.2f}x, profile {args.profile})")
@@ -442,10 +449,16 @@ def main() -> int:
     ap.add_argument("--host-store-gib", type=float, help="kvbranch host store size")
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reserved-cpus", type=int, default=DEFAULT_RESERVED_CPUS,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server, so that all configs "
+                    "get the same OpenMP cores (vLLM otherwise reserves one more core when a "
+                    "KV connector is loaded); -1: leave vLLM's default")
     ap.add_argument("--configs", default="plain,kvbranch", help="run in this order")
     ap.add_argument("--replay", type=Path, help="replay a workload JSON written by a run")
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args()
+    if args.reserved_cpus is not None and args.reserved_cpus < 0:
+        args.reserved_cpus = None
     args.profile = args.profile or ("quick" if args.quick else "full")
     for key, value in PROFILES[args.profile].items():
         if getattr(args, key) is None:

@@ -261,13 +261,35 @@ class MemorySampler:
         self._thread.join(timeout=5)
 
 
-def start_server(name: str, args: list[str]) -> ServerProcess:
-    print(f"[{name}] starting server: python -m server {' '.join(args)}", flush=True)
+#: vLLM's CPU backend reserves one core for its scheduler process, plus one more whenever a KV
+#: connector is configured; on a 2-core machine that binds plain vLLM's model to 1 OpenMP
+#: thread and kvbranch's to 2 (the reservation exceeds the cores and is dropped). The
+#: benchmarks pin the same reservation for every configuration so that they compute alike.
+DEFAULT_RESERVED_CPUS = 1
+
+
+def start_server(name: str, args: list[str],
+                 reserved_cpus: int | None = DEFAULT_RESERVED_CPUS) -> ServerProcess:
+    env = {} if reserved_cpus is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
+    shown = " ".join(f"{k}={v}" for k, v in env.items())
+    print(f"[{name}] starting server: {shown} python -m server {' '.join(args)}", flush=True)
     t0 = time.monotonic()
-    server = ServerProcess(args, name=name).start()
+    server = ServerProcess(args, name=name, env=env).start()
     print(f"[{name}] ready at {server.url} after {time.monotonic() - t0:.0f}s "
-          f"(log {server.log_path})", flush=True)
+          f"(log {server.log_path}); {omp_binding(server)}", flush=True)
     return server
+
+
+def omp_binding(server: ServerProcess) -> str:
+    """The engine's OpenMP core binding, from the server log."""
+    try:
+        text = server.log_path.read_text(errors="replace")
+    except OSError:
+        return "OpenMP binding unknown"
+    for line in text.splitlines():
+        if "core ids=" in line:
+            return "OpenMP " + line.split("\t")[-1].strip().split("] ")[-1].strip()
+    return "OpenMP binding unknown"
 
 
 def server_pgid(server: ServerProcess) -> int:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     BENCH_DIR,
     BLOCK_TOKENS,
+    DEFAULT_RESERVED_CPUS,
     MODEL_NAME,
     OUT_DIR,
     Progress,
@@ -42,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     machine_md,
     md_table,
     now_str,
+    omp_binding,
     ratio,
     server_args,
     start_server,
@@ -76,8 +78,10 @@ def build_workload(args: argparse.Namespace) -> dict:
 async def run_config(name: str, connector: bool, args: argparse.Namespace, workload: dict,
                      log: Progress) -> dict:
     server = start_server(name, server_args(connector, args.kv_cache_gib, args.host_store_gib,
-                                            args.max_model_len))
+                                            args.max_model_len),
+                          reserved_cpus=args.reserved_cpus)
     base = server.url
+    binding = omp_binding(server)
     ref_rng = random.Random(args.seed + 1000)   # reference prompts (same across configs)
     fill_rng = random.Random(args.seed + 2000)  # the other tenant's prompts
     session = f"turn-ttft-{int(time.time())}"
@@ -121,7 +125,7 @@ async def run_config(name: str, connector: bool, args: argparse.Namespace, workl
         server.stop()
         log(f"[{name}] server stopped")
     return {"name": name, "connector": connector, "turns": turns_out, "fillers": fillers_out,
-            "stats": stats}
+            "stats": stats, "omp": binding}
 
 
 def plot(results: dict[str, dict], path: Path) -> bool:
@@ -165,6 +169,8 @@ def report(args: argparse.Namespace, results: dict[str, dict], info: dict, elaps
              f"{args.host_store_gib} GiB, streaming, TTFT at first content token",
              load_md([t["extra"].get("load1", 0.0) for res in results.values()
                       for t in res["turns"]]),
+             f"- Engine CPU binding (VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}): "
+             + "; ".join(f"{n}: {r.get('omp')}" for n, r in results.items()),
              f"- Raw data: `{raw.relative_to(BENCH_DIR.parent)}` (not committed)"]
     if png:
         lines.append(f"- Plot: `{png.name}`")
@@ -260,11 +266,17 @@ def main() -> int:
     ap.add_argument("--filler-tokens", type=int, default=800)
     ap.add_argument("--ref-repeats", type=int, default=3,
                     help="cold prefills of the new-token count per turn (median is used)")
+    ap.add_argument("--reserved-cpus", type=int, default=DEFAULT_RESERVED_CPUS,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server, so that all configs "
+                    "get the same OpenMP cores (vLLM otherwise reserves one more core when a "
+                    "KV connector is loaded); -1: leave vLLM's default")
     ap.add_argument("--configs", default="plain,kvbranch",
                     help="comma list of plain,kvbranch (run in this order)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args()
+    if args.reserved_cpus is not None and args.reserved_cpus < 0:
+        args.reserved_cpus = None
 
     log = Progress()
     info_job = machine_info_async()  # a subprocess imports vLLM: overlap it with the runs
