@@ -32,7 +32,7 @@ from server.contract import (
 )
 
 from sdk._common import CHAT_PATH, MODELS_PATH, chat_payload
-from sdk.client import _ClientBase, _dump, _parse, event_to_chunk
+from sdk.client import _ClientBase, _dump, _parse, event_to_chunk, max_model_len_of
 from sdk.errors import (
     APIConnectionError,
     APIResponseError,
@@ -162,6 +162,11 @@ class AsyncKVBranchClient(_ClientBase):
             return [m["id"] for m in data["data"]]
         except (TypeError, KeyError) as exc:
             raise APIResponseError(f"unexpected /v1/models response: {data!r:.200}") from exc
+
+    async def max_model_len(self, model: str | None = None) -> int | None:
+        """The context length of ``model`` from ``GET /v1/models`` (see
+        :meth:`sdk.KVBranchClient.max_model_len`)."""
+        return max_model_len_of(await self._send("GET", MODELS_PATH), model or self.model)
 
     async def resolve_model(self, model: str | None = None) -> str:
         """``model``, else the client's default, else the server's first model."""

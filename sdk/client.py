@@ -83,6 +83,20 @@ def _parse(model: Any, data: Any) -> Any:
         raise APIResponseError(f"unexpected {model.__name__} from the server: {exc}") from exc
 
 
+def max_model_len_of(data: Any, model: str | None) -> int | None:
+    """``max_model_len`` of ``model`` (else of the first model) in a ``/v1/models`` response;
+    ``None`` when the model is not listed or the server does not report it (vLLM does)."""
+    try:
+        entries = [m for m in data["data"] if isinstance(m, dict)]
+    except (TypeError, KeyError) as exc:
+        raise APIResponseError(f"unexpected /v1/models response: {data!r:.200}") from exc
+    entry = next((m for m in entries if model is None or m.get("id") == model), None)
+    value = entry.get("max_model_len") if entry is not None else None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
+
+
 def event_to_chunk(event: ServerSentEvent) -> ChatChunk | None:
     """A chat chunk, or ``None`` for ``[DONE]``. An ``{"error": ...}`` event raises the
     server's error; unreadable JSON raises :class:`APIResponseError`."""
@@ -244,6 +258,12 @@ class KVBranchClient(_ClientBase):
             return [m["id"] for m in data["data"]]
         except (TypeError, KeyError) as exc:
             raise APIResponseError(f"unexpected /v1/models response: {data!r:.200}") from exc
+
+    def max_model_len(self, model: str | None = None) -> int | None:
+        """The context length (prompt + answer tokens) of ``model`` (default: the client's
+        model, else the server's first) from ``GET /v1/models``; ``None`` when the server
+        does not report one."""
+        return max_model_len_of(self._send("GET", MODELS_PATH), model or self.model)
 
     def resolve_model(self, model: str | None = None) -> str:
         """``model``, else the client's default, else the server's first model."""

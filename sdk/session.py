@@ -91,6 +91,12 @@ class _BranchBase(Generic[S]):
         """Append messages without generating (e.g. tool results, or a scripted turn)."""
         self._messages.extend(check_messages(list(messages)))
 
+    def set_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """Replace the client history, for callers that own the conversation and send it
+        whole on every call (agent frameworks): the next :meth:`chat` with no content sends
+        exactly ``messages``, and forks and server-side restores start from them."""
+        self._messages = check_messages(messages)
+
     def add_tool_result(self, tool_call_id: str, content: str, *, name: str | None = None
                         ) -> None:
         """Append the ``tool`` message answering the tool call ``tool_call_id``."""
