@@ -29,6 +29,7 @@ from server.connector.host_pool import HostKVPool
 from server.connector.metadata import KVBranchMetadata
 from server.connector.planner import Planner
 from server.connector.sessions import RegistryError, SessionRegistry
+from server.connector.stats import KVBranchPromMetrics, KVBranchTransferStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,7 +72,7 @@ class KVBranchConnector(KVConnectorBase_V1):
         self.planner: Planner | None = None
         self.control: ControlServer | None = None
         self._pending_loads: list[tuple[int, int]] = []
-        self._loads_done = False
+        self._transfer_stats = KVBranchTransferStats()
         if role == KVConnectorRole.SCHEDULER:
             index = HostBlockIndex(self.num_slots)
             registry = SessionRegistry(
@@ -107,7 +108,10 @@ class KVBranchConnector(KVConnectorBase_V1):
         self.pool.fence()
         meta = self._connector_metadata
         if isinstance(meta, KVBranchMetadata) and meta.load_slots:
+            started = time.perf_counter()
             self.pool.load(meta.load_slots, meta.load_blocks)
+            self._transfer_stats.record("load", time.perf_counter() - started,
+                                        len(meta.load_slots))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before any layer runs
@@ -121,7 +125,29 @@ class KVBranchConnector(KVConnectorBase_V1):
             return
         meta = self._connector_metadata
         if isinstance(meta, KVBranchMetadata) and meta.save_blocks:
-            self.pool.save(meta.save_blocks, meta.save_slots)
+            started = time.perf_counter()
+            self.pool.save(meta.save_blocks, meta.save_slots)  # on CUDA: time to enqueue
+            self._transfer_stats.record("save", time.perf_counter() - started,
+                                        len(meta.save_blocks))
+
+    def get_kv_connector_stats(self) -> KVBranchTransferStats | None:
+        if self._transfer_stats.is_empty():
+            return None
+        stats, self._transfer_stats = self._transfer_stats, KVBranchTransferStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVBranchTransferStats:
+        return KVBranchTransferStats(data=data) if data is not None else KVBranchTransferStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVBranchPromMetrics:
+        return KVBranchPromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
 
     @property
     def requires_kv_delivery(self) -> bool:

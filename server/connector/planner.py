@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from server.connector.block_index import HostBlockIndex
@@ -28,6 +28,7 @@ SPLIT_HISTORY = 10_000
 @dataclass
 class RequestPlan:
     request: Any
+    arrived_at: float = field(default_factory=time.monotonic)
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     load_slots: list[int] | None = None
@@ -151,7 +152,8 @@ class Planner:
                 try:
                     self.registry.observe_request(
                         session_id, branch_id, request.all_token_ids, request.block_hashes,
-                        getattr(request, "cache_salt", None), owner=extra.get(OWNER_XARG))
+                        getattr(request, "cache_salt", None), owner=extra.get(OWNER_XARG),
+                        arrived_at=plan.arrived_at if plan is not None else None)
                 except RegistryError:
                     pass  # e.g. another tenant's session id: serve the request, keep no state
             self.registry.expire()

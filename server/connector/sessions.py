@@ -13,6 +13,7 @@ Pure logic over :class:`HostBlockIndex`; the clock is injectable so tests need n
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -97,6 +98,9 @@ class SessionRegistry:
         self.clock = clock
         self.wall_clock = wall_clock
         self.sessions: dict[str, Session] = {}
+        # When each recently deleted session went away: a request that was already running
+        # at that moment must not bring the session (and its pins) back when it finishes.
+        self.deleted_at: OrderedDict[str, float] = OrderedDict()
         self.pins_degraded = 0
         self.pins_refused = 0
 
@@ -134,6 +138,9 @@ class SessionRegistry:
         session = self.get_session(session_id, owner)
         released = sum(self._unpin_all(b) for b in session.branches.values())
         del self.sessions[session_id]
+        self.deleted_at[session_id] = self.clock()
+        while len(self.deleted_at) > self.max_sessions:
+            self.deleted_at.popitem(last=False)
         return released
 
     # --- branches ----------------------------------------------------------------------------
@@ -270,11 +277,16 @@ class SessionRegistry:
     # --- requests ----------------------------------------------------------------------------
     def observe_request(self, session_id: str, branch_id: str, token_ids: Sequence[int],
                         block_hashes: Sequence[bytes], cache_salt: str | None,
-                        owner: str | None = None) -> Branch:
+                        owner: str | None = None, arrived_at: float | None = None
+                        ) -> Branch | None:
         """A request of this branch finished: remember its tokens (for prefetch and forks)
-        and renew the branch's lease over its new blocks. Unknown sessions are created."""
+        and renew the branch's lease over its new blocks. Unknown sessions are created —
+        except one deleted after this request arrived (returns None then)."""
         session = self.sessions.get(session_id)
         if session is None:
+            deleted = self.deleted_at.get(session_id)
+            if deleted is not None and arrived_at is not None and arrived_at <= deleted:
+                return None
             session = self.create_session(session_id, owner=owner)
         elif session.owner != owner:
             raise NotFound(f"session {session_id!r} not found")

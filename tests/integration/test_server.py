@@ -63,6 +63,7 @@ def test_metrics_exports_kvbranch_counters(kvbranch_server):
     assert "kvbranch_connector_up 1.0" in r.text
     assert 'kvbranch_prompt_tokens_total{source="recomputed"}' in r.text
     assert "kvbranch_store_capacity_bytes" in r.text
+    assert "kvbranch_host_copy_seconds_bucket" in r.text  # vLLM's connector-stats plumbing
 
 
 def test_plain_server_reports_connector_not_loaded(plain_server):

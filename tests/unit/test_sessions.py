@@ -570,3 +570,24 @@ def test_branch_info_and_session_info():
     assert sinfo["auto_pin"] is True
     assert [b["branch_id"] for b in sinfo["branches"]] == [DEFAULT_BRANCH]
     assert sinfo["pinned_blocks"] == 3
+
+
+def test_request_running_at_delete_does_not_resurrect_the_session():
+    from server.connector.block_index import HostBlockIndex
+    from server.connector.sessions import SessionRegistry
+
+    now = [100.0]
+    registry = SessionRegistry(HostBlockIndex(16), block_size=4, block_bytes=1,
+                               pin_budget_bytes=8, default_ttl_s=60, clock=lambda: now[0])
+    registry.create_session("s")
+    arrived = now[0]
+    now[0] += 1
+    registry.delete_session("s")
+    now[0] += 1
+    assert registry.observe_request("s", "main", [1, 2, 3, 4], [b"h"], None,
+                                    arrived_at=arrived) is None
+    assert "s" not in registry.sessions
+    # a request that arrives after the delete starts a fresh session
+    assert registry.observe_request("s", "main", [1, 2, 3, 4], [b"h"], None,
+                                    arrived_at=now[0]) is not None
+    assert registry.sessions["s"].branches["main"].pinned
