@@ -150,8 +150,12 @@ class Planner:
             if session_id and not extra.get(PREFETCH_XARG):
                 branch_id = str(extra.get(BRANCH_XARG) or DEFAULT_BRANCH)
                 try:
+                    # Only blocks whose KV exists: the last sampled token is never fed
+                    # back, so a block it completes has a hash but no computed KV.
+                    computed = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
                     self.registry.observe_request(
-                        session_id, branch_id, request.all_token_ids, request.block_hashes,
+                        session_id, branch_id, request.all_token_ids,
+                        request.block_hashes[:computed // self.block_size],
                         getattr(request, "cache_salt", None), owner=extra.get(OWNER_XARG),
                         arrived_at=plan.arrived_at if plan is not None else None)
                 except RegistryError:

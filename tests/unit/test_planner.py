@@ -291,6 +291,7 @@ def test_request_finished_updates_branch_and_returns_split():
     planner.num_new_matched_tokens(req, 0)
     planner.after_alloc(req, [1, 2, 3], 0, [])
     assert planner.split_for("tag-1")["prompt_tokens"] == 10
+    req.num_computed_tokens = len(req.all_token_ids)  # a finished request computed its prompt
     split = planner.request_finished(req)
     check_split(split, 10, 0, 0)
     assert split["session_id"] == "s1" and split["branch_id"] == "b1"
@@ -485,3 +486,16 @@ def test_tagged_split_found_after_plan_is_gone():
     first = planner.request_finished(req)
     assert planner.request_finished(req) == first  # plan forgotten: found by its tag
     assert planner.requests == 1
+
+
+def test_block_completed_by_the_last_sampled_token_is_not_pinned():
+    """The last sampled token is never fed back, so the block it completes has a hash but no
+    KV: pinning it would hold budget for a block that can never be stored."""
+    planner, index, registry = make_planner()
+    req = make_request("r", 8, session_id="s1")  # 2 full blocks of 4 tokens
+    planner.on_new_request(req)
+    req.num_computed_tokens = 7  # 8th token sampled last, its KV never computed
+    planner.request_finished(req)
+    branch = registry.get_branch("s1", "main")
+    assert branch.block_hashes == req.block_hashes[:1]
+    assert index.pinned_hashes == 1
