@@ -109,9 +109,9 @@ def to_openai_message(message: ChatMessage) -> dict[str, Any]:
     if role == "assistant":
         calls = openai_tool_calls(message)
         if calls:
+            # "" rather than null: chat templates that concatenate the content (SmolLM2's,
+            # for one) cannot render null when the server forks a branch at these messages.
             out["tool_calls"] = calls
-            if not content:
-                out["content"] = None
     elif role == "tool":
         call_id = kw.get("tool_call_id")
         if call_id:

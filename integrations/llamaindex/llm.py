@@ -84,6 +84,7 @@ from integrations.llamaindex._convert import (
     openai_tool_calls,
     resolve_tool_choice,
     to_chat_message,
+    to_openai_message,
     to_openai_messages,
     tool_kwargs,
     tool_schemas,
@@ -441,12 +442,10 @@ class KVBranchLLM(FunctionCallingLLM):
         }
         return info
 
-    def _response(self, result: ChatResult, schemas: Mapping[str, Any],
-                  ids: Mapping[str, str], *, raw: Any = None, delta: str | None = None
-                  ) -> ChatResponse:
-        return ChatResponse(message=to_chat_message(result, schemas),
-                            raw=raw if raw is not None else result.raw, delta=delta,
-                            additional_kwargs=self._info(result, ids))
+    def _response(self, result: ChatResult, message: ChatMessage, ids: Mapping[str, str],
+                  *, raw: Any = None, delta: str | None = None) -> ChatResponse:
+        return ChatResponse(message=message, raw=raw if raw is not None else result.raw,
+                            delta=delta, additional_kwargs=self._info(result, ids))
 
     @staticmethod
     def _partial(acc: ChatAccumulator, chunk: ChatChunk, schemas: Mapping[str, Any]
@@ -457,11 +456,13 @@ class KVBranchLLM(FunctionCallingLLM):
         return ChatResponse(message=to_chat_message(acc.result(), schemas, partial=True),
                             raw=chunk.raw, delta=chunk.content or "", additional_kwargs=extra)
 
-    def _record(self, messages: list[dict[str, Any]], result: ChatResult) -> bool:
-        """Remember the branch's new history; whether a prefetch is due (a tool call)."""
+    def _record(self, messages: list[dict[str, Any]], result: ChatResult,
+                message: ChatMessage) -> bool:
+        """Remember the branch's new history (the answer as it will be sent back next time);
+        whether a prefetch is due (a tool call)."""
         shared = self._shared
         with shared.lock:
-            shared.histories[self.branch_id] = messages + [result.message]
+            shared.histories[self.branch_id] = messages + [to_openai_message(message)]
             if result.model:
                 shared.model_name = shared.model_name or result.model
         return bool(result.tool_calls) and self.prefetch_on_tool_call
@@ -511,9 +512,10 @@ class KVBranchLLM(FunctionCallingLLM):
         schemas = tool_schemas(params.get("tools"))
         ids = self._shared.ids(self.branch_id)
         result = self._shared.client.chat(msgs, **ids, **params)
-        if self._record(msgs, result):
+        message = to_chat_message(result, schemas)
+        if self._record(msgs, result, message):
             self._prefetch_in_thread()
-        return self._response(result, schemas, ids)
+        return self._response(result, message, ids)
 
     def _stream(self, messages: Sequence[ChatMessage], kwargs: Mapping[str, Any]
                 ) -> Iterator[ChatResponse]:
@@ -530,9 +532,10 @@ class KVBranchLLM(FunctionCallingLLM):
                 if chunk.content or chunk.tool_calls or chunk.reasoning:
                     yield self._partial(acc, chunk, schemas)
         result = stream.result
-        if self._record(msgs, result):
+        message = to_chat_message(result, schemas)
+        if self._record(msgs, result, message):
             self._prefetch_in_thread()
-        yield self._response(result, schemas, ids, raw=last_raw, delta="")
+        yield self._response(result, message, ids, raw=last_raw, delta="")
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -563,9 +566,10 @@ class KVBranchLLM(FunctionCallingLLM):
         ids = await self._shared.aids(self.branch_id)
         client = await self._shared.aclient()
         result = await client.chat(msgs, **ids, **params)
-        if self._record(msgs, result):
+        message = to_chat_message(result, schemas)
+        if self._record(msgs, result, message):
             self._prefetch_in_task()
-        return self._response(result, schemas, ids)
+        return self._response(result, message, ids)
 
     async def _astream(self, messages: Sequence[ChatMessage], kwargs: Mapping[str, Any]
                        ) -> AsyncIterator[ChatResponse]:
@@ -583,9 +587,10 @@ class KVBranchLLM(FunctionCallingLLM):
                 if chunk.content or chunk.tool_calls or chunk.reasoning:
                     yield self._partial(acc, chunk, schemas)
         result = stream.result
-        if self._record(msgs, result):
+        message = to_chat_message(result, schemas)
+        if self._record(msgs, result, message):
             self._prefetch_in_task()
-        yield self._response(result, schemas, ids, raw=last_raw, delta="")
+        yield self._response(result, message, ids, raw=last_raw, delta="")
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:

@@ -296,7 +296,7 @@ def test_message_conversion():
         ToolCallBlock(tool_call_id="c1", tool_name="get_weather",
                       tool_kwargs={"city": "Oslo"})])
     assert to_openai_message(assistant) == {
-        "role": "assistant", "content": None, "tool_calls": [
+        "role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
     # the model's own argument text wins over the blocks' parsed kwargs
