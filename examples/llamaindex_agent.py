@@ -36,10 +36,10 @@ from sdk import KVBranchError  # noqa: E402
 WEATHER = {"paris": "sunny, 21 C", "oslo": "light snow, -3 C", "rome": "clear, 24 C"}
 
 # Long enough to fill whole KV blocks, so later calls can reuse them. (The bundled 135M model
-# writes garbled tool arguments when the system prompt talks about its tools: keep it plain.)
+# writes garbled tool arguments with some system prompts, e.g. ones that mention its tools or
+# how to phrase answers: keep it plain.)
 SYSTEM = ("You are a weather assistant. You answer questions about the weather in European "
-          "cities such as Paris, Oslo, Rome, Lisbon, Vienna, Prague and Madrid, in one short "
-          "sentence with the temperature in degrees Celsius. ") * 4
+          "cities such as Paris, Oslo, Rome, Lisbon, Vienna, Prague and Madrid. ") * 6
 
 
 def get_weather(city: str) -> str:
