@@ -213,25 +213,27 @@ def test_deleting_a_session_drops_its_pins(kvbranch_server):
         assert c.get("/v1/kvbranch/sessions/del-s").status_code == 404
 
 
+# Validation errors come back as 400 through vLLM's own exception handler, with the field in
+# the message and in ``error.param``.
 BAD_REQUESTS = [
-    ("post", "/v1/kvbranch/sessions", {"session_id": "bad id!"}, 422, "session_id"),
-    ("post", "/v1/kvbranch/sessions", {"pin_ttl_s": -1}, 422, "pin_ttl_s"),
-    ("post", "/v1/kvbranch/sessions", {"pin_ttl_s": 1e12}, 422, "pin_ttl_s"),
-    ("post", "/v1/kvbranch/sessions", {"unknown": 1}, 422, "unknown"),
-    ("post", "/v1/kvbranch/sessions", [1, 2], 422, ""),
+    ("post", "/v1/kvbranch/sessions", {"session_id": "bad id!"}, 400, "session_id"),
+    ("post", "/v1/kvbranch/sessions", {"pin_ttl_s": -1}, 400, "pin_ttl_s"),
+    ("post", "/v1/kvbranch/sessions", {"pin_ttl_s": 1e12}, 400, "pin_ttl_s"),
+    ("post", "/v1/kvbranch/sessions", {"unknown": 1}, 400, "unknown"),
+    ("post", "/v1/kvbranch/sessions", [1, 2], 400, ""),
     ("get", "/v1/kvbranch/sessions/no-such-session", None, 404, "not found"),
     ("delete", "/v1/kvbranch/sessions/no-such-session", None, 404, "not found"),
-    ("get", "/v1/kvbranch/sessions/" + "x" * 200, None, 422, "session_id"),
+    ("get", "/v1/kvbranch/sessions/" + "x" * 200, None, 400, "session_id"),
     ("get", "/v1/kvbranch/sessions/bad-s/branches/nope", None, 404, "nope"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches", {"parent": "nope"}, 404, "nope"),
-    ("post", "/v1/kvbranch/sessions/bad-s/branches", {"token_offset": -3}, 422, "token_offset"),
+    ("post", "/v1/kvbranch/sessions/bad-s/branches", {"token_offset": -3}, 400, "token_offset"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches", {"token_offset": 10**9}, 400, "past the end"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches",
      {"token_offset": 1, "messages": [{"role": "user", "content": "x"}]}, 400, "either"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches", {"branch_id": "main"}, 409, "exists"),
-    ("post", "/v1/kvbranch/sessions/bad-s/branches/main/pin", {}, 422, "ttl_s"),
-    ("post", "/v1/kvbranch/sessions/bad-s/branches/main/pin", {"ttl_s": "soon"}, 422, "ttl_s"),
-    ("post", "/v1/kvbranch/sessions/bad-s/branches/main/pin", {"ttl_s": 0}, 422, "ttl_s"),
+    ("post", "/v1/kvbranch/sessions/bad-s/branches/main/pin", {}, 400, "ttl_s"),
+    ("post", "/v1/kvbranch/sessions/bad-s/branches/main/pin", {"ttl_s": "soon"}, 400, "ttl_s"),
+    ("post", "/v1/kvbranch/sessions/bad-s/branches/main/pin", {"ttl_s": 0}, 400, "ttl_s"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches/ghost/pin", {"ttl_s": 5}, 404, "ghost"),
     ("delete", "/v1/kvbranch/sessions/bad-s/branches/ghost/pin", None, 404, "ghost"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches/ghost/prefetch", None, 404, "ghost"),
