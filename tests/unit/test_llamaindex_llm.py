@@ -385,6 +385,9 @@ def test_chat_with_tools_round_trip(arguments):
     assert sent[1]["tool_calls"][0]["function"]["arguments"] == arguments
     assert sent[2] == {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}
     assert final.message.content == "It is sunny, 21 C."
+    # the branch history holds the tool call as it is sent back (content "", not null)
+    assert llm.history[1] == {"role": "assistant", "content": "",
+                              "tool_calls": sent[1]["tool_calls"]}
     assert llm.get_tool_calls_from_response(final, error_on_no_tool_call=False) == []
     with pytest.raises(ValueError):
         llm.get_tool_calls_from_response(final)
