@@ -13,6 +13,8 @@ by guided decoding.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
@@ -20,6 +22,15 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from integrations.langchain import ChatKVBranch
 
 MAX_TOKENS = 48  # enough to close a small JSON object; keeps generations short
+
+# The project runs pytest-asyncio in strict mode and langchain-tests 1.1.9 does not mark its
+# async tests: mark them in place (the functions stay the same objects, so the suite's
+# no-override check is unaffected).
+for _name in dir(ChatModelIntegrationTests):
+    _fn = getattr(ChatModelIntegrationTests, _name)
+    if _name.startswith("test_") and inspect.iscoroutinefunction(_fn) and not any(
+            m.name == "asyncio" for m in getattr(_fn, "pytestmark", [])):
+        pytest.mark.asyncio(_fn)
 
 
 class TestChatKVBranchStandardIntegration(ChatModelIntegrationTests):
@@ -76,8 +87,9 @@ SYSTEM = ("You are a travel planner. Answer in one short sentence. The traveller
 
 
 def make(server, **kwargs) -> ChatKVBranch:
+    kwargs = {"temperature": 0, "max_tokens": 12, "timeout": 300, **kwargs}
     return ChatKVBranch(model=server.model, base_url=server.url, api_key=server.api_key,
-                        temperature=0, max_tokens=12, timeout=300, **kwargs)
+                        **kwargs)
 
 
 def test_session_turns_hit_the_cache_and_forks_share_it(kvbranch_server):
@@ -109,7 +121,7 @@ def test_tool_call_plumbing(kvbranch_server):
         """Get the weather for a city."""
         return "sunny"
 
-    llm = make(kvbranch_server, session_id="lc-it-tools", max_tokens=40)
+    llm = make(kvbranch_server, session_id="lc-it-tools", max_tokens=128)
     bound = llm.bind_tools([get_weather], tool_choice="get_weather")
     msg = bound.invoke("What is the weather in Paris?")
     calls = msg.tool_calls + msg.invalid_tool_calls
