@@ -148,6 +148,10 @@ async def _render(request: Request, messages: list[dict]) -> list[int] | JSONRes
         tokenizer = kvb.engine_client.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # async in some vLLM releases
             tokenizer = await tokenizer
+        # vLLM's chat path accepts content: null (assistant tool-call turns); templates
+        # often do not, so render it as the empty string, as the chat path effectively does.
+        messages = [dict(m, content="") if isinstance(m, dict) and m.get("content") is None
+                    else m for m in messages]
         ids = tokenizer.apply_chat_template(messages, tokenize=True,
                                             add_generation_prompt=False)
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
