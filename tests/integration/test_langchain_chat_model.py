@@ -13,8 +13,6 @@ by guided decoding.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
@@ -23,14 +21,7 @@ from integrations.langchain import ChatKVBranch
 
 MAX_TOKENS = 48  # enough to close a small JSON object; keeps generations short
 
-# The project runs pytest-asyncio in strict mode and langchain-tests 1.1.9 does not mark its
-# async tests: mark them in place (the functions stay the same objects, so the suite's
-# no-override check is unaffected).
-for _name in dir(ChatModelIntegrationTests):
-    _fn = getattr(ChatModelIntegrationTests, _name)
-    if _name.startswith("test_") and inspect.iscoroutinefunction(_fn) and not any(
-            m.name == "asyncio" for m in getattr(_fn, "pytestmark", [])):
-        pytest.mark.asyncio(_fn)
+# langchain-tests 1.1.9 does not mark its async tests; pyproject sets asyncio_mode = "auto".
 
 
 class TestChatKVBranchStandardIntegration(ChatModelIntegrationTests):
