@@ -187,8 +187,8 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
     if args.block_size:
         argv += ["--block-size", str(args.block_size)]
     if args.api_key:
-        for key in args.api_key:
-            argv += ["--api-key", key]
+        # vLLM's --api-key takes a list in ONE flag; repeating the flag keeps only the last.
+        argv += ["--api-key", *args.api_key]
     control_socket = None
     if not args.no_connector:
         control_socket = os.path.join(

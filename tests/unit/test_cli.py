@@ -242,9 +242,13 @@ def test_plan_passthrough_appended_unchanged(model_dir):
 def test_plan_api_keys(model_dir):
     plan = plan_launch(parse("--model", str(model_dir), "--api-key", "k1", "--api-key", "k2"),
                        [], cuda=False)
-    idx = [i for i, a in enumerate(plan.vllm_argv) if a == "--api-key"]
-    assert [plan.vllm_argv[i + 1] for i in idx] == ["k1", "k2"]
     assert plan.env[ENV_API_KEYS] == "k1,k2"
+    # vLLM's own parser must see both keys (repeating its flag would keep only the last)
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(plan.vllm_argv)
+    assert vllm_args.api_key == ["k1", "k2"]"
 
 
 def test_plan_options_flow_through(model_dir):
