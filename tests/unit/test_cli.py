@@ -248,7 +248,7 @@ def test_plan_api_keys(model_dir):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(plan.vllm_argv)
-    assert vllm_args.api_key == ["k1", "k2"]"
+    assert vllm_args.api_key == ["k1", "k2"]
 
 
 def test_plan_options_flow_through(model_dir):
