@@ -61,7 +61,7 @@ def main() -> int:
             print(f"[demo] starting the kvbranch server on http://127.0.0.1:{port} ...",
                   end="", flush=True)
             started = time.monotonic()
-            server = stack.enter_context(ServerProcess(["--kv-cache-gib", "0.25"],
+            server = stack.enter_context(ServerProcess(["--kv-cache-gib", "0.5"],
                                                        name="demo", port=port))
             print(f" ready in {time.monotonic() - started:.0f}s (log: {server.log_path})")
             base_url = server.url

@@ -163,12 +163,42 @@ def resolve_model(model: str | None) -> str:
     return model  # a hub name; vLLM reports it if it cannot be loaded
 
 
+def kv_bytes_per_token(model_path: str, cuda: bool) -> int | None:
+    """KV cache bytes one token needs (all layers, K and V), from the model's config.json;
+    None when the folder or its config does not say."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        layers = int(config["num_hidden_layers"])
+        heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or config["hidden_size"] //
+                       config["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    dtype_bytes = 2 if cuda else 4  # float32 on CPU (see plan_launch), 16-bit on CUDA
+    return 2 * layers * heads * head_dim * dtype_bytes
+
+
+def check_kv_fits(model_path: str, kv_cache_gib: float, max_model_len: int, cuda: bool) -> None:
+    per_token = kv_bytes_per_token(model_path, cuda)
+    if per_token is None:
+        return
+    capacity = int(kv_cache_gib * GIB) // per_token
+    if capacity < max_model_len:
+        need = max_model_len * per_token / GIB
+        raise LaunchError(
+            f"--kv-cache-gib {kv_cache_gib:g} holds about {capacity} tokens, less than "
+            f"--max-model-len {max_model_len}: raise --kv-cache-gib to at least {need:.2f} "
+            f"or lower --max-model-len")
+
+
 def plan_launch(args: argparse.Namespace, passthrough: list[str],
                 cuda: bool | None = None) -> LaunchPlan:
     """Turn our flags into vLLM's argv. Pure apart from model resolution (testable)."""
     model_path = resolve_model(args.model)  # first: a bad --model fails before importing torch
     cuda = _has_cuda() if cuda is None else cuda
     served = args.served_model_name or Path(model_path.rstrip("/")).name
+    if "--max-model-len" not in passthrough:
+        check_kv_fits(model_path, args.kv_cache_gib, args.max_model_len, cuda)
     argv = [
         "--model", model_path,
         "--served-model-name", served,

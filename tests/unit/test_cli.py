@@ -370,3 +370,17 @@ def test_subprocess_busy_port(model_dir):
     assert proc.returncode == 2
     assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port}")
     assert proc.stderr.strip().count("\n") == 0
+
+
+def test_kv_cache_too_small_for_max_model_len_is_one_clear_error(tmp_path):
+    """The embedded model's shape: 30 layers, 3 KV heads of 64 → 46,080 bytes/token in fp32."""
+    from server.cli import LaunchError, check_kv_fits, kv_bytes_per_token
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576}))
+    assert kv_bytes_per_token(str(tmp_path), cuda=False) == 46080
+    check_kv_fits(str(tmp_path), 0.5, 8192, cuda=False)  # 11.6k tokens: fits
+    with pytest.raises(LaunchError, match="raise --kv-cache-gib to at least 0.35"):
+        check_kv_fits(str(tmp_path), 0.25, 8192, cuda=False)
+    assert kv_bytes_per_token(str(tmp_path / "missing"), cuda=False) is None
