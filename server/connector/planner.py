@@ -55,7 +55,6 @@ class Planner:
         self.hits_tokens = {"device": 0, "host": 0, "recomputed": 0}
         self.requests = 0
         self.prefetches = 0
-        self.load_seconds = 0.0
 
     # --- vLLM scheduler hooks ----------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -198,6 +197,3 @@ class Planner:
     def split_for(self, tag: str) -> dict | None:
         with self.lock:
             return self.splits.get(tag)
-
-    def now(self) -> float:
-        return time.monotonic()

@@ -11,10 +11,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from server.cli import ENV_CONTROL_SOCKET, ENV_MODEL_NAME  # the launcher sets them
+
 logger = logging.getLogger("kvbranch.plugin")
 
-ENV_CONTROL_SOCKET = "KVBRANCH_CONTROL_SOCKET"
-ENV_MODEL_NAME = "KVBRANCH_MODEL_NAME"
 
 
 class KVBranchPlugin:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-ENV_API_KEYS = "KVBRANCH_API_KEYS"
+from server.cli import ENV_API_KEYS  # the launcher sets it from --api-key
 
 
 def owner_of(authorization: str | None) -> str | None:
