@@ -154,7 +154,9 @@ class DeleteResult(BaseModel):
 class PrefetchResult(BaseModel):
     session_id: str
     branch_id: str
-    status: Literal["scheduled", "nothing_to_do"]
+    status: Literal["scheduled", "nothing_to_do", "already_resident"] = Field(
+        description="already_resident: every full block of the branch is in the device prefix "
+                    "cache, so nothing ran.")
     num_tokens: int
 
 
@@ -207,7 +209,9 @@ class Stats(BaseModel):
     requests: int
     pins_degraded: int
     pins_refused: int
-    prefetches: int
+    prefetches: int = Field(description="Prefetches that ran in the engine.")
+    prefetches_skipped: int = Field(0, description="Prefetch requests skipped because the "
+                                    "branch was already device-resident.")
     sessions: list[SessionInfo]
 
 

@@ -257,7 +257,11 @@ class KVBranchConnector(KVConnectorBase_V1):
                     return reg.branch_info(reg.unpin(req["session_id"], req["branch_id"], owner))
                 if op == "prefetch_plan":
                     branch = reg.get_branch(req["session_id"], req["branch_id"], owner)
-                    return {"token_ids": list(branch.token_ids), "cache_salt": branch.cache_salt}
+                    resident = self._device_resident(branch.block_hashes)
+                    if resident:
+                        planner.prefetches_skipped += 1
+                    return {"token_ids": list(branch.token_ids), "cache_salt": branch.cache_salt,
+                            "device_resident": resident}
                 if op == "split":
                     return planner.split_for(str(req.get("tag", "")))
                 if op == "stats":
@@ -269,6 +273,22 @@ class KVBranchConnector(KVConnectorBase_V1):
             except KeyError as exc:
                 raise ControlError(400, f"missing field {exc.args[0]!r}") from None
         raise ControlError(400, f"unknown control op {op!r}")
+
+    def _device_resident(self, block_hashes: list[bytes]) -> bool:
+        """Whether every full block of a branch is still in vLLM's device prefix cache.
+
+        Then a prefetch would only recompute the partial last block (which the next turn
+        recomputes anyway) and take an engine step from other sessions, so it is skipped.
+        Read from the control thread without the scheduler's lock: a stale answer only costs
+        one unneeded or one missing prefetch, never a wrong result."""
+        manager = self._kv_cache_manager
+        if manager is None or not block_hashes:
+            return False
+        pool = manager.block_pool
+        try:
+            return all(pool.get_cached_block(h, [0]) is not None for h in block_hashes)
+        except Exception:  # noqa: BLE001 - a heuristic: on any doubt, prefetch
+            return False
 
     def _stats(self, owner: str | None, all_owners: bool = False) -> dict:
         planner = self.planner
@@ -295,6 +315,7 @@ class KVBranchConnector(KVConnectorBase_V1):
             "pins_degraded": reg.pins_degraded,
             "pins_refused": reg.pins_refused,
             "prefetches": planner.prefetches,
+            "prefetches_skipped": planner.prefetches_skipped,
             "num_sessions": len(reg.sessions),
             "sessions": sessions,
             "time": time.time(),

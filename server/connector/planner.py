@@ -55,6 +55,7 @@ class Planner:
         self.hits_tokens = {"device": 0, "host": 0, "recomputed": 0}
         self.requests = 0
         self.prefetches = 0
+        self.prefetches_skipped = 0
 
     # --- vLLM scheduler hooks ----------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:

@@ -205,6 +205,8 @@ async def prefetch_branch(request: Request, session_id: str = SessionId,
     if len(tokens) > limit:
         tokens = tokens[:limit]
     status = "scheduled" if len(tokens) > 1 else "nothing_to_do"
+    if status == "scheduled" and plan.get("device_resident"):
+        status = "already_resident"
     if status == "scheduled":
         kvb.start_prefetch(tokens, plan.get("cache_salt"))
     body = PrefetchResult(session_id=session_id, branch_id=branch_id, status=status,

@@ -82,7 +82,9 @@ def test_session_flow(kvbranch_server):
         assert asyncio.run(streamed()) == third.text
 
         prefetch = main.prefetch()
-        assert prefetch.status == "scheduled" and prefetch.num_tokens > 256
+        # the branch was just used, so it may still be device-resident (then nothing runs)
+        assert prefetch.status in {"scheduled", "already_resident"}
+        assert prefetch.num_tokens > 256
 
         stats = client.stats()
         assert stats.requests >= 4 and stats.hits_tokens["host"] >= 256
