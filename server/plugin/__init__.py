@@ -22,11 +22,13 @@ class KVBranchPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
+        from server.plugin.guard import KVBranchGuard
         from server.plugin.middleware import KVBranchMiddleware
         from server.plugin.routes import router
 
         app.include_router(router)
         app.add_middleware(KVBranchMiddleware)
+        app.add_middleware(KVBranchGuard)  # added last = outermost: size and id checks first
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         from server.connector.control import AsyncControlClient
