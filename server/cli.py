@@ -25,6 +25,11 @@ CONNECTOR_MODULE = "server.connector.connector"
 ENV_CONTROL_SOCKET = "KVBRANCH_CONTROL_SOCKET"
 ENV_API_KEYS = "KVBRANCH_API_KEYS"
 ENV_MODEL_NAME = "KVBRANCH_MODEL_NAME"
+ENV_ROLE = "KVBRANCH_ROLE"
+PD_CONNECTOR_CLASS = "KVBranchPDConnector"
+NIXL_CONNECTOR_CLASS = "VerifiedNixlConnector"
+PD_CONNECTOR_MODULE = "server.connector.pd"
+ROLES = ("single", "prefill", "decode", "router")
 GIB = 1 << 30
 
 
@@ -111,6 +116,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "tests and benchmarks); the kvbranch routes report it as not loaded")
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients send (default: the model folder's name)")
+    pd = parser.add_argument_group(
+        "prefill/decode disaggregation",
+        "P and D are vLLM instances whose KV moves over NIXL (UCX); D keeps each session's "
+        "KV after a turn and P pulls it back on the next one. The router sends each turn's "
+        "prefill to P and decode to D. See README 'Prefill/decode disaggregation'.")
+    pd.add_argument("--disagg", action="store_true",
+                    help="start a prefill instance, a decode instance (each on its own CPU "
+                    "cores) and the router on --port: a one-machine P/D cluster")
+    pd.add_argument("--role", choices=ROLES, default="single",
+                    help="what this process is (default %(default)s)")
+    pd.add_argument("--prefill", action="append", default=None, metavar="URL",
+                    help="router: a prefill instance's URL (repeat for several)")
+    pd.add_argument("--decode", action="append", default=None, metavar="URL",
+                    help="router: a decode instance's URL (repeat for several)")
+    pd.add_argument("--nixl-port", type=_port, default=None,
+                    help="prefill/decode: NIXL side-channel port (default: --port + 10000)")
+    pd.add_argument("--cpu-cores", default=None, metavar="LIST",
+                    help="CPU platform: cores this instance computes on, e.g. '0' or '2-3' "
+                    "(vLLM's VLLM_CPU_OMP_THREADS_BIND; default: vLLM's own choice)")
+    pd.add_argument("--pd-hold-ttl-s", type=_positive_float, default=30.0,
+                    help="how long D holds a finished turn's KV for P to pull (the engine "
+                    "keeps stepping while it holds); the router stops offering it 5 s "
+                    "earlier (default %(default)s)")
+    pd.add_argument("--no-bidirectional", action="store_true",
+                    help="P/D without the D->P pull (the baseline: P recomputes what its own "
+                    "caches lack)")
     return parser
 
 
@@ -239,7 +270,14 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
+        if args.role in ("prefill", "decode"):
+            kv_transfer_config = pd_transfer_config(args, kv_transfer_config)
+            # vLLM checks hybrid-KV support by the class name "MultiConnector"; ours is a
+            # subclass, and the kvbranch connector has one KV cache group anyway.
+            argv += ["--disable-hybrid-kv-cache-manager"]
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    elif args.role in ("prefill", "decode"):
+        argv += ["--kv-transfer-config", json.dumps(pd_transfer_config(args, None))]
     argv += passthrough
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     if PLUGIN_NAME not in plugins:
@@ -251,9 +289,52 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
     }
     if control_socket:
         env[ENV_CONTROL_SOCKET] = control_socket
+    env[ENV_ROLE] = args.role
+    if args.cpu_cores and not cuda:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_cores
+    if args.role in ("prefill", "decode"):
+        env.update(pd_environment(args))
     if args.api_key:
         env[ENV_API_KEYS] = ",".join(args.api_key)
     return LaunchPlan(argv, env, model_path, served, control_socket)
+
+
+def pd_transfer_config(args: argparse.Namespace, kvbranch: dict | None) -> dict:
+    """NIXL (upstream transport, bidirectional mode) composed with the kvbranch connector;
+    just upstream's ``NixlConnector`` with ``--no-connector`` (the plain P/D baseline)."""
+    nixl_extra = {
+        "bidirectional_kv_xfer": not args.no_bidirectional,
+        "decoder_kv_blocks_ttl": int(args.pd_hold_ttl_s),
+        # A pull of one block took 1.5-6 ms here; recomputing even 30 tokens costs more.
+        "kv_recompute_threshold": 0,
+    }
+    if kvbranch is None:
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": nixl_extra}
+    nixl = {"kv_connector": NIXL_CONNECTOR_CLASS, "kv_connector_module_path": PD_CONNECTOR_MODULE,
+            "kv_role": "kv_both", "kv_connector_extra_config": nixl_extra}
+    return {
+        "kv_connector": PD_CONNECTOR_CLASS,
+        "kv_connector_module_path": PD_CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        # A failed pull (peer gone) recomputes those blocks instead of failing the request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [nixl, kvbranch]},
+    }
+
+
+def pd_environment(args: argparse.Namespace) -> dict[str, str]:
+    """NIXL side channel and UCX transports. On one box UCX uses TCP over loopback and shared
+    memory; on a cluster leave UCX_TLS unset (UCX picks RDMA: InfiniBand, RoCE, EFA)."""
+    nixl_port = args.nixl_port or args.port + 10000
+    if nixl_port > 65535:
+        raise LaunchError(f"--port {args.port}: pass --nixl-port (port + 10000 is over 65535)")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "localhost") else args.host
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_port), "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
+    if host == "127.0.0.1" and "UCX_TLS" not in os.environ:
+        env["UCX_TLS"] = "tcp,self,sm"
+        env["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", "lo")
+    return env
 
 
 def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -294,6 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(ours)
     try:
         check_port_free(args.host, args.port)
+        if args.disagg or args.role == "router":
+            from server.router.launch import run_disagg, run_router
+
+            if args.disagg:
+                run_disagg(args, ours, passthrough)
+            else:
+                run_router(args)
+            return 0
         plan = plan_launch(args, passthrough)
         run(plan)
     except LaunchError as exc:

@@ -168,6 +168,8 @@ class PromptSourceSplit(BaseModel):
     prompt_tokens: int
     device_hit_tokens: int = Field(description="Reused from vLLM's on-device prefix cache.")
     host_hit_tokens: int = Field(description="Loaded from the kvbranch host store.")
+    remote_hit_tokens: int = Field(0, description="Pulled from a peer instance (P/D: the "
+                                   "decode instance that holds the conversation).")
     recomputed_tokens: int = Field(description="Prefilled from scratch.")
 
 
@@ -187,6 +189,9 @@ class HealthInfo(BaseModel):
     vllm_version: str
     model: str
     connector: ConnectorInfo
+    instance_id: str | None = Field(None, description="Random per server start: a router "
+                                    "notices a restarted peer by it.")
+    role: str | None = Field(None, description="single, prefill, decode or router.")
 
 
 class StoreStats(BaseModel):

@@ -44,12 +44,17 @@ class ServerProcess:
             self.api_key = args[args.index("--api-key") + 1]
 
     def start(self) -> "ServerProcess":
+        self.launch()
+        self.wait_ready()
+        return self
+
+    def launch(self) -> "ServerProcess":
+        """Start the process without waiting (start several, then ``wait_ready`` each)."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1", **self.extra_env)
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server", "--port", str(self.port), *self.args],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_ready()
         return self
 
     def headers(self) -> dict[str, str]:

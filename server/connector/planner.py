@@ -23,6 +23,7 @@ TAG_XARG = "kvbranch_tag"
 PREFETCH_XARG = "kvbranch_prefetch"
 OWNER_XARG = "kvbranch_owner"
 SPLIT_HISTORY = 10_000
+PARAMS_HISTORY = 256  # transfer params carry token ids: keep few (a router fetches at once)
 
 
 @dataclass
@@ -31,6 +32,7 @@ class RequestPlan:
     arrived_at: float = field(default_factory=time.monotonic)
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
     load_slots: list[int] | None = None
     load_start_block: int = 0
     next_save_block: int = 0
@@ -52,7 +54,8 @@ class Planner:
         self.lock = threading.RLock()
         self.plans: dict[str, RequestPlan] = {}
         self.splits: OrderedDict[str, dict] = OrderedDict()
-        self.hits_tokens = {"device": 0, "host": 0, "recomputed": 0}
+        self.transfer_params: OrderedDict[str, dict] = OrderedDict()
+        self.hits_tokens = {"device": 0, "host": 0, "remote": 0, "recomputed": 0}
         self.requests = 0
         self.prefetches = 0
         self.prefetches_skipped = 0
@@ -97,6 +100,22 @@ class Planner:
             plan.load_slots = None
             if not plan.recorded:
                 self._record_split(plan)
+
+    def note_remote_hit(self, request: Any, num_tokens: int) -> None:
+        """Prompt tokens a peer connector (NIXL, in P/D) loads for this request."""
+        with self.lock:
+            plan = self.plans.setdefault(request.request_id, RequestPlan(request))
+            plan.remote_hit_tokens = num_tokens
+
+    def remember_transfer_params(self, request: Any, params: dict) -> None:
+        """Keep a finished request's transfer params by tag, for a streaming response."""
+        tag = _extra_args(request).get(TAG_XARG)
+        if not tag:
+            return
+        with self.lock:
+            self.transfer_params[str(tag)] = params
+            while len(self.transfer_params) > PARAMS_HISTORY:
+                self.transfer_params.popitem(last=False)
 
     def plan_saves(self, scheduled: dict[str, int], resolve_block_ids,
                    protected: set[int]) -> list[tuple[int, int]]:
@@ -169,7 +188,8 @@ class Planner:
         extra = _extra_args(request)
         prompt = request.num_prompt_tokens
         device = min(plan.device_hit_tokens, prompt)
-        host = min(plan.host_hit_tokens, prompt - device)
+        remote = min(plan.remote_hit_tokens, prompt - device)
+        host = min(plan.host_hit_tokens, prompt - device - remote)
         split = {
             "session_id": getattr(request, "session_id", None),
             "branch_id": (str(extra.get(BRANCH_XARG) or DEFAULT_BRANCH)
@@ -177,7 +197,8 @@ class Planner:
             "prompt_tokens": prompt,
             "device_hit_tokens": device,
             "host_hit_tokens": host,
-            "recomputed_tokens": prompt - device - host,
+            "remote_hit_tokens": remote,
+            "recomputed_tokens": prompt - device - host - remote,
         }
         plan.recorded = True
         plan.split = split
@@ -187,6 +208,7 @@ class Planner:
             self.requests += 1
             self.hits_tokens["device"] += device
             self.hits_tokens["host"] += host
+            self.hits_tokens["remote"] += remote
             self.hits_tokens["recomputed"] += split["recomputed_tokens"]
         tag = extra.get(TAG_XARG)
         if tag:
@@ -196,5 +218,11 @@ class Planner:
         return split
 
     def split_for(self, tag: str) -> dict | None:
+        """The request's split; with ``kv_transfer_params`` when a transfer connector returned
+        some (P/D), since a streaming response has no other way to carry them."""
         with self.lock:
-            return self.splits.get(tag)
+            split = self.splits.get(tag)
+            params = self.transfer_params.pop(tag, None)
+            if split is not None and params is not None:
+                split = dict(split, kv_transfer_params=params)
+            return split

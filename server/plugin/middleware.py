@@ -25,6 +25,7 @@ logger = logging.getLogger("kvbranch.middleware")
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_BODY = 32 * 1024 * 1024
+TRANSFER_PARAMS_FIELD = "kv_transfer_params"
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -64,6 +65,10 @@ def add_split_to_event(event: bytes, split: dict | None) -> bytes:
         return event
     if not isinstance(chunk, dict) or not chunk.get("usage"):
         return event
+    split = dict(split)
+    params = split.pop(TRANSFER_PARAMS_FIELD, None)
+    if params is not None and chunk.get(TRANSFER_PARAMS_FIELD) is None:
+        chunk[TRANSFER_PARAMS_FIELD] = params  # where a non-streaming response has them
     chunk[RESPONSE_FIELD] = split
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
 
@@ -182,6 +187,10 @@ class _ResponseRewriter:
             if isinstance(payload, dict) and "usage" in payload:
                 split = await self._fetch_split()
                 if split is not None:
+                    split = dict(split)
+                    params = split.pop(TRANSFER_PARAMS_FIELD, None)
+                    if params is not None and payload.get(TRANSFER_PARAMS_FIELD) is None:
+                        payload[TRANSFER_PARAMS_FIELD] = params
                     payload[RESPONSE_FIELD] = split
                     body = json.dumps(payload).encode()
         except ValueError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import uuid
 from typing import Any
 
@@ -12,6 +13,7 @@ from fastapi import APIRouter, Body, Path, Request
 from fastapi.responses import JSONResponse
 
 from server import __version__
+from server.cli import ENV_ROLE
 from server.connector.control import ControlError
 from server.connector.planner import PREFETCH_XARG
 from server.contract import (
@@ -88,7 +90,8 @@ async def health(request: Request) -> Any:
             status = "degraded"
     return {"status": status, "kvbranch_version": __version__,
             "protocol_version": PROTOCOL_VERSION, "vllm_version": kvb.vllm_version,
-            "model": kvb.model_name, "connector": connector}
+            "model": kvb.model_name, "connector": connector,
+            "instance_id": kvb.instance_id, "role": kvb.role}
 
 
 @router.get("/stats", response_model=Stats)
@@ -226,6 +229,8 @@ class PluginState:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vllm_version = getattr(vllm, "__version__", "unknown")
+        self.instance_id = uuid.uuid4().hex
+        self.role = os.environ.get(ENV_ROLE, "single")
         self._tasks: set[asyncio.Task] = set()
 
     def start_prefetch(self, tokens: list[int], cache_salt: str | None) -> None:

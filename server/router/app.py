@@ -1,0 +1,485 @@
+"""The P/D router: OpenAI-compatible to clients, prefill on P and decode on D behind it.
+
+A turn (chat or completion, streamed or not):
+
+1. **Prefill on P** with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``.
+   When the index holds D's params for this (tenant, session, branch), they go along, so P
+   pulls the conversation back from D — P's connector checks the token prefix first and pulls
+   only what matches (:mod:`server.connector.pd`), so a re-rendered history costs a
+   recompute, never a wrong answer.
+2. **Decode on D** with P's returned params (D reads the prompt's blocks from P). D's own
+   returned params — on a stream they arrive in the usage chunk, put there by the kvbranch
+   middleware because vLLM streams do not carry them — go into the index for the next turn.
+
+Faults never reach the user as errors: P down → D computes the prompt itself; D down → P
+serves the whole turn; a peer restarted or a hold expired → no pull, P recomputes. Every
+response says which way it went in the ``X-KVBranch-Route`` header.
+
+Session routes (``/v1/kvbranch/...``) fan out to every instance (each keeps its own pins and
+host store); reads go to a prefill instance; ``stats`` adds the cluster index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from server.contract import (
+    API_PREFIX,
+    BRANCH_HEADER,
+    BRANCH_XARG,
+    HEALTH_PATH,
+    PROTOCOL_VERSION,
+    RESPONSE_FIELD,
+    SESSION_HEADER,
+    STATS_PATH,
+)
+from server.router.index import ClusterIndex, Key
+
+logger = logging.getLogger("kvbranch.router")
+
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+MAX_BODY = 32 * 1024 * 1024
+TRANSFER_PARAMS = "kv_transfer_params"
+ROUTE_HEADER = "X-KVBranch-Route"
+FORWARD_HEADERS = ("authorization", SESSION_HEADER.lower(), BRANCH_HEADER.lower())
+PROBE_MAX_AGE_S = 1.0
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
+            503: "ServiceUnavailableError"}.get(status, "ServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def tenant_of(authorization: str | None) -> str:
+    """Scopes the index per API key (the instances scope sessions the same way)."""
+    if not authorization:
+        return "-"
+    return hashlib.sha256(b"kvbranch-router\0" + authorization.encode()).hexdigest()[:24]
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str
+    alive: bool = False
+    instance_id: str | None = None
+    checked_at: float = 0.0
+    inflight: int = 0
+    requests: int = 0
+    failures: int = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"url": self.url, "role": self.role, "alive": self.alive,
+                "instance_id": self.instance_id, "inflight": self.inflight,
+                "requests": self.requests, "failures": self.failures}
+
+
+class _Fallback(Exception):
+    """This leg failed in a way the other instance can cover."""
+
+
+class Router:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], *,
+                 hold_ttl_s: float, api_key: str | None = None,
+                 request_timeout_s: float = 600.0) -> None:
+        if not prefill_urls or not decode_urls:
+            raise ValueError("a router needs at least one prefill and one decode instance")
+        self.prefills = [Instance(u.rstrip("/"), "prefill") for u in prefill_urls]
+        self.decodes = [Instance(u.rstrip("/"), "decode") for u in decode_urls]
+        self.index = ClusterIndex(hold_ttl_s)
+        self.api_key = api_key
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
+                                        limits=httpx.Limits(max_connections=512))
+        self.registry = CollectorRegistry()
+        self.turns = Counter("kvbranch_router_turns", "Completion turns by route taken",
+                             ["route"], registry=self.registry)
+        self.pulled_tokens = Counter("kvbranch_router_pull_offered_tokens",
+                                     "Tokens D held that P was offered to pull",
+                                     registry=self.registry)
+
+    # --- instances -------------------------------------------------------------------------
+    async def probe(self, inst: Instance, max_age: float = PROBE_MAX_AGE_S) -> bool:
+        now = time.monotonic()
+        if now - inst.checked_at < max_age:
+            return inst.alive
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            r = await self.client.get(inst.url + HEALTH_PATH, headers=headers, timeout=3.0)
+            alive = r.status_code == 200
+            new_id = r.json().get("instance_id") if alive else inst.instance_id
+        except (httpx.HTTPError, ValueError):
+            alive, new_id = False, inst.instance_id
+        if alive and inst.instance_id and new_id != inst.instance_id:
+            dropped = self.index.drop_instance(inst.url)  # a restart lost D's blocks
+            logger.warning("%s %s restarted; dropped %d index entries", inst.role, inst.url,
+                           dropped)
+        if alive != inst.alive:
+            logger.warning("%s %s is %s", inst.role, inst.url, "up" if alive else "DOWN")
+        inst.alive, inst.instance_id, inst.checked_at = alive, new_id, time.monotonic()
+        return alive
+
+    def mark_down(self, inst: Instance) -> None:
+        inst.alive, inst.checked_at = False, time.monotonic()
+        inst.failures += 1
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(i, 0.0) for i in self.prefills + self.decodes))
+
+    async def _live(self, pool: list[Instance]) -> list[Instance]:
+        alive = await asyncio.gather(*(self.probe(i) for i in pool))
+        return [i for i, ok in zip(pool, alive) if ok]
+
+    async def choose_prefill(self, key: Key | None) -> Instance | None:
+        """Session affinity: a session's turns (and forks) go to the same P, where its local
+        prefix cache and host store are."""
+        live = await self._live(self.prefills)
+        if not live:
+            return None
+        if key is None:
+            return min(live, key=lambda i: i.inflight)
+        return live[zlib.crc32(f"{key[0]}/{key[1]}".encode()) % len(live)]
+
+    async def choose_decode(self, held_on: str | None) -> Instance | None:
+        live = await self._live(self.decodes)
+        if not live:
+            return None
+        for inst in live:
+            if inst.url == held_on:
+                return inst  # the D that holds this branch's KV
+        return min(live, key=lambda i: i.inflight)
+
+    # --- a completion turn -----------------------------------------------------------------
+    async def completion(self, request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            return error(413, f"request body over {MAX_BODY} bytes")
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            return error(400, "request body is not valid JSON")
+        if not isinstance(payload, dict):
+            return error(400, "request body must be a JSON object")
+        if TRANSFER_PARAMS in payload:
+            return error(400, "kv_transfer_params is set by the router; remove it")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        key = self._key(payload, request)
+        path = request.url.path
+        holding = self.index.take(key) if key else None
+        prefill = await self.choose_prefill(key)
+        decode = await self.choose_decode(holding.decode_url if holding else None)
+        if prefill is None and decode is None:
+            return error(503, "no prefill or decode instance is reachable",
+                         headers={"Retry-After": "5"})
+        if decode is None:
+            return await self._single(prefill, path, payload, headers, "prefill-only")
+        if prefill is None:
+            return await self._single(decode, path, payload, headers, "decode-only", key=key,
+                                      hold=True)
+        pull = (holding if holding is not None and holding.decode_url == decode.url
+                and holding.instance_id == decode.instance_id else None)
+        try:
+            prefilled = await self._prefill(prefill, path, payload, headers, pull)
+        except _Fallback as exc:
+            logger.warning("prefill on %s failed (%s): decode instance computes the prompt",
+                           prefill.url, exc)
+            return await self._single(decode, path, payload, headers, "decode-only", key=key,
+                                      hold=True)
+        if isinstance(prefilled, Response):
+            return prefilled  # the client's own error (4xx), as P said it
+        p_params, split = prefilled
+        route = "pd+pull" if pull is not None else "pd"
+        try:
+            return await self._decode(decode, path, payload, headers, p_params, split, key,
+                                      route)
+        except _Fallback as exc:
+            logger.warning("decode on %s failed (%s): prefill instance serves the turn",
+                           decode.url, exc)
+            return await self._single(prefill, path, payload, headers, "prefill-only")
+
+    def _key(self, payload: dict, request: Request) -> Key | None:
+        session = payload.get("session_id") or request.headers.get(SESSION_HEADER)
+        if not isinstance(session, str) or not session:
+            return None
+        xargs = payload.get("vllm_xargs")
+        branch = xargs.get(BRANCH_XARG) if isinstance(xargs, dict) else None
+        branch = branch or request.headers.get(BRANCH_HEADER) or "main"
+        return (tenant_of(request.headers.get("authorization")), session, str(branch))
+
+    async def _post(self, inst: Instance, path: str, body: dict,
+                    headers: dict[str, str]) -> httpx.Response:
+        inst.inflight += 1
+        inst.requests += 1
+        try:
+            return await self.client.post(inst.url + path, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            self.mark_down(inst)
+            raise _Fallback(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            inst.inflight -= 1
+
+    async def _prefill(self, inst: Instance, path: str, payload: dict,
+                       headers: dict[str, str], pull: Any) -> Response | tuple[dict, Any]:
+        params: dict[str, Any] = {"do_remote_decode": True}
+        if pull is not None:
+            params = dict(pull.params, do_remote_decode=True, do_remote_prefill=False)
+            self.pulled_tokens.inc(pull.num_tokens)
+        body = dict(payload, max_tokens=1, stream=False, n=1)
+        body.pop("max_completion_tokens", None)
+        body.pop("stream_options", None)
+        body[TRANSFER_PARAMS] = params
+        r = await self._post(inst, path, body, headers)
+        if 400 <= r.status_code < 500:
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type"))
+        if r.status_code != 200:
+            raise _Fallback(f"HTTP {r.status_code}")
+        try:
+            data = r.json()
+        except ValueError:
+            raise _Fallback("response is not JSON") from None
+        p_params = data.get(TRANSFER_PARAMS)
+        if not isinstance(p_params, dict) or not p_params.get("do_remote_prefill"):
+            raise _Fallback("the prefill instance returned no transfer params")
+        return p_params, data.get(RESPONSE_FIELD)
+
+    async def _decode(self, inst: Instance, path: str, payload: dict, headers: dict[str, str],
+                      p_params: dict, split: Any, key: Key | None, route: str) -> Response:
+        body = dict(payload)
+        body[TRANSFER_PARAMS] = {k: v for k, v in p_params.items() if k != RESPONSE_FIELD}
+        return await self._run_final(inst, path, body, headers, key, route, split)
+
+    async def _single(self, inst: Instance, path: str, payload: dict, headers: dict[str, str],
+                      route: str, key: Key | None = None, hold: bool = False) -> Response:
+        """One instance serves the whole turn (the other one is down)."""
+        body = dict(payload)
+        if hold and key is not None:
+            # An empty request for D's connector: hold the blocks for the next turn's pull.
+            body[TRANSFER_PARAMS] = {"do_remote_prefill": False}
+        try:
+            return await self._run_final(inst, path, body, headers, key if hold else None,
+                                         route, None)
+        except _Fallback as exc:
+            return error(503, f"the {inst.role} instance failed mid-turn: {exc}",
+                         headers={"Retry-After": "5"})
+
+    async def _run_final(self, inst: Instance, path: str, body: dict, headers: dict[str, str],
+                         key: Key | None, route: str, split: Any) -> Response:
+        """Send the generating request; file D's returned params; relay the answer."""
+        self.turns.labels(route).inc()
+        out_headers = {ROUTE_HEADER: route}
+        if body.get("stream") is True:
+            return await self._stream(inst, path, body, headers, key, split, out_headers)
+        r = await self._post(inst, path, body, headers)
+        if r.status_code >= 500:
+            raise _Fallback(f"HTTP {r.status_code}")
+        if r.status_code != 200:
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type"), headers=out_headers)
+        try:
+            data = r.json()
+        except ValueError:
+            raise _Fallback("response is not JSON") from None
+        self._file(key, inst, data.pop(TRANSFER_PARAMS, None))
+        if split is not None:
+            data[RESPONSE_FIELD] = split
+        return JSONResponse(data, headers=out_headers)
+
+    async def _stream(self, inst: Instance, path: str, body: dict, headers: dict[str, str],
+                      key: Key | None, split: Any, out_headers: dict[str, str]) -> Response:
+        options = body.get("stream_options")
+        want_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        body["stream_options"] = dict(options if isinstance(options, dict) else {},
+                                      include_usage=True)
+        inst.inflight += 1
+        inst.requests += 1
+        try:
+            req = self.client.build_request("POST", inst.url + path, json=body, headers=headers)
+            resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            inst.inflight -= 1
+            self.mark_down(inst)
+            raise _Fallback(f"{type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            inst.inflight -= 1
+            if resp.status_code >= 500:
+                raise _Fallback(f"HTTP {resp.status_code}")
+            return Response(content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type"), headers=out_headers)
+
+        async def relay() -> AsyncIterator[bytes]:
+            buffer = b""
+            try:
+                async for data in resp.aiter_raw():
+                    buffer += data
+                    out = []
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        event = self._rewrite_event(event, key, inst, split, want_usage)
+                        if event is not None:
+                            out.append(event + b"\n\n")
+                    if out:
+                        yield b"".join(out)
+                if buffer:
+                    yield buffer
+            finally:
+                inst.inflight -= 1
+                await resp.aclose()  # a client that left: D sees the disconnect and aborts
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=out_headers)
+
+    def _rewrite_event(self, event: bytes, key: Key | None, inst: Instance, split: Any,
+                       want_usage: bool) -> bytes | None:
+        if not event.startswith(b"data: {") or (b'"usage"' not in event
+                                               and TRANSFER_PARAMS.encode() not in event):
+            return event
+        try:
+            chunk = json.loads(event[len(b"data: "):])
+        except ValueError:
+            return event
+        if not isinstance(chunk, dict):
+            return event
+        self._file(key, inst, chunk.pop(TRANSFER_PARAMS, None))
+        if chunk.get("usage") and not chunk.get("choices") and not want_usage:
+            return None  # the client did not ask for the usage chunk; we did
+        if split is not None and RESPONSE_FIELD in chunk:
+            chunk[RESPONSE_FIELD] = split
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+
+    def _file(self, key: Key | None, inst: Instance, params: Any) -> None:
+        if (key is not None and isinstance(params, dict) and params.get("do_remote_decode")
+                and params.get("remote_block_ids")):
+            self.index.put(key, inst.url, inst.instance_id, params)
+
+    # --- session routes, stats, models -----------------------------------------------------
+    async def forward(self, request: Request, inst: Instance, path: str,
+                      body: bytes | None) -> httpx.Response:
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("authorization", "content-type")}
+        return await self.client.request(request.method, inst.url + path, content=body,
+                                         headers=headers, params=request.query_params)
+
+    async def session_route(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        if len(body) > MAX_BODY:
+            return error(413, f"request body over {MAX_BODY} bytes")
+        prefills = await self._live(self.prefills)
+        if not prefills:
+            return error(503, "no prefill instance is reachable", headers={"Retry-After": "5"})
+        full = f"{API_PREFIX}/{path}"
+        if request.method == "GET" or path.endswith("/prefetch"):
+            targets = prefills[:1]  # reads; a prefetch warms the session's prefill instance
+            if path.endswith("/prefetch"):
+                parts = path.split("/")
+                tenant = tenant_of(request.headers.get("authorization"))
+                chosen = await self.choose_prefill((tenant, parts[1], parts[3])
+                                                   if len(parts) > 3 else None)
+                targets = [chosen] if chosen is not None else prefills[:1]
+        else:
+            targets = prefills + await self._live(self.decodes)
+        try:
+            responses = await asyncio.gather(*(self.forward(request, t, full, body or None)
+                                               for t in targets))
+        except httpx.HTTPError as exc:
+            return error(503, f"an instance failed: {exc}", headers={"Retry-After": "5"})
+        first = responses[0]
+        if request.method == "DELETE" and first.status_code == 200 and path.count("/") == 1:
+            self.index.drop_session(tenant_of(request.headers.get("authorization")),
+                                    path.split("/")[1])
+        return Response(first.content, status_code=first.status_code,
+                        media_type=first.headers.get("content-type"))
+
+    async def stats(self, request: Request) -> Response:
+        prefills = await self._live(self.prefills)
+        if not prefills:
+            return error(503, "no prefill instance is reachable", headers={"Retry-After": "5"})
+        r = await self.forward(request, prefills[0], STATS_PATH, None)
+        if r.status_code != 200:
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type"))
+        data = r.json()
+        tenant = tenant_of(request.headers.get("authorization"))
+        data["cluster"] = {
+            "instances": [i.info() for i in self.prefills + self.decodes],
+            "index": self.index.snapshot(tenant),
+            "index_counters": self.index.counters(),
+            "hold_ttl_s": self.index.ttl_s,
+        }
+        return JSONResponse(data)
+
+    async def health(self) -> Response:
+        await self.probe_all()
+        ok = any(i.alive for i in self.prefills) and any(i.alive for i in self.decodes)
+        body = {"status": "ok" if ok else "degraded", "role": "router",
+                "protocol_version": PROTOCOL_VERSION,
+                "instances": [i.info() for i in self.prefills + self.decodes]}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def passthrough_get(self, request: Request, path: str) -> Response:
+        for inst in await self._live(self.prefills) + await self._live(self.decodes):
+            try:
+                r = await self.forward(request, inst, path, None)
+            except httpx.HTTPError:
+                self.mark_down(inst)
+                continue
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type"))
+        return error(503, "no instance is reachable", headers={"Retry-After": "5"})
+
+
+def build_app(router: Router) -> FastAPI:
+    app = FastAPI(title="kvbranch router", version=PROTOCOL_VERSION)
+    app.state.router = router
+
+    @app.on_event("startup")
+    async def _startup() -> None:
+        await router.probe_all()
+
+    @app.on_event("shutdown")
+    async def _shutdown() -> None:
+        await router.client.aclose()
+
+    for path in COMPLETION_PATHS:
+        app.add_api_route(path, router.completion, methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await router.health()
+
+    @app.get(HEALTH_PATH)
+    async def kvbranch_health() -> Response:
+        return await router.health()
+
+    @app.get(STATS_PATH)
+    async def stats(request: Request) -> Response:
+        return await router.stats(request)
+
+    @app.api_route(API_PREFIX + "/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    async def session_route(request: Request, path: str) -> Response:
+        return await router.session_route(request, path)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.passthrough_get(request, "/v1/models")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

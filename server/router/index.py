@@ -1,0 +1,103 @@
+"""The router's cluster index: which decode instance holds which branch's KV, and the transfer
+params that let a prefill instance pull it back.
+
+Fed by the engines themselves: every decode response carries the transfer params its
+connector returned (block ids, the token ids those blocks encode, the peer's address), and the
+router files them here under (tenant, session, branch). An entry is single-use — once P has
+read D's blocks, D frees them — so :meth:`ClusterIndex.take` removes it; it also expires a
+margin before D's own hold ends (PD_NOTES pitfall 7), and it is void when D restarted since.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+Key = tuple[str, str, str]  # (tenant, session id, branch id)
+
+
+@dataclass
+class Holding:
+    decode_url: str
+    instance_id: str | None
+    params: dict[str, Any]
+    num_tokens: int
+    expires_at: float
+    stored_at: float = field(default_factory=time.monotonic)
+
+    def expired(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.monotonic()) >= self.expires_at
+
+
+class ClusterIndex:
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[Key, Holding] = {}
+        self._lock = threading.Lock()
+        self.stored = 0
+        self.taken = 0
+        self.expired = 0
+
+    def put(self, key: Key, decode_url: str, instance_id: str | None,
+            params: dict[str, Any]) -> Holding:
+        holding = Holding(decode_url, instance_id, params,
+                          int(params.get("remote_num_tokens") or 0),
+                          time.monotonic() + self.ttl_s)
+        with self._lock:
+            self._entries[key] = holding
+            self.stored += 1
+        return holding
+
+    def take(self, key: Key) -> Holding | None:
+        """Remove and return a live entry (None when absent or expired)."""
+        with self._lock:
+            holding = self._entries.pop(key, None)
+            if holding is None:
+                return None
+            if holding.expired():
+                self.expired += 1
+                return None
+            self.taken += 1
+            return holding
+
+    def peek(self, key: Key) -> Holding | None:
+        with self._lock:
+            holding = self._entries.get(key)
+            return None if holding is None or holding.expired() else holding
+
+    def drop_session(self, tenant: str, session_id: str) -> int:
+        with self._lock:
+            keys = [k for k in self._entries if k[0] == tenant and k[1] == session_id]
+            for k in keys:
+                del self._entries[k]
+            return len(keys)
+
+    def drop_instance(self, decode_url: str) -> int:
+        with self._lock:
+            keys = [k for k, h in self._entries.items() if h.decode_url == decode_url]
+            for k in keys:
+                del self._entries[k]
+            return len(keys)
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, h in self._entries.items() if h.expired(now)]:
+                del self._entries[k]
+                self.expired += 1
+
+    def snapshot(self, tenant: str | None) -> list[dict[str, Any]]:
+        """Entries of one tenant (all when ``tenant`` is None), for the stats route."""
+        self.sweep()
+        now = time.monotonic()
+        with self._lock:
+            return [{"session_id": k[1], "branch_id": k[2], "decode": h.decode_url,
+                     "tokens": h.num_tokens, "expires_in_s": round(h.expires_at - now, 1)}
+                    for k, h in self._entries.items() if tenant is None or k[0] == tenant]
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return {"entries": len(self._entries), "stored": self.stored, "taken": self.taken,
+                    "expired": self.expired}

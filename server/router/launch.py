@@ -1,0 +1,102 @@
+"""Starting the router, and ``--disagg``: a prefill instance, a decode instance and the router
+on one machine (a demo and the tests' P/D cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from server.cli import LaunchError
+
+#: Our flags that describe one instance and are not copied to the children of --disagg.
+_CLUSTER_FLAGS = {"--disagg": 0, "--port": 1, "--role": 1, "--cpu-cores": 1, "--nixl-port": 1,
+                  "--prefill": 1, "--decode": 1}
+
+
+def router_ttl(args: argparse.Namespace) -> float:
+    # Offer D's blocks only while D surely still holds them (PD_NOTES pitfall 7).
+    return max(args.pd_hold_ttl_s - 5.0, args.pd_hold_ttl_s / 2)
+
+
+def run_router(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from server.router.app import Router, build_app
+
+    if not args.prefill or not args.decode:
+        raise LaunchError("--role router needs at least one --prefill URL and one --decode URL")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = Router(args.prefill, args.decode, hold_ttl_s=router_ttl(args),
+                    api_key=args.api_key[0] if args.api_key else None)
+    print(f"[kvbranch] router on http://{args.host}:{args.port} prefill={args.prefill} "
+          f"decode={args.decode}", file=sys.stderr, flush=True)
+    uvicorn.run(build_app(router), host=args.host, port=args.port,
+                log_level="warning" if args.log_level == "info" else args.log_level)
+
+
+def instance_argv(ours: list[str]) -> list[str]:
+    """The user's flags minus the cluster-level ones, for each child instance."""
+    out: list[str] = []
+    skip = 0
+    for arg in ours:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _CLUSTER_FLAGS:
+            skip = _CLUSTER_FLAGS[name] if "=" not in arg else 0
+            continue
+        out.append(arg)
+    return out
+
+
+def split_cores(n: int) -> tuple[str, str]:
+    """P gets the first half of the cores, D the rest (one each on 2 cores)."""
+    if n < 2:
+        raise LaunchError("--disagg needs at least 2 CPU cores (one per instance)")
+    half = n // 2
+    p = "0" if half == 1 else f"0-{half - 1}"
+    d = str(half) if n - half == 1 else f"{half}-{n - 1}"
+    return p, d
+
+
+def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]) -> None:
+    from server.process import ServerProcess, free_port
+
+    base = instance_argv(ours)
+    cores = None
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        cuda = False
+    if not cuda:
+        cores = split_cores(len(os.sched_getaffinity(0)))
+    children = []
+    for role, core in (("prefill", cores[0] if cores else None),
+                       ("decode", cores[1] if cores else None)):
+        argv = [*base, "--role", role, "--nixl-port", str(free_port())]
+        if core is not None:
+            argv += ["--cpu-cores", core]
+        if passthrough:
+            argv += ["--", *passthrough]
+        children.append(ServerProcess(argv, name=role, ready_timeout=900))
+    try:
+        for child in children:
+            child.launch()
+            print(f"[kvbranch] {child.name} instance starting on {child.url} "
+                  f"(log: {child.log_path})", file=sys.stderr, flush=True)
+        for child in children:
+            child.wait_ready()
+        args.prefill = [children[0].url]
+        args.decode = [children[1].url]
+        run_router(args)
+    except RuntimeError as exc:
+        raise LaunchError(str(exc).splitlines()[0]) from None
+    finally:
+        for child in children:
+            child.stop()

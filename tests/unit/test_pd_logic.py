@@ -1,0 +1,106 @@
+"""Pure logic of prefill/decode: the token-prefix check, the router's index, launcher helpers."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+
+from server.cli import LaunchError, build_parser, pd_environment, pd_transfer_config
+from server.connector.pd import verified_prefix
+from server.router.index import ClusterIndex
+from server.router.launch import instance_argv, router_ttl, split_cores
+
+
+def test_verified_prefix_stops_at_the_first_different_token():
+    assert verified_prefix([1, 2, 3, 4, 5], [1, 2, 3, 9, 5, 6]) == 3
+
+
+def test_verified_prefix_leaves_the_last_prompt_token_to_compute():
+    assert verified_prefix([1, 2, 3, 4], [1, 2, 3, 4]) == 3
+    assert verified_prefix([1, 2, 3, 4, 5, 6], [1, 2, 3, 4]) == 3
+
+
+def test_verified_prefix_without_token_ids_pulls_nothing():
+    assert verified_prefix(None, [1, 2, 3]) == 0
+    assert verified_prefix("1,2,3", [1, 2, 3]) == 0
+    assert verified_prefix([1, 2], []) == 0
+
+
+def test_index_entries_are_single_use():
+    index = ClusterIndex(ttl_s=10)
+    key = ("t", "s", "main")
+    index.put(key, "http://d", "boot1", {"remote_num_tokens": 300, "remote_block_ids": [1]})
+    held = index.take(key)
+    assert held is not None and held.num_tokens == 300 and held.decode_url == "http://d"
+    assert index.take(key) is None
+    assert index.counters()["taken"] == 1
+
+
+def test_index_entries_expire():
+    index = ClusterIndex(ttl_s=0.05)
+    key = ("t", "s", "main")
+    index.put(key, "http://d", None, {"remote_num_tokens": 5})
+    time.sleep(0.1)
+    assert index.peek(key) is None and index.take(key) is None
+    assert index.counters()["expired"] == 1
+
+
+def test_index_drops_by_session_and_instance_and_scopes_snapshots_by_tenant():
+    index = ClusterIndex(ttl_s=10)
+    index.put(("a", "s1", "main"), "http://d1", None, {"remote_num_tokens": 1})
+    index.put(("a", "s1", "alt"), "http://d2", None, {"remote_num_tokens": 2})
+    index.put(("b", "s2", "main"), "http://d1", None, {"remote_num_tokens": 3})
+    assert {e["branch_id"] for e in index.snapshot("a")} == {"main", "alt"}
+    assert [e["session_id"] for e in index.snapshot("b")] == ["s2"]
+    assert index.drop_instance("http://d1") == 2
+    assert index.drop_session("a", "s1") == 1
+    assert index.snapshot(None) == []
+
+
+def test_instance_argv_removes_cluster_flags_only():
+    argv = ["--disagg", "--port", "9000", "--kv-cache-gib", "0.5", "--role=router",
+            "--cpu-cores", "0", "--api-key", "k"]
+    assert instance_argv(argv) == ["--kv-cache-gib", "0.5", "--api-key", "k"]
+
+
+def test_split_cores():
+    assert split_cores(2) == ("0", "1")
+    assert split_cores(8) == ("0-3", "4-7")
+    assert split_cores(3) == ("0", "1-2")
+    with pytest.raises(LaunchError):
+        split_cores(1)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def test_pd_transfer_config_composes_nixl_first_and_recomputes_on_failure():
+    kvb = {"kv_connector": "KVBranchConnector"}
+    cfg = pd_transfer_config(_args("--role", "prefill"), kvb)
+    assert cfg["kv_connector"] == "KVBranchPDConnector"
+    assert cfg["kv_load_failure_policy"] == "recompute"
+    first, second = cfg["kv_connector_extra_config"]["connectors"]
+    assert first["kv_connector"] == "VerifiedNixlConnector" and second is kvb
+    assert first["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    base = pd_transfer_config(_args("--role", "decode", "--no-bidirectional"), None)
+    assert base["kv_connector"] == "NixlConnector"
+    assert base["kv_connector_extra_config"]["bidirectional_kv_xfer"] is False
+
+
+def test_pd_environment_ports_and_loopback_transport(monkeypatch):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    env = pd_environment(_args("--role", "decode", "--port", "8100"))
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "18100"
+    assert env["UCX_TLS"] == "tcp,self,sm"
+    with pytest.raises(LaunchError, match="--nixl-port"):
+        pd_environment(_args("--role", "decode", "--port", "60000"))
+
+
+def test_router_ttl_stays_below_the_decode_hold():
+    assert router_ttl(_args("--pd-hold-ttl-s", "30")) == 25
+    assert router_ttl(_args("--pd-hold-ttl-s", "4")) == 2
+
+
