@@ -46,6 +46,7 @@ from server.contract import (
     SESSION_HEADER,
     STATS_PATH,
 )
+from server.connector.sessions import new_id
 from server.router.index import ClusterIndex, Key
 
 logger = logging.getLogger("kvbranch.router")
@@ -383,6 +384,10 @@ class Router:
         if not prefills:
             return error(503, "no prefill instance is reachable", headers={"Retry-After": "5"})
         full = f"{API_PREFIX}/{path}"
+        if request.method == "POST" and (path == "sessions" or path.endswith("/branches")):
+            # Every instance must create the same id: choose it here when the client did not.
+            body = _with_id(body, "session_id" if path == "sessions" else "branch_id",
+                            "sess" if path == "sessions" else "br")
         if request.method == "GET" or path.endswith("/prefetch"):
             targets = prefills[:1]  # reads; a prefetch warms the session's prefill instance
             if path.endswith("/prefetch"):
@@ -424,12 +429,25 @@ class Router:
         return JSONResponse(data)
 
     async def health(self) -> Response:
+        """A prefill instance's health (the sdk reads it) plus the router's view of all."""
         await self.probe_all()
         ok = any(i.alive for i in self.prefills) and any(i.alive for i in self.decodes)
-        body = {"status": "ok" if ok else "degraded", "role": "router",
-                "protocol_version": PROTOCOL_VERSION,
-                "instances": [i.info() for i in self.prefills + self.decodes]}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        body: dict[str, Any] = {}
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        for inst in self.prefills:
+            if inst.alive:
+                try:
+                    r = await self.client.get(inst.url + HEALTH_PATH, headers=headers,
+                                              timeout=5.0)
+                    body = r.json() if r.status_code == 200 else {}
+                except (httpx.HTTPError, ValueError):
+                    body = {}
+                break
+        body.update(status="ok" if ok else "degraded", role="router",
+                    protocol_version=PROTOCOL_VERSION,
+                    instances=[i.info() for i in self.prefills + self.decodes])
+        serving = any(i.alive for i in self.prefills + self.decodes)  # fallbacks still serve
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     async def passthrough_get(self, request: Request, path: str) -> Response:
         for inst in await self._live(self.prefills) + await self._live(self.decodes):
@@ -441,6 +459,17 @@ class Router:
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type"))
         return error(503, "no instance is reachable", headers={"Retry-After": "5"})
+
+
+def _with_id(body: bytes, field: str, prefix: str) -> bytes:
+    try:
+        data = json.loads(body) if body else {}
+    except ValueError:
+        return body  # the instances answer with their own 400
+    if isinstance(data, dict) and not data.get(field):
+        data[field] = new_id(prefix)
+        return json.dumps(data).encode()
+    return body
 
 
 def build_app(router: Router) -> FastAPI:
