@@ -185,10 +185,11 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, started: s
 async def main_async(args: argparse.Namespace) -> int:
     log = Progress()
     started = now_str()
-    info = await machine_info_async()
+    info_job = machine_info_async()  # a subprocess imports vLLM: overlap it with the runs
     results = []
     for name in args.configs:
         results.append(await run_config(name, args, log))
+    info = info_job.result()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = OUT_DIR / f"pd_turns-{stamp}.json"
     from benchmarks.common import write_json

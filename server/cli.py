@@ -301,18 +301,19 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
 
 def pd_transfer_config(args: argparse.Namespace, kvbranch: dict | None) -> dict:
     """NIXL (upstream transport, bidirectional mode) composed with the kvbranch connector;
-    just upstream's ``NixlConnector`` with ``--no-connector`` (the plain P/D baseline)."""
+    the NIXL connector alone with ``--no-connector`` (the plain P/D baseline)."""
     nixl_extra = {
         "bidirectional_kv_xfer": not args.no_bidirectional,
         "decoder_kv_blocks_ttl": int(args.pd_hold_ttl_s),
         # A pull of one block took 1.5-6 ms here; recomputing even 30 tokens costs more.
         "kv_recompute_threshold": 0,
     }
-    if kvbranch is None:
-        return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": nixl_extra}
     nixl = {"kv_connector": NIXL_CONNECTOR_CLASS, "kv_connector_module_path": PD_CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_connector_extra_config": nixl_extra}
+    if kvbranch is None:
+        # Upstream's transport alone, with only the CPU fixes (NIXL's progress thread off, the
+        # forward thread's cores kept): a fair baseline, not one that fights over a core.
+        return dict(nixl, kv_load_failure_policy="recompute")
     return {
         "kv_connector": PD_CONNECTOR_CLASS,
         "kv_connector_module_path": PD_CONNECTOR_MODULE,

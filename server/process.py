@@ -84,7 +84,16 @@ class ServerProcess:
         except OSError:
             return "(no log)"
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """Ask the whole process group to stop (SIGTERM) without waiting; ``stop`` finishes."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(os.getpgid(self.proc.pid), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 30.0) -> None:
         if self.proc is None:
             return
         try:
@@ -94,7 +103,7 @@ class ServerProcess:
             return
         os.killpg(pgid, signal.SIGTERM)
         try:
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from server.cli import LaunchError
@@ -85,6 +86,9 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
         if passthrough:
             argv += ["--", *passthrough]
         children.append(ServerProcess(argv, name=role, ready_timeout=900))
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default action the
+    # process would die before the ``finally`` below stops the instances it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for child in children:
             child.launch()
@@ -98,5 +102,7 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
     except RuntimeError as exc:
         raise LaunchError(str(exc).splitlines()[0]) from None
     finally:
+        for child in children:  # both at once: the caller may not wait long for us
+            child.terminate()
         for child in children:
-            child.stop()
+            child.stop(timeout=15)

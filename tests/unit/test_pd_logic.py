@@ -86,7 +86,7 @@ def test_pd_transfer_config_composes_nixl_first_and_recomputes_on_failure():
     assert first["kv_connector"] == "VerifiedNixlConnector" and second is kvb
     assert first["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
     base = pd_transfer_config(_args("--role", "decode", "--no-bidirectional"), None)
-    assert base["kv_connector"] == "NixlConnector"
+    assert base["kv_connector"] == "VerifiedNixlConnector"
     assert base["kv_connector_extra_config"]["bidirectional_kv_xfer"] is False
 
 
