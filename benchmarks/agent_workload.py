@@ -16,6 +16,9 @@ after the other, with the same device KV budget:
 * ``plain``    — vLLM with prefix caching (``python -m server --no-connector``);
 * ``kvbranch`` — the kvbranch connector: host store, session pins (auto-pin), the fork route at
   the fork turn, and the prefetch route called right after each response, during the pause.
+* ``pd-kvbranch`` (opt-in: ``--configs plain,kvbranch,pd-kvbranch``) — the same through
+  ``python -m server --disagg``: a prefill and a decode instance (one core each) behind the
+  kvbranch router, which carries the decode instance's KV back to prefill on the next turn.
 
 Per configuration: TTFT p50/p95 per turn index, job completion time per session, prompt tokens
 by source (device cache / host store / recomputed, from the server's accounting), output
@@ -61,7 +64,7 @@ from benchmarks.common import (  # noqa: E402
     percentile,
     ratio,
     server_args,
-    server_pgid,
+    server_pgids,
     start_server,
     stream_request,
     text_of_tokens,
@@ -235,12 +238,13 @@ class Runner:
 
 async def run_config(name: str, kvbranch: bool, args: argparse.Namespace, workload: dict,
                      log: Progress) -> dict:
+    extra = ["--disagg"] if name.startswith("pd") else []
     server = start_server(name, server_args(kvbranch, args.kv_cache_gib, args.host_store_gib,
-                                            args.max_model_len),
+                                            args.max_model_len, extra),
                           reserved_cpus=args.reserved_cpus)
-    binding = omp_binding(server)
+    binding = omp_binding(server) if not extra else "P/D: prefill on core 0, decode on core 1"
     try:
-        with MemorySampler(server_pgid(server)) as mem:
+        with MemorySampler(server_pgids(server)) as mem:
             limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
             async with httpx.AsyncClient(limits=limits) as client:
                 warm = await cold_prefill_ttft(client, server.url, random.Random(99), 64)
@@ -465,7 +469,7 @@ def main() -> int:
             setattr(args, key, value)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
-        if c not in ("plain", "kvbranch"):
+        if c not in ("plain", "kvbranch", "pd-kvbranch"):
             ap.error(f"unknown config {c!r}")
 
     log = Progress()
@@ -486,7 +490,7 @@ def main() -> int:
     t0 = time.monotonic()
     for name in configs:
         log(f"=== configuration {name} ===")
-        results[name] = asyncio.run(run_config(name, name == "kvbranch", args, workload, log))
+        results[name] = asyncio.run(run_config(name, name != "plain", args, workload, log))
     elapsed = time.monotonic() - t0
     info = info_job.result()
     sums = {n: summarize(r) for n, r in results.items()}

@@ -201,11 +201,12 @@ def server_args(connector: bool, kv_cache_gib: float, host_store_gib: float,
 
 
 class MemorySampler:
-    """Peak summed RSS of every process in a process group, sampled in a thread (psutil if
-    importable, else /proc). RSS sums count shared pages once per process (an upper bound)."""
+    """Peak summed RSS of every process in some process groups (a server's, or a P/D router's
+    and its instances'), sampled in a thread (psutil if importable, else /proc). RSS sums count
+    shared pages once per process (an upper bound)."""
 
-    def __init__(self, pgid: int, interval_s: float = 0.5) -> None:
-        self.pgid = pgid
+    def __init__(self, pgid: int | set[int], interval_s: float = 0.5) -> None:
+        self.pgids = {pgid} if isinstance(pgid, int) else set(pgid)
         self.interval_s = interval_s
         self.peak_bytes = 0
         self.peak_procs = 0
@@ -225,7 +226,7 @@ class MemorySampler:
 
             for proc in psutil.process_iter(["pid"]):
                 try:
-                    if os.getpgid(proc.pid) == self.pgid:
+                    if os.getpgid(proc.pid) in self.pgids:
                         total += proc.memory_info().rss
                         procs += 1
                 except (ProcessLookupError, psutil.Error, OSError):
@@ -238,7 +239,7 @@ class MemorySampler:
                 try:
                     stat = (entry / "stat").read_text()
                     fields = stat[stat.rindex(")") + 2:].split()
-                    if int(fields[2]) == self.pgid:  # field 5 (pgrp)
+                    if int(fields[2]) in self.pgids:  # field 5 (pgrp)
                         total += int((entry / "statm").read_text().split()[1]) * page
                         procs += 1
                 except (OSError, ValueError, IndexError):
@@ -295,6 +296,20 @@ def omp_binding(server: ServerProcess) -> str:
 def server_pgid(server: ServerProcess) -> int:
     assert server.proc is not None
     return os.getpgid(server.proc.pid)
+
+
+def server_pgids(server: ServerProcess) -> set[int]:
+    """The server's process group plus those of the instances it started (``--disagg``: the
+    router's P and D run in process groups of their own)."""
+    pgids = {server_pgid(server)}
+    try:
+        import psutil
+
+        for child in psutil.Process(server.proc.pid).children():
+            pgids.add(os.getpgid(child.pid))
+    except Exception:  # noqa: BLE001 - without psutil, the router's group only
+        pass
+    return pgids
 
 
 # --- streaming requests --------------------------------------------------------------------------
