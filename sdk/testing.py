@@ -293,7 +293,7 @@ class FakeKVBranchServer:
             branch["tokens"] = prompt + _tokens([answer])[1:]
             branch["requests"] += 1
             split = {"session_id": sid, "branch_id": bid, "prompt_tokens": len(prompt),
-                     "device_hit_tokens": cached, "host_hit_tokens": 0,
+                     "device_hit_tokens": cached, "host_hit_tokens": 0, "remote_hit_tokens": 0,
                      "recomputed_tokens": len(prompt) - cached}
             self.stats["device"] += cached
             self.stats["recomputed"] += len(prompt) - cached

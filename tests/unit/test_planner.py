@@ -155,7 +155,7 @@ def test_after_alloc_emits_loads_and_records_split():
     assert planner.plans["r"].recorded
     assert planner.plans["r"].load_slots is None
     assert planner.requests == 1
-    assert planner.hits_tokens == {"device": 4, "host": 12, "recomputed": 6}
+    assert planner.hits_tokens == {"device": 4, "host": 12, "remote": 0, "recomputed": 6}
     check_split(planner.request_finished(req), 22, 4, 12)
 
 
@@ -168,7 +168,7 @@ def test_after_alloc_with_fewer_external_tokens_loads_fewer():
     loads: list[tuple[int, int]] = []
     planner.after_alloc(req, [9, 8, 7, 6, 5], 8, loads)
     assert loads == [(slots[0], 9), (slots[1], 8)]
-    assert planner.hits_tokens == {"device": 0, "host": 8, "recomputed": 9}
+    assert planner.hits_tokens == {"device": 0, "host": 8, "remote": 0, "recomputed": 9}
 
 
 def test_after_alloc_without_external_tokens():
@@ -180,7 +180,7 @@ def test_after_alloc_without_external_tokens():
     planner.after_alloc(req, [1, 2, 3], 0, loads)
     assert loads == []
     assert index.counters.loaded_blocks == 0
-    assert planner.hits_tokens == {"device": 0, "host": 0, "recomputed": 10}
+    assert planner.hits_tokens == {"device": 0, "host": 0, "remote": 0, "recomputed": 10}
 
 
 def test_after_alloc_touches_loaded_blocks():
@@ -361,7 +361,7 @@ def test_prefetch_not_counted_and_no_branch_update():
     check_split(split, 13, 0, 8)
     assert planner.prefetches == 1
     assert planner.requests == 0
-    assert planner.hits_tokens == {"device": 0, "host": 0, "recomputed": 0}
+    assert planner.hits_tokens == {"device": 0, "host": 0, "remote": 0, "recomputed": 0}
     assert registry.sessions == {}
 
 
@@ -451,7 +451,7 @@ def test_device_hit_recorded_when_nothing_is_left_to_load():
     assert planner.num_new_matched_tokens(req, 12) == 0
     planner.after_alloc(req, [], 0, [])
     check_split(planner.request_finished(req), 14, 12, 0)
-    assert planner.hits_tokens == {"device": 12, "host": 0, "recomputed": 2}
+    assert planner.hits_tokens == {"device": 12, "host": 0, "remote": 0, "recomputed": 2}
 
 
 def test_device_hit_recorded_without_host_store():
