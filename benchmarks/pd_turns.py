@@ -150,7 +150,10 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, started: s
             *[str(sum(t["recomputed_tokens"] for t in r["turns"] if t["turn"] >= 2))
               for r in results]],
            ["tokens pulled from D (remote hits)",
-            *[str(sum(t["remote_hit_tokens"] for t in r["turns"])) for r in results]]]
+            *[str(sum(t["remote_hit_tokens"] for t in r["turns"])) for r in results]],
+           ["median 1-min load average at requests (2 cores = 2.0)",
+            *[f"{statistics.median([t['load1'] or 0 for t in r['turns']]):.1f}"
+              for r in results]]]
     lines = [f"## pd_turns — {started}", "", machine_md(info), "",
              f"- Command: `{command_line()}`", f"- Commit: {git_rev()}",
              f"- {args.conversations} conversations x {args.turns} turns, system prompt "
