@@ -62,6 +62,12 @@ BRANCH_XARG = "kvbranch_branch"
 TAG_XARG = "kvbranch_tag"
 DEFAULT_BRANCH = "main"
 RESPONSE_FIELD = "kvbranch"
+#: vLLM's field for KV-transfer params (P/D); a streaming response carries it in its usage chunk.
+TRANSFER_PARAMS_FIELD = "kv_transfer_params"
+#: The OpenAI completion routes kvbranch tags, guards and (in P/D) routes.
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+#: Larger request bodies get 413 (server and router).
+MAX_BODY_BYTES = 32 * 1024 * 1024
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _ID_RE = re.compile(ID_PATTERN)

@@ -1,6 +1,6 @@
 """ASGI guard in front of the kvbranch routes and the completion routes (outermost middleware).
 
-* **Body size**: a request body over :data:`MAX_BODY` bytes on a guarded path is answered 413
+* **Body size**: a request body over :data:`MAX_BODY_BYTES` bytes on a guarded path is answered 413
   with a JSON error (checked on ``Content-Length`` first, then while reading a chunked body);
   the rest of the body is read and dropped, never buffered.
 * **Ids on chat/completion requests**: the session id (``session_id`` in the body, the
@@ -18,22 +18,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.contract import API_PREFIX, BRANCH_HEADER, BRANCH_XARG, SESSION_HEADER, check_id
-
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
-MAX_BODY = 32 * 1024 * 1024  # the same bound the completion middleware buffers
+from server.contract import (
+    API_PREFIX,
+    BRANCH_HEADER,
+    BRANCH_XARG,
+    COMPLETION_PATHS,
+    MAX_BODY_BYTES,
+    SESSION_HEADER,
+    check_id,
+)
+from server.plugin.middleware import header
 
 
 def _guarded(path: str) -> bool:
     return path in COMPLETION_PATHS or path == API_PREFIX or path.startswith(API_PREFIX + "/")
-
-
-def _header(scope: dict, name: str) -> str | None:
-    key = name.lower().encode()
-    for k, v in scope.get("headers", []):
-        if k.lower() == key:
-            return v.decode("latin-1")
-    return None
 
 
 def id_problem(payload: dict, session_header: str | None,
@@ -74,7 +72,7 @@ def _error_response(status: int, message: str, param: str | None) -> tuple[dict,
 
 
 class KVBranchGuard:
-    def __init__(self, app: Any, max_body: int = MAX_BODY) -> None:
+    def __init__(self, app: Any, max_body: int = MAX_BODY_BYTES) -> None:
         self.app = app
         self.max_body = max_body
 
@@ -95,7 +93,7 @@ class KVBranchGuard:
             await self.app(scope, receive, send)
             return
         too_big = f"request body larger than {self.max_body} bytes"
-        length = _header(scope, "content-length")
+        length = header(scope, "content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_body:
             await self._drain(receive)
             await self._reply(send, 413, too_big, None)
@@ -124,8 +122,8 @@ class KVBranchGuard:
             except ValueError:
                 payload = None  # vLLM answers malformed JSON itself
             if isinstance(payload, dict):
-                problem = id_problem(payload, _header(scope, SESSION_HEADER),
-                                     _header(scope, BRANCH_HEADER))
+                problem = id_problem(payload, header(scope, SESSION_HEADER),
+                                     header(scope, BRANCH_HEADER))
                 if problem is not None:
                     await self._reply(send, 400, problem[1], problem[0])
                     return

@@ -18,21 +18,36 @@ import uuid
 from typing import Any
 
 from server.connector.planner import BRANCH_XARG, OWNER_XARG, TAG_XARG
-from server.contract import BRANCH_HEADER, RESPONSE_FIELD
+from server.contract import (
+    BRANCH_HEADER,
+    COMPLETION_PATHS,
+    MAX_BODY_BYTES,
+    RESPONSE_FIELD,
+    TRANSFER_PARAMS_FIELD,
+)
 from server.plugin.tenancy import owner_of
 
 logger = logging.getLogger("kvbranch.middleware")
 
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
-MAX_BODY = 32 * 1024 * 1024
-TRANSFER_PARAMS_FIELD = "kv_transfer_params"
 
 
-def _header(scope: dict, name: bytes) -> str | None:
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return value.decode("latin-1")
+def header(scope: dict, name: str) -> str | None:
+    """An ASGI request header by case-insensitive name."""
+    key = name.lower().encode()
+    for k, v in scope.get("headers", []):
+        if k.lower() == key:
+            return v.decode("latin-1")
     return None
+
+
+def attach_split(target: dict, split: dict) -> None:
+    """Put ``split`` into a response body or usage chunk; transfer params it carries (P/D)
+    go where a non-streaming response has them, unless vLLM already put them there."""
+    split = dict(split)
+    params = split.pop(TRANSFER_PARAMS_FIELD, None)
+    if params is not None and target.get(TRANSFER_PARAMS_FIELD) is None:
+        target[TRANSFER_PARAMS_FIELD] = params
+    target[RESPONSE_FIELD] = split
 
 
 def rewrite_request(payload: dict, *, tag: str, branch_header: str | None,
@@ -65,11 +80,7 @@ def add_split_to_event(event: bytes, split: dict | None) -> bytes:
         return event
     if not isinstance(chunk, dict) or not chunk.get("usage"):
         return event
-    split = dict(split)
-    params = split.pop(TRANSFER_PARAMS_FIELD, None)
-    if params is not None and chunk.get(TRANSFER_PARAMS_FIELD) is None:
-        chunk[TRANSFER_PARAMS_FIELD] = params  # where a non-streaming response has them
-    chunk[RESPONSE_FIELD] = split
+    attach_split(chunk, split)
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
 
 
@@ -83,7 +94,7 @@ class KVBranchMiddleware:
             await self.app(scope, receive, send)
             return
         body = b""
-        more = False  # True when we stopped buffering a body larger than MAX_BODY
+        more = False  # True when we stopped buffering a body larger than MAX_BODY_BYTES
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -91,7 +102,7 @@ class KVBranchMiddleware:
                 break
             body += message.get("body", b"")
             more = bool(message.get("more_body"))
-            if len(body) > MAX_BODY or not more:
+            if len(body) > MAX_BODY_BYTES or not more:
                 break
         tag = f"kvb-{uuid.uuid4().hex}"
         try:
@@ -100,8 +111,8 @@ class KVBranchMiddleware:
             payload = None
         if isinstance(payload, dict):
             payload = rewrite_request(
-                payload, tag=tag, branch_header=_header(scope, BRANCH_HEADER.lower().encode()),
-                owner=owner_of(_header(scope, b"authorization")))
+                payload, tag=tag, branch_header=header(scope, BRANCH_HEADER),
+                owner=owner_of(header(scope, "authorization")))
             body = json.dumps(payload).encode()
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
@@ -187,11 +198,7 @@ class _ResponseRewriter:
             if isinstance(payload, dict) and "usage" in payload:
                 split = await self._fetch_split()
                 if split is not None:
-                    split = dict(split)
-                    params = split.pop(TRANSFER_PARAMS_FIELD, None)
-                    if params is not None and payload.get(TRANSFER_PARAMS_FIELD) is None:
-                        payload[TRANSFER_PARAMS_FIELD] = params
-                    payload[RESPONSE_FIELD] = split
+                    attach_split(payload, split)
                     body = json.dumps(payload).encode()
         except ValueError:
             pass

@@ -40,20 +40,20 @@ from server.contract import (
     API_PREFIX,
     BRANCH_HEADER,
     BRANCH_XARG,
+    COMPLETION_PATHS,
     HEALTH_PATH,
+    MAX_BODY_BYTES,
     PROTOCOL_VERSION,
     RESPONSE_FIELD,
     SESSION_HEADER,
     STATS_PATH,
+    TRANSFER_PARAMS_FIELD,
 )
 from server.connector.sessions import new_id
 from server.router.index import ClusterIndex, Key
 
 logger = logging.getLogger("kvbranch.router")
 
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
-MAX_BODY = 32 * 1024 * 1024
-TRANSFER_PARAMS = "kv_transfer_params"
 ROUTE_HEADER = "X-KVBranch-Route"
 FORWARD_HEADERS = ("authorization", SESSION_HEADER.lower(), BRANCH_HEADER.lower())
 PROBE_MAX_AGE_S = 1.0
@@ -167,15 +167,15 @@ class Router:
     # --- a completion turn -----------------------------------------------------------------
     async def completion(self, request: Request) -> Response:
         raw = await request.body()
-        if len(raw) > MAX_BODY:
-            return error(413, f"request body over {MAX_BODY} bytes")
+        if len(raw) > MAX_BODY_BYTES:
+            return error(413, f"request body over {MAX_BODY_BYTES} bytes")
         try:
             payload = json.loads(raw)
         except ValueError:
             return error(400, "request body is not valid JSON")
         if not isinstance(payload, dict):
             return error(400, "request body must be a JSON object")
-        if TRANSFER_PARAMS in payload:
+        if TRANSFER_PARAMS_FIELD in payload:
             return error(400, "kv_transfer_params is set by the router; remove it")
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         key = self._key(payload, request)
@@ -242,7 +242,7 @@ class Router:
         body = dict(payload, max_tokens=1, stream=False, n=1)
         body.pop("max_completion_tokens", None)
         body.pop("stream_options", None)
-        body[TRANSFER_PARAMS] = params
+        body[TRANSFER_PARAMS_FIELD] = params
         r = await self._post(inst, path, body, headers)
         if 400 <= r.status_code < 500:
             return Response(r.content, status_code=r.status_code,
@@ -253,7 +253,7 @@ class Router:
             data = r.json()
         except ValueError:
             raise _Fallback("response is not JSON") from None
-        p_params = data.get(TRANSFER_PARAMS)
+        p_params = data.get(TRANSFER_PARAMS_FIELD)
         if not isinstance(p_params, dict) or not p_params.get("do_remote_prefill"):
             raise _Fallback("the prefill instance returned no transfer params")
         return p_params, data.get(RESPONSE_FIELD)
@@ -261,7 +261,7 @@ class Router:
     async def _decode(self, inst: Instance, path: str, payload: dict, headers: dict[str, str],
                       p_params: dict, split: Any, key: Key | None, route: str) -> Response:
         body = dict(payload)
-        body[TRANSFER_PARAMS] = {k: v for k, v in p_params.items() if k != RESPONSE_FIELD}
+        body[TRANSFER_PARAMS_FIELD] = {k: v for k, v in p_params.items() if k != RESPONSE_FIELD}
         return await self._run_final(inst, path, body, headers, key, route, split)
 
     async def _single(self, inst: Instance, path: str, payload: dict, headers: dict[str, str],
@@ -270,7 +270,7 @@ class Router:
         body = dict(payload)
         if hold and key is not None:
             # An empty request for D's connector: hold the blocks for the next turn's pull.
-            body[TRANSFER_PARAMS] = {"do_remote_prefill": False}
+            body[TRANSFER_PARAMS_FIELD] = {"do_remote_prefill": False}
         try:
             return await self._run_final(inst, path, body, headers, key if hold else None,
                                          route, None)
@@ -295,7 +295,7 @@ class Router:
             data = r.json()
         except ValueError:
             raise _Fallback("response is not JSON") from None
-        self._file(key, inst, data.pop(TRANSFER_PARAMS, None))
+        self._file(key, inst, data.pop(TRANSFER_PARAMS_FIELD, None))
         if split is not None:
             data[RESPONSE_FIELD] = split
         return JSONResponse(data, headers=out_headers)
@@ -348,7 +348,7 @@ class Router:
     def _rewrite_event(self, event: bytes, key: Key | None, inst: Instance, split: Any,
                        want_usage: bool) -> bytes | None:
         if not event.startswith(b"data: {") or (b'"usage"' not in event
-                                               and TRANSFER_PARAMS.encode() not in event):
+                                               and TRANSFER_PARAMS_FIELD.encode() not in event):
             return event
         try:
             chunk = json.loads(event[len(b"data: "):])
@@ -356,7 +356,7 @@ class Router:
             return event
         if not isinstance(chunk, dict):
             return event
-        self._file(key, inst, chunk.pop(TRANSFER_PARAMS, None))
+        self._file(key, inst, chunk.pop(TRANSFER_PARAMS_FIELD, None))
         if chunk.get("usage") and not chunk.get("choices") and not want_usage:
             return None  # the client did not ask for the usage chunk; we did
         if split is not None and RESPONSE_FIELD in chunk:
@@ -378,24 +378,24 @@ class Router:
 
     async def session_route(self, request: Request, path: str) -> Response:
         body = await request.body()
-        if len(body) > MAX_BODY:
-            return error(413, f"request body over {MAX_BODY} bytes")
+        if len(body) > MAX_BODY_BYTES:
+            return error(413, f"request body over {MAX_BODY_BYTES} bytes")
         prefills = await self._live(self.prefills)
         if not prefills:
             return error(503, "no prefill instance is reachable", headers={"Retry-After": "5"})
+        tenant = tenant_of(request.headers.get("authorization"))
         full = f"{API_PREFIX}/{path}"
         if request.method == "POST" and (path == "sessions" or path.endswith("/branches")):
             # Every instance must create the same id: choose it here when the client did not.
             body = _with_id(body, "session_id" if path == "sessions" else "branch_id",
                             "sess" if path == "sessions" else "br")
-        if request.method == "GET" or path.endswith("/prefetch"):
-            targets = prefills[:1]  # reads; a prefetch warms the session's prefill instance
-            if path.endswith("/prefetch"):
-                parts = path.split("/")
-                tenant = tenant_of(request.headers.get("authorization"))
-                chosen = await self.choose_prefill((tenant, parts[1], parts[3])
-                                                   if len(parts) > 3 else None)
-                targets = [chosen] if chosen is not None else prefills[:1]
+        if path.endswith("/prefetch"):  # warms the session's own prefill instance
+            parts = path.split("/")
+            chosen = await self.choose_prefill((tenant, parts[1], parts[3])
+                                               if len(parts) > 3 else None)
+            targets = [chosen or prefills[0]]
+        elif request.method == "GET":
+            targets = prefills[:1]
         else:
             targets = prefills + await self._live(self.decodes)
         try:
@@ -405,8 +405,7 @@ class Router:
             return error(503, f"an instance failed: {exc}", headers={"Retry-After": "5"})
         first = responses[0]
         if request.method == "DELETE" and first.status_code == 200 and path.count("/") == 1:
-            self.index.drop_session(tenant_of(request.headers.get("authorization")),
-                                    path.split("/")[1])
+            self.index.drop_session(tenant, path.split("/")[1])
         return Response(first.content, status_code=first.status_code,
                         media_type=first.headers.get("content-type"))
 

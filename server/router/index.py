@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 Key = tuple[str, str, str]  # (tenant, session id, branch id)
@@ -25,7 +25,6 @@ class Holding:
     params: dict[str, Any]
     num_tokens: int
     expires_at: float
-    stored_at: float = field(default_factory=time.monotonic)
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.monotonic()) >= self.expires_at

@@ -40,7 +40,7 @@ FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, data
                                        HealthCheck.filter_too_much])
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)  # hang guard only
 ID_RE = re.compile(ID_PATTERN)
-LIMIT = 32 * 1024 * 1024  # server.plugin.guard.MAX_BODY
+LIMIT = 32 * 1024 * 1024  # server.contract.MAX_BODY_BYTES
 
 
 # --- the server state this module makes (and must clean up) ----------------------------------

@@ -418,10 +418,10 @@ def test_non_http_scope_passes_through():
 
 
 def test_oversized_request_body_is_forwarded_whole(monkeypatch):
-    """Past MAX_BODY the middleware stops buffering, but the app must still get every byte."""
+    """Past MAX_BODY_BYTES the middleware stops buffering, but the app must still get every byte."""
     import server.plugin.middleware as mw
 
-    monkeypatch.setattr(mw, "MAX_BODY", 16)
+    monkeypatch.setattr(mw, "MAX_BODY_BYTES", 16)
     body = json.dumps({"model": "m", "prompt": "x" * 40}).encode()
     raw = b'{"usage": {"prompt_tokens": 1}}'
     app = FakeApp(200, b"application/json", [raw])
