@@ -72,6 +72,9 @@ class KVBranchConnector(KVConnectorBase_V1):
         self.planner: Planner | None = None
         self.control: ControlServer | None = None
         self._pending_loads: list[tuple[int, int]] = []
+        #: Control ops and stats sections contributed by a composing connector (P/D: holds).
+        self.extra_ops: dict[str, Any] = {}
+        self.extra_stats: dict[str, Any] = {}
         self._transfer_stats = KVBranchTransferStats()
         if role == KVConnectorRole.SCHEDULER:
             index = HostBlockIndex(self.num_slots)
@@ -102,10 +105,29 @@ class KVBranchConnector(KVConnectorBase_V1):
         logger.info("kvbranch connector (worker): %d host slots on %s, %s copies",
                     self.num_slots, self.pool.device, "CUDA stream" if self.pool.cuda else "CPU")
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """The first connector hook of a step in model runner V1 (before it zeroes new blocks)."""
+        self._fence_for(kv_connector_metadata)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Runs before ``start_load_kv`` in every runner, also on steps with no tokens."""
+        super().bind_connector_metadata(connector_metadata)
+        self._fence_for(connector_metadata)
+
+    def _fence_for(self, meta: KVConnectorMetadata) -> None:
+        """Wait on the host for the previous step's save when a peer connector writes KV
+        blocks this step: its writes (NIXL/UCX) are not ordered by any CUDA stream, and a block
+        freed after the save was planned may be one of them. Writes on the compute stream need
+        no wait here: ``HostKVPool.save`` orders that stream after the save on the GPU, so the
+        host is not stalled (async scheduling keeps overlapping)."""
+        if self.pool is not None and isinstance(meta, KVBranchMetadata) and meta.host_fence:
+            self.pool.fence()
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        # vLLM 0.32 calls this after the forward on steps without sync loads (ours are sync:
+        # the scheduler then calls it before). Loads run on the pool's stream, behind its saves.
         if self.pool is None:
             return
-        self.pool.fence()
         meta = self._connector_metadata
         if isinstance(meta, KVBranchMetadata) and meta.load_slots:
             started = time.perf_counter()
@@ -175,6 +197,7 @@ class KVBranchConnector(KVConnectorBase_V1):
         meta = KVBranchMetadata()
         if self.planner is None or not self.enabled:
             return meta
+        meta.host_fence = self.planner.take_foreign_loads()
         loads, self._pending_loads = self._pending_loads, []
         for slot, block in loads:
             meta.load_slots.append(slot)
@@ -272,6 +295,9 @@ class KVBranchConnector(KVConnectorBase_V1):
                 raise ControlError(exc.status, exc.message) from None
             except KeyError as exc:
                 raise ControlError(400, f"missing field {exc.args[0]!r}") from None
+        extra = self.extra_ops.get(op)
+        if extra is not None:
+            return extra(req)
         raise ControlError(400, f"unknown control op {op!r}")
 
     def _device_resident(self, block_hashes: list[bytes]) -> bool:
@@ -319,4 +345,5 @@ class KVBranchConnector(KVConnectorBase_V1):
             "num_sessions": len(reg.sessions),
             "sessions": sessions,
             "time": time.time(),
+            **{name: section() for name, section in self.extra_stats.items()},
         }

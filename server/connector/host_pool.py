@@ -4,10 +4,21 @@ One host tensor per KV cache tensor of the engine, with the same shape except th
 dimension has ``num_slots`` entries. Copies are whole blocks in both directions:
 
 * CPU platform: batched ``index_select``/``index_copy_`` (the paged cache is host memory too);
-* CUDA: the host tensors are pinned, and copies run on a dedicated stream, one async memcpy per
-  (layer, block). A save is complete before the next forward may overwrite its source blocks:
-  :meth:`HostKVPool.fence` (called at the start of each step's load) waits for it. Loads are
-  synchronous with respect to the forward that needs them.
+* CUDA: the host tensors are pinned and slot-major (one contiguous host block per slot, so each
+  copy is a true async memcpy), and copies run on a dedicated stream, one per (layer, block).
+  Ordering, on the GPU, without stalling the host:
+
+  - a save starts after the work already queued on the compute stream (the forward that
+    computed its blocks), and the compute stream then waits for the save: whatever the next
+    step writes into a freed block (zeroing, copy-on-write, the forward) runs after the copy,
+    in every runner and scheduling mode (no connector hook runs before model runner V2 zeroes
+    new blocks, so the order has to be set up by the save itself);
+  - a load starts after the compute stream's queued work (this step's block zeroing) and
+    after earlier saves on the same stream (a slot saved last step may be loaded now), and the
+    forward waits for it.
+
+  :meth:`HostKVPool.fence` is the host-side wait, for writers outside any CUDA stream (a peer
+  connector's pull, in P/D).
 
 The CUDA branch is deliberately thin; the block planning that decides *what* to copy is shared
 and covered by the CPU tests.
@@ -54,11 +65,20 @@ class HostKVPool:
         self.device = first.device
         self.cuda = first.is_cuda
         self.block_dims: dict[str, int] = {}
+        self.host_dims: dict[str, int] = {}
         self.host_caches: dict[str, torch.Tensor] = {}
         for name, tensor in self.device_caches.items():
             dim = find_block_dim(tensor.shape, num_blocks)
             shape = list(tensor.shape)
-            shape[dim] = num_slots
+            if self.cuda:
+                # Slot-major: a block of a [2, blocks, ...] cache is not contiguous, and a copy
+                # into a non-contiguous pinned view goes through a pageable temporary (a
+                # synchronous memcpy). One contiguous host block per slot avoids that.
+                shape = [num_slots] + shape[:dim] + shape[dim + 1:]
+                self.host_dims[name] = 0
+            else:
+                shape[dim] = num_slots
+                self.host_dims[name] = dim
             self.block_dims[name] = dim
             self.host_caches[name] = torch.empty(
                 shape, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda
@@ -85,14 +105,18 @@ class HostKVPool:
 
     def _save_cuda(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         assert self._stream is not None
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)  # after the forward that computed these blocks
         with torch.cuda.stream(self._stream):
             for name, dev in self.device_caches.items():
                 dim, host = self.block_dims[name], self.host_caches[name]
                 for block, slot in zip(block_ids, slots):
-                    host.select(dim, slot).copy_(dev.select(dim, block), non_blocking=True)
+                    host[slot].copy_(dev.select(dim, block), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
+        # The save fence: nothing queued on the compute stream from now on (the next step's
+        # block zeroing, copy-on-write copies, forward) can overwrite a block being saved.
+        compute.wait_event(event)
         self._pending_save = event
 
     # --- host -> device ----------------------------------------------------------------------
@@ -110,17 +134,21 @@ class HostKVPool:
 
     def _load_cuda(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         assert self._stream is not None
+        compute = torch.cuda.current_stream(self.device)
+        # After this step's zeroing of freshly allocated blocks (queued on the compute stream):
+        # a zero landing after the load would wipe the loaded KV.
+        self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
             for name, dev in self.device_caches.items():
                 dim, host = self.block_dims[name], self.host_caches[name]
                 for slot, block in zip(slots, block_ids):
-                    dev.select(dim, block).copy_(host.select(dim, slot), non_blocking=True)
+                    dev.select(dim, block).copy_(host[slot], non_blocking=True)
         # The forward that reads these blocks runs on the compute stream right after.
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        compute.wait_stream(self._stream)
 
     def fence(self) -> None:
-        """Wait for outstanding saves (their source blocks may be reused by the next forward,
-        and a slot written by a save may be read by this step's loads)."""
+        """Wait on the host for the last save: needed before KV writes that no CUDA stream
+        orders (a peer connector's pull); the compute stream is already ordered by ``save``."""
         if self._pending_save is not None:
             self._pending_save.synchronize()
             self._pending_save = None

@@ -15,3 +15,6 @@ class KVBranchMetadata(KVConnectorMetadata):
     #: Device block -> host slot copies to run after this step's forward.
     save_blocks: list[int] = field(default_factory=list)
     save_slots: list[int] = field(default_factory=list)
+    #: A peer connector (NIXL, in P/D) writes KV blocks this step outside any CUDA stream: the
+    #: worker waits on the host for its pending save before the step touches KV.
+    host_fence: bool = False

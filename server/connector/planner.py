@@ -33,6 +33,10 @@ class RequestPlan:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     remote_hit_tokens: int = 0
+    #: A peer's pull (P/D): tokens it should bring, and where it stands: "noted" in the
+    #: allocation that starts it, "loading" until vLLM says how much of it landed.
+    remote_pending_tokens: int = 0
+    remote_state: str | None = None
     load_slots: list[int] | None = None
     load_start_block: int = 0
     next_save_block: int = 0
@@ -57,6 +61,11 @@ class Planner:
         self.transfer_params: OrderedDict[str, dict] = OrderedDict()
         self.hits_tokens = {"device": 0, "host": 0, "remote": 0, "recomputed": 0}
         self.requests = 0
+        #: Prompt tokens a peer's pull should have brought but did not (recomputed instead).
+        self.remote_failed_tokens = 0
+        #: Set when a peer connector writes KV blocks this step (outside the CUDA stream):
+        #: the worker then waits on its pending save on the host (see ``HostKVPool.fence``).
+        self.foreign_loads = False
         self.prefetches = 0
         self.prefetches_skipped = 0
 
@@ -74,6 +83,10 @@ class Planner:
             loadable = (request.num_prompt_tokens - 1) // bs - start
             # Record the device hit even when nothing is left to load: it is part of the split.
             plan = self.plans.setdefault(request.request_id, RequestPlan(request))
+            if plan.remote_state == "loading":
+                # Asked again after a pull started: vLLM (kv_load_failure_policy=recompute)
+                # reset the request to 0 computed tokens and freed its blocks; none landed.
+                self._settle_remote(plan, landed=0)
             plan.device_hit_tokens = num_computed_tokens
             plan.load_slots = None
             plan.load_start_block = start
@@ -88,6 +101,16 @@ class Planner:
                     meta_loads: list[tuple[int, int]]) -> None:
         with self.lock:
             plan = self.plans.setdefault(request.request_id, RequestPlan(request))
+            if plan.remote_state == "noted":
+                # This allocation starts a peer's asynchronous pull: what it brings is known
+                # only when the request comes back (the next allocation) or is asked again.
+                plan.remote_state = "loading"
+                plan.load_slots = None
+                return
+            if plan.remote_state == "loading":
+                # The pull finished: vLLM truncated num_computed_tokens at the first block
+                # that failed to load (invalid_block_ids), so the rest is recomputed.
+                self._settle_remote(plan, request.num_computed_tokens - plan.device_hit_tokens)
             n_blocks = num_external_tokens // self.block_size
             if n_blocks and plan.load_slots:
                 start = plan.load_start_block
@@ -102,10 +125,25 @@ class Planner:
                 self._record_split(plan)
 
     def note_remote_hit(self, request: Any, num_tokens: int) -> None:
-        """Prompt tokens a peer connector (NIXL, in P/D) loads for this request."""
+        """A peer connector (NIXL, in P/D) starts pulling ``num_tokens`` prompt tokens for this
+        request. Counted as remote hits only once vLLM reports how many landed."""
         with self.lock:
             plan = self.plans.setdefault(request.request_id, RequestPlan(request))
-            plan.remote_hit_tokens = num_tokens
+            plan.remote_pending_tokens = num_tokens
+            plan.remote_hit_tokens = 0
+            plan.remote_state = "noted"
+            self.foreign_loads = True
+
+    def _settle_remote(self, plan: RequestPlan, landed: int) -> None:
+        plan.remote_hit_tokens = max(0, min(landed, plan.remote_pending_tokens))
+        self.remote_failed_tokens += plan.remote_pending_tokens - plan.remote_hit_tokens
+        plan.remote_state = None
+
+    def take_foreign_loads(self) -> bool:
+        """Whether a peer connector started writing KV blocks since the last call."""
+        with self.lock:
+            flag, self.foreign_loads = self.foreign_loads, False
+            return flag
 
     def remember_transfer_params(self, request: Any, params: dict) -> None:
         """Keep a finished request's transfer params by tag, for a streaming response."""
@@ -162,7 +200,9 @@ class Planner:
             plan = self.plans.pop(request.request_id, None)
             extra = _extra_args(request)
             if plan is not None:
-                split = plan.split if plan.recorded else self._record_split(plan)
+                # Never allocated (aborted while waiting, or while its pull ran): nothing was
+                # computed or loaded, so nothing is counted.
+                split = plan.split if plan.recorded else None
             else:
                 split = self.splits.get(str(extra[TAG_XARG])) if extra.get(TAG_XARG) else None
             session_id = getattr(request, "session_id", None)

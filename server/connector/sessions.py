@@ -253,8 +253,9 @@ class SessionRegistry:
 
     def _degrade(self, branch: Branch) -> None:
         self._unpin_all(branch)
-        branch.degraded = True
-        self.pins_degraded += 1
+        if not branch.degraded:  # count transitions: a branch that stays degraded counts once
+            branch.degraded = True
+            self.pins_degraded += 1
 
     def _unpin_all(self, branch: Branch) -> int:
         released = sum(1 for h in branch.pinned_hashes if self.index.unpin(h))

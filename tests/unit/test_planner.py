@@ -305,15 +305,13 @@ def test_request_finished_updates_branch_and_returns_split():
     assert index.pinned_hashes == 2
 
 
-def test_request_finished_default_branch_and_split_without_alloc():
+def test_request_finished_without_alloc_updates_branch_but_counts_nothing():
     planner, _, registry = make_planner()
     req = make_request("r", 9, session_id="s1")
     planner.on_new_request(req)
-    split = planner.request_finished(req)
-    check_split(split, 9, 0, 0)
-    assert split["branch_id"] == DEFAULT_BRANCH
+    assert planner.request_finished(req) is None  # aborted before allocation
     assert registry.get_branch("s1", DEFAULT_BRANCH).requests == 1
-    assert planner.requests == 1
+    assert planner.requests == 0
 
 
 def test_request_without_session_keeps_no_state():
@@ -344,6 +342,7 @@ def test_request_finished_for_other_tenants_session_is_served():
     registry.create_session("s", owner="t_a")
     req = make_request("r", 9, session_id="s", extra={OWNER_XARG: "t_b"})
     planner.on_new_request(req)
+    planner.after_alloc(req, [], 0, [])
     split = planner.request_finished(req)
     check_split(split, 9, 0, 0)
     assert registry.get_branch("s", DEFAULT_BRANCH, "t_a").requests == 0
@@ -398,11 +397,13 @@ def test_non_dict_extra_args_are_ignored():
     req = make_request("r", 9, session_id="s")
     req.sampling_params = SimpleNamespace(extra_args=["not", "a", "dict"])
     planner.on_new_request(req)
+    planner.after_alloc(req, [], 0, [])
     split = planner.request_finished(req)
     assert split["branch_id"] == DEFAULT_BRANCH
     req2 = make_request("r2", 9)
     req2.sampling_params = None
     planner.on_new_request(req2)
+    planner.after_alloc(req2, [], 0, [])
     assert planner.request_finished(req2)["prompt_tokens"] == 9
     assert registry.get_branch("s", DEFAULT_BRANCH).requests == 1
 
@@ -499,3 +500,83 @@ def test_block_completed_by_the_last_sampled_token_is_not_pinned():
     branch = registry.get_branch("s1", "main")
     assert branch.block_hashes == req.block_hashes[:1]
     assert index.pinned_hashes == 1
+
+
+# --- accounting: remote pulls count only once they landed (issue 13 item 10) ------------------
+def _start_remote_pull(planner, req, device_hit: int, remote: int) -> None:
+    """What the scheduler does for a P/D pull: every child connector is asked, NIXL wins,
+    KVBranchPDConnector notes the hit, and the kvbranch child is told 0 external tokens."""
+    planner.on_new_request(req)
+    planner.num_new_matched_tokens(req, device_hit)
+    planner.note_remote_hit(req, remote)
+    planner.after_alloc(req, [], 0, [])
+
+
+def test_remote_hit_counts_after_the_load_landed():
+    planner, _, _ = make_planner()
+    req = make_request("r", 22, extra={TAG_XARG: "t"})
+    _start_remote_pull(planner, req, 4, 16)
+    assert planner.requests == 0  # still loading: nothing to report yet
+    req.num_computed_tokens = 20  # vLLM after the async load: device 4 + remote 16
+    planner.after_alloc(req, [], 0, [])
+    assert planner.requests == 1
+    assert planner.hits_tokens == {"device": 4, "host": 0, "remote": 16, "recomputed": 2}
+    assert planner.remote_failed_tokens == 0
+
+
+def test_failed_remote_pull_is_recomputed_and_reported():
+    """failed_recving: vLLM (kv_load_failure_policy=recompute) resets the request to 0
+    computed tokens and frees its blocks; the next scheduling pass asks the connectors again."""
+    planner, _, _ = make_planner()
+    req = make_request("r", 22)
+    _start_remote_pull(planner, req, 0, 16)
+    req.num_computed_tokens = 0
+    planner.num_new_matched_tokens(req, 0)  # asked again: the pull failed
+    planner.after_alloc(req, [], 0, [])
+    assert planner.requests == 1
+    assert planner.hits_tokens == {"device": 0, "host": 0, "remote": 0, "recomputed": 22}
+    assert planner.remote_failed_tokens == 16
+
+
+def test_partly_failed_remote_pull_counts_only_the_valid_prefix():
+    """invalid_block_ids: vLLM truncates num_computed_tokens at the first failed block."""
+    planner, _, _ = make_planner()
+    req = make_request("r", 22)
+    _start_remote_pull(planner, req, 4, 16)
+    req.num_computed_tokens = 12  # device 4 + the first 2 pulled blocks
+    planner.after_alloc(req, [], 0, [])
+    assert planner.hits_tokens == {"device": 4, "host": 0, "remote": 8, "recomputed": 10}
+    assert planner.remote_failed_tokens == 8
+
+
+def test_request_aborted_while_its_pull_runs_is_not_counted():
+    planner, _, _ = make_planner()
+    req = make_request("r", 22)
+    _start_remote_pull(planner, req, 0, 16)
+    planner.request_finished(req)
+    assert planner.requests == 0
+    assert planner.hits_tokens == {"device": 0, "host": 0, "remote": 0, "recomputed": 0}
+
+
+def test_request_aborted_while_waiting_is_not_counted_as_recompute():
+    planner, _, registry = make_planner()
+    req = make_request("r", 9, session_id="s1")
+    planner.on_new_request(req)
+    planner.num_new_matched_tokens(req, 0)  # asked, then never allocated (aborted)
+    assert planner.request_finished(req) is None
+    assert planner.requests == 0
+    assert planner.hits_tokens["recomputed"] == 0
+    assert registry.get_branch("s1", DEFAULT_BRANCH).requests == 1  # session state kept
+
+
+def test_pins_degraded_counts_transitions_not_checks():
+    """An automatic pin that can never fit degrades once, not once per request."""
+    planner, _, registry = make_planner(budget_blocks=2)
+    for i in range(3):
+        req = make_request(f"r{i}", 17, session_id="s1")  # 4 full blocks > budget of 2
+        planner.on_new_request(req)
+        planner.after_alloc(req, [], 0, [])
+        req.num_computed_tokens = 16
+        planner.request_finished(req)
+    assert registry.get_branch("s1", DEFAULT_BRANCH).degraded
+    assert registry.pins_degraded == 1
