@@ -331,13 +331,17 @@ class KVBranchConnector(KVConnectorBase_V1):
                 "block_bytes": self.block_bytes,
                 "used_bytes": index.used_slots * self.block_bytes,
                 "pin_budget_bytes": reg.pin_budget_bytes,
-                "pinned_bytes": index.pinned_hashes * self.block_bytes,
+                # The same blocks as pinned_blocks: pinned and stored in host memory.
+                "pinned_bytes": index.pinned_stored_slots * self.block_bytes,
+                # What the pin budget is charged: also pins on blocks not stored (yet).
+                "pin_budget_used_bytes": index.pinned_hashes * self.block_bytes,
                 "evictions": counters.evictions,
                 "saved_blocks": counters.saved_blocks,
                 "loaded_blocks": counters.loaded_blocks,
             },
             "hits_tokens": dict(planner.hits_tokens),
             "requests": planner.requests,
+            "remote_failed_tokens": planner.remote_failed_tokens,
             "pins_degraded": reg.pins_degraded,
             "pins_refused": reg.pins_refused,
             "prefetches": planner.prefetches,
