@@ -86,12 +86,16 @@ def test_create_duplicate_session_conflicts():
     assert exc.value.status == 409
 
 
-def test_create_duplicate_of_other_owner_is_not_found():
+def test_same_id_under_another_owner_is_another_session():
+    """Issue 13 item 8: sessions are keyed by (tenant, id); creating another tenant's id
+    behaves exactly as creating a fresh one (no existence probe, no squatting)."""
     reg, _, _ = make()
-    reg.create_session("s1", owner="t_a")
-    with pytest.raises(NotFound) as exc:
-        reg.create_session("s1", owner="t_b")
-    assert exc.value.status == 404
+    a = reg.create_session("s1", owner="t_a")
+    b = reg.create_session("s1", owner="t_b")
+    assert a is not b and b.owner == "t_b"
+    assert reg.get_session("s1", "t_a") is a and reg.get_session("s1", "t_b") is b
+    reg.delete_session("s1", "t_b")
+    assert reg.get_session("s1", "t_a") is a
 
 
 def test_max_sessions():
@@ -156,13 +160,15 @@ def test_owner_isolation_everywhere():
             reg.delete_branch("s", DEFAULT_BRANCH, owner=other)
         with pytest.raises(NotFound):
             reg.delete_session("s", owner=other)
-        with pytest.raises(NotFound):
-            observe(reg, "s", DEFAULT_BRANCH, tokens, hashes, owner=other)
     # the owner's state is untouched by the refused calls
     branch = reg.get_branch("s", DEFAULT_BRANCH, "t_a")
     assert branch.requests == 1 and branch.pinned
     assert index.pinned_hashes == 2
     assert "f" not in reg.get_session("s", "t_a").branches
+    # a request of another tenant naming "s" makes that tenant's own session
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes, owner="t_b")
+    assert reg.get_branch("s", DEFAULT_BRANCH, "t_a").requests == 1
+    assert reg.get_branch("s", DEFAULT_BRANCH, "t_b").requests == 1
 
 
 # --- forks ------------------------------------------------------------------------------------
@@ -586,8 +592,177 @@ def test_request_running_at_delete_does_not_resurrect_the_session():
     now[0] += 1
     assert registry.observe_request("s", "main", [1, 2, 3, 4], [b"h"], None,
                                     arrived_at=arrived) is None
-    assert "s" not in registry.sessions
+    assert (None, "s") not in registry.sessions
     # a request that arrives after the delete starts a fresh session
     assert registry.observe_request("s", "main", [1, 2, 3, 4], [b"h"], None,
                                     arrived_at=now[0]) is not None
-    assert registry.sessions["s"].branches["main"].pinned
+    assert registry.sessions[(None, "s")].branches["main"].pinned
+
+
+# --- issue 13 item 8: (tenant, id) keys, quotas, idle expiry ------------------------------------
+def _same_error(call_a, call_b) -> None:
+    """Both raise the same error class with the same message (ids aside)."""
+    errors = []
+    for call in (call_a, call_b):
+        with pytest.raises(RegistryError) as exc:
+            call()
+        errors.append(exc.value)
+    assert type(errors[0]) is type(errors[1]) and errors[0].status == errors[1].status
+    assert errors[0].message.replace("theirs", "X") == errors[1].message.replace("nobody", "X")
+
+
+def test_another_tenants_id_looks_like_an_id_nobody_made():
+    reg, _, _ = make()
+    reg.create_session("theirs", owner="t_a")
+    for op in (lambda sid: reg.get_session(sid, "t_b"),
+               lambda sid: reg.get_branch(sid, DEFAULT_BRANCH, "t_b"),
+               lambda sid: reg.fork(sid, DEFAULT_BRANCH, owner="t_b"),
+               lambda sid: reg.pin(sid, DEFAULT_BRANCH, 5.0, "t_b"),
+               lambda sid: reg.unpin(sid, DEFAULT_BRANCH, "t_b"),
+               lambda sid: reg.delete_branch(sid, DEFAULT_BRANCH, "t_b"),
+               lambda sid: reg.delete_session(sid, "t_b")):
+        _same_error(lambda: op("theirs"), lambda: op("nobody"))
+    assert reg.get_session("theirs", "t_a").branches[DEFAULT_BRANCH].pin_expires_at is None
+
+
+def test_a_request_naming_another_tenants_session_makes_its_own():
+    reg, _, _ = make()
+    reg.create_session("s", owner="t_a")
+    tokens, hashes = conv("x", 2)
+    branch = observe(reg, "s", DEFAULT_BRANCH, tokens, hashes, owner="t_b")
+    assert branch is not None and reg.get_session("s", "t_b").branches[DEFAULT_BRANCH] is branch
+    assert reg.get_branch("s", DEFAULT_BRANCH, "t_a").requests == 0
+
+
+def test_sessions_per_tenant_quota_is_429_and_per_tenant():
+    reg, _, _ = make(max_sessions_per_tenant=2)
+    reg.create_session("a1", owner="t_a")
+    reg.create_session("a2", owner="t_a")
+    with pytest.raises(RegistryError) as exc:
+        reg.create_session("a3", owner="t_a")
+    assert exc.value.status == 429 and "2 sessions" in exc.value.message
+    reg.create_session("b1", owner="t_b")  # another tenant is not affected
+    reg.delete_session("a1", "t_a")
+    reg.create_session("a3", owner="t_a")
+    # a chat request naming a new session over the quota is refused the same way
+    with pytest.raises(RegistryError) as exc:
+        observe(reg, "a4", DEFAULT_BRANCH, *conv("x", 1), owner="t_a")
+    assert exc.value.status == 429
+
+
+def test_branches_per_session_quota_is_409():
+    reg, _, _ = make(max_branches_per_session=3)
+    reg.create_session("s", owner="t_a")
+    reg.fork("s", DEFAULT_BRANCH, "b1", owner="t_a")
+    observe(reg, "s", "b2", *conv("x", 1), owner="t_a")
+    for make_one in (lambda: reg.fork("s", DEFAULT_BRANCH, "b3", owner="t_a"),
+                     lambda: observe(reg, "s", "b3", *conv("y", 1), owner="t_a")):
+        with pytest.raises(Conflict) as exc:
+            make_one()
+        assert exc.value.status == 409 and "3 branches" in exc.value.message
+        assert "already exists" not in exc.value.message  # the router's "created" marker
+    reg.delete_branch("s", "b1", "t_a")
+    reg.fork("s", DEFAULT_BRANCH, "b3", owner="t_a")
+
+
+def test_tenant_share_of_the_pin_budget():
+    """With a share of 0.5 of 6 blocks, one tenant's pins hold at most 3 blocks: its own
+    oldest leases degrade first, and another tenant's pins are untouched."""
+    reg, index, clock = make(budget_blocks=6, tenant_pin_share=0.5)
+    assert reg.tenant_pin_blocks("t_a") == 3 and reg.tenant_pin_blocks(None) == 6
+    b_tokens, b_hashes = conv("b", 2)
+    reg.create_session("sb", owner="t_b")
+    b_branch = observe(reg, "sb", DEFAULT_BRANCH, b_tokens, b_hashes, owner="t_b")
+    clock.advance(1)
+    reg.create_session("s1", owner="t_a")
+    first = observe(reg, "s1", DEFAULT_BRANCH, *conv("a1", 2), owner="t_a")
+    clock.advance(1)
+    reg.create_session("s2", owner="t_a")
+    second = observe(reg, "s2", DEFAULT_BRANCH, *conv("a2", 2), owner="t_a")
+    assert second.pinned and first.degraded and b_branch.pinned
+    assert index.pinned_hashes == 4
+    # an explicit pin bigger than the share is refused with a message naming the share
+    reg.create_session("s3", owner="t_a")
+    big = observe(reg, "s3", DEFAULT_BRANCH, *conv("a3", 4), owner="t_a")
+    assert big.degraded
+    with pytest.raises(Conflict) as exc:
+        reg.pin("s3", DEFAULT_BRANCH, 10.0, "t_a")
+    assert "share" in exc.value.message and "already exists" not in exc.value.message
+
+
+def test_idle_sessions_expire_and_release_their_pins():
+    reg, index, clock = make(idle_ttl_s=100.0, ttl=1000.0)
+    reg.create_session("old", owner="t_a")
+    observe(reg, "old", DEFAULT_BRANCH, *conv("o", 2), owner="t_a")
+    clock.advance(60)
+    reg.create_session("young", owner="t_a")
+    clock.advance(30)
+    reg.get_session("old", "t_a")  # a use renews it
+    clock.advance(80)  # old: idle 80 s, young: idle 110 s
+    reg.expire()
+    assert reg.get_session("old", "t_a") is not None
+    with pytest.raises(NotFound):
+        reg.get_session("young", "t_a")
+    clock.advance(101)
+    reg.expire()
+    assert len(reg.sessions) == 0 and index.pinned_hashes == 0
+    assert reg.sessions_expired == 2
+    reg.create_session("young", owner="t_a")  # the quota counted them out
+
+
+class _CountingDict(dict):
+    walks = 0
+
+    def values(self):
+        _CountingDict.walks += 1
+        return super().values()
+
+    def items(self):
+        _CountingDict.walks += 1
+        return super().items()
+
+    def __iter__(self):
+        _CountingDict.walks += 1
+        return super().__iter__()
+
+
+def test_expiry_does_not_walk_every_branch():
+    """expire() runs under the scheduler lock after every request: with nothing due it must
+    not visit the sessions' branches, and with one lease due only that one."""
+    reg, _, clock = make(num_slots=4000, budget_blocks=4000, ttl=50.0)
+    for i in range(300):
+        reg.create_session(f"s{i}", owner="t_a")
+        observe(reg, f"s{i}", DEFAULT_BRANCH, *conv(f"c{i}", 1), owner="t_a")
+        reg.fork(f"s{i}", DEFAULT_BRANCH, "f", owner="t_a")
+        clock.advance(0.1)
+    for session in reg.sessions.values():
+        session.branches = _CountingDict(session.branches)
+    _CountingDict.walks = 0
+    assert reg.expire() == 0
+    assert _CountingDict.walks == 0
+    clock.now = 1000.0 + 50.0 + 0.05  # only s0's two leases (pinned at 1000.0) are due
+    assert reg.expire() == 2
+    assert _CountingDict.walks == 0
+
+
+def test_lease_heap_stays_bounded_under_renewals():
+    reg, _, clock = make(ttl=10.0)
+    reg.create_session("s")
+    tokens, hashes = conv("x", 2)
+    for _ in range(5000):
+        observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+        clock.advance(0.01)
+        reg.expire()
+    assert reg.lease_heap_size() < 200
+
+
+def test_require_owner_keeps_ownerless_sessions_out():
+    """With API keys, a request that reached the engine without an owner (a route kvbranch
+    does not know) must not make a session that no key can reach."""
+    reg, _, _ = make(require_owner=True)
+    with pytest.raises(RegistryError):
+        observe(reg, "s", DEFAULT_BRANCH, *conv("x", 1))
+    with pytest.raises(RegistryError):
+        reg.create_session("s")
+    assert len(reg.sessions) == 0
+    reg.create_session("s", owner="t_a")
