@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -252,9 +253,9 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
         argv += ["--api-key", *args.api_key]
     control_socket = None
     if not args.no_connector:
-        control_socket = os.path.join(
-            tempfile.gettempdir(), f"kvbranch-{os.getpid()}-{args.port}.sock"
-        )
+        # A fresh private directory (mode 0700, unpredictable name) per server: the socket
+        # serves session ops to whoever can connect, and the connector refuses any other.
+        control_socket = os.path.join(tempfile.mkdtemp(prefix="kvbranch-"), "control.sock")
         extra = {
             "host_store_bytes": int(args.host_store_gib * GIB),
             "pin_budget_bytes": int(
@@ -366,8 +367,8 @@ def run(plan: LaunchPlan) -> None:
     try:
         uvloop.run(run_server(vllm_args))
     finally:
-        if plan.control_socket and os.path.exists(plan.control_socket):
-            os.unlink(plan.control_socket)
+        if plan.control_socket:  # its private directory, with every engine core's socket
+            shutil.rmtree(os.path.dirname(plan.control_socket), ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from server.connector.block_index import HostBlockIndex
-from server.connector.control import ControlError, ControlServer
+from server.connector.control import ControlError, ControlServer, engine_socket_path
 from server.connector.host_pool import HostKVPool
 from server.connector.metadata import KVBranchMetadata
 from server.connector.planner import Planner
@@ -88,7 +88,13 @@ class KVBranchConnector(KVConnectorBase_V1):
             self.planner = Planner(index, registry, self.block_size)
             path = extra.get("control_socket")
             if path:
-                self.control = ControlServer(path, self._handle_control)
+                # One socket per engine core; the directory must be private (ControlServer
+                # refuses to bind otherwise: the socket serves session ops to whoever connects).
+                parallel = vllm_config.parallel_config
+                engine = getattr(parallel, "data_parallel_index", None)
+                engine = parallel.data_parallel_rank if engine is None else engine
+                self.control = ControlServer(engine_socket_path(path, int(engine)),
+                                             self._handle_control)
             logger.info("kvbranch connector (scheduler): block_size=%d block_bytes=%d "
                         "host slots=%d (%.2f GiB) pin budget=%d bytes", self.block_size,
                         self.block_bytes, self.num_slots,

@@ -8,6 +8,11 @@ every executor and keeps the routes cheap (no engine step involved).
 
 Protocol: one JSON object per line each way: ``{"op": ..., **args}`` →
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "status": 404, "message": ...}``.
+
+Where: the socket answers every session op with no credentials of its own, so it lives in a
+private directory (the launcher makes one per server with ``tempfile.mkdtemp``: mode 0700,
+unpredictable name) and :class:`ControlServer` refuses any other. Each engine core binds its
+own path in that directory (:func:`engine_socket_path`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import os
 import socket
 import socketserver
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -37,13 +43,43 @@ class ControlError(Exception):
 Handler = Callable[[dict], Any]
 
 
+def engine_socket_path(path: str, engine_index: int) -> str:
+    """The socket of one engine core: ``path`` itself for the first (the one the API server's
+    routes call), ``<stem>.<index><suffix>`` next to it for the others (data parallel), so
+    that no engine core unlinks another's socket."""
+    if engine_index <= 0:
+        return path
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}.{engine_index}{suffix}"
+
+
+def check_private_dir(folder: str) -> None:
+    """Refuse a directory another user could list, write or swap: not a real directory (a
+    symlink can be re-pointed), not ours, or any group/other permission bit set."""
+    try:
+        info = os.lstat(folder)
+    except OSError as exc:
+        raise PermissionError(f"control socket directory {folder!r}: {exc.strerror}") from None
+    problems = []
+    if not stat.S_ISDIR(info.st_mode):
+        problems.append("not a directory (a symlink?)")
+    if info.st_uid != os.getuid():
+        problems.append(f"owned by uid {info.st_uid}, not {os.getuid()}")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        problems.append(f"mode {stat.S_IMODE(info.st_mode):o}, not 700")
+    if problems:
+        raise PermissionError(f"control socket directory {folder!r} is not private: "
+                              f"{'; '.join(problems)} (use a fresh tempfile.mkdtemp())")
+
+
 class ControlServer:
     """Serves ``handler(request_dict) -> result`` on a Unix socket in a daemon thread."""
 
     def __init__(self, path: str, handler: Handler) -> None:
         self.path = path
         self.handler = handler
-        if os.path.exists(path):
+        check_private_dir(os.path.dirname(os.path.abspath(path)))
+        if os.path.lexists(path):
             os.unlink(path)
         outer = self
 

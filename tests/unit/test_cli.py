@@ -39,8 +39,9 @@ def model_dir(tmp_path) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
+def clean_env(monkeypatch, tmp_path):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # plan_launch's socket directories
 
 
 def parse(*argv: str):
@@ -205,7 +206,7 @@ def test_plan_cpu(model_dir):
     assert extra["pin_budget_bytes"] == GIB  # half the store by default
     assert extra["pin_ttl_s"] == 300.0
     assert extra["control_socket"] == plan.control_socket
-    assert plan.control_socket.endswith("-8123.sock")
+    assert plan.control_socket.endswith("/control.sock")  # in a fresh private directory
     assert "kvbranch" in plan.env["VLLM_PLUGINS"].split(",")
     assert plan.env[ENV_CONTROL_SOCKET] == plan.control_socket
     assert plan.env[ENV_MODEL_NAME] == "TinyModel"

@@ -260,3 +260,65 @@ def test_handler_sees_op_and_args(tmp_path):
         assert seen == [{"op": "split", "tag": "abc"}]
     finally:
         srv.close()
+
+
+# --- where the socket lives (issue 13 item 11) ------------------------------------------------
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o777, 0o1777])
+def test_refuses_to_bind_in_a_shared_directory(tmp_path, mode):
+    """In a directory others can list or write (like /tmp), another user could pre-create or
+    swap the path, or connect first."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    with pytest.raises(PermissionError, match="private"):
+        ControlServer(str(shared / "c.sock"), handler)
+    assert not (shared / "c.sock").exists()
+
+
+def test_refuses_a_symlinked_directory(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(PermissionError, match="private"):
+        ControlServer(str(link / "c.sock"), handler)
+
+
+def test_binds_in_a_private_directory(tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    srv = ControlServer(str(private / "c.sock"), handler)
+    try:
+        assert call_sync(srv.path, "echo", x=1) == {"x": 1}
+    finally:
+        srv.close()
+
+
+def test_one_socket_per_engine_core():
+    from server.connector.control import engine_socket_path
+
+    base = "/run/kvbranch-x/control.sock"
+    assert engine_socket_path(base, 0) == base  # the one the API server's routes call
+    paths = {engine_socket_path(base, rank) for rank in range(4)}
+    assert len(paths) == 4
+    assert {os.path.dirname(p) for p in paths} == {"/run/kvbranch-x"}
+
+
+def test_launcher_puts_the_socket_in_a_fresh_private_directory(tmp_path, monkeypatch):
+    import json as _json
+
+    from server.cli import build_parser, plan_launch
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    model = tmp_path / "TinyModel"
+    model.mkdir()
+    (model / "config.json").write_text(_json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    args = build_parser().parse_args(["--model", str(model), "--port", "8123"])
+    first, second = plan_launch(args, [], cuda=False), plan_launch(args, [], cuda=False)
+    for plan in (first, second):
+        folder = os.path.dirname(plan.control_socket)
+        info = os.lstat(folder)
+        assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700
+        assert info.st_uid == os.getuid()
+        assert "8123" not in folder  # not derived from pid/port: not predictable
+    assert os.path.dirname(first.control_socket) != os.path.dirname(second.control_socket)
