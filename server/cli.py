@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "tests and benchmarks); the kvbranch routes report it as not loaded")
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients send (default: the model folder's name)")
+    parser.add_argument("--shutdown-grace-s", type=_non_negative_float, default=5.0,
+                        help="on SIGTERM, in-flight requests get this long before everything "
+                        "stops (vLLM's --shutdown-timeout; the router's and --disagg's too) "
+                        "(default %(default)s)")
     pd = parser.add_argument_group(
         "prefill/decode disaggregation",
         "P and D are vLLM instances whose KV moves over NIXL (UCX); D keeps each session's "
@@ -155,6 +160,7 @@ class LaunchPlan:
     model_path: str
     served_model_name: str
     control_socket: str | None
+    shutdown_grace_s: float = 5.0
 
 
 def _has_cuda() -> bool:
@@ -279,6 +285,10 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     elif args.role in ("prefill", "decode"):
         argv += ["--kv-transfer-config", json.dumps(pd_transfer_config(args, None))]
+    if (not any(a.split("=", 1)[0] == "--shutdown-timeout" for a in passthrough)
+            and args.shutdown_grace_s):
+        # vLLM drains in-flight requests this long on SIGTERM, then aborts them (0: abort).
+        argv += ["--shutdown-timeout", str(math.ceil(args.shutdown_grace_s))]
     argv += passthrough
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     if PLUGIN_NAME not in plugins:
@@ -297,7 +307,7 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
         env.update(pd_environment(args))
     if args.api_key:
         env[ENV_API_KEYS] = ",".join(args.api_key)
-    return LaunchPlan(argv, env, model_path, served, control_socket)
+    return LaunchPlan(argv, env, model_path, served, control_socket, args.shutdown_grace_s)
 
 
 def pd_transfer_config(args: argparse.Namespace, kvbranch: dict | None) -> dict:
@@ -364,6 +374,9 @@ def run(plan: LaunchPlan) -> None:
     validate_parsed_serve_args(vllm_args)
     print(f"[kvbranch] starting vLLM on http://{vllm_args.host}:{vllm_args.port} "
           f"model={plan.served_model_name}", file=sys.stderr, flush=True)
+    from server.process import start_reaper
+
+    start_reaper(plan.shutdown_grace_s)  # vLLM's engine core must not outlive us (SIGKILL)
     try:
         uvloop.run(run_server(vllm_args))
     finally:
@@ -375,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, passthrough = split_passthrough(argv)
     args = build_parser().parse_args(ours)
+    from server.process import die_with_launcher
+
+    die_with_launcher(args.shutdown_grace_s)  # started by a launcher: stop when it dies
     try:
         check_port_free(args.host, args.port)
         if args.disagg or args.role == "router":

@@ -68,6 +68,9 @@ TRANSFER_PARAMS_FIELD = "kv_transfer_params"
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 #: Larger request bodies get 413 (server and router).
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: In a 409's message when a create finds its id taken (the router's fan-out counts that as
+#: "already created" so a retry converges; other 409s, e.g. quotas, are failures).
+ALREADY_EXISTS = "already exists"
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _ID_RE = re.compile(ID_PATTERN)

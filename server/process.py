@@ -1,21 +1,130 @@
-"""Start and stop a real ``python -m server`` as a child process: used by the demo, the tests
-and the benchmarks (they all need the same readiness wait and whole-process-group teardown)."""
+"""Start and stop a real ``python -m server`` as a child process: used by the demo, the tests,
+the benchmarks and ``--disagg`` (they all need the same readiness wait and whole-process-group
+teardown) — and make sure nothing it starts outlives it.
+
+Lifetime rules (issue 13): a child started by :class:`ServerProcess` stops when its launcher
+dies, even by SIGKILL (:func:`die_with_launcher`: the kernel's parent-death signal where the
+launching thread is the main one, and a watchdog thread polling the parent pid everywhere); and
+an instance's own children (vLLM's engine core) stop when the instance dies
+(:func:`start_reaper`), since vLLM 0.32's engine core does not watch its parent.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
+#: Set by :class:`ServerProcess` for its child: the launcher's pid, which the child watches.
+ENV_PARENT_PID = "KVBRANCH_PARENT_PID"
+#: Set with it when the launching thread is the main thread: the parent-death signal is safe
+#: (Linux sends it when the *thread* that forked the child exits, not only the process).
+ENV_PARENT_DEATHSIG = "KVBRANCH_PARENT_DEATHSIG"
+#: Default seconds in-flight requests get after SIGTERM before everything stops.
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
+#: After the grace: what vLLM's own teardown (engine core, NIXL) may take before SIGKILL.
+TEARDOWN_S = 10.0
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.5
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
+    """Linux: have the kernel send ``sig`` to this process when its parent dies (prctl
+    PR_SET_PDEATHSIG, through ctypes). False where unsupported (then only polling works)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_launcher(grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+    """Called first thing by ``python -m server`` (any role): when started by a
+    :class:`ServerProcess` (``KVBRANCH_PARENT_PID`` set), stop when that launcher dies — SIGTERM
+    to ourselves (the normal graceful path), then SIGKILL after ``grace_s`` plus teardown time.
+
+    A server started by hand (no variable) keeps running when its shell goes away (nohup)."""
+    parent_text = os.environ.pop(ENV_PARENT_PID, None)  # not for our own children
+    deathsig = os.environ.pop(ENV_PARENT_DEATHSIG, None) == "1"
+    if not parent_text:
+        return
+    try:
+        parent = int(parent_text)
+    except ValueError:
+        return
+    if deathsig:
+        set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:  # it died before we could ask (or before the prctl above)
+        print("[kvbranch] launcher already gone; not starting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_POLL_S)
+        print(f"[kvbranch] launcher (pid {parent}) gone: stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s + TEARDOWN_S)
+        os.kill(os.getpid(), signal.SIGKILL)  # the reaper stops what we leave behind
+
+    threading.Thread(target=watch, name="kvbranch-launcher-watch", daemon=True).start()
+
+
+def start_reaper(grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> subprocess.Popen | None:
+    """Start a small process that outlives this one only to stop its descendants (vLLM's engine
+    core and anything else it spawned) when this process dies — even by SIGKILL, when no
+    cleanup of ours runs. Linux only (it reads the process tree through psutil)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    code = "import sys; from server.process import reap; reap(int(sys.argv[1]), float(sys.argv[2]))"
+    return subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(grace_s)],
+                            cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def reap(parent: int, grace_s: float) -> None:
+    """The reaper's loop (see :func:`start_reaper`): remember ``parent``'s descendants while it
+    lives; once it is gone, SIGTERM those still running, SIGKILL them after ``grace_s``."""
+    import psutil
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # a group-wide ^C must not stop us before our job
+    me = os.getpid()
+    known: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(parent)
+    except psutil.Error:
+        return
+    while os.getppid() == parent:
+        try:
+            for child in root.children(recursive=True):
+                if child.pid != me:
+                    known.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+        known = {pid: p for pid, p in known.items() if p.is_running()}
+        time.sleep(_POLL_S)
+    alive = [p for p in known.values() if p.is_running()]
+    for proc in alive:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 def free_port() -> int:
@@ -51,6 +160,11 @@ class ServerProcess:
     def launch(self) -> "ServerProcess":
         """Start the process without waiting (start several, then ``wait_ready`` each)."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1", **self.extra_env)
+        env[ENV_PARENT_PID] = str(os.getpid())  # the child stops when we die (issue 13)
+        if threading.current_thread() is threading.main_thread():
+            env[ENV_PARENT_DEATHSIG] = "1"
+        else:
+            env.pop(ENV_PARENT_DEATHSIG, None)
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server", "--port", str(self.port), *self.args],
@@ -61,6 +175,8 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_ready(self) -> None:
+        import httpx  # here: the reaper imports this module and needs none of it
+
         deadline = time.monotonic() + self.ready_timeout
         assert self.proc is not None
         while time.monotonic() < deadline:

@@ -16,19 +16,27 @@ serves the whole turn; a peer restarted or a hold expired → no pull, P recompu
 response says which way it went in the ``X-KVBranch-Route`` header.
 
 Session routes (``/v1/kvbranch/...``) fan out to every instance (each keeps its own pins and
-host store); reads go to a prefill instance; ``stats`` adds the cluster index.
+host store); reads go to a prefill instance; ``stats`` adds the cluster index. A fan-out never
+answers with just the first instance's reply: all must agree, or the client gets 502 with each
+instance's status, and a retry with the same id converges (an instance that already has the
+session counts as created, one that no longer has it as deleted).
+
+Bounded state: request bodies are refused (413) before they are read whole, and the cluster
+index is swept on a timer and capped (:mod:`server.router.index`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import logging
 import time
 import zlib
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
 import httpx
 from fastapi import FastAPI, Request
@@ -37,11 +45,13 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from server.contract import (
+    ALREADY_EXISTS,
     API_PREFIX,
     BRANCH_HEADER,
     BRANCH_XARG,
     COMPLETION_PATHS,
     HEALTH_PATH,
+    HOLD_CLAIM_PATH,
     MAX_BODY_BYTES,
     PROTOCOL_VERSION,
     RESPONSE_FIELD,
@@ -50,18 +60,21 @@ from server.contract import (
     TRANSFER_PARAMS_FIELD,
 )
 from server.connector.sessions import new_id
+from server.connector.transfer_auth import CLAIM_FIELD
 from server.router.index import ClusterIndex, Key
 
 logger = logging.getLogger("kvbranch.router")
 
 ROUTE_HEADER = "X-KVBranch-Route"
+#: When the current turn started: its answer must not replace a newer turn's index entry.
+_TURN_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("kvbranch_turn_started")
 FORWARD_HEADERS = ("authorization", SESSION_HEADER.lower(), BRANCH_HEADER.lower())
 PROBE_MAX_AGE_S = 1.0
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
-            503: "ServiceUnavailableError"}.get(status, "ServerError")
+            502: "BadGatewayError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
                         status_code=status, headers=headers)
 
@@ -94,21 +107,99 @@ class _Fallback(Exception):
     """This leg failed in a way the other instance can cover."""
 
 
+class _Refused(Exception):
+    """The request is refused before any instance sees it; ``response`` says why."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, bounded *before* it is read: a declared Content-Length over
+    ``MAX_BODY_BYTES`` is refused unread, and a chunked (or understated) body as soon as the
+    bytes read pass the bound — a client cannot make the router buffer an unbounded body."""
+    limit = MAX_BODY_BYTES  # read at call time (tests lower it)
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise _Refused(error(400, "Content-Length is not a number")) from None
+        if size > limit:
+            raise _Refused(error(413, f"request body over {limit} bytes"))
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise _Refused(error(413, f"request body over {limit} bytes"))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@dataclass
+class _Answer:
+    """One instance's reply to a fanned-out session route (``status`` None: no reply)."""
+
+    inst: Instance
+    status: int | None
+    content: bytes = b""
+    content_type: str | None = None
+    error: str | None = None
+
+    def message(self) -> str:
+        if self.error is not None:
+            return self.error
+        try:
+            return str(json.loads(self.content)["error"]["message"])[:200]
+        except (ValueError, KeyError, TypeError):
+            return self.content[:200].decode(errors="replace")
+
+
+FanKind = Literal["create", "delete", "other"]
+
+
+def _fan_kind(method: str, path: str) -> FanKind:
+    parts = path.split("/")
+    if method == "POST" and (path == "sessions" or (len(parts) == 3 and parts[2] == "branches")):
+        return "create"
+    if method == "DELETE" and len(parts) in (2, 4) and parts[0] == "sessions":
+        return "delete"
+    return "other"
+
+
+def _already_done(kind: FanKind, answer: _Answer) -> bool:
+    """A retry's answer meaning "this instance already did it": the create found the id
+    there, the delete found it gone — so a retry after a partial failure converges."""
+    if kind == "create":
+        return answer.status == 409 and ALREADY_EXISTS in answer.message()
+    if kind == "delete":
+        return answer.status == 404
+    return False
+
+
 class Router:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *,
                  hold_ttl_s: float, api_key: str | None = None,
-                 request_timeout_s: float = 600.0) -> None:
+                 request_timeout_s: float = 600.0, index_max_entries: int | None = None,
+                 fanout_timeout_s: float = 60.0) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("a router needs at least one prefill and one decode instance")
         self.prefills = [Instance(u.rstrip("/"), "prefill") for u in prefill_urls]
         self.decodes = [Instance(u.rstrip("/"), "decode") for u in decode_urls]
-        self.index = ClusterIndex(hold_ttl_s)
+        self.index = (ClusterIndex(hold_ttl_s) if index_max_entries is None
+                      else ClusterIndex(hold_ttl_s, index_max_entries))
+        self.fanout_timeout_s = fanout_timeout_s
         self.api_key = api_key
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
                                         limits=httpx.Limits(max_connections=512))
         self.registry = CollectorRegistry()
         self.turns = Counter("kvbranch_router_turns", "Completion turns by route taken",
                              ["route"], registry=self.registry)
+        self.claims_refused = Counter("kvbranch_router_claims_refused",
+                                      "Pulls dropped because D no longer held the blocks",
+                                      registry=self.registry)
         self.pulled_tokens = Counter("kvbranch_router_pull_offered_tokens",
                                      "Tokens D held that P was offered to pull",
                                      registry=self.registry)
@@ -165,10 +256,19 @@ class Router:
         return min(live, key=lambda i: i.inflight)
 
     # --- a completion turn -----------------------------------------------------------------
+    async def sweep_forever(self) -> None:
+        """Drop expired index entries on a timer (started by the app's lifespan)."""
+        while True:
+            await asyncio.sleep(self.index.sweep_interval_s)
+            dropped = self.index.sweep()
+            if dropped:
+                logger.debug("index sweep dropped %d expired entries", dropped)
+
     async def completion(self, request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return error(413, f"request body over {MAX_BODY_BYTES} bytes")
+        try:
+            raw = await read_body(request)
+        except _Refused as refused:
+            return refused.response
         try:
             payload = json.loads(raw)
         except ValueError:
@@ -180,6 +280,7 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         key = self._key(payload, request)
         path = request.url.path
+        _TURN_STARTED.set(time.monotonic())
         holding = self.index.take(key) if key else None
         prefill = await self.choose_prefill(key)
         decode = await self.choose_decode(holding.decode_url if holding else None)
@@ -193,6 +294,8 @@ class Router:
                                       hold=True)
         pull = (holding if holding is not None and holding.decode_url == decode.url
                 and holding.instance_id == decode.instance_id else None)
+        if pull is not None:
+            pull = await self._claim(decode, pull, headers)
         try:
             prefilled = await self._prefill(prefill, path, payload, headers, pull)
         except _Fallback as exc:
@@ -232,6 +335,25 @@ class Router:
             raise _Fallback(f"{type(exc).__name__}: {exc}") from None
         finally:
             inst.inflight -= 1
+
+    async def _claim(self, inst: Instance, holding: Any,
+                     headers: dict[str, str]) -> Any:
+        """Ask D to claim its held blocks for this pull (D then keeps them until the claim
+        ends instead of releasing them for new work); None when D no longer holds them."""
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        if self.api_key:
+            auth = {"authorization": f"Bearer {self.api_key}"}
+        try:
+            r = await self.client.post(inst.url + HOLD_CLAIM_PATH, json={"handle": holding.params},
+                                       headers=auth, timeout=5.0)
+            claim = r.json().get(CLAIM_FIELD) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            claim = None
+        if not isinstance(claim, dict):
+            self.claims_refused.inc()
+            return None
+        holding.params = dict(holding.params, **{CLAIM_FIELD: claim})
+        return holding
 
     async def _prefill(self, inst: Instance, path: str, payload: dict,
                        headers: dict[str, str], pull: Any) -> Response | tuple[dict, Any]:
@@ -366,20 +488,66 @@ class Router:
     def _file(self, key: Key | None, inst: Instance, params: Any) -> None:
         if (key is not None and isinstance(params, dict) and params.get("do_remote_decode")
                 and params.get("remote_block_ids")):
-            self.index.put(key, inst.url, inst.instance_id, params)
+            self.index.put(key, inst.url, inst.instance_id, params,
+                           started=_TURN_STARTED.get(None))
 
     # --- session routes, stats, models -----------------------------------------------------
     async def forward(self, request: Request, inst: Instance, path: str,
-                      body: bytes | None) -> httpx.Response:
+                      body: bytes | None, timeout: float | None = None) -> httpx.Response:
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type")}
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         return await self.client.request(request.method, inst.url + path, content=body,
-                                         headers=headers, params=request.query_params)
+                                         headers=headers, params=request.query_params, **extra)
+
+    async def _fan_one(self, request: Request, inst: Instance, path: str,
+                       body: bytes | None) -> _Answer:
+        try:
+            r = await self.forward(request, inst, path, body, timeout=self.fanout_timeout_s)
+        except httpx.HTTPError as exc:
+            self.mark_down(inst)
+            return _Answer(inst, None, error=f"{type(exc).__name__}: {exc}"[:200])
+        return _Answer(inst, r.status_code, r.content, r.headers.get("content-type"))
+
+    def _merge(self, kind: FanKind, answers: list[_Answer], body: bytes | None) -> Response:
+        """One reply for a fan-out: the instances' common answer when they agree (an
+        "already done" counts as done), else 502 naming each instance and its status."""
+        ok = [a for a in answers if a.status is not None and 200 <= a.status < 300]
+        failed = [a for a in answers
+                  if not any(a is o for o in ok) and not _already_done(kind, a)]
+        if not failed or (not ok and len({a.status for a in answers}) == 1
+                          and answers[0].status is not None and answers[0].status < 500):
+            # all done, or all refused alike (the client's own error, e.g. 404 or 400)
+            best = ok[0] if ok else answers[0]
+            return Response(best.content, status_code=best.status or 502,
+                            media_type=best.content_type)
+        names = "; ".join(f"{a.inst.role} {a.inst.url} "
+                          f"{'unreachable' if a.status is None else f'answered {a.status}'}: "
+                          f"{a.message()}" for a in failed)
+        data: dict[str, Any] = {
+            "error": {"message": f"{len(failed)} of {len(answers)} instances failed ({names}); "
+                                 "the others applied it — retry the same request (same id) "
+                                 "to converge",
+                      "type": "BadGatewayError", "code": 502},
+            "instances": [{"url": a.inst.url, "role": a.inst.role, "status": a.status,
+                           "ok": not any(a is f for f in failed),
+                           **({} if not any(a is f for f in failed)
+                              else {"error": a.message()})}
+                          for a in answers],
+        }
+        try:
+            sent = json.loads(body) if body else None
+        except ValueError:
+            sent = None
+        if isinstance(sent, dict):  # the id the router chose, so the retry can name it
+            data.update({k: sent[k] for k in ("session_id", "branch_id") if sent.get(k)})
+        return JSONResponse(data, status_code=502)
 
     async def session_route(self, request: Request, path: str) -> Response:
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            return error(413, f"request body over {MAX_BODY_BYTES} bytes")
+        try:
+            body = await read_body(request)
+        except _Refused as refused:
+            return refused.response
         prefills = await self._live(self.prefills)
         if not prefills:
             return error(503, "no prefill instance is reachable", headers={"Retry-After": "5"})
@@ -389,25 +557,33 @@ class Router:
             # Every instance must create the same id: choose it here when the client did not.
             body = _with_id(body, "session_id" if path == "sessions" else "branch_id",
                             "sess" if path == "sessions" else "br")
-        if path.endswith("/prefetch"):  # warms the session's own prefill instance
-            parts = path.split("/")
-            chosen = await self.choose_prefill((tenant, parts[1], parts[3])
-                                               if len(parts) > 3 else None)
-            targets = [chosen or prefills[0]]
-        elif request.method == "GET":
-            targets = prefills[:1]
-        else:
-            targets = prefills + await self._live(self.decodes)
-        try:
-            responses = await asyncio.gather(*(self.forward(request, t, full, body or None)
-                                               for t in targets))
-        except httpx.HTTPError as exc:
-            return error(503, f"an instance failed: {exc}", headers={"Retry-After": "5"})
-        first = responses[0]
-        if request.method == "DELETE" and first.status_code == 200 and path.count("/") == 1:
+        if path.endswith("/prefetch") or request.method == "GET":
+            if path.endswith("/prefetch"):  # warms the session's own prefill instance
+                parts = path.split("/")
+                chosen = await self.choose_prefill((tenant, parts[1], parts[3])
+                                                   if len(parts) > 3 else None)
+                targets = [chosen or prefills[0]]
+            else:  # a read: every instance has the session; the first that answers
+                targets = prefills
+            for inst in targets:
+                try:
+                    r = await self.forward(request, inst, full, body or None)
+                except httpx.HTTPError:
+                    self.mark_down(inst)
+                    continue
+                return Response(r.content, status_code=r.status_code,
+                                media_type=r.headers.get("content-type"))
+            return error(503, "no prefill instance answered", headers={"Retry-After": "5"})
+        # A change: every instance, the ones seen down included — the answer must say which
+        # instance missed it, and a retry must reach it.
+        targets = self.prefills + self.decodes
+        answers = await asyncio.gather(*(self._fan_one(request, t, full, body or None)
+                                         for t in targets))
+        kind = _fan_kind(request.method, path)
+        if (kind == "delete" and path.count("/") == 1
+                and any(a.status == 200 or _already_done(kind, a) for a in answers)):
             self.index.drop_session(tenant, path.split("/")[1])
-        return Response(first.content, status_code=first.status_code,
-                        media_type=first.headers.get("content-type"))
+        return self._merge(kind, answers, body)
 
     async def stats(self, request: Request) -> Response:
         prefills = await self._live(self.prefills)
@@ -472,16 +648,20 @@ def _with_id(body: bytes, field: str, prefix: str) -> bytes:
 
 
 def build_app(router: Router) -> FastAPI:
-    app = FastAPI(title="kvbranch router", version=PROTOCOL_VERSION)
-    app.state.router = router
-
-    @app.on_event("startup")
-    async def _startup() -> None:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.probe_all()
+        sweeper = asyncio.create_task(router.sweep_forever())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with suppress(asyncio.CancelledError):
+                await sweeper
+            await router.client.aclose()
 
-    @app.on_event("shutdown")
-    async def _shutdown() -> None:
-        await router.client.aclose()
+    app = FastAPI(title="kvbranch router", version=PROTOCOL_VERSION, lifespan=lifespan)
+    app.state.router = router
 
     for path in COMPLETION_PATHS:
         app.add_api_route(path, router.completion, methods=["POST"])

@@ -6,6 +6,12 @@ connector returned (block ids, the token ids those blocks encode, the peer's add
 router files them here under (tenant, session, branch). An entry is single-use — once P has
 read D's blocks, D frees them — so :meth:`ClusterIndex.take` removes it; it also expires a
 margin before D's own hold ends (PD_NOTES pitfall 7), and it is void when D restarted since.
+
+The index is bounded two ways, so state a client can create stays bounded however many
+sessions come and go unread: expired entries are swept on a timer (the router's lifespan runs
+:meth:`ClusterIndex.sweep` every ``sweep_interval_s``; reads alone would leave abandoned
+sessions' entries forever), and ``max_entries`` evicts the oldest entry when full (an evicted
+entry costs its next turn a recompute on P, never a wrong answer).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from typing import Any
 
 Key = tuple[str, str, str]  # (tenant, session id, branch id)
 
+#: Default cap: each entry is a few KB of params; 100k entries stay well under a GiB.
+DEFAULT_MAX_ENTRIES = 100_000
+
 
 @dataclass
 class Holding:
@@ -25,26 +34,49 @@ class Holding:
     params: dict[str, Any]
     num_tokens: int
     expires_at: float
+    #: When the turn that produced it started (router clock): a late answer from an older
+    #: turn never replaces the entry of a newer one.
+    started: float = 0.0
 
     def expired(self, now: float | None = None) -> bool:
         return (now if now is not None else time.monotonic()) >= self.expires_at
 
 
 class ClusterIndex:
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
         self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        #: Insertion-ordered: the first entry is the oldest (``put`` re-inserts at the end).
         self._entries: dict[Key, Holding] = {}
         self._lock = threading.Lock()
         self.stored = 0
         self.taken = 0
         self.expired = 0
+        self.stale_dropped = 0
+        self.evicted = 0
+
+    @property
+    def sweep_interval_s(self) -> float:
+        """Often enough that an expired entry lives at most about twice the ttl."""
+        return min(max(self.ttl_s, 1.0), 60.0)
 
     def put(self, key: Key, decode_url: str, instance_id: str | None,
-            params: dict[str, Any]) -> Holding:
+            params: dict[str, Any], started: float | None = None) -> Holding:
         holding = Holding(decode_url, instance_id, params,
                           int(params.get("remote_num_tokens") or 0),
-                          time.monotonic() + self.ttl_s)
+                          time.monotonic() + self.ttl_s,
+                          time.monotonic() if started is None else started)
         with self._lock:
+            current = self._entries.get(key)
+            if current is not None and current.started > holding.started:
+                self.stale_dropped += 1
+                return current
+            self._entries.pop(key, None)  # a newer turn's entry is the youngest
+            while len(self._entries) >= self.max_entries:
+                del self._entries[next(iter(self._entries))]
+                self.evicted += 1
             self._entries[key] = holding
             self.stored += 1
         return holding
@@ -80,12 +112,19 @@ class ClusterIndex:
                 del self._entries[k]
             return len(keys)
 
-    def sweep(self) -> None:
+    def sweep(self) -> int:
+        """Drop expired entries; returns how many."""
         now = time.monotonic()
         with self._lock:
-            for k in [k for k, h in self._entries.items() if h.expired(now)]:
+            keys = [k for k, h in self._entries.items() if h.expired(now)]
+            for k in keys:
                 del self._entries[k]
-                self.expired += 1
+            self.expired += len(keys)
+            return len(keys)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
 
     def snapshot(self, tenant: str | None) -> list[dict[str, Any]]:
         """Entries of one tenant (all when ``tenant`` is None), for the stats route."""
@@ -98,5 +137,6 @@ class ClusterIndex:
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            return {"entries": len(self._entries), "stored": self.stored, "taken": self.taken,
-                    "expired": self.expired}
+            return {"entries": len(self._entries), "max_entries": self.max_entries,
+                    "stored": self.stored, "taken": self.taken, "expired": self.expired,
+                    "evicted": self.evicted, "stale_dropped": self.stale_dropped}

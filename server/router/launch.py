@@ -1,11 +1,18 @@
 """Starting the router, and ``--disagg``: a prefill instance, a decode instance and the router
-on one machine (a demo and the tests' P/D cluster)."""
+on one machine (a demo and the tests' P/D cluster).
+
+Stopping is bounded (issue 13): on SIGTERM the router gives in-flight requests
+``--shutdown-grace-s``, then cancels them (uvicorn alone would wait for a hanging stream
+forever); ``--disagg`` then stops P and D, SIGKILLing what is left after the grace plus vLLM's
+teardown time. P and D stop on their own when the launcher dies (:mod:`server.process`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import secrets
 import signal
 import sys
 
@@ -35,7 +42,8 @@ def run_router(args: argparse.Namespace) -> None:
     print(f"[kvbranch] router on http://{args.host}:{args.port} prefill={args.prefill} "
           f"decode={args.decode}", file=sys.stderr, flush=True)
     uvicorn.run(build_app(router), host=args.host, port=args.port,
-                log_level="warning" if args.log_level == "info" else args.log_level)
+                log_level="warning" if args.log_level == "info" else args.log_level,
+                timeout_graceful_shutdown=args.shutdown_grace_s)
 
 
 def instance_argv(ours: list[str]) -> list[str]:
@@ -65,7 +73,8 @@ def split_cores(n: int) -> tuple[str, str]:
 
 
 def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]) -> None:
-    from server.process import ServerProcess, free_port
+    from server.connector.transfer_auth import ENV_CLUSTER_SECRET
+    from server.process import TEARDOWN_S, ServerProcess, free_port
 
     base = instance_argv(ours)
     cores = None
@@ -77,6 +86,8 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
         cuda = False
     if not cuda:
         cores = split_cores(len(os.sched_getaffinity(0)))
+    # P and D trust only transfer handles sealed with this secret (server.connector.transfer_auth).
+    secret = os.environ.get(ENV_CLUSTER_SECRET) or secrets.token_hex(32)
     children = []
     for role, core in (("prefill", cores[0] if cores else None),
                        ("decode", cores[1] if cores else None)):
@@ -85,7 +96,8 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
             argv += ["--cpu-cores", core]
         if passthrough:
             argv += ["--", *passthrough]
-        children.append(ServerProcess(argv, name=role, ready_timeout=900))
+        children.append(ServerProcess(argv, name=role, ready_timeout=900,
+                                      env={ENV_CLUSTER_SECRET: secret}))
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default action the
     # process would die before the ``finally`` below stops the instances it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -104,5 +116,5 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
     finally:
         for child in children:  # both at once: the caller may not wait long for us
             child.terminate()
-        for child in children:
-            child.stop(timeout=15)
+        for child in children:  # then SIGKILL whatever is left of each process group
+            child.stop(timeout=args.shutdown_grace_s + TEARDOWN_S)

@@ -385,3 +385,56 @@ def test_kv_cache_too_small_for_max_model_len_is_one_clear_error(tmp_path):
     with pytest.raises(LaunchError, match="raise --kv-cache-gib to at least 0.35"):
         check_kv_fits(str(tmp_path), 0.25, 8192, cuda=False)
     assert kv_bytes_per_token(str(tmp_path / "missing"), cuda=False) is None
+
+
+# --- bounded stopping (issue 13) ----------------------------------------------------------------
+def test_shutdown_grace_becomes_vllms_shutdown_timeout(model_dir):
+    plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
+    assert flag_value(plan.vllm_argv, "--shutdown-timeout") == "5"  # the default grace
+    assert plan.shutdown_grace_s == 5.0
+    plan = plan_launch(parse("--model", str(model_dir), "--shutdown-grace-s", "2.5"), [],
+                       cuda=False)
+    assert flag_value(plan.vllm_argv, "--shutdown-timeout") == "3"
+    plan = plan_launch(parse("--model", str(model_dir)), ["--shutdown-timeout=9"], cuda=False)
+    assert "--shutdown-timeout" not in plan.vllm_argv  # the user's own value wins
+    plan = plan_launch(parse("--model", str(model_dir), "--shutdown-grace-s", "0"), [],
+                       cuda=False)
+    assert "--shutdown-timeout" not in plan.vllm_argv  # 0: vLLM's abort-at-once default
+
+
+def test_shutdown_grace_rejects_negative(capsys):
+    with pytest.raises(SystemExit):
+        parse("--shutdown-grace-s", "-1")
+    assert "must not be negative" in capsys.readouterr().err
+
+
+def test_the_router_cancels_hanging_requests_after_the_grace(monkeypatch):
+    """uvicorn alone waits for a hanging stream forever on SIGTERM."""
+    import uvicorn
+
+    from server.router.launch import run_router
+
+    seen: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    run_router(parse("--role", "router", "--prefill", "http://p:1", "--decode", "http://d:2",
+                     "--shutdown-grace-s", "2"))
+    assert seen["timeout_graceful_shutdown"] == 2.0
+
+
+def test_a_launched_server_is_told_its_launcher(monkeypatch):
+    """ServerProcess hands the child its pid, so the child stops when the launcher dies."""
+    import subprocess
+
+    from server.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ServerProcess
+
+    seen: dict = {}
+
+    class FakePopen:
+        def __init__(self, argv, **kw):
+            seen.update(kw)
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    server = ServerProcess(["--model", "x"], name="unit-env")
+    server.launch()
+    assert seen["env"][ENV_PARENT_PID] == str(os.getpid())
+    assert seen["env"][ENV_PARENT_DEATHSIG] == "1"  # launched from the main thread

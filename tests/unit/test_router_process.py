@@ -1,0 +1,102 @@
+"""Process lifetime without vLLM (fast): the mechanisms behind "nothing runs on orphaned"
+(server.process), with tiny Python processes in vLLM's place. The real launcher, router and
+instances are in tests/integration/test_router_lifecycle.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from server.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ROOT
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def _spawn(code: str) -> tuple[subprocess.Popen, int]:
+    """Start ``code``; it prints one pid (a process it started) on its first line."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    line = proc.stdout.readline()
+    assert line.strip().isdigit(), f"no pid from the child: {line!r}"
+    return proc, int(line)
+
+
+def _gone_within(pid: int, timeout: float) -> float | None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return time.monotonic() - start
+        except psutil.NoSuchProcess:
+            return time.monotonic() - start
+        time.sleep(0.1)
+    return None
+
+
+def _cleanup(proc: subprocess.Popen, pid: int) -> None:
+    for target in (proc.pid, pid):
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(5)
+
+
+def test_an_instances_children_stop_when_it_is_killed():
+    """``python -m server`` SIGKILLed: its reaper stops what vLLM started (the engine core)."""
+    proc, grandchild = _spawn("""
+        import subprocess, sys, time
+        from server.process import start_reaper
+        start_reaper(1.0)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)
+    try:
+        time.sleep(1.5)  # the reaper has seen the child
+        proc.kill()
+        took = _gone_within(grandchild, 8.0)
+        assert took is not None, "the engine-core stand-in outlived its killed parent"
+    finally:
+        _cleanup(proc, grandchild)
+
+
+@pytest.mark.parametrize("deathsig", ["1", "0"], ids=["prctl", "watchdog-only"])
+def test_a_launched_child_stops_when_its_launcher_is_killed(deathsig):
+    """The --disagg launcher SIGKILLed: the P/D stand-in stops (parent-death signal/watchdog)."""
+    proc, child = _spawn(f"""
+        import os, subprocess, sys, time
+        code = ("from server.process import die_with_launcher; die_with_launcher(0.5); "
+                "import time; time.sleep(600)")
+        env = dict(os.environ, {ENV_PARENT_PID}=str(os.getpid()),
+                   {ENV_PARENT_DEATHSIG}="{deathsig}")
+        child = subprocess.Popen([sys.executable, "-c", code], env=env)
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)
+    try:
+        time.sleep(1.0)
+        assert _gone_within(child, 0.5) is None, "the child stopped while its launcher lived"
+        proc.kill()
+        took = _gone_within(child, 5.0)
+        assert took is not None, "the child kept running after its launcher died"
+    finally:
+        _cleanup(proc, child)
+
+
+def test_a_child_started_by_hand_is_not_tied_to_its_parent(monkeypatch):
+    """No launcher variable (e.g. nohup from a shell): die_with_launcher does nothing."""
+    from server.process import die_with_launcher
+
+    monkeypatch.delenv(ENV_PARENT_PID, raising=False)
+    before = {t.name for t in __import__("threading").enumerate()}
+    die_with_launcher(1.0)
+    after = {t.name for t in __import__("threading").enumerate()}
+    assert after == before
