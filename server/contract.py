@@ -66,6 +66,24 @@ RESPONSE_FIELD = "kvbranch"
 TRANSFER_PARAMS_FIELD = "kv_transfer_params"
 #: The OpenAI completion routes kvbranch tags, guards and (in P/D) routes.
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+#: Every route of vLLM 0.32 that runs the model on a client's prompt (a superset of
+#: COMPLETION_PATHS; the P/D router routes only those). The guard and the middleware cover all
+#: of them: a valid key when the server has keys (``/invocations`` and ``/generative_scoring``
+#: are outside vLLM's own key check), the tenant's cache salt, checked ids, no internal fields.
+GENERATE_PATHS = COMPLETION_PATHS + (
+    "/v1/chat/completions/batch", "/v1/responses", "/v1/messages", "/inference/v1/generate",
+    "/invocations", "/v1/systemone", "/generative_scoring")
+#: Generating routes whose body has no ``cache_salt`` (vLLM's Cohere API, when enabled): they
+#: cannot be salted per tenant, so a server with keys refuses them.
+UNSALTABLE_PATHS = ("/cohere/v2/chat",)
+#: The route whose ``SamplingParams.extra_args`` arrive as ``sampling_params.extra_args``
+#: (token in, token out); elsewhere they arrive as ``vllm_xargs``.
+NESTED_XARGS_PATH = "/inference/v1/generate"
+#: Set by the server (never by clients): the caller's tenant, and the prefetch marker.
+OWNER_XARG = "kvbranch_owner"
+PREFETCH_XARG = "kvbranch_prefetch"
+#: Stripped from every client request: only the server sets them.
+INTERNAL_XARGS = (TAG_XARG, OWNER_XARG, PREFETCH_XARG)
 #: Larger request bodies get 413 (server and router).
 MAX_BODY_BYTES = 32 * 1024 * 1024
 #: In a 409's message when a create finds its id taken (the router's fan-out counts that as
@@ -75,6 +93,23 @@ ALREADY_EXISTS = "already exists"
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _ID_RE = re.compile(ID_PATTERN)
 MAX_TTL_S = 24 * 3600.0
+
+
+#: vLLM's rules for ``cache_salt`` (``validate_cache_salt``): checked before kvbranch derives
+#: a tenant's salt from it, so a bad one gets vLLM's answer, not a silently valid salt.
+MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(value: Any) -> None:
+    """``None`` or 1-128 characters without ``@``, ``/``, ``\\`` or NUL, as vLLM requires."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value:
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(value) > MAX_CACHE_SALT_CHARS or any(c in _CACHE_SALT_FORBIDDEN for c in value):
+        raise ValueError("Parameter 'cache_salt' must be at most 128 characters and must not "
+                         "contain '@', '/', '\\\\', or NUL.")
 
 
 def check_id(value: str, what: str = "id") -> str:

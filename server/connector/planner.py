@@ -17,11 +17,9 @@ from typing import Any
 
 from server.connector.block_index import HostBlockIndex
 from server.connector.sessions import DEFAULT_BRANCH, RegistryError, SessionRegistry
+# One home for the extension-arg names (the middleware strips the internal ones from clients).
+from server.contract import BRANCH_XARG, OWNER_XARG, PREFETCH_XARG, TAG_XARG  # noqa: F401
 
-BRANCH_XARG = "kvbranch_branch"
-TAG_XARG = "kvbranch_tag"
-PREFETCH_XARG = "kvbranch_prefetch"
-OWNER_XARG = "kvbranch_owner"
 SPLIT_HISTORY = 10_000
 PARAMS_HISTORY = 256  # transfer params carry token ids: keep few (a router fetches at once)
 

@@ -1,14 +1,22 @@
-"""ASGI guard in front of the kvbranch routes and the completion routes (outermost middleware).
+"""ASGI guard in front of the kvbranch routes and every generating route (outermost of ours;
+vLLM's own key check, where it applies, runs before it).
 
+* **Keys**: when the server has API keys, a generating route (:data:`GENERATE_PATHS`) needs
+  one of them, else 401 — vLLM checks keys only under ``/v1``, ``/v2``, ``/inference`` and
+  ``/cohere``, and ``/invocations`` and ``/generative_scoring`` generate outside them. A
+  generating route that cannot carry a cache salt (:data:`UNSALTABLE_PATHS`) is refused (403).
 * **Body size**: a request body over :data:`MAX_BODY_BYTES` bytes on a guarded path is answered 413
   with a JSON error (checked on ``Content-Length`` first, then while reading a chunked body);
   the rest of the body is read and dropped, never buffered.
-* **Ids on chat/completion requests**: the session id (``session_id`` in the body, the
-  ``X-Session-ID`` header, or ``vllm_xargs.session_id`` — vLLM's own three sources) and the
-  branch id (``vllm_xargs.kvbranch_branch`` or the ``X-KVBranch-Branch`` header) must be
-  :func:`server.contract.check_id` ids, else 400 naming the field. Without this, a chat request
-  with a session id that no route can address (``../x``, a space, 10 000 characters) would
-  create a session — and auto-pin its blocks — that nobody could ever get or delete.
+* **Ids on generating requests**: the session id (``session_id`` in the body, the
+  ``X-Session-ID`` header, or ``session_id`` in the extension args — vLLM's own three sources)
+  and the branch id (``kvbranch_branch`` in the extension args or the ``X-KVBranch-Branch``
+  header) must be :func:`server.contract.check_id` ids, else 400 naming the field. Without
+  this, a request with a session id that no route can address (``../x``, a space, 10 000
+  characters) would create a session — and auto-pin its blocks — that nobody could ever get
+  or delete.
+* **Client salt**: with keys, a ``cache_salt`` vLLM would refuse gets vLLM's 400 here, since
+  the middleware turns any client salt into a valid tenant salt.
 
 Errors use the contract's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -22,29 +30,36 @@ from server.contract import (
     API_PREFIX,
     BRANCH_HEADER,
     BRANCH_XARG,
-    COMPLETION_PATHS,
+    GENERATE_PATHS,
     MAX_BODY_BYTES,
+    NESTED_XARGS_PATH,
     SESSION_HEADER,
+    UNSALTABLE_PATHS,
+    check_cache_salt,
     check_id,
 )
-from server.plugin.middleware import header
+from server.plugin.middleware import header, route_path, xargs_of
+from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
 
 
 def _guarded(path: str) -> bool:
-    return path in COMPLETION_PATHS or path == API_PREFIX or path.startswith(API_PREFIX + "/")
+    return (path in GENERATE_PATHS or path in UNSALTABLE_PATHS or path == API_PREFIX
+            or path.startswith(API_PREFIX + "/"))
 
 
 def id_problem(payload: dict, session_header: str | None,
-               branch_header: str | None) -> tuple[str, str] | None:
-    """(param, message) for the first malformed session/branch id of a completion body, or
+               branch_header: str | None, path: str = GENERATE_PATHS[0]
+               ) -> tuple[str, str] | None:
+    """(param, message) for the first malformed session/branch id of a generating request, or
     None. Empty or absent ids mean "none" (as in vLLM and the planner). Pure, for tests."""
-    xargs = payload.get("vllm_xargs")
+    xargs = xargs_of(payload, path)
     xargs = xargs if isinstance(xargs, dict) else {}
+    where = "sampling_params.extra_args" if path == NESTED_XARGS_PATH else "vllm_xargs"
     candidates = [
         ("session_id", payload.get("session_id")),
         (SESSION_HEADER, session_header),
-        ("vllm_xargs.session_id", xargs.get("session_id")),
-        (f"vllm_xargs.{BRANCH_XARG}", xargs.get(BRANCH_XARG)),
+        (f"{where}.session_id", xargs.get("session_id")),
+        (f"{where}.{BRANCH_XARG}", xargs.get(BRANCH_XARG)),
         (BRANCH_HEADER, branch_header),
     ]
     for param, value in candidates:
@@ -52,7 +67,7 @@ def id_problem(payload: dict, session_header: str | None,
             continue
         if param == "session_id" and not isinstance(value, str):
             continue  # vLLM's own request model rejects it with its message
-        if param == "vllm_xargs.session_id" and not isinstance(value, str):
+        if param == f"{where}.session_id" and not isinstance(value, str):
             continue  # vLLM ignores a non-string one
         try:
             check_id(value, param)
@@ -62,7 +77,8 @@ def id_problem(payload: dict, session_header: str | None,
 
 
 def _error_response(status: int, message: str, param: str | None) -> tuple[dict, bytes]:
-    kind = {400: "BadRequestError", 413: "RequestTooLargeError"}.get(status, "Error")
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+            413: "RequestTooLargeError"}.get(status, "Error")
     body = json.dumps({"error": {"message": message, "type": kind, "param": param,
                                  "code": status}}).encode()
     start = {"type": "http.response.start", "status": status,
@@ -88,10 +104,24 @@ class KVBranchGuard:
                 return
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if (scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH")
-                or not _guarded(scope.get("path", ""))):
+        path = route_path(scope) if scope["type"] == "http" else ""
+        if scope.get("method") not in ("POST", "PUT", "PATCH") or not _guarded(path):
             await self.app(scope, receive, send)
             return
+        app_args = app_args_of(scope)
+        keys = tenancy_on(app_args)
+        generating = path in GENERATE_PATHS or path in UNSALTABLE_PATHS
+        if keys and generating:
+            if owner_of(header(scope, "authorization"), app_args) is None:
+                await self._drain(receive)
+                await self._reply(send, 401, "this server requires an API key: send "
+                                  "'Authorization: Bearer <key>' with one of its keys", None)
+                return
+            if path in UNSALTABLE_PATHS:
+                await self._drain(receive)
+                await self._reply(send, 403, f"{path} is not served with API keys: its "
+                                  "requests cannot carry a per-tenant cache_salt", None)
+                return
         too_big = f"request body larger than {self.max_body} bytes"
         length = header(scope, "content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_body:
@@ -116,14 +146,19 @@ class KVBranchGuard:
                 break
         body = b"".join(chunks)
 
-        if scope["path"] in COMPLETION_PATHS:
+        if path in GENERATE_PATHS:
             try:
                 payload = json.loads(body)
             except ValueError:
                 payload = None  # vLLM answers malformed JSON itself
             if isinstance(payload, dict):
                 problem = id_problem(payload, header(scope, SESSION_HEADER),
-                                     header(scope, BRANCH_HEADER))
+                                     header(scope, BRANCH_HEADER), path)
+                if problem is None and keys:
+                    try:
+                        check_cache_salt(payload.get("cache_salt"))
+                    except ValueError as exc:
+                        problem = ("cache_salt", str(exc))
                 if problem is not None:
                     await self._reply(send, 400, problem[1], problem[0])
                     return

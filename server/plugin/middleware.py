@@ -1,9 +1,14 @@
 """ASGI middleware around vLLM's completion routes.
 
-On the way in it stamps each chat/completion request with a server-made tag (to find its
-accounting afterwards), copies the ``X-KVBranch-Branch`` header into ``vllm_xargs``, and, when
-API keys are configured, stamps the caller's tenant (``owner``) and salts the prefix cache per
-tenant (vLLM's ``cache_salt``) unless the request chose a salt itself.
+On the way in, on every generating route (:data:`server.contract.GENERATE_PATHS`), it drops
+kvbranch's internal fields from the client's extension args (:data:`INTERNAL_XARGS`: only the
+server sets them), stamps a server-made tag (to find the request's accounting afterwards),
+copies the ``X-KVBranch-Branch`` header into the extension args, and, when the server has API
+keys, stamps the caller's tenant (``owner``) and salts the prefix cache per tenant (vLLM's
+``cache_salt``: the tenant's id combined with the client's own salt, if any). The extension
+args are ``vllm_xargs`` on the OpenAI/Anthropic routes and ``sampling_params.extra_args`` on
+``/inference/v1/generate``; ``/v1/systemone`` and ``/generative_scoring`` take none from
+clients, so only their salt is set.
 
 On the way out it adds the top-level ``kvbranch`` object (:class:`PromptSourceSplit`) to the
 JSON body, or to the usage chunk of a stream — vLLM returns ``kv_transfer_params`` only on
@@ -17,18 +22,44 @@ import logging
 import uuid
 from typing import Any
 
-from server.connector.planner import BRANCH_XARG, OWNER_XARG, TAG_XARG
 from server.contract import (
     BRANCH_HEADER,
+    BRANCH_XARG,
     COMPLETION_PATHS,
+    GENERATE_PATHS,
+    INTERNAL_XARGS,
     MAX_BODY_BYTES,
+    NESTED_XARGS_PATH,
+    OWNER_XARG,
     RESPONSE_FIELD,
+    TAG_XARG,
     TRANSFER_PARAMS_FIELD,
 )
-from server.plugin.tenancy import owner_of
+from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
 
 logger = logging.getLogger("kvbranch.middleware")
 
+
+
+#: Generating routes whose bodies take no extension args from clients (nothing to strip).
+_NO_XARGS_PATHS = ("/v1/systemone", "/generative_scoring")
+
+
+def route_path(scope: dict) -> str:
+    """The request path without the app's ``root_path``, as vLLM's key check matches it."""
+    path = scope.get("path", "")
+    root = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def xargs_of(payload: dict, path: str) -> Any:
+    """The client's extension args on this route (``None`` when absent or not accepted)."""
+    if path in _NO_XARGS_PATHS:
+        return None
+    if path == NESTED_XARGS_PATH:
+        params = payload.get("sampling_params")
+        return params.get("extra_args") if isinstance(params, dict) else None
+    return payload.get("vllm_xargs")
 
 
 def header(scope: dict, name: str) -> str | None:
@@ -51,22 +82,30 @@ def attach_split(target: dict, split: dict) -> None:
 
 
 def rewrite_request(payload: dict, *, tag: str, branch_header: str | None,
-                    owner: str | None) -> dict:
-    """Add our ``vllm_xargs`` (tag, branch, owner) and the tenant salt. Pure, for tests."""
-    xargs = payload.get("vllm_xargs")
+                    owner: str | None, path: str = COMPLETION_PATHS[0]) -> dict:
+    """Strip internal fields, add ours (tag, branch, owner) and the tenant salt. Pure."""
+    if owner:
+        payload["cache_salt"] = tenant_salt(owner, payload.get("cache_salt"))
+    if path in _NO_XARGS_PATHS:
+        return payload
+    xargs = xargs_of(payload, path)
     if xargs is None:
         xargs = {}
     if not isinstance(xargs, dict):
         return payload  # vLLM rejects it with its own message
-    xargs = {k: v for k, v in xargs.items() if k not in (TAG_XARG, OWNER_XARG)}
+    xargs = {k: v for k, v in xargs.items() if k not in INTERNAL_XARGS}
     xargs[TAG_XARG] = tag
     if branch_header and BRANCH_XARG not in xargs:
         xargs[BRANCH_XARG] = branch_header
     if owner:
         xargs[OWNER_XARG] = owner
-        if not payload.get("cache_salt"):
-            payload["cache_salt"] = owner
-    payload["vllm_xargs"] = xargs
+    if path == NESTED_XARGS_PATH:
+        params = payload.get("sampling_params")
+        if isinstance(params, dict):
+            params["extra_args"] = xargs
+        # else: vLLM refuses the body (sampling_params is required) with its own message
+    else:
+        payload["vllm_xargs"] = xargs
     return payload
 
 
@@ -89,8 +128,8 @@ class KVBranchMiddleware:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if (scope["type"] != "http" or scope.get("method") != "POST"
-                or scope.get("path") not in COMPLETION_PATHS):
+        path = route_path(scope) if scope["type"] == "http" else ""
+        if scope.get("method") != "POST" or path not in GENERATE_PATHS:
             await self.app(scope, receive, send)
             return
         body = b""
@@ -112,8 +151,10 @@ class KVBranchMiddleware:
         if isinstance(payload, dict):
             payload = rewrite_request(
                 payload, tag=tag, branch_header=header(scope, BRANCH_HEADER),
-                owner=owner_of(header(scope, "authorization")))
+                owner=owner_of(header(scope, "authorization"), app_args_of(scope)), path=path)
             body = json.dumps(payload).encode()
+            if path in _NO_XARGS_PATHS:
+                tag = ""  # it could not be carried: no split to look up
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
             scope = dict(scope, headers=headers)

@@ -30,7 +30,7 @@ from server.contract import (
     SessionInfo,
     Stats,
 )
-from server.plugin.tenancy import owner_of
+from server.plugin.tenancy import app_args_of, owner_of
 
 logger = logging.getLogger("kvbranch.routes")
 
@@ -41,8 +41,9 @@ BranchId = Path(..., pattern=ID_PATTERN, description="branch id")
 
 
 def error(status: int, message: str) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
-            422: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            409: "ConflictError", 422: "BadRequestError", 429: "RateLimitError",
+            503: "ServiceUnavailableError"}.get(status, "ServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
                         status_code=status)
 
@@ -56,8 +57,8 @@ async def _call(request: Request, op: str, **args: Any) -> Any:
     if kvb.control is None:
         raise ControlError(503, "the kvbranch connector is not loaded on this server "
                                 "(started with --no-connector)")
-    return await kvb.control.call(op, owner=owner_of(request.headers.get("authorization")),
-                                  **args)
+    owner = owner_of(request.headers.get("authorization"), app_args_of(request.app))
+    return await kvb.control.call(op, owner=owner, **args)
 
 
 def _routed(handler):

@@ -1,20 +1,88 @@
-"""Tenants: with ``--api-key`` each key is a tenant. A tenant's id (``owner``) is a keyed digest
-of its key — the key itself is never stored or logged — and it scopes sessions (another key
-gets 404) and salts the prefix cache (vLLM's ``cache_salt``)."""
+"""Tenants: when vLLM requires API keys, each key is a tenant.
+
+Whose keys: exactly the ones vLLM's own ``AuthenticationMiddleware`` accepts — its
+``--api-key`` list, else ``VLLM_API_KEY`` — read from the app's parsed arguments
+(``app.state.args``). So tenancy is on however the keys were given (the launcher's
+``--api-key``, keys after ``--``, a vLLM config file, the environment, or ``vllm serve`` with
+the plugin). Without app arguments (unit tests), the launcher's ``KVBRANCH_API_KEYS``.
+
+A tenant's id (``owner``) is a digest of its key — the key itself is never stored or logged.
+It scopes sessions (each tenant has its own id space) and salts the prefix cache, combined
+with any ``cache_salt`` the client sends (:func:`tenant_salt`). A header that does not carry a
+configured key has no owner: the guard refuses it on every generating route.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+from typing import Any
 
-from server.cli import ENV_API_KEYS  # the launcher sets it from --api-key
+from server.cli import ENV_API_KEYS  # the launcher sets it from the keys it saw
+
+_DIGEST_CHARS = 32
+#: id(args) -> (args, {sha256(key): owner}); keeping args alive keeps its id unique.
+_CACHE: dict[int, tuple[Any, dict[bytes, str]]] = {}
 
 
-def owner_of(authorization: str | None) -> str | None:
-    """``None`` when the server has no keys (single tenant), else ``t_<digest>``."""
-    if not os.environ.get(ENV_API_KEYS):
+def tenant_id(key: str) -> str:
+    """``t_`` + 128 bits of a domain-separated sha256 of the key."""
+    return "t_" + hashlib.sha256(b"kvbranch-tenant\0" + key.encode()).hexdigest()[:_DIGEST_CHARS]
+
+
+def keys_of(args: Any) -> list[str]:
+    """The keys vLLM enforces for these arguments (its rule: ``--api-key`` wins over
+    ``VLLM_API_KEY``; empty ones are dropped)."""
+    listed = getattr(args, "api_key", None)
+    return [k for k in (listed or [os.environ.get("VLLM_API_KEY")]) if k]
+
+
+def _table(app_args: Any) -> dict[bytes, str]:
+    if app_args is None:
+        keys = [k for k in os.environ.get(ENV_API_KEYS, "").split(",") if k]
+        return {hashlib.sha256(k.encode()).digest(): tenant_id(k) for k in keys}
+    cached = _CACHE.get(id(app_args))
+    if cached is None or cached[0] is not app_args:
+        table = {hashlib.sha256(k.encode()).digest(): tenant_id(k) for k in keys_of(app_args)}
+        cached = _CACHE[id(app_args)] = (app_args, table)
+    return cached[1]
+
+
+def app_args_of(scope_or_app: Any) -> Any:
+    """vLLM's parsed arguments from an ASGI scope (dict) or a FastAPI app, if any."""
+    app = scope_or_app.get("app") if isinstance(scope_or_app, dict) else scope_or_app
+    state = getattr(app, "state", None)
+    return getattr(state, "args", None) if state is not None else None
+
+
+def tenancy_on(app_args: Any = None) -> bool:
+    return bool(_table(app_args))
+
+
+def owner_of(authorization: str | None, app_args: Any = None) -> str | None:
+    """The tenant of a configured bearer key, parsed as vLLM parses it; ``None`` without keys,
+    without a header, or for a key the server does not have."""
+    table = _table(app_args)
+    if not table or not authorization:
         return None
-    if not authorization or not authorization.lower().startswith("bearer "):
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer":
         return None
-    key = authorization[7:].strip()
-    return "t_" + hashlib.sha256(b"kvbranch-tenant\0" + key.encode()).hexdigest()[:32]
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    owner = None
+    for known, tenant in table.items():  # compare every key: no timing hint of which matched
+        if hmac.compare_digest(digest, known):
+            owner = tenant
+    return owner
+
+
+def tenant_salt(owner: str, client_salt: Any) -> str:
+    """The prefix-cache salt of a tenant's request: the tenant's id, plus a digest of the
+    client's own salt when it sent one. Two tenants never share a salt whatever their clients
+    send, one tenant's clients can still split its cache, and the result always passes vLLM's
+    salt check (at most 67 characters of ``[0-9a-z_.]``)."""
+    if client_salt is None or client_salt == "":
+        return owner
+    text = client_salt if isinstance(client_salt, str) else repr(client_salt)
+    return f"{owner}.{hashlib.sha256(text.encode()).hexdigest()[:_DIGEST_CHARS]}"

@@ -80,3 +80,24 @@ def test_bad_chat_session_id_is_400_before_the_app():
     sent, reached, _ = _run(guard, "/v1/chat/completions", [body])
     assert sent[0]["status"] == 400 and not reached
     assert json.loads(sent[1]["body"])["error"]["param"] == "session_id"
+
+
+@pytest.mark.parametrize("path, payload, param", [
+    ("/inference/v1/generate", {"sampling_params": {"extra_args": {"kvbranch_branch": "a b"}}},
+     "sampling_params.extra_args.kvbranch_branch"),
+    ("/inference/v1/generate", {"sampling_params": {"extra_args": {"session_id": "../x"}}},
+     "sampling_params.extra_args.session_id"),
+    ("/v1/responses", {"session_id": "a/b"}, "session_id"),
+    ("/v1/messages", {"vllm_xargs": {"kvbranch_branch": "../m"}}, "vllm_xargs.kvbranch_branch"),
+    ("/v1/systemone", {"vllm_xargs": {"kvbranch_branch": "../m"}}, None),  # takes no xargs
+])
+def test_id_problem_on_other_generating_routes(path, payload, param):
+    problem = id_problem(payload, None, None, path)
+    assert (problem[0] if problem else None) == param
+
+
+def test_bad_responses_session_id_is_400_before_the_app():
+    guard = KVBranchGuard(None)
+    body = json.dumps({"model": "m", "input": "x", "session_id": "a/b"}).encode()
+    sent, reached, _ = _run(guard, "/v1/responses", [body])
+    assert sent[0]["status"] == 400 and not reached

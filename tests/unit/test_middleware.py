@@ -58,12 +58,14 @@ def test_client_supplied_tag_and_owner_are_stripped():
     assert out["vllm_xargs"][OWNER_XARG] == "t_me"
 
 
-def test_owner_sets_cache_salt_unless_given():
+def test_owner_sets_cache_salt_and_combines_a_given_one():
+    """Issue 13 item 5: a client salt no longer replaces the tenant's (two keys sending the
+    same salt shared a cache); it is combined with it."""
     out = rewrite_request({}, tag="t", branch_header=None, owner="t_me")
     assert out["cache_salt"] == "t_me"
     assert out["vllm_xargs"][OWNER_XARG] == "t_me"
     out = rewrite_request({"cache_salt": "mine"}, tag="t", branch_header=None, owner="t_me")
-    assert out["cache_salt"] == "mine"
+    assert out["cache_salt"].startswith("t_me.") and out["cache_salt"] != "mine"
     out = rewrite_request({"cache_salt": ""}, tag="t", branch_header=None, owner="t_me")
     assert out["cache_salt"] == "t_me"
 
@@ -77,8 +79,11 @@ def test_no_owner_no_salt():
 @pytest.mark.parametrize("bad", ["str", ["a"], 3])
 def test_non_dict_xargs_left_alone(bad):
     payload = {"vllm_xargs": bad, "model": "m"}
-    out = rewrite_request(payload, tag="t", branch_header="b", owner="t_me")
+    out = rewrite_request(payload, tag="t", branch_header="b", owner=None)
     assert out == {"vllm_xargs": bad, "model": "m"}
+    # vLLM refuses the body; the tenant salt is set all the same
+    out = rewrite_request(dict(payload), tag="t", branch_header="b", owner="t_me")
+    assert out == {"vllm_xargs": bad, "model": "m", "cache_salt": "t_me"}
 
 
 # --- owner_of (used by the middleware) ---------------------------------------------------------
