@@ -19,6 +19,9 @@ after the other, with the same device KV budget:
 * ``pd-kvbranch`` (opt-in: ``--configs plain,kvbranch,pd-kvbranch``) — the same through
   ``python -m server --disagg``: a prefill and a decode instance (one core each) behind the
   kvbranch router, which carries the decode instance's KV back to prefill on the next turn.
+* ``pd`` (opt-in) — upstream P/D: ``--disagg --no-connector --no-bidirectional`` (NIXL, no
+  pull, no host store). ``--configs pd,pd-kvbranch --pd-hold-ttl-s 120`` is the "holds under
+  pressure" case of issue 13: ratios are against the first configuration named.
 
 Per configuration: TTFT p50/p95 per turn index, job completion time per session, prompt tokens
 by source (device cache / host store / recomputed, from the server's accounting), output
@@ -71,6 +74,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 
+CONFIG_NAMES = ("plain", "kvbranch", "pd", "pd-kvbranch")
 PROFILES = {
     # ~10 minutes on 2 cores; contexts together ~2x the device KV budget.
     "quick": dict(sessions=2, turns=6, obs_tokens=100, gen_tokens=16, system_tokens=400,
@@ -238,7 +242,10 @@ class Runner:
 
 async def run_config(name: str, kvbranch: bool, args: argparse.Namespace, workload: dict,
                      log: Progress) -> dict:
-    extra = ["--disagg"] if name.startswith("pd") else []
+    extra = ["--disagg", "--pd-hold-ttl-s", str(args.pd_hold_ttl_s)] \
+        if name.startswith("pd") else []
+    if name == "pd":
+        extra.append("--no-bidirectional")  # upstream P/D (server_args adds --no-connector)
     server = start_server(name, server_args(kvbranch, args.kv_cache_gib, args.host_store_gib,
                                             args.max_model_len, extra),
                           reserved_cpus=args.reserved_cpus)
@@ -322,7 +329,10 @@ def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
            sums: dict[str, dict], info: dict, elapsed: float, png: Path | None, raw: Path,
            wl_path: Path) -> str:
     p = workload["params"]
-    base = sums.get("plain")
+    # Ratios are against the first configuration of the run (plain vLLM unless --configs says
+    # otherwise, e.g. "pd,pd-kvbranch": upstream P/D against kvbranch P/D).
+    base_name = next(iter(results))
+    base = sums.get(base_name)
     lines = [f"## agent_workload ({args.profile}) — {now_str()}\n",
              f"- Command: `{command_line()}` (git {git_rev()}, {elapsed / 60:.1f} min)",
              machine_md(info).rstrip(),
@@ -349,7 +359,7 @@ def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
     turns = sorted({t for s in sums.values() for t in s["ttft_by_turn"]})
     header = ["turn", "n"] + [f"{n} p50 / p95 s" for n in names]
     if base and len(names) > 1:
-        header += [f"plain/{n} p50" for n in names if n != "plain"]
+        header += [f"{base_name}/{n} p50" for n in names if n != base_name]
     rows = []
     for t in turns:
         row = [t, max(s["ttft_by_turn"].get(t, (0, 0, 0))[2] for s in sums.values())]
@@ -358,7 +368,7 @@ def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
             row.append(f"{v[0]:.2f} / {v[1]:.2f}" if v else "-")
         if base and len(names) > 1:
             for n in names:
-                if n == "plain":
+                if n == base_name:
                     continue
                 a, b = base["ttft_by_turn"].get(t), sums[n]["ttft_by_turn"].get(t)
                 row.append(ratio(a[0], b[0]) if a and b else "-")
@@ -387,16 +397,16 @@ def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
     lines.append(md_table(jhead, jrows))
     if base:
         for n in names:
-            if n == "plain":
+            if n == base_name:
                 continue
             s = sums[n]
-            plain_rss = results["plain"]["peak_rss_bytes"]
+            plain_rss = results[base_name]["peak_rss_bytes"]
             r_late = base["ttft_p50_late"] / s["ttft_p50_late"] if s["ttft_p50_late"] else 0
-            lines.append(f"- Ratios plain/{n}: TTFT p50 turns>=5 {r_late:.2f}x, TTFT p95 turns>=5 "
+            lines.append(f"- Ratios {base_name}/{n}: TTFT p50 turns>=5 {r_late:.2f}x, TTFT p95 turns>=5 "
                          f"{ratio(base['ttft_p95_late'], s['ttft_p95_late'])}, mean JCT "
                          f"{ratio(base['jct_mean'], s['jct_mean'])}, recomputed prompt tokens "
                          f"{ratio(base['tokens']['recomputed'], s['tokens']['recomputed'])}; "
-                         f"{n}/plain output tok/s {ratio(s['out_tps'], base['out_tps'])}, peak "
+                         f"{n}/{base_name} output tok/s {ratio(s['out_tps'], base['out_tps'])}, peak "
                          f"RSS {ratio(results[n]['peak_rss_bytes'], plain_rss)}")
             lines.append(f"- Target (memory-pressure profile) kvbranch p50 TTFT at turns >= 5 at "
                          f"least 3.3x lower than plain: {'MET' if r_late >= 3.3 else 'NOT MET'} "
@@ -452,6 +462,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-gib", type=float, help="device KV budget of every config")
     ap.add_argument("--host-store-gib", type=float, help="kvbranch host store size")
     ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--pd-hold-ttl-s", type=float, default=30.0,
+                    help="P/D configurations: how long D holds a turn's blocks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reserved-cpus", type=int, default=DEFAULT_RESERVED_CPUS,
                     help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server, so that all configs "
@@ -469,7 +481,7 @@ def main() -> int:
             setattr(args, key, value)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
-        if c not in ("plain", "kvbranch", "pd-kvbranch"):
+        if c not in CONFIG_NAMES:
             ap.error(f"unknown config {c!r}")
 
     log = Progress()
@@ -490,7 +502,8 @@ def main() -> int:
     t0 = time.monotonic()
     for name in configs:
         log(f"=== configuration {name} ===")
-        results[name] = asyncio.run(run_config(name, name != "plain", args, workload, log))
+        results[name] = asyncio.run(run_config(name, name in ("kvbranch", "pd-kvbranch"), args,
+                                               workload, log))
     elapsed = time.monotonic() - t0
     info = info_job.result()
     sums = {n: summarize(r) for n, r in results.items()}

@@ -32,6 +32,8 @@ PROTOCOL_VERSION = "1"
 HEALTH_PATH = f"{API_PREFIX}/health"
 STATS_PATH = f"{API_PREFIX}/stats"
 SESSIONS_PATH = f"{API_PREFIX}/sessions"
+#: P/D only: the router claims a decode instance's held conversation right before P pulls it.
+HOLD_CLAIM_PATH = f"{API_PREFIX}/holds/claim"
 
 
 def session_path(session_id: str) -> str:
@@ -262,6 +264,8 @@ class Stats(BaseModel):
     prefetches_skipped: int = Field(0, description="Prefetch requests skipped because the "
                                     "branch was already device-resident.")
     sessions: list[SessionInfo]
+    pd: dict[str, Any] | None = Field(None, description="P/D instances: held conversations, "
+                                      "holds released for new work, claims, declined handles.")
 
 
 class ErrorBody(BaseModel):

@@ -26,7 +26,10 @@ class KVBranchPlugin:
         from server.plugin.middleware import KVBranchMiddleware
         from server.plugin.routes import router
 
+        from server.plugin.holds import router as holds_router
+
         app.include_router(router)
+        app.include_router(holds_router)
         app.add_middleware(KVBranchMiddleware)
         app.add_middleware(KVBranchGuard)  # added last = outermost: size and id checks first
 

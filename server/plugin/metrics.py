@@ -65,6 +65,39 @@ class KVBranchCollector:
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
+        yield from _pd_metrics(stats.get("pd"))
+
+
+def _pd_metrics(pd: dict | None):
+    """P/D instances: holds (a lease on device blocks), how often they yielded to new work,
+    steps where a waiting request found the device cache full, and declined handles."""
+    if not isinstance(pd, dict):
+        return
+    for name, doc, key in [
+        ("kvbranch_pd_holds", "Conversations held on the device for a peer's pull", "holds"),
+        ("kvbranch_pd_held_blocks", "Device blocks held for a peer's pull", "held_blocks"),
+    ]:
+        family = GaugeMetricFamily(name, doc)
+        family.add_metric([], pd.get(key, 0))
+        yield family
+    for name, doc, key in [
+        ("kvbranch_pd_holds_released", "Holds released early because new work needed the "
+                                       "blocks", "holds_released_for_new_work"),
+        ("kvbranch_pd_stalled_steps", "Steps where a waiting request could not get device "
+                                      "blocks while holds existed", "stalled_steps"),
+        ("kvbranch_pd_claims", "Holds claimed for a pull", "claims"),
+        ("kvbranch_pd_claims_refused", "Claims refused (hold released, expired or used)",
+         "claims_refused"),
+    ]:
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], pd.get(key, 0))
+        yield family
+    declined = CounterMetricFamily("kvbranch_pd_handles_declined",
+                                   "Peer transfer handles declined (the prompt recomputed)",
+                                   labels=["reason"])
+    for reason, value in (pd.get("handles_declined") or {}).items():
+        declined.add_metric([reason], value)
+    yield declined
 
 
 def register_collector(control_path: str) -> None:

@@ -1,0 +1,308 @@
+"""Never wrong KV across instances: real P, D and router (NIXL over UCX on loopback), a small
+device cache (0.1 GiB, 18 blocks of 128 tokens) and long holds (900 s), compared with a plain
+vLLM server on every answer (greedy, token for token).
+
+* a history that diverges from what D holds (an edited assistant turn, a regeneration) with P's
+  device cache *and* host store emptied first, so that the pull is the only source of the
+  prefix: P must read exactly the verified prefix (the old code read D's *last* blocks into
+  P's first positions: "A: A: A: ...");
+* bad transfer handles sent straight to P and to D (forged, out of range, unclaimed, reused,
+  expired, another tenant's salt): a 200 with the plain server's answer or a 4xx, never a 5xx;
+* holds yield to new work: concurrent sessions whose held conversations fill D's cache still
+  get answered (the old code left them "waiting" for the whole 900 s hold).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+import time
+
+import httpx
+import pytest
+
+from server.connector.transfer_auth import (
+    CLAIM_FIELD,
+    ENV_CLUSTER_SECRET,
+    EXPIRES_FIELD,
+    MAC_FIELD,
+    seal,
+)
+from server.contract import HOLD_CLAIM_PATH
+from server.process import free_port
+from tests.integration.helpers import client, system_prompt
+from tests.server_process import ServerProcess
+
+SECRET = secrets.token_hex(32)
+INSTANCE_ARGS = ["--kv-cache-gib", "0.1", "--host-store-gib", "0.25", "--max-model-len", "2048",
+                 "--pd-hold-ttl-s", "900"]
+SYSTEM = system_prompt(words=120, seed=13)
+
+
+def _instance(role: str, core: str) -> ServerProcess:
+    return ServerProcess([*INSTANCE_ARGS, "--role", role, "--cpu-cores", core,
+                          "--nixl-port", str(free_port())], name=f"trust-{role}",
+                         ready_timeout=900, env={ENV_CLUSTER_SECRET: SECRET})
+
+
+@pytest.fixture(scope="module")
+def pd():
+    prefill, decode = _instance("prefill", "0"), _instance("decode", "1")
+    router = None
+    try:
+        prefill.launch()
+        decode.launch()
+        prefill.wait_ready()
+        decode.wait_ready()
+        router = ServerProcess(["--role", "router", "--prefill", prefill.url, "--decode",
+                                decode.url, "--pd-hold-ttl-s", "900"], name="trust-router",
+                               ready_timeout=120).start()
+        yield prefill, decode, router
+    finally:
+        for proc in (router, prefill, decode):
+            if proc is not None:
+                proc.stop()
+
+
+def _body(server, messages, max_tokens, **extra):
+    return {"model": server.model, "messages": messages, "temperature": 0,
+            "max_tokens": max_tokens, **extra}
+
+
+def _post(server, body, headers=None) -> httpx.Response:
+    with client(server) as c:
+        return c.post("/v1/chat/completions", json=body, headers=headers or {})
+
+
+def _answer(server, messages, max_tokens=24, **extra) -> dict:
+    r = _post(server, _body(server, messages, max_tokens, **extra))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _text(data: dict) -> str:
+    return data["choices"][0]["message"]["content"]
+
+
+def _empty_prefill_caches(prefill) -> None:
+    """P's device prefix cache and host store both emptied: only a pull can bring the prefix."""
+    with client(prefill) as c:
+        for _ in range(100):
+            if c.post("/reset_prefix_cache", params={"reset_external": "true"}).json() \
+                    .get("success"):
+                return
+            time.sleep(0.2)
+    raise AssertionError("P's prefix cache could not be reset")
+
+
+def _pd_stats(server) -> dict:
+    with client(server) as c:
+        r = c.get("/v1/kvbranch/stats")
+    assert r.status_code == 200, r.text
+    return r.json().get("pd") or {}
+
+
+def _ask_long(session: str) -> tuple[list[dict], str]:
+    return ([{"role": "system", "content": SYSTEM},
+             {"role": "user", "content": f"Session {session}: write a long story about a "
+                                         "robot that learns to cook, in many sentences."}],
+            session)
+
+
+def test_an_edited_assistant_turn_pulls_only_the_verified_prefix(pd, plain_server):
+    prefill, decode, router = pd
+    messages, session = _ask_long("edit")
+    first = _answer(router, messages, max_tokens=300, ignore_eos=True, session_id=session)
+    assert _text(first) == _text(_answer(plain_server, messages, max_tokens=300,
+                                         ignore_eos=True))
+    reply = _text(first)
+    cut = len(reply) // 2  # D holds ~300 generated tokens; diverge ~150 tokens in
+    edited = reply[:cut] + " Then everything changed, and nobody knew why."
+    turn2 = [*messages, {"role": "assistant", "content": edited},
+             {"role": "user", "content": "Summarize the story in one sentence."}]
+    _empty_prefill_caches(prefill)
+    second = _answer(router, turn2, max_tokens=48, session_id=session)
+    split = second["kvbranch"]
+    assert split["device_hit_tokens"] == 0 and split["host_hit_tokens"] == 0, split
+    # pulled: the common prefix, several blocks, but not D's tokens after the edit
+    assert 3 * 128 <= split["remote_hit_tokens"] < first["usage"]["prompt_tokens"] + 300, split
+    assert _text(second) == _text(_answer(plain_server, turn2, max_tokens=48))
+    # P cached what it pulled under its own hashes: a third turn on top must be right too
+    turn3 = [*turn2, {"role": "assistant", "content": _text(second)},
+             {"role": "user", "content": "And in three words?"}]
+    assert _text(_answer(prefill, turn3, max_tokens=24)) == \
+        _text(_answer(plain_server, turn3, max_tokens=24))
+
+
+def test_a_regeneration_pulls_a_prefix_of_what_d_holds(pd, plain_server):
+    prefill, decode, router = pd
+    messages, session = _ask_long("regen")
+    turn1 = _answer(router, messages, max_tokens=200, ignore_eos=True, session_id=session)
+    turn2 = [*messages, {"role": "assistant", "content": _text(turn1)},
+             {"role": "user", "content": "Give the robot a name and explain it."}]
+    _answer(router, turn2, max_tokens=160, ignore_eos=True, session_id=session)
+    # regenerate turn 2's answer: same branch, a shorter history than D now holds
+    _empty_prefill_caches(prefill)
+    again = _answer(router, turn2, max_tokens=48, session_id=session)
+    split = again["kvbranch"]
+    assert split["device_hit_tokens"] == 0 and split["remote_hit_tokens"] >= 3 * 128, split
+    assert split["remote_hit_tokens"] == split["prompt_tokens"] - 1 - split["host_hit_tokens"]
+    assert _text(again) == _text(_answer(plain_server, turn2, max_tokens=48))
+
+
+# --- bad handles -------------------------------------------------------------------------------
+def _held_handle(decode, messages, session, max_tokens=40) -> dict:
+    """A real handle: a turn served by D alone holds its blocks and returns the params."""
+    data = _answer(decode, messages, max_tokens=max_tokens, session_id=session,
+                   kv_transfer_params={"do_remote_prefill": False})
+    params = data.get("kv_transfer_params")
+    assert isinstance(params, dict) and params.get("remote_block_ids"), data
+    return params
+
+
+def _claim(decode, handle) -> httpx.Response:
+    with client(decode) as c:
+        return c.post(HOLD_CLAIM_PATH, json={"handle": handle})
+
+
+def _next_turn(messages, reply):
+    return [*messages, {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Now list three ingredients."}]
+
+
+def _at_p(prefill, messages, params) -> httpx.Response:
+    return _post(prefill, _body(prefill, messages, 16,
+                                kv_transfer_params=dict(params, do_remote_decode=True,
+                                                        do_remote_prefill=False)))
+
+
+def _same_as_plain_or_refused(r: httpx.Response, expected: str) -> dict | None:
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert "message" in r.json()["error"], r.text
+        return None
+    data = r.json()
+    assert _text(data) == expected
+    return data
+
+
+def test_handles_are_checked_before_any_read(pd, plain_server):
+    prefill, decode, router = pd
+    messages, session = _ask_long("neg")
+    handle = _held_handle(decode, messages, session)
+    reply = _text(_answer(plain_server, messages, max_tokens=40))
+    turn2 = _next_turn(messages, reply)
+    expected = _text(_answer(plain_server, turn2, max_tokens=16))
+
+    def at_p(params):
+        _empty_prefill_caches(prefill)
+        data = _same_as_plain_or_refused(_at_p(prefill, turn2, params), expected)
+        return data["kvbranch"]["remote_hit_tokens"] if data else 0
+
+    declined_before = sum(_pd_stats(prefill).get("handles_declined", {}).values())
+    # unclaimed (D may release it any time) -> recompute
+    assert at_p(handle) == 0
+    # forged: edited block ids, host, tokens; invented from scratch; out of range; wrong types
+    nixl_port = handle["remote_port"]
+    forged = [
+        dict(handle, remote_block_ids=[[b + 1 for b in handle["remote_block_ids"][0]]]),
+        dict(handle, remote_host="10.255.255.1"),
+        dict(handle, remote_num_tokens=10**9),
+        {"remote_block_ids": [[0, 1, 2]], "remote_engine_id": "x", "remote_host": "127.0.0.1",
+         "remote_port": nixl_port, "remote_request_id": "r", "remote_num_tokens": 300},
+        {"remote_block_ids": [[10**9, -1]], "remote_engine_id": handle["remote_engine_id"],
+         "remote_host": "127.0.0.1", "remote_port": nixl_port, "remote_request_id": "r2",
+         "remote_num_tokens": -5, MAC_FIELD: "00" * 32},
+        dict(handle, remote_block_ids="1,2,3", **{MAC_FIELD: 7}),
+    ]
+    for params in forged:
+        assert at_p(params) == 0
+    # the real one, claimed by D: pulled, same answer
+    r = _claim(decode, handle)
+    assert r.status_code == 200, r.text
+    claimed = dict(handle, **r.json())
+    assert at_p(claimed) > 0
+    # reused: declined (D freed those blocks after the first read)
+    assert at_p(claimed) == 0
+    # a second claim of the same hold: 410 with a message
+    again = _claim(decode, handle)
+    assert again.status_code == 410 and "message" in again.json()["error"]
+    # claim route: bad bodies are 4xx
+    with client(decode) as c:
+        for body in ({}, {"handle": "x"}, {"handle": {"remote_request_id": "r"}}, [1]):
+            bad = c.post(HOLD_CLAIM_PATH, json=body)
+            assert 400 <= bad.status_code < 500, bad.text
+    assert sum(_pd_stats(prefill).get("handles_declined", {}).values()) >= \
+        declined_before + len(forged) + 2
+
+
+def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
+    """Sealed with the cluster's own secret (as a buggy or slow peer would send them)."""
+    prefill, decode, router = pd
+    messages, session = _ask_long("exp")
+    handle = _held_handle(decode, messages, session)
+    r = _claim(decode, handle)
+    assert r.status_code == 200, r.text
+    claimed = dict(handle, **r.json())
+    reply = _text(_answer(plain_server, messages, max_tokens=40))
+    turn2 = _next_turn(messages, reply)
+    expected = _text(_answer(plain_server, turn2, max_tokens=16))
+    stale = seal(dict(claimed, **{EXPIRES_FIELD: time.time() - 1}), SECRET.encode())
+    _empty_prefill_caches(prefill)
+    data = _same_as_plain_or_refused(_at_p(prefill, turn2, stale), expected)
+    assert data is None or data["kvbranch"]["remote_hit_tokens"] == 0
+    # the same (fresh, claimed) blocks requested under another tenant's cache salt
+    _empty_prefill_caches(prefill)
+    body = _body(prefill, turn2, 16, cache_salt="someone-else",
+                 kv_transfer_params=dict(claimed, do_remote_decode=True,
+                                         do_remote_prefill=False))
+    data = _same_as_plain_or_refused(_post(prefill, body), expected)
+    assert data is None or data["kvbranch"]["remote_hit_tokens"] == 0
+
+
+def test_a_prefill_handle_for_another_prompt_is_not_read_by_d(pd, plain_server):
+    prefill, decode, router = pd
+    a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}]
+    b = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a color."}]
+    p_data = _answer(prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p_handle = p_data["kv_transfer_params"]
+    assert p_handle.get("do_remote_prefill") and p_handle.get("remote_block_ids")
+    r = _post(decode, _body(decode, b, 16, kv_transfer_params=p_handle))
+    _same_as_plain_or_refused(r, _text(_answer(plain_server, b, max_tokens=16)))
+    # the right prompt still works (and is read from P)
+    p_data = _answer(prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    r = _post(decode, _body(decode, a, 16, kv_transfer_params=p_data["kv_transfer_params"]))
+    _same_as_plain_or_refused(r, _text(_answer(plain_server, a, max_tokens=16)))
+
+
+def test_router_refuses_client_transfer_params(pd):
+    prefill, decode, router = pd
+    r = _post(router, _body(router, [{"role": "user", "content": "hi"}], 4,
+                            kv_transfer_params={"do_remote_decode": True}))
+    assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
+
+
+# --- holds yield to new work --------------------------------------------------------------------
+def test_held_conversations_yield_to_new_sessions(pd, plain_server):
+    """6 sessions x 3 turns, 3 at a time, each holding ~5 of D's 18 blocks for 900 s: without
+    releasing holds, new turns wait for the whole hold."""
+    prefill, decode, router = pd
+
+    def agent(i: int) -> list[tuple[list[dict], str]]:
+        messages = [{"role": "system", "content": system_prompt(words=150, seed=100 + i)},
+                    {"role": "user", "content": f"Agent {i}: plan a trip to city {i}."}]
+        out = []
+        for turn in range(3):
+            data = _answer(router, messages, max_tokens=32, session_id=f"load{i}")
+            out.append((list(messages), _text(data)))
+            messages += [{"role": "assistant", "content": _text(data)},
+                         {"role": "user", "content": f"Observation {turn}: ok. Next step?"}]
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(agent, range(6)))  # each call has a 600 s client timeout
+    for turns in results:
+        for messages, text in turns:
+            assert text == _text(_answer(plain_server, messages, max_tokens=32))
+    stats = _pd_stats(decode)
+    assert stats["holds_released_for_new_work"] > 0, stats
