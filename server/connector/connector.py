@@ -28,7 +28,13 @@ from server.connector.control import ControlError, ControlServer, engine_socket_
 from server.connector.host_pool import HostKVPool
 from server.connector.metadata import KVBranchMetadata
 from server.connector.planner import Planner
-from server.connector.sessions import RegistryError, SessionRegistry
+from server.connector.sessions import (
+    DEFAULT_IDLE_TTL_S,
+    DEFAULT_MAX_BRANCHES_PER_SESSION,
+    DEFAULT_MAX_SESSIONS_PER_TENANT,
+    RegistryError,
+    SessionRegistry,
+)
 from server.connector.stats import KVBranchPromMetrics, KVBranchTransferStats
 
 if TYPE_CHECKING:
@@ -84,6 +90,14 @@ class KVBranchConnector(KVConnectorBase_V1):
                 block_bytes=max(self.block_bytes, 1),
                 pin_budget_bytes=int(extra.get("pin_budget_bytes", store_bytes // 2)),
                 default_ttl_s=float(extra.get("pin_ttl_s", 300.0)),
+                # Tenants (the launcher's flags; the registry's defaults otherwise).
+                max_sessions_per_tenant=int(extra.get("max_sessions_per_tenant",
+                                                      DEFAULT_MAX_SESSIONS_PER_TENANT)),
+                max_branches_per_session=int(extra.get("max_branches_per_session",
+                                                       DEFAULT_MAX_BRANCHES_PER_SESSION)),
+                tenant_pin_share=float(extra.get("tenant_pin_share", 1.0)),
+                idle_ttl_s=float(extra.get("session_idle_ttl_s", DEFAULT_IDLE_TTL_S)),
+                require_owner=bool(extra.get("tenants", False)),
             )
             self.planner = Planner(index, registry, self.block_size)
             path = extra.get("control_socket")
@@ -194,8 +208,9 @@ class KVBranchConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        if self.planner is None or not self.enabled:
+        if self.planner is None:
             return
+        # Also when the store is disabled: this is where a request's split is recorded.
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         self.planner.after_alloc(request, block_ids, num_external_tokens, self._pending_loads)
 
@@ -327,8 +342,7 @@ class KVBranchConnector(KVConnectorBase_V1):
         assert planner is not None
         index, reg = planner.index, planner.registry
         counters = index.counters
-        sessions = [] if all_owners else [
-            reg.session_info(s) for s in reg.sessions.values() if s.owner == owner]
+        sessions = [] if all_owners else [reg.session_info(s) for s in reg.sessions_of(owner)]
         return {
             "store": {
                 "capacity_blocks": index.num_slots,
