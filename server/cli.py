@@ -69,6 +69,23 @@ def _port(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return value
+
+
+def _share(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at most 1")
+    return value
+
+
 def _block_size(text: str) -> int:
     try:
         value = int(text)
@@ -122,6 +139,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGTERM, in-flight requests get this long before everything "
                         "stops (vLLM's --shutdown-timeout; the router's and --disagg's too) "
                         "(default %(default)s)")
+    tenants = parser.add_argument_group(
+        "tenants",
+        "With API keys (--api-key, keys after '--', or VLLM_API_KEY) every key is a tenant with "
+        "its own session ids, cache salt and quotas. See README 'Tenants and security'.")
+    tenants.add_argument("--max-sessions-per-tenant", type=_positive_int, default=1000,
+                         help="sessions one key (or, without keys, the server) may hold; "
+                         "creating more gets 429 (default %(default)s)")
+    tenants.add_argument("--max-branches-per-session", type=_positive_int, default=256,
+                         help="branches one session may hold; more get 409 "
+                         "(default %(default)s)")
+    tenants.add_argument("--tenant-pin-share", type=_share, default=None, metavar="FRACTION",
+                         help="part of the pin budget one key's pins may hold, in (0, 1]; "
+                         "beyond it the key's own oldest pins degrade (default: 0.5 with two "
+                         "or more keys, else 1)")
+    tenants.add_argument("--session-idle-ttl-s", type=_positive_float, default=6 * 3600.0,
+                         help="a session unused this long is deleted with its pins "
+                         "(default %(default)s = 6 h)")
     pd = parser.add_argument_group(
         "prefill/decode disaggregation",
         "P and D are vLLM instances whose KV moves over NIXL (UCX); D keeps each session's "
@@ -229,10 +263,48 @@ def check_kv_fits(model_path: str, kv_cache_gib: float, max_model_len: int, cuda
             f"or lower --max-model-len")
 
 
+def passthrough_api_keys(passthrough: list[str]) -> list[str] | None:
+    """The keys an ``--api-key`` after ``--`` gives vLLM (its flag takes a list and the last
+    one wins; vLLM also spells it ``--api_key``), or ``None`` when there is none."""
+    keys: list[str] | None = None
+    i = 0
+    while i < len(passthrough):
+        name, eq, value = passthrough[i].partition("=")
+        i += 1
+        if name not in ("--api-key", "--api_key"):
+            continue
+        if eq:
+            keys = [value]
+            continue
+        keys = []
+        while i < len(passthrough) and not passthrough[i].startswith("-"):
+            keys.append(passthrough[i])
+            i += 1
+    return keys
+
+
+def api_keys(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
+    """The keys vLLM will enforce (its rule: ``--api-key`` wins over ``VLLM_API_KEY``).
+    Refuses the setups where vLLM would silently drop keys the user gave."""
+    ours = args.api_key or []
+    theirs = passthrough_api_keys(passthrough)
+    env_key = os.environ.get("VLLM_API_KEY")
+    if ours and theirs is not None:
+        raise LaunchError("API keys given both before and after '--' (vLLM would keep only "
+                          "the ones after it): give them once, e.g. repeat --api-key before "
+                          "'--'")
+    given = ours or theirs
+    if given and env_key:
+        raise LaunchError("VLLM_API_KEY is set and --api-key is given (vLLM would ignore "
+                          "VLLM_API_KEY): unset VLLM_API_KEY or drop --api-key")
+    return [k for k in (given or [env_key]) if k]
+
+
 def plan_launch(args: argparse.Namespace, passthrough: list[str],
                 cuda: bool | None = None) -> LaunchPlan:
     """Turn our flags into vLLM's argv. Pure apart from model resolution (testable)."""
     model_path = resolve_model(args.model)  # first: a bad --model fails before importing torch
+    keys = api_keys(args, passthrough)
     cuda = _has_cuda() if cuda is None else cuda
     served = args.served_model_name or Path(model_path.rstrip("/")).name
     if "--max-model-len" not in passthrough:
@@ -270,6 +342,13 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
             ),
             "pin_ttl_s": args.pin_ttl_s,
             "control_socket": control_socket,
+            # With keys every request has an owner: one without must not make a session.
+            "tenants": bool(keys),
+            "max_sessions_per_tenant": args.max_sessions_per_tenant,
+            "max_branches_per_session": args.max_branches_per_session,
+            "tenant_pin_share": (args.tenant_pin_share if args.tenant_pin_share is not None
+                                 else 0.5 if len(keys) >= 2 else 1.0),
+            "session_idle_ttl_s": args.session_idle_ttl_s,
         }
         kv_transfer_config = {
             "kv_connector": CONNECTOR_CLASS,
@@ -305,8 +384,8 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_cores
     if args.role in ("prefill", "decode"):
         env.update(pd_environment(args))
-    if args.api_key:
-        env[ENV_API_KEYS] = ",".join(args.api_key)
+    if keys:
+        env[ENV_API_KEYS] = ",".join(keys)
     return LaunchPlan(argv, env, model_path, served, control_socket, args.shutdown_grace_s)
 
 
@@ -395,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         check_port_free(args.host, args.port)
         if args.disagg or args.role == "router":
             from server.router.launch import run_disagg, run_router
+
+            if api_keys(args, passthrough) and not args.api_key:
+                raise LaunchError("with --disagg or --role router give the API keys with "
+                                  "--api-key before '--' (the router needs them too), not "
+                                  "after '--' or in VLLM_API_KEY")
 
             if args.disagg:
                 run_disagg(args, ours, passthrough)
