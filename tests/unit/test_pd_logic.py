@@ -104,3 +104,14 @@ def test_router_ttl_stays_below_the_decode_hold():
     assert router_ttl(_args("--pd-hold-ttl-s", "4")) == 2
 
 
+
+
+def test_a_late_answer_from_an_older_turn_never_replaces_a_newer_entry():
+    index = ClusterIndex(ttl_s=10)
+    key = ("t", "s", "main")
+    index.put(key, "http://d", None, {"remote_num_tokens": 900}, started=20.0)  # newer turn
+    kept = index.put(key, "http://d", None, {"remote_num_tokens": 500}, started=10.0)  # late
+    assert kept.num_tokens == 900 and index.take(key).num_tokens == 900
+    assert index.counters()["stale_dropped"] == 1
+    index.put(key, "http://d", None, {"remote_num_tokens": 100}, started=5.0)  # nothing newer
+    assert index.take(key).num_tokens == 100
