@@ -40,8 +40,9 @@ def connector_extra(p) -> dict:
     return config["kv_connector_extra_config"]
 
 
-@pytest.mark.parametrize("passthrough", [("--api-key", "k1", "k2"), ("--api-key=k1", "--api-key", "k2"),
-                                         ("--api_key", "k1", "k2"), ("--seed", "1", "--api-key", "k1", "k2")])
+@pytest.mark.parametrize("passthrough", [
+    ("--api-key", "k1", "k2"), ("--api-key=k1", "--api-key", "k2"), ("--api_key", "k1", "k2"),
+    ("--seed", "1", "--api-key", "k1", "k2")])
 def test_keys_after_double_dash_turn_tenancy_on(model_dir, passthrough):
     p = plan(model_dir, passthrough=passthrough)
     assert p.env[ENV_API_KEYS].split(",")[-1] == "k2"
