@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import socket
@@ -137,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model name clients send (default: the model folder's name)")
     parser.add_argument("--shutdown-grace-s", type=_non_negative_float, default=5.0,
                         help="on SIGTERM, in-flight requests get this long before everything "
-                        "stops (vLLM's --shutdown-timeout; the router's and --disagg's too) "
-                        "(default %(default)s)")
+                        "stops (the router and --disagg; an instance whose launcher died); "
+                        "vLLM itself aborts in-flight requests at once (default %(default)s)")
     tenants = parser.add_argument_group(
         "tenants",
         "With API keys (--api-key, keys after '--', or VLLM_API_KEY) every key is a tenant with "
@@ -364,10 +363,6 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     elif args.role in ("prefill", "decode"):
         argv += ["--kv-transfer-config", json.dumps(pd_transfer_config(args, None))]
-    if (not any(a.split("=", 1)[0] == "--shutdown-timeout" for a in passthrough)
-            and args.shutdown_grace_s):
-        # vLLM drains in-flight requests this long on SIGTERM, then aborts them (0: abort).
-        argv += ["--shutdown-timeout", str(math.ceil(args.shutdown_grace_s))]
     argv += passthrough
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     if PLUGIN_NAME not in plugins:

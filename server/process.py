@@ -63,14 +63,19 @@ def die_with_launcher(grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
         parent = int(parent_text)
     except ValueError:
         return
-    if deathsig:
+    direct = os.getppid() == parent  # else a wrapper process sits between us
+    if direct and deathsig:
         set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != parent:  # it died before we could ask (or before the prctl above)
+        direct = os.getppid() == parent  # it may have died before the prctl took effect
+    if not direct and not _alive(parent):
         print("[kvbranch] launcher already gone; not starting", file=sys.stderr, flush=True)
         os._exit(1)
 
+    def launcher_alive() -> bool:
+        return os.getppid() == parent if direct else _alive(parent)
+
     def watch() -> None:
-        while os.getppid() == parent:
+        while launcher_alive():
             time.sleep(_POLL_S)
         print(f"[kvbranch] launcher (pid {parent}) gone: stopping", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -78,6 +83,22 @@ def die_with_launcher(grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # the reaper stops what we leave behind
 
     threading.Thread(target=watch, name="kvbranch-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a dead launcher waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not os.path.isdir("/proc")  # /proc readable but no entry: gone
 
 
 def start_reaper(grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> subprocess.Popen | None:

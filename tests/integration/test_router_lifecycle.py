@@ -3,8 +3,9 @@ launchers (router + prefill + decode instances, each with its vLLM engine core),
 
 Two launches in all (P/D instances are heavy on small machines); each checks several things:
 
-1. SIGTERM to the launcher while a long stream hangs on a slow client: the launcher, P, D and
-   every engine core are gone within the shutdown grace plus a margin. The same launch first
+1. SIGTERM to the launcher while long streams hang on slow clients (one through the router,
+   one straight at D): the launcher, P, D and every engine core are gone within the shutdown
+   grace (the router's, then D's own drain) plus a margin. The same launch first
    checks the router's session fan-out against real instances (idempotent retries converge).
 2. SIGKILL to the prefill instance: its engine core goes too (the single-instance case,
    ``python -m server`` killed outright). Then SIGKILL to the launcher: D and its engine core
@@ -113,7 +114,8 @@ def _check_fanout(launcher: ServerProcess) -> None:
         assert c.delete(launcher.url + session_path("life-1")).status_code == 404
 
 
-def _hang_a_stream(launcher: ServerProcess, started: threading.Event) -> threading.Thread:
+def _hang_a_stream(launcher: ServerProcess, url: str,
+                   started: threading.Event) -> threading.Thread:
     """A long generation read by a client that stops reading after the first chunk."""
     body = {"model": launcher.model, "temperature": 0, "max_tokens": 3500, "ignore_eos": True,
             "stream": True, "messages": [{"role": "user", "content": "Count to a million."}]}
@@ -121,7 +123,7 @@ def _hang_a_stream(launcher: ServerProcess, started: threading.Event) -> threadi
     def run() -> None:
         try:
             with httpx.Client(timeout=httpx.Timeout(600, connect=10)) as c:
-                with c.stream("POST", launcher.url + "/v1/chat/completions", json=body) as r:
+                with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
                     for _ in r.iter_raw():
                         started.set()
                         time.sleep(600)  # the slow client: never reads on
@@ -143,9 +145,11 @@ def test_sigterm_with_a_hanging_stream_stops_everything_within_the_grace():
         procs = [psutil.Process(launcher.proc.pid), *_tree(launcher.proc.pid)]
         roles = {_role_of(p) for p in procs}
         assert {"prefill", "decode"} <= roles, roles
-        started = threading.Event()
-        _hang_a_stream(launcher, started)
-        assert started.wait(300), "the stream never started"
+        # one stream through the router, one straight at D (an instance draining on SIGTERM)
+        via_router, at_decode = threading.Event(), threading.Event()
+        _hang_a_stream(launcher, launcher.url, via_router)
+        _hang_a_stream(launcher, _instance_urls(launcher)["decode"], at_decode)
+        assert via_router.wait(300) and at_decode.wait(300), "the streams never started"
         time.sleep(1.0)
         assert launcher.proc.poll() is None
         os.kill(launcher.proc.pid, signal.SIGTERM)
@@ -177,6 +181,8 @@ def test_sigkill_stops_the_engine_core_and_the_orphaned_instances():
         print(f"SIGKILL of the launcher: {len(rest)} processes gone in {took:.1f}s")
         if alive:
             problems.append(f"still running {took:.0f}s after the launcher died: {alive}")
+        for problem in problems:
+            print("PROBLEM:", problem)
         assert not problems, problems
     finally:
         _kill_all(procs)

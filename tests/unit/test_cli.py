@@ -388,18 +388,14 @@ def test_kv_cache_too_small_for_max_model_len_is_one_clear_error(tmp_path):
 
 
 # --- bounded stopping (issue 13) ----------------------------------------------------------------
-def test_shutdown_grace_becomes_vllms_shutdown_timeout(model_dir):
-    plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
-    assert flag_value(plan.vllm_argv, "--shutdown-timeout") == "5"  # the default grace
-    assert plan.shutdown_grace_s == 5.0
+def test_vllm_keeps_aborting_at_once_on_sigterm(model_dir):
+    """vLLM 0.32's drain (--shutdown-timeout N) force-kills the engine core after N s but then
+    waits for the HTTP stream it left hanging forever (measured: an instance stuck after
+    "shutting down FastAPI HTTP server"); so the grace is the router's, not vLLM's."""
     plan = plan_launch(parse("--model", str(model_dir), "--shutdown-grace-s", "2.5"), [],
                        cuda=False)
-    assert flag_value(plan.vllm_argv, "--shutdown-timeout") == "3"
-    plan = plan_launch(parse("--model", str(model_dir)), ["--shutdown-timeout=9"], cuda=False)
-    assert "--shutdown-timeout" not in plan.vllm_argv  # the user's own value wins
-    plan = plan_launch(parse("--model", str(model_dir), "--shutdown-grace-s", "0"), [],
-                       cuda=False)
-    assert "--shutdown-timeout" not in plan.vllm_argv  # 0: vLLM's abort-at-once default
+    assert "--shutdown-timeout" not in plan.vllm_argv
+    assert plan.shutdown_grace_s == 2.5  # the reaper's grace for vLLM's children
 
 
 def test_shutdown_grace_rejects_negative(capsys):

@@ -100,3 +100,27 @@ def test_a_child_started_by_hand_is_not_tied_to_its_parent(monkeypatch):
     die_with_launcher(1.0)
     after = {t.name for t in __import__("threading").enumerate()}
     assert after == before
+
+
+def test_a_child_behind_a_wrapper_watches_its_launcher_by_pid():
+    """A shell between launcher and server (no exec): the server neither refuses to start nor
+    outlives the launcher."""
+    proc, wrapper = _spawn(f"""
+        import os, subprocess, sys, time
+        code = ("from server.process import die_with_launcher; die_with_launcher(0.5); "
+                "import time; time.sleep(600)")
+        env = dict(os.environ, {ENV_PARENT_PID}=str(os.getpid()), {ENV_PARENT_DEATHSIG}="1")
+        shell = f"'{{sys.executable}}' -c '{{code}}'; true"
+        child = subprocess.Popen(["sh", "-c", shell], env=env)
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)
+    try:
+        time.sleep(1.5)
+        servers = psutil.Process(wrapper).children()
+        assert servers, "the server behind the wrapper did not start (or refused to)"
+        proc.kill()
+        took = _gone_within(servers[0].pid, 5.0)
+        assert took is not None, "the server behind a wrapper outlived its launcher"
+    finally:
+        _cleanup(proc, wrapper)
