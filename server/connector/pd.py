@@ -299,7 +299,9 @@ class VerifiedNixlConnector(NixlConnector):
                 and not params.get("_remote_blocks_processed"):
             if params.get("do_remote_decode"):
                 self._check_pull(request, params)
-            elif params.get("do_remote_prefill"):
+            elif params.get("do_remote_prefill") and "kvbranch_verified" not in params:
+                # Once per request: the scheduler asks again while the request waits for
+                # blocks, and the first check consumed the handle.
                 self._check_prefill_handle(request, params)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -376,6 +378,7 @@ class VerifiedNixlConnector(NixlConnector):
         if why is not None:
             self._decline(request, params, why)
             return
+        params["kvbranch_verified"] = params.get("remote_num_tokens")
         for key in (TOKENS_FIELD, HASHES_FIELD):
             params.pop(key, None)
 
@@ -490,6 +493,11 @@ class KVBranchPDConnector(MultiConnector):
         if isinstance(self._nixl, VerifiedNixlConnector):
             self._kvbranch.extra_ops["claim_hold"] = self._nixl.claim_hold
             self._kvbranch.extra_stats["pd"] = self._pd_stats
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        # MultiConnector binds only its children; the hold release reads the block pool too.
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._kv_cache_manager = kv_cache_manager
 
     def _pd_stats(self) -> dict[str, Any]:
         nixl = self._nixl

@@ -87,7 +87,7 @@ def _text(data: dict) -> str:
 def _empty_prefill_caches(prefill) -> None:
     """P's device prefix cache and host store both emptied: only a pull can bring the prefix."""
     with client(prefill) as c:
-        for _ in range(100):
+        for _ in range(300):  # a prefill leg nobody decoded holds its blocks up to 30 s
             if c.post("/reset_prefix_cache", params={"reset_external": "true"}).json() \
                     .get("success"):
                 return
@@ -170,10 +170,18 @@ def _next_turn(messages, reply):
             {"role": "user", "content": "Now list three ingredients."}]
 
 
-def _at_p(prefill, messages, params) -> httpx.Response:
-    return _post(prefill, _body(prefill, messages, 16,
-                                kv_transfer_params=dict(params, do_remote_decode=True,
-                                                        do_remote_prefill=False)))
+def _at_p(prefill, messages, params, decode=None, **extra) -> httpx.Response:
+    """A prefill leg straight at P with ``params``; with ``decode``, D then reads P's blocks as
+    the router would have it do (so P does not hold them for its 30 s lease)."""
+    r = _post(prefill, _body(prefill, messages, 16, **extra,
+                             kv_transfer_params=dict(params, do_remote_decode=True,
+                                                     do_remote_prefill=False)))
+    p_handle = r.json().get("kv_transfer_params") if r.status_code == 200 else None
+    if decode is not None and isinstance(p_handle, dict) and p_handle.get("remote_block_ids"):
+        finish = _post(decode, _body(decode, messages, 1, **extra,
+                                     kv_transfer_params=p_handle))
+        assert finish.status_code == 200, finish.text
+    return r
 
 
 def _same_as_plain_or_refused(r: httpx.Response, expected: str) -> dict | None:
@@ -196,7 +204,7 @@ def test_handles_are_checked_before_any_read(pd, plain_server):
 
     def at_p(params):
         _empty_prefill_caches(prefill)
-        data = _same_as_plain_or_refused(_at_p(prefill, turn2, params), expected)
+        data = _same_as_plain_or_refused(_at_p(prefill, turn2, params, decode), expected)
         return data["kvbranch"]["remote_hit_tokens"] if data else 0
 
     declined_before = sum(_pd_stats(prefill).get("handles_declined", {}).values())
@@ -249,14 +257,12 @@ def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
     expected = _text(_answer(plain_server, turn2, max_tokens=16))
     stale = seal(dict(claimed, **{EXPIRES_FIELD: time.time() - 1}), SECRET.encode())
     _empty_prefill_caches(prefill)
-    data = _same_as_plain_or_refused(_at_p(prefill, turn2, stale), expected)
+    data = _same_as_plain_or_refused(_at_p(prefill, turn2, stale, decode), expected)
     assert data is None or data["kvbranch"]["remote_hit_tokens"] == 0
     # the same (fresh, claimed) blocks requested under another tenant's cache salt
     _empty_prefill_caches(prefill)
-    body = _body(prefill, turn2, 16, cache_salt="someone-else",
-                 kv_transfer_params=dict(claimed, do_remote_decode=True,
-                                         do_remote_prefill=False))
-    data = _same_as_plain_or_refused(_post(prefill, body), expected)
+    data = _same_as_plain_or_refused(
+        _at_p(prefill, turn2, claimed, decode, cache_salt="someone-else"), expected)
     assert data is None or data["kvbranch"]["remote_hit_tokens"] == 0
 
 
