@@ -3,8 +3,8 @@ on one machine (a demo and the tests' P/D cluster).
 
 Stopping is bounded (issue 13): on SIGTERM the router gives in-flight requests
 ``--shutdown-grace-s``, then cancels them (uvicorn alone would wait for a hanging stream
-forever); ``--disagg`` then stops P and D, SIGKILLing what is left after the grace plus vLLM's
-teardown time. P and D stop on their own when the launcher dies (:mod:`server.process`).
+forever); ``--disagg`` then stops P and D, SIGKILLing what is left after vLLM's teardown
+time (``server.process.TEARDOWN_S``). P and D stop on their own when the launcher dies (:mod:`server.process`).
 """
 
 from __future__ import annotations
@@ -116,5 +116,8 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
     finally:
         for child in children:  # both at once: the caller may not wait long for us
             child.terminate()
-        for child in children:  # then SIGKILL whatever is left of each process group
-            child.stop(timeout=args.shutdown_grace_s + TEARDOWN_S)
+        # The router has given in-flight requests their grace; vLLM aborts what is left at
+        # once, but its HTTP server was seen waiting on after that (the log's last line "shutting
+        # down FastAPI HTTP server"): SIGKILL whatever is left of each process group.
+        for child in children:
+            child.stop(timeout=TEARDOWN_S)
