@@ -4,7 +4,8 @@ on one machine (a demo and the tests' P/D cluster).
 Stopping is bounded (issue 13): on SIGTERM the router gives in-flight requests
 ``--shutdown-grace-s``, then cancels them (uvicorn alone would wait for a hanging stream
 forever); ``--disagg`` then stops P and D, SIGKILLing what is left after vLLM's teardown
-time (``server.process.TEARDOWN_S``). P and D stop on their own when the launcher dies (:mod:`server.process`).
+time (``server.process.TEARDOWN_S``). P and D stop on their own when the launcher dies
+(:mod:`server.process`).
 """
 
 from __future__ import annotations
