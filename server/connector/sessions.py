@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from server.connector.block_index import HostBlockIndex
+from server.contract import ALREADY_EXISTS  # the router converges retries on this wording
 
 DEFAULT_BRANCH = "main"
 DEFAULT_MAX_SESSIONS_PER_TENANT = 1000
@@ -184,7 +185,7 @@ class SessionRegistry:
         self._check_owner(owner)
         session_id = session_id or new_id("sess")
         if (owner, session_id) in self.sessions:
-            raise Conflict(f"session {session_id!r} already exists")
+            raise Conflict(f"session {session_id!r} {ALREADY_EXISTS}")
         mine = self._by_owner.get(owner, {})
         if len(mine) >= self.max_sessions_per_tenant:
             raise QuotaExceeded(
@@ -260,7 +261,7 @@ class SessionRegistry:
         parent = self.get_branch(session_id, parent_id, owner)
         branch_id = new_branch_id or new_id("br")
         if branch_id in session.branches:
-            raise Conflict(f"branch {branch_id!r} already exists in session {session_id!r}")
+            raise Conflict(f"branch {branch_id!r} {ALREADY_EXISTS} in session {session_id!r}")
         self._check_branch_quota(session)
         if token_prefix is not None:
             offset = 0
