@@ -170,28 +170,23 @@ def _next_turn(messages, reply):
             {"role": "user", "content": "Now list three ingredients."}]
 
 
-def _at_p(prefill, messages, params, decode=None, **extra) -> httpx.Response:
-    """A prefill leg straight at P with ``params``; with ``decode``, D then reads P's blocks as
-    the router would have it do (so P does not hold them for its 30 s lease)."""
-    r = _post(prefill, _body(prefill, messages, 16, **extra,
+def _at_p(prefill, decode, messages, params, **extra) -> tuple[httpx.Response, str | None]:
+    """One P/D turn by hand, straight at the instances as the router runs it: P prefills
+    (``max_tokens=1``) with the transfer handle ``params``, then D decodes with P's handle.
+    Returns P's response (its split says what was pulled) and D's answer (None when P refused
+    the request with a 4xx)."""
+    r = _post(prefill, _body(prefill, messages, 1, **extra,
                              kv_transfer_params=dict(params, do_remote_decode=True,
                                                      do_remote_prefill=False)))
-    p_handle = r.json().get("kv_transfer_params") if r.status_code == 200 else None
-    if decode is not None and isinstance(p_handle, dict) and p_handle.get("remote_block_ids"):
-        finish = _post(decode, _body(decode, messages, 1, **extra,
-                                     kv_transfer_params=p_handle))
-        assert finish.status_code == 200, finish.text
-    return r
-
-
-def _same_as_plain_or_refused(r: httpx.Response, expected: str) -> dict | None:
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert "message" in r.json()["error"], r.text
-        return None
-    data = r.json()
-    assert _text(data) == expected
-    return data
+        return r, None
+    p_handle = r.json().get("kv_transfer_params")
+    assert isinstance(p_handle, dict) and p_handle.get("remote_block_ids"), r.text
+    d = _post(decode, _body(decode, messages, 16, **extra, kv_transfer_params=p_handle))
+    assert d.status_code == 200, d.text
+    return r, _text(d.json())
 
 
 def test_handles_are_checked_before_any_read(pd, plain_server):
@@ -204,8 +199,11 @@ def test_handles_are_checked_before_any_read(pd, plain_server):
 
     def at_p(params):
         _empty_prefill_caches(prefill)
-        data = _same_as_plain_or_refused(_at_p(prefill, turn2, params, decode), expected)
-        return data["kvbranch"]["remote_hit_tokens"] if data else 0
+        r, answer = _at_p(prefill, decode, turn2, params)
+        if answer is None:
+            return 0  # refused with a 4xx and a message
+        assert answer == expected
+        return r.json()["kvbranch"]["remote_hit_tokens"]
 
     declined_before = sum(_pd_stats(prefill).get("handles_declined", {}).values())
     # unclaimed (D may release it any time) -> recompute
@@ -257,13 +255,14 @@ def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
     expected = _text(_answer(plain_server, turn2, max_tokens=16))
     stale = seal(dict(claimed, **{EXPIRES_FIELD: time.time() - 1}), SECRET.encode())
     _empty_prefill_caches(prefill)
-    data = _same_as_plain_or_refused(_at_p(prefill, turn2, stale, decode), expected)
-    assert data is None or data["kvbranch"]["remote_hit_tokens"] == 0
+    r, answer = _at_p(prefill, decode, turn2, stale)
+    assert answer in (None, expected)
+    assert answer is None or r.json()["kvbranch"]["remote_hit_tokens"] == 0
     # the same (fresh, claimed) blocks requested under another tenant's cache salt
     _empty_prefill_caches(prefill)
-    data = _same_as_plain_or_refused(
-        _at_p(prefill, turn2, claimed, decode, cache_salt="someone-else"), expected)
-    assert data is None or data["kvbranch"]["remote_hit_tokens"] == 0
+    r, answer = _at_p(prefill, decode, turn2, claimed, cache_salt="someone-else")
+    assert answer in (None, expected)
+    assert answer is None or r.json()["kvbranch"]["remote_hit_tokens"] == 0
 
 
 def test_a_prefill_handle_for_another_prompt_is_not_read_by_d(pd, plain_server):
@@ -274,11 +273,13 @@ def test_a_prefill_handle_for_another_prompt_is_not_read_by_d(pd, plain_server):
     p_handle = p_data["kv_transfer_params"]
     assert p_handle.get("do_remote_prefill") and p_handle.get("remote_block_ids")
     r = _post(decode, _body(decode, b, 16, kv_transfer_params=p_handle))
-    _same_as_plain_or_refused(r, _text(_answer(plain_server, b, max_tokens=16)))
+    assert r.status_code == 200, r.text  # D declined the handle and computed b itself
+    assert _text(r.json()) == _text(_answer(plain_server, b, max_tokens=16))
     # the right prompt still works (and is read from P)
     p_data = _answer(prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     r = _post(decode, _body(decode, a, 16, kv_transfer_params=p_data["kv_transfer_params"]))
-    _same_as_plain_or_refused(r, _text(_answer(plain_server, a, max_tokens=16)))
+    assert r.status_code == 200, r.text
+    assert _text(r.json()) == _text(_answer(plain_server, a, max_tokens=16))
 
 
 def test_router_refuses_client_transfer_params(pd):
