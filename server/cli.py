@@ -159,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill/decode disaggregation",
         "P and D are vLLM instances whose KV moves over NIXL (UCX); D keeps each session's "
         "KV after a turn and P pulls it back on the next one. The router sends each turn's "
-        "prefill to P and decode to D. See README 'Prefill/decode disaggregation'.")
+        "prefill to P and decode to D. P and D act only on transfer handles sealed with the "
+        "cluster secret: set KVBRANCH_CLUSTER_SECRET to the same value on every instance "
+        "(--disagg makes one; instances on one machine otherwise share a private per-user "
+        "file). See README 'Prefill/decode disaggregation'.")
     pd.add_argument("--disagg", action="store_true",
                     help="start a prefill instance, a decode instance (each on its own CPU "
                     "cores) and the router on --port: a one-machine P/D cluster")
@@ -177,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--pd-hold-ttl-s", type=_positive_float, default=30.0,
                     help="how long D holds a finished turn's KV for P to pull (the engine "
                     "keeps stepping while it holds); the router stops offering it 5 s "
-                    "earlier (default %(default)s)")
+                    "earlier; D releases its oldest unclaimed holds sooner when new work "
+                    "needs the blocks (default %(default)s)")
     pd.add_argument("--no-bidirectional", action="store_true",
                     help="P/D without the D->P pull (the baseline: P recomputes what its own "
                     "caches lack)")
