@@ -142,10 +142,6 @@ class _ClientBase:
             logger.info(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    @staticmethod
-    def _chat_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in kwargs.items() if v is not None}
-
 
 class KVBranchClient(_ClientBase):
     """Synchronous client of a kvbranch (or any OpenAI-compatible) server.

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m server",
         description="kvbranch: vLLM's OpenAI-compatible server with a bidirectional KV "
         "connector (host-memory block store, pinned/forked/prefetched agent branches) and "
-        "the /kvbranch/v1 session routes.",
+        "the /v1/kvbranch session routes.",
         epilog="Any other vLLM argument: put it after a literal '--', e.g. "
         "'python -m server -- --max-num-seqs 8'. It is passed to vLLM unchanged.",
     )

@@ -34,6 +34,7 @@ import json
 import logging
 import secrets
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any, Literal
@@ -275,7 +276,10 @@ class ChatKVBranch(BaseChatModel):
     """``True``/``False`` to skip the probe for the kvbranch routes (``None``: probe once)."""
 
     _client: KVBranchClient | None = PrivateAttr(default=None)
-    _aclients: dict[int, AsyncKVBranchClient] = PrivateAttr(default_factory=dict)
+    # Keyed by the loop object itself, weakly: ``id(loop)`` values are reused after a loop is
+    # collected, which handed a new loop a client whose connections belonged to a dead one.
+    _aclients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncKVBranchClient] = \
+        PrivateAttr(default_factory=weakref.WeakKeyDictionary)
     _state: dict[str, Any] = PrivateAttr(default_factory=dict)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
@@ -364,15 +368,15 @@ class ChatKVBranch(BaseChatModel):
         """The async sdk client of the running event loop."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            client = self._aclients.get(id(loop))
+            client = self._aclients.get(loop)
             if client is None:
-                # one client per loop: httpx async connections belong to their loop
-                for stale in list(self._aclients):
-                    if len(self._aclients) >= 4:
-                        self._aclients.pop(stale)
+                # one client per loop: httpx async connections belong to their loop; clients
+                # of closed loops are dropped (their connections died with the loop)
+                for stale in [other for other in list(self._aclients) if other.is_closed()]:
+                    self._aclients.pop(stale, None)
                 client = AsyncKVBranchClient(self.base_url, transport=self.async_transport,
                                              **self._client_kwargs())
-                self._aclients[id(loop)] = client
+                self._aclients[loop] = client
             return client
 
     # --- request building ------------------------------------------------------------------
@@ -804,6 +808,7 @@ class ChatKVBranch(BaseChatModel):
                                          "fork_parent": parent})
         client = self.async_client
         if session is not None and await client.kvbranch_available():
+            call = _Call({}, session, new, parent)
             with self._lock:
                 self._state["forked"].add((session, new))
             try:
@@ -811,8 +816,10 @@ class ChatKVBranch(BaseChatModel):
             except ConflictError:
                 pass
             except NotFoundError:
-                with self._lock:
+                with self._lock:  # parent not on the server yet: fork at the first call
                     self._state["forked"].discard((session, new))
+            except BadRequestError:  # messages the chat template cannot render (as fork)
+                await self._afork_on_server(call, [{"role": "user", "content": ""}])
             except KVBranchError as exc:
                 logger.warning("kvbranch: fork of %s/%s failed (%s)", session, new, exc)
         return forked

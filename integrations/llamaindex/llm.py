@@ -479,11 +479,11 @@ class KVBranchLLM(FunctionCallingLLM):
             finally:
                 shared.threads.discard(threading.current_thread())
 
+        thread = threading.Thread(target=run, name="kvbranch-prefetch", daemon=True)
+        shared.threads.add(thread)
         try:
-            thread = threading.Thread(target=run, name="kvbranch-prefetch", daemon=True)
-            shared.threads.add(thread)
             thread.start()
-        except Exception as exc:  # noqa: BLE001
+        except RuntimeError as exc:  # e.g. the interpreter is shutting down, no threads left
             shared.threads.discard(thread)
             logger.info("kvbranch: could not start a prefetch: %s", exc)
 

@@ -213,16 +213,16 @@ class Router:
         try:
             r = await self.client.get(inst.url + HEALTH_PATH, headers=headers, timeout=3.0)
             alive = r.status_code == 200
-            new_id = r.json().get("instance_id") if alive else inst.instance_id
+            reported = r.json().get("instance_id") if alive else inst.instance_id
         except (httpx.HTTPError, ValueError):
-            alive, new_id = False, inst.instance_id
-        if alive and inst.instance_id and new_id != inst.instance_id:
+            alive, reported = False, inst.instance_id
+        if alive and inst.instance_id and reported != inst.instance_id:
             dropped = self.index.drop_instance(inst.url)  # a restart lost D's blocks
             logger.warning("%s %s restarted; dropped %d index entries", inst.role, inst.url,
                            dropped)
         if alive != inst.alive:
             logger.warning("%s %s is %s", inst.role, inst.url, "up" if alive else "DOWN")
-        inst.alive, inst.instance_id, inst.checked_at = alive, new_id, time.monotonic()
+        inst.alive, inst.instance_id, inst.checked_at = alive, reported, time.monotonic()
         return alive
 
     def mark_down(self, inst: Instance) -> None:

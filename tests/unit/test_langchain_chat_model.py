@@ -5,6 +5,7 @@ against the sdk's in-process fake server."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -302,3 +303,45 @@ def test_retries_come_from_the_sdk():
     fake.fail_next(503, headers={"Retry-After": "0"})
     assert llm.invoke("x").content == "echo 1: x"
     assert NO_RETRY.max_attempts == 1
+
+
+class TemplateRefusingServer(FakeKVBranchServer):
+    """Answers 400 to a fork that carries messages, as a server whose chat template cannot
+    render them does."""
+
+    def handle(self, request):
+        body = json.loads(request.content) if request.content else None
+        if (request.method == "POST" and request.url.path.endswith("/branches")
+                and isinstance(body, dict) and body.get("messages")
+                and body["messages"][0].get("content")):
+            self.requests.append((request.method, request.url.path, body, request.headers))
+            return self._error(400, "the chat template cannot render these messages")
+        return super().handle(request)
+
+
+def test_afork_recovers_from_a_400_as_fork_does():
+    """A fork whose messages the server refuses (400) still forks, sync and async alike."""
+    for asynchronous in (False, True):
+        fake = TemplateRefusingServer()
+        llm = make(fake, session_id="s9")
+        llm.invoke("plan the trip")
+        if asynchronous:
+            alt = asyncio.run(llm.afork("b400", at_messages=[HumanMessage("plan the trip")]))
+        else:
+            alt = llm.fork("b400", at_messages=[HumanMessage("plan the trip")])
+        assert alt.branch_id == "b400"
+        assert "b400" in fake.sessions["s9"]["branches"], f"async={asynchronous}"
+        assert fake.sessions["s9"]["branches"]["b400"]["parent"] == "main"
+
+
+def test_async_clients_are_per_loop_object_not_per_id():
+    fake = FakeKVBranchServer()
+    llm = make(fake)
+
+    async def client_of_this_loop():
+        return llm.async_client
+
+    first = asyncio.run(client_of_this_loop())
+    second = asyncio.run(client_of_this_loop())  # a new loop, possibly at the same address
+    assert first is not second
+    assert all(not loop.is_closed() for loop in list(llm._aclients))  # closed loops dropped
