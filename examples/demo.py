@@ -9,6 +9,7 @@ to first token and where each prompt's tokens came from, then stop the server.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -50,7 +51,9 @@ def turn(branch, label: str, text: str, max_tokens: int):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", help="use this running server instead of starting one")
+    parser.add_argument("--base-url", default=os.environ.get("KVBRANCH_BASE_URL"),
+                        help="use this running server instead of starting one "
+                             "(default: $KVBRANCH_BASE_URL when set)")
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args()
 

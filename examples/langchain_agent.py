@@ -13,6 +13,7 @@ city the script asks about, not on the model's possibly malformed arguments).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 
 from integrations.langchain import ChatKVBranch  # noqa: E402
+from sdk import KVBranchError  # noqa: E402
 
 SYSTEM = ("You are a travel assistant for a rail traveller. Answer in one or two short "
           "sentences. The traveller likes museums, trains, small hotels and local food, "
@@ -73,7 +75,9 @@ def tool_turn(llm: ChatKVBranch, history: list, city: str, label: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default=os.environ.get("KVBRANCH_BASE_URL",
+                                                             "http://127.0.0.1:8000"),
+                        help="default: $KVBRANCH_BASE_URL, else http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="default: the server's first model")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--max-tokens", type=int, default=40)
@@ -99,4 +103,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KVBranchError as exc:  # e.g. no server there: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,9 @@ async def run(args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default=os.environ.get("KVBRANCH_BASE_URL",
+                                                             "http://127.0.0.1:8000"),
+                        help="default: $KVBRANCH_BASE_URL, else http://127.0.0.1:8000")
     parser.add_argument("--api-key", default=None, help="default: $KVBRANCH_API_KEY")
     parser.add_argument("--model", default=None, help="default: the server's first model")
     parser.add_argument("--max-tokens", type=int, default=64,

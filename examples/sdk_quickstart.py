@@ -10,6 +10,7 @@ Against a plain OpenAI-compatible server the same code runs client-side only (on
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -31,7 +32,9 @@ def split_line(result) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default=os.environ.get("KVBRANCH_BASE_URL",
+                                                             "http://127.0.0.1:8000"),
+                        help="default: $KVBRANCH_BASE_URL, else http://127.0.0.1:8000")
     parser.add_argument("--api-key", default=None, help="default: $KVBRANCH_API_KEY")
     parser.add_argument("--model", default=None, help="default: the server's first model")
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -218,7 +218,9 @@ def error_from_transport(exc: httpx.HTTPError, *, url: str) -> KVBranchError:
         return APITimeoutError(f"timed out waiting for {url}: {detail} (not retried: the "
                                f"server may still be working on it)", retryable=False)
     if isinstance(exc, httpx.ConnectError):
-        return APIConnectionError(f"cannot connect to {url}: {detail}", retryable=True)
+        return APIConnectionError(f"cannot connect to {url}: {detail} (is a kvbranch server "
+                                  f"running there? start one with `python -m server`, or set "
+                                  f"KVBRANCH_BASE_URL)", retryable=True)
     if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
         # The connection closed before a response arrived: nothing was returned to us.
         return APIConnectionError(f"connection to {url} broke: {detail}", retryable=True)

@@ -292,3 +292,15 @@ def test_async_client_round_trip():
     assert stats.requests == 2 and deleted.deleted == "s-async"
     assert fake.requests[1][1] == "/v1/kvbranch/sessions"
     assert fake.requests[1][2] == {"session_id": "s-async", "pin_ttl_s": 30, "auto_pin": True}
+
+
+def test_an_unreachable_server_says_how_to_start_one():
+    import httpx as _httpx
+
+    from sdk.errors import APIConnectionError, error_from_transport
+
+    err = error_from_transport(_httpx.ConnectError("Connection refused"), url="http://h:1/x")
+    assert isinstance(err, APIConnectionError) and err.retryable
+    assert "cannot connect to http://h:1/x" in str(err)
+    assert "python -m server" in str(err) and "KVBRANCH_BASE_URL" in str(err)
+    assert "\n" not in str(err)  # one line
