@@ -30,14 +30,6 @@ from server.cli import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    folder = tmp_path / "TinyModel"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    return folder
-
-
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch, tmp_path):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)

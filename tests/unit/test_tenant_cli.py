@@ -7,19 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from server.cli import ENV_API_KEYS, LaunchError, build_parser, main, plan_launch
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    folder = tmp_path / "TinyModel"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    return folder
 
 
 @pytest.fixture(autouse=True)
