@@ -70,8 +70,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvbranch.pd")
 
-#: Key in D's transfer params: the token ids whose KV D holds (what P verifies against).
-TOKENS_PARAM = TOKENS_FIELD
 IDLE_STEP_SLEEP_S = 0.005
 #: NIXL's own keys and ours, the only ones a router needs to carry from D to P.
 NIXL_PARAM_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_block_ids",
@@ -254,6 +252,13 @@ def _agent_config_without_progress_thread(original: Any) -> Any:
     return make
 
 
+def _mark_verified(params: dict[str, Any], tokens: Any) -> None:
+    """Checked once per request; the token ids and hashes are done with (keep it small)."""
+    params["kvbranch_verified"] = tokens
+    for key in (TOKENS_FIELD, HASHES_FIELD):
+        params.pop(key, None)
+
+
 def _strip(params: dict[str, Any]) -> None:
     """Forget a peer handle this instance will not honour: nothing is read, no peer contacted."""
     for key in REMOTE_FIELDS:
@@ -319,6 +324,18 @@ class VerifiedNixlConnector(NixlConnector):
             return "expired"
         return None
 
+    def _consume_or_decline(self, request: "Request", params: dict[str, Any],
+                            why: str | None) -> bool:
+        """The last check of both directions: a handle that passed every other one is used
+        now (a replay is declined). False when the handle was declined."""
+        if why is None and not self.consumed.consume(params[MAC_FIELD],
+                                                     float(params[EXPIRES_FIELD])):
+            why = "reused"
+        if why is not None:
+            self._decline(request, params, why)
+            return False
+        return True
+
     def _check_pull(self, request: "Request", params: dict[str, Any]) -> None:
         """P, before pulling D's blocks: every check, every time the scheduler asks (a request
         that waits for blocks may see its claim run out)."""
@@ -329,11 +346,7 @@ class VerifiedNixlConnector(NixlConnector):
         why = self._verify(params)
         if why is None and not claim_valid(params, self.secret, CLAIM_MARGIN_S):
             why = "unclaimed"
-        if why is None and not self.consumed.consume(params[MAC_FIELD],
-                                                     float(params[EXPIRES_FIELD])):
-            why = "reused"
-        if why is not None:
-            self._decline(request, params, why)
+        if not self._consume_or_decline(request, params, why):
             return
         held = params.get("remote_num_tokens")
         pull = pullable_tokens(params, request, self.block_size)
@@ -352,9 +365,7 @@ class VerifiedNixlConnector(NixlConnector):
                                                    if isinstance(current, (int, float))
                                                    else claim_perf)
         params["remote_num_tokens"] = pull
-        params["kvbranch_verified"] = pull
-        for key in (TOKENS_FIELD, HASHES_FIELD):
-            params.pop(key, None)  # done with them; keep the request small
+        _mark_verified(params, pull)
         if isinstance(held, int) and pull < held and pull < len(request.prompt_token_ids or []) - 1:
             logger.info("kvbranch: request %s pulls %d of the %d tokens the peer holds "
                         "(tokens or identity differ after that)", request.request_id, pull, held)
@@ -372,15 +383,8 @@ class VerifiedNixlConnector(NixlConnector):
             if (not isinstance(held, int) or not isinstance(tokens, list) or held > len(prompt)
                     or tokens[:held] != prompt[:held]):
                 why = "tokens"
-        if why is None and not self.consumed.consume(params[MAC_FIELD],
-                                                     float(params[EXPIRES_FIELD])):
-            why = "reused"
-        if why is not None:
-            self._decline(request, params, why)
-            return
-        params["kvbranch_verified"] = params.get("remote_num_tokens")
-        for key in (TOKENS_FIELD, HASHES_FIELD):
-            params.pop(key, None)
+        if self._consume_or_decline(request, params, why):
+            _mark_verified(params, params.get("remote_num_tokens"))
 
     # --- issuing handles ------------------------------------------------------------------
     def request_finished(self, request: "Request",
