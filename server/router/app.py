@@ -565,15 +565,8 @@ class Router:
                 targets = [chosen or prefills[0]]
             else:  # a read: every instance has the session; the first that answers
                 targets = prefills
-            for inst in targets:
-                try:
-                    r = await self.forward(request, inst, full, body or None)
-                except httpx.HTTPError:
-                    self.mark_down(inst)
-                    continue
-                return Response(r.content, status_code=r.status_code,
-                                media_type=r.headers.get("content-type"))
-            return error(503, "no prefill instance answered", headers={"Retry-After": "5"})
+            return await self._first_answer(request, targets, full, body or None,
+                                            "no prefill instance answered")
         # A change: every instance, the ones seen down included — the answer must say which
         # instance missed it, and a retry must reach it.
         targets = self.prefills + self.decodes
@@ -625,15 +618,23 @@ class Router:
         return JSONResponse(body, status_code=200 if serving else 503)
 
     async def passthrough_get(self, request: Request, path: str) -> Response:
-        for inst in await self._live(self.prefills) + await self._live(self.decodes):
+        return await self._first_answer(
+            request, await self._live(self.prefills) + await self._live(self.decodes), path,
+            None, "no instance is reachable")
+
+    async def _first_answer(self, request: Request, targets: list[Instance], path: str,
+                            body: bytes | None, none_message: str) -> Response:
+        """The first of ``targets`` that answers, as it answered; an instance that cannot be
+        reached is marked down and the next one tried; 503 when none answers."""
+        for inst in targets:
             try:
-                r = await self.forward(request, inst, path, None)
+                r = await self.forward(request, inst, path, body)
             except httpx.HTTPError:
                 self.mark_down(inst)
                 continue
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type"))
-        return error(503, "no instance is reachable", headers={"Retry-After": "5"})
+        return error(503, none_message, headers={"Retry-After": "5"})
 
 
 def _with_id(body: bytes, field: str, prefix: str) -> bytes:
