@@ -30,7 +30,7 @@ from server.connector.transfer_auth import (
 )
 from server.contract import HOLD_CLAIM_PATH
 from server.process import free_port
-from tests.integration.helpers import client, system_prompt
+from tests.integration.helpers import chat, client, system_prompt, text_of
 from tests.server_process import ServerProcess
 
 SECRET = secrets.token_hex(32)
@@ -74,16 +74,6 @@ def _post(server, body, headers=None) -> httpx.Response:
         return c.post("/v1/chat/completions", json=body, headers=headers or {})
 
 
-def _answer(server, messages, max_tokens=24, **extra) -> dict:
-    r = _post(server, _body(server, messages, max_tokens, **extra))
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _text(data: dict) -> str:
-    return data["choices"][0]["message"]["content"]
-
-
 def _empty_prefill_caches(prefill) -> None:
     """P's device prefix cache and host store both emptied: only a pull can bring the prefix."""
     with client(prefill) as c:
@@ -112,48 +102,48 @@ def _ask_long(session: str) -> tuple[list[dict], str]:
 def test_an_edited_assistant_turn_pulls_only_the_verified_prefix(pd, plain_server):
     prefill, decode, router = pd
     messages, session = _ask_long("edit")
-    first = _answer(router, messages, max_tokens=300, ignore_eos=True, session_id=session)
-    assert _text(first) == _text(_answer(plain_server, messages, max_tokens=300,
+    first = chat(router, messages, max_tokens=300, ignore_eos=True, session_id=session)
+    assert text_of(first) == text_of(chat(plain_server, messages, max_tokens=300,
                                          ignore_eos=True))
-    reply = _text(first)
+    reply = text_of(first)
     cut = len(reply) // 2  # D holds ~300 generated tokens; diverge ~150 tokens in
     edited = reply[:cut] + " Then everything changed, and nobody knew why."
     turn2 = [*messages, {"role": "assistant", "content": edited},
              {"role": "user", "content": "Summarize the story in one sentence."}]
     _empty_prefill_caches(prefill)
-    second = _answer(router, turn2, max_tokens=48, session_id=session)
+    second = chat(router, turn2, max_tokens=48, session_id=session)
     split = second["kvbranch"]
     assert split["device_hit_tokens"] == 0 and split["host_hit_tokens"] == 0, split
     # pulled: the common prefix, several blocks, but not D's tokens after the edit
     assert 3 * 128 <= split["remote_hit_tokens"] < first["usage"]["prompt_tokens"] + 300, split
-    assert _text(second) == _text(_answer(plain_server, turn2, max_tokens=48))
+    assert text_of(second) == text_of(chat(plain_server, turn2, max_tokens=48))
     # P cached what it pulled under its own hashes: a third turn on top must be right too
-    turn3 = [*turn2, {"role": "assistant", "content": _text(second)},
+    turn3 = [*turn2, {"role": "assistant", "content": text_of(second)},
              {"role": "user", "content": "And in three words?"}]
-    assert _text(_answer(prefill, turn3, max_tokens=24)) == \
-        _text(_answer(plain_server, turn3, max_tokens=24))
+    assert text_of(chat(prefill, turn3, max_tokens=24)) == \
+        text_of(chat(plain_server, turn3, max_tokens=24))
 
 
 def test_a_regeneration_pulls_a_prefix_of_what_d_holds(pd, plain_server):
     prefill, decode, router = pd
     messages, session = _ask_long("regen")
-    turn1 = _answer(router, messages, max_tokens=200, ignore_eos=True, session_id=session)
-    turn2 = [*messages, {"role": "assistant", "content": _text(turn1)},
+    turn1 = chat(router, messages, max_tokens=200, ignore_eos=True, session_id=session)
+    turn2 = [*messages, {"role": "assistant", "content": text_of(turn1)},
              {"role": "user", "content": "Give the robot a name and explain it."}]
-    _answer(router, turn2, max_tokens=160, ignore_eos=True, session_id=session)
+    chat(router, turn2, max_tokens=160, ignore_eos=True, session_id=session)
     # regenerate turn 2's answer: same branch, a shorter history than D now holds
     _empty_prefill_caches(prefill)
-    again = _answer(router, turn2, max_tokens=48, session_id=session)
+    again = chat(router, turn2, max_tokens=48, session_id=session)
     split = again["kvbranch"]
     assert split["device_hit_tokens"] == 0 and split["remote_hit_tokens"] >= 3 * 128, split
     assert split["remote_hit_tokens"] == split["prompt_tokens"] - 1 - split["host_hit_tokens"]
-    assert _text(again) == _text(_answer(plain_server, turn2, max_tokens=48))
+    assert text_of(again) == text_of(chat(plain_server, turn2, max_tokens=48))
 
 
 # --- bad handles -------------------------------------------------------------------------------
 def _held_handle(decode, messages, session, max_tokens=40) -> dict:
     """A real handle: a turn served by D alone holds its blocks and returns the params."""
-    data = _answer(decode, messages, max_tokens=max_tokens, session_id=session,
+    data = chat(decode, messages, max_tokens=max_tokens, session_id=session,
                    kv_transfer_params={"do_remote_prefill": False})
     params = data.get("kv_transfer_params")
     assert isinstance(params, dict) and params.get("remote_block_ids"), data
@@ -186,16 +176,16 @@ def _at_p(prefill, decode, messages, params, **extra) -> tuple[httpx.Response, s
     assert isinstance(p_handle, dict) and p_handle.get("remote_block_ids"), r.text
     d = _post(decode, _body(decode, messages, 16, **extra, kv_transfer_params=p_handle))
     assert d.status_code == 200, d.text
-    return r, _text(d.json())
+    return r, text_of(d.json())
 
 
 def test_handles_are_checked_before_any_read(pd, plain_server):
     prefill, decode, router = pd
     messages, session = _ask_long("neg")
     handle = _held_handle(decode, messages, session)
-    reply = _text(_answer(plain_server, messages, max_tokens=40))
+    reply = text_of(chat(plain_server, messages, max_tokens=40))
     turn2 = _next_turn(messages, reply)
-    expected = _text(_answer(plain_server, turn2, max_tokens=16))
+    expected = text_of(chat(plain_server, turn2, max_tokens=16))
 
     def at_p(params):
         _empty_prefill_caches(prefill)
@@ -250,9 +240,9 @@ def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
     r = _claim(decode, handle)
     assert r.status_code == 200, r.text
     claimed = dict(handle, **r.json())
-    reply = _text(_answer(plain_server, messages, max_tokens=40))
+    reply = text_of(chat(plain_server, messages, max_tokens=40))
     turn2 = _next_turn(messages, reply)
-    expected = _text(_answer(plain_server, turn2, max_tokens=16))
+    expected = text_of(chat(plain_server, turn2, max_tokens=16))
     stale = seal(dict(claimed, **{EXPIRES_FIELD: time.time() - 1}), SECRET.encode())
     _empty_prefill_caches(prefill)
     r, answer = _at_p(prefill, decode, turn2, stale)
@@ -269,17 +259,17 @@ def test_a_prefill_handle_for_another_prompt_is_not_read_by_d(pd, plain_server):
     prefill, decode, router = pd
     a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}]
     b = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a color."}]
-    p_data = _answer(prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p_data = chat(prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     p_handle = p_data["kv_transfer_params"]
     assert p_handle.get("do_remote_prefill") and p_handle.get("remote_block_ids")
     r = _post(decode, _body(decode, b, 16, kv_transfer_params=p_handle))
     assert r.status_code == 200, r.text  # D declined the handle and computed b itself
-    assert _text(r.json()) == _text(_answer(plain_server, b, max_tokens=16))
+    assert text_of(r.json()) == text_of(chat(plain_server, b, max_tokens=16))
     # the right prompt still works (and is read from P)
-    p_data = _answer(prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p_data = chat(prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     r = _post(decode, _body(decode, a, 16, kv_transfer_params=p_data["kv_transfer_params"]))
     assert r.status_code == 200, r.text
-    assert _text(r.json()) == _text(_answer(plain_server, a, max_tokens=16))
+    assert text_of(r.json()) == text_of(chat(plain_server, a, max_tokens=16))
 
 
 def test_router_refuses_client_transfer_params(pd):
@@ -300,9 +290,9 @@ def test_held_conversations_yield_to_new_sessions(pd, plain_server):
                     {"role": "user", "content": f"Agent {i}: plan a trip to city {i}."}]
         out = []
         for turn in range(3):
-            data = _answer(router, messages, max_tokens=32, session_id=f"load{i}")
-            out.append((list(messages), _text(data)))
-            messages += [{"role": "assistant", "content": _text(data)},
+            data = chat(router, messages, max_tokens=32, session_id=f"load{i}")
+            out.append((list(messages), text_of(data)))
+            messages += [{"role": "assistant", "content": text_of(data)},
                          {"role": "user", "content": f"Observation {turn}: ok. Next step?"}]
         return out
 
@@ -310,6 +300,6 @@ def test_held_conversations_yield_to_new_sessions(pd, plain_server):
         results = list(pool.map(agent, range(6)))  # each call has a 600 s client timeout
     for turns in results:
         for messages, text in turns:
-            assert text == _text(_answer(plain_server, messages, max_tokens=32))
+            assert text == text_of(chat(plain_server, messages, max_tokens=32))
     stats = _pd_stats(decode)
     assert stats["holds_released_for_new_work"] > 0, stats
