@@ -17,15 +17,23 @@ Checks, on both paged layouts vLLM uses (blocks first, and ``[2, blocks, ...]``)
 * ``no_host_stall``: ``save`` returns while its copies are still queued (the host is not
   blocked, so async scheduling keeps overlapping).
 
-Then it times saves and loads of 1..N blocks of a model-sized cache and prints one JSON object.
-Exit status 1 when a check fails, 2 without CUDA. tests/unit/test_host_pool_cuda.py runs the
-same checks under pytest.
+Then it times saves and loads of 1..N blocks of a model-sized cache and reports each as GB/s and
+as a fraction of the host link's limit, measured on the same machine as the best of large
+contiguous pinned<->device copies (``link``; the bus's nominal rate from ``nvidia-smi`` is added
+when it can be read). The pool's paged copies move one block-sized piece per layer, so the
+fraction says how much of the link the block layout leaves on the table.
+
+Without CUDA (``--dry-run``, or automatically on a machine with no GPU) the same timing code runs
+on CPU tensors so the script itself is checked; the CUDA-only checks are reported as skipped and
+the numbers say nothing about a GPU. Exit status 1 when a check fails.
+tests/unit/test_host_pool_cuda.py runs the same checks under pytest.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,11 +48,11 @@ LAYOUTS = ("blocks_first", "kv_first")  # [blocks, 2, bs, heads, hd] and [2, blo
 
 def make_caches(layout: str, num_blocks: int, layers: int = 2, block_size: int = 16,
                 heads: int = 2, head_dim: int = 64, dtype: torch.dtype = torch.float16,
-                seed: int = 0) -> tuple[dict[str, torch.Tensor], int]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
+                seed: int = 0, device: str = "cuda") -> tuple[dict[str, torch.Tensor], int]:
+    g = torch.Generator(device=device).manual_seed(seed)
     shape = ([num_blocks, 2, block_size, heads, head_dim] if layout == "blocks_first"
              else [2, num_blocks, block_size, heads, head_dim])
-    caches = {f"layer.{i}": torch.randn(shape, generator=g, device="cuda", dtype=torch.float32
+    caches = {f"layer.{i}": torch.randn(shape, generator=g, device=device, dtype=torch.float32
                                         ).to(dtype) for i in range(layers)}
     return caches, (0 if layout == "blocks_first" else 1)
 
@@ -153,11 +161,51 @@ CHECKS = {
 
 
 # --- timings ----------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def link_limit(device: str, mib: int, repeats: int) -> dict:
+    """The host link's practical limit: best GB/s of one large contiguous copy each way.
+
+    This is the ceiling the block copies are judged against (same machine, same pinned memory,
+    same driver), which a nominal bus rate is not: PCIe/NVLink-C2C overheads differ per system.
+    """
+    n = mib << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=device == "cuda")
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    out: dict = {"bytes": n}
+    for direction, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            started = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            _sync(device)
+            best = min(best, time.perf_counter() - started)
+        out[f"{direction}_GBps"] = round(n / best / 1e9, 2)
+    if device == "cuda":
+        try:
+            q = subprocess.run(
+                ["nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.width.current",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+            gen, width = (int(x) for x in q.stdout.splitlines()[0].split(","))
+            per_lane = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}.get(gen)
+            if per_lane:
+                out["pcie_nominal"] = f"gen{gen} x{width}"
+                out["pcie_nominal_GBps"] = round(per_lane * width, 1)
+        except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+            pass  # the measured limit above is what the fractions use
+    return out
+
+
 def time_copies(layout: str, layers: int, block_size: int, heads: int, head_dim: int,
-                sizes: list[int], repeats: int) -> list[dict]:
+                sizes: list[int], repeats: int, device: str = "cuda",
+                link: dict | None = None) -> list[dict]:
     num_blocks = max(sizes) * 2
     caches, _ = make_caches(layout, num_blocks, layers, block_size, heads, head_dim,
-                            torch.bfloat16)
+                            torch.bfloat16, device=device)
     pool = HostKVPool(caches, num_blocks=num_blocks, num_slots=max(sizes))
     rows = []
     for n in sizes:
@@ -165,23 +213,29 @@ def time_copies(layout: str, layers: int, block_size: int, heads: int, head_dim:
         for direction in ("save", "load"):
             enqueue, total = [], []
             for _ in range(repeats):
-                torch.cuda.synchronize()
+                _sync(device)
                 started = time.perf_counter()
                 if direction == "save":
                     pool.save(blocks, slots)
                 else:
                     pool.load(slots, [b + n for b in blocks])
                 enqueue.append(time.perf_counter() - started)
-                torch.cuda.synchronize()
+                _sync(device)
+                pool.fence()
                 total.append(time.perf_counter() - started)
             best = min(total)
-            rows.append({
+            gbps = n * pool.block_bytes / best / 1e9
+            row = {
                 "layout": layout, "direction": direction, "blocks": n,
                 "bytes": n * pool.block_bytes,
                 "enqueue_ms": round(1000 * min(enqueue), 3),
                 "total_ms": round(1000 * best, 3),
-                "GBps": round(n * pool.block_bytes / best / 1e9, 2),
-            })
+                "GBps": round(gbps, 2),
+            }
+            limit = (link or {}).get("d2h_GBps" if direction == "save" else "h2d_GBps")
+            if limit:
+                row["of_link"] = round(gbps / limit, 3)
+            rows.append(row)
     return rows
 
 
@@ -192,26 +246,38 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--link-mib", type=int, default=1024,
+                        help="size of the contiguous copy that measures the link's limit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run the timing code on CPU tensors (automatic without CUDA)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print(json.dumps({"error": "no CUDA device"}))
-        return 2
-    results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                     "checks": {}, "timings": []}
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = "cuda" if cuda else "cpu"
+    results: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)",
+                     "torch": torch.__version__, "checks": {}, "timings": []}
+    if not cuda:
+        results["note"] = "dry run on CPU: checks the script, says nothing about a GPU"
     failed = False
     for name, check in CHECKS.items():
         for layout in LAYOUTS:
             key = f"{name}[{layout}]"
+            if not cuda:
+                results["checks"][key] = "skipped (needs CUDA)"
+                continue
             try:
                 check(layout)
                 results["checks"][key] = "ok"
             except AssertionError as exc:
                 results["checks"][key] = f"FAIL: {exc}"
                 failed = True
+    repeats = 2 if args.quick else 5
+    results["link"] = link_limit(device, args.link_mib if cuda else min(args.link_mib, 64),
+                                 repeats)
     sizes = [1, 16] if args.quick else [1, 4, 16, 64]
     for layout in LAYOUTS:
         results["timings"] += time_copies(layout, args.layers, args.block_size, args.kv_heads,
-                                          args.head_dim, sizes, 2 if args.quick else 5)
+                                          args.head_dim, sizes, repeats, device,
+                                          results["link"])
     print(json.dumps(results, indent=1))
     return 1 if failed else 0
 
