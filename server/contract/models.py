@@ -1,0 +1,328 @@
+"""Pydantic models of the kvbranch contract: request bodies the server validates, and every
+response it (or the P/D router) returns — sessions, branches, forks, pins, prefetch, stats and
+accounting, hold claims, errors. The server builds its responses through them and the sdk and
+:mod:`sdk.testing` parse and build through them, so a field that drifts fails loudly."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from server.contract.wire import (
+    CLAIM_FIELD,
+    DEFAULT_BRANCH,
+    MAX_TTL_S,
+    PROTOCOL_VERSION,
+    check_id,
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- requests --------------------------------------------------------------------------------
+class CreateSessionRequest(_Strict):
+    session_id: str | None = Field(
+        None, description="Chosen id; the server makes an unguessable one when omitted."
+    )
+    pin_ttl_s: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_TTL_S,
+        description="Pin every "
+        "branch of this session for this long after each use "
+        "(server default when omitted; 0 is not allowed, use "
+        "auto_pin=false).",
+    )
+    auto_pin: bool = True
+
+    @field_validator("session_id")
+    @classmethod
+    def _check_session_id(cls, value: str | None) -> str | None:
+        return None if value is None else check_id(value, "session_id")
+
+
+class ForkRequest(_Strict):
+    parent: str = Field(DEFAULT_BRANCH, description="Branch to fork from.")
+    branch_id: str | None = Field(
+        None, description="Id of the new branch (server-made when omitted)."
+    )
+    token_offset: int | None = Field(
+        None,
+        ge=0,
+        description="Fork after this many tokens of "
+        "the parent's last sequence (default: all of it).",
+    )
+    messages: list[dict[str, Any]] | None = Field(
+        None,
+        description="Fork at the point where "
+        "these chat messages end (rendered with the "
+        "model's chat template).",
+    )
+
+    @field_validator("parent", "branch_id")
+    @classmethod
+    def _check_ids(cls, value: str | None) -> str | None:
+        return None if value is None else check_id(value, "branch id")
+
+
+class PinRequest(_Strict):
+    ttl_s: float = Field(
+        ...,
+        gt=0,
+        le=MAX_TTL_S,
+        description="Lease length in seconds; each use of the branch renews it.",
+    )
+
+
+# --- responses -------------------------------------------------------------------------------
+class BranchInfo(BaseModel):
+    session_id: str
+    branch_id: str
+    parent: str | None = None
+    fork_offset_tokens: int | None = None
+    num_tokens: int = Field(0, description="Tokens of the branch's last known sequence.")
+    pinned: bool = False
+    pin_expires_in_s: float | None = None
+    pinned_blocks: int = 0
+    pinned_bytes: int = 0
+    stored_blocks: int = Field(0, description="Blocks of the branch present in the host store.")
+    degraded: bool = Field(
+        False, description="The pin was demoted to LRU retention because the pin budget was full."
+    )
+    requests: int = 0
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    created_at: float
+    auto_pin: bool
+    pin_ttl_s: float
+    branches: list[BranchInfo]
+    pinned_blocks: int = 0
+    pinned_bytes: int = 0
+
+
+class DeleteResult(BaseModel):
+    deleted: str
+    released_blocks: int
+
+
+class PrefetchResult(BaseModel):
+    session_id: str
+    branch_id: str
+    status: Literal["scheduled", "nothing_to_do", "already_resident"] = Field(
+        description="already_resident: every full block of the branch is in the device prefix "
+        "cache, so nothing ran."
+    )
+    num_tokens: int
+
+
+class PromptSourceSplit(BaseModel):
+    """Where a completion's prompt tokens came from."""
+
+    session_id: str | None = None
+    branch_id: str | None = None
+    prompt_tokens: int
+    device_hit_tokens: int = Field(description="Reused from vLLM's on-device prefix cache.")
+    host_hit_tokens: int = Field(description="Loaded from the kvbranch host store.")
+    remote_hit_tokens: int = Field(
+        0,
+        description="Pulled from a peer instance (P/D: the "
+        "decode instance that holds the conversation).",
+    )
+    recomputed_tokens: int = Field(description="Prefilled from scratch.")
+
+
+class ConnectorInfo(BaseModel):
+    loaded: bool
+    name: str
+    block_size: int | None = None
+    store_capacity_bytes: int | None = None
+    pin_budget_bytes: int | None = None
+    platform: str | None = None
+
+
+class HealthInfo(BaseModel):
+    status: Literal["ok", "degraded"]
+    kvbranch_version: str
+    protocol_version: str = PROTOCOL_VERSION
+    vllm_version: str
+    model: str
+    connector: ConnectorInfo
+    instance_id: str | None = Field(
+        None, description="Random per server start: a router notices a restarted peer by it."
+    )
+    role: str | None = Field(None, description="single, prefill, decode or router.")
+
+
+class PDStats(BaseModel):
+    """P/D instances (``Stats.pd``): holds a decode instance keeps for the prefill instance's
+    next pull, and why handles were declined."""
+
+    holds: int
+    held_blocks: int
+    holds_released_for_new_work: int
+    claims: int
+    claims_refused: int
+    stalled_steps: int
+    handles_declined: dict[str, int] = Field(default_factory=dict)
+
+
+class InstanceInfo(BaseModel):
+    """One instance behind the P/D router, as the router sees it."""
+
+    url: str
+    role: str
+    alive: bool
+    instance_id: str | None = None
+    inflight: int = 0
+    requests: int = 0
+    failures: int = 0
+
+
+class IndexEntry(BaseModel):
+    """The router's cluster index: which decode instance holds a branch's conversation."""
+
+    session_id: str
+    branch_id: str
+    decode: str
+    tokens: int
+    expires_in_s: float
+
+
+class ClusterInfo(BaseModel):
+    """``Stats.cluster``, added by the P/D router."""
+
+    instances: list[InstanceInfo]
+    index: list[IndexEntry]
+    index_counters: dict[str, int]
+    hold_ttl_s: float
+
+
+class RouterHealthInfo(BaseModel):
+    """The P/D router's health: a prefill instance's :class:`HealthInfo` (absent fields when
+    none answered) plus the router's view of every instance."""
+
+    status: Literal["ok", "degraded"]
+    role: str = "router"
+    protocol_version: str = PROTOCOL_VERSION
+    instances: list[InstanceInfo]
+    kvbranch_version: str | None = None
+    vllm_version: str | None = None
+    model: str | None = None
+    connector: ConnectorInfo | None = None
+    instance_id: str | None = None
+
+
+class HoldClaimRequest(BaseModel):
+    """``POST HOLD_CLAIM_PATH``: the transfer params a decode instance issued."""
+
+    handle: dict[str, Any]
+
+
+class HoldClaim(BaseModel):
+    """D's sealed promise not to release the held blocks before ``until`` (wall clock);
+    ``until_perf`` is the same deadline on D's ``perf_counter`` clock."""
+
+    handle: str | None
+    until: float
+    until_perf: float
+    mac: str
+
+
+class HoldClaimResult(BaseModel):
+    """The answer to a hold claim: ``{CLAIM_FIELD: {...}}`` (the field is spelled out for the
+    type checker; the check below ties it to :data:`CLAIM_FIELD`)."""
+
+    kvbranch_claim: HoldClaim
+
+
+assert CLAIM_FIELD in HoldClaimResult.model_fields, "HoldClaimResult must carry CLAIM_FIELD"
+
+
+class StoreStats(BaseModel):
+    capacity_blocks: int
+    used_blocks: int
+    pinned_blocks: int
+    block_bytes: int
+    used_bytes: int
+    pin_budget_bytes: int
+    pinned_bytes: int
+    evictions: int
+    saved_blocks: int
+    loaded_blocks: int
+
+
+class Stats(BaseModel):
+    store: StoreStats
+    hits_tokens: dict[str, int] = Field(
+        description="Prompt tokens by source: device, host, recomputed."
+    )
+    requests: int
+    pins_degraded: int
+    pins_refused: int
+    prefetches: int = Field(description="Prefetches that ran in the engine.")
+    prefetches_skipped: int = Field(
+        0, description="Prefetch requests skipped because the branch was already device-resident."
+    )
+    sessions: list[SessionInfo]
+    pd: PDStats | None = Field(
+        None,
+        description="P/D instances: held conversations, "
+        "holds released for new work, claims, declined handles.",
+    )
+
+
+class RouterStats(Stats):
+    """``STATS_PATH`` through the P/D router: a prefill instance's stats plus the cluster."""
+
+    cluster: ClusterInfo
+
+
+# --- errors ----------------------------------------------------------------------------------
+#: The ``error.type`` of each status (OpenAI's names where it has one).
+ERROR_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    410: "GoneError",
+    413: "RequestTooLargeError",
+    422: "BadRequestError",
+    429: "RateLimitError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "ServerError" if status >= 500 else "Error")
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI's error shape. Extra fields are kept (the router's fan-out adds ``instances``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """Every kvbranch error response (server, router, guard): ``{"error": {...}}``."""
+
+    error: ErrorDetail
+
+
+def error_body(status: int, message: str, param: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The JSON body of a kvbranch error, built through :class:`ErrorBody`."""
+    detail = ErrorDetail(
+        message=message, type=error_type(status), param=param, code=status, **extra
+    )
+    return ErrorBody(error=detail).model_dump()
