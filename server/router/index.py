@@ -62,12 +62,22 @@ class ClusterIndex:
         """Often enough that an expired entry lives at most about twice the ttl."""
         return min(max(self.ttl_s, 1.0), 60.0)
 
-    def put(self, key: Key, decode_url: str, instance_id: str | None,
-            params: dict[str, Any], started: float | None = None) -> Holding:
-        holding = Holding(decode_url, instance_id, params,
-                          int(params.get("remote_num_tokens") or 0),
-                          time.monotonic() + self.ttl_s,
-                          time.monotonic() if started is None else started)
+    def put(
+        self,
+        key: Key,
+        decode_url: str,
+        instance_id: str | None,
+        params: dict[str, Any],
+        started: float | None = None,
+    ) -> Holding:
+        holding = Holding(
+            decode_url,
+            instance_id,
+            params,
+            int(params.get("remote_num_tokens") or 0),
+            time.monotonic() + self.ttl_s,
+            time.monotonic() if started is None else started,
+        )
         with self._lock:
             current = self._entries.get(key)
             if current is not None and current.started > holding.started:
@@ -131,12 +141,26 @@ class ClusterIndex:
         self.sweep()
         now = time.monotonic()
         with self._lock:
-            return [{"session_id": k[1], "branch_id": k[2], "decode": h.decode_url,
-                     "tokens": h.num_tokens, "expires_in_s": round(h.expires_at - now, 1)}
-                    for k, h in self._entries.items() if tenant is None or k[0] == tenant]
+            return [
+                {
+                    "session_id": k[1],
+                    "branch_id": k[2],
+                    "decode": h.decode_url,
+                    "tokens": h.num_tokens,
+                    "expires_in_s": round(h.expires_at - now, 1),
+                }
+                for k, h in self._entries.items()
+                if tenant is None or k[0] == tenant
+            ]
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            return {"entries": len(self._entries), "max_entries": self.max_entries,
-                    "stored": self.stored, "taken": self.taken, "expired": self.expired,
-                    "evicted": self.evicted, "stale_dropped": self.stale_dropped}
+            return {
+                "entries": len(self._entries),
+                "max_entries": self.max_entries,
+                "stored": self.stored,
+                "taken": self.taken,
+                "expired": self.expired,
+                "evicted": self.evicted,
+                "stale_dropped": self.stale_dropped,
+            }

@@ -1,0 +1,283 @@
+"""The router's non-completion routes: kvbranch session routes, stats, health, models.
+
+Session routes (``/v1/kvbranch/...``) fan out to every instance (each keeps its own pins and
+host store); reads go to a prefill instance; ``stats`` adds the cluster index. A fan-out never
+answers with just the first instance's reply: all must agree, or the client gets 502 with each
+instance's status, and a retry with the same id converges (an instance that already has the
+session counts as created, one that no longer has it as deleted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from server.connector.sessions import new_id
+from server.contract import (
+    ALREADY_EXISTS,
+    API_PREFIX,
+    HEALTH_PATH,
+    PROTOCOL_VERSION,
+    STATS_PATH,
+)
+from server.router import relay
+from server.router.edge import SESSION_ROUTE_HEADERS, Refused, read_body, tenant_of, unavailable
+from server.router.index import ClusterIndex
+from server.router.pool import Instance, Pool
+
+HEALTH_BODY_TIMEOUT_S = 5.0
+
+FanKind = Literal["create", "delete", "other"]
+
+
+@dataclass
+class Answer:
+    """One instance's reply to a fanned-out session route (``status`` None: no reply)."""
+
+    inst: Instance
+    status: int | None
+    content: bytes = b""
+    content_type: str | None = None
+    error: str | None = None
+
+    def message(self) -> str:
+        if self.error is not None:
+            return self.error
+        try:
+            return str(json.loads(self.content)["error"]["message"])[:200]
+        except (ValueError, KeyError, TypeError):
+            return self.content[:200].decode(errors="replace")
+
+
+def fan_kind(method: str, path: str) -> FanKind:
+    parts = path.split("/")
+    if method == "POST" and (path == "sessions" or (len(parts) == 3 and parts[2] == "branches")):
+        return "create"
+    if method == "DELETE" and len(parts) in (2, 4) and parts[0] == "sessions":
+        return "delete"
+    return "other"
+
+
+def already_done(kind: FanKind, answer: Answer) -> bool:
+    """A retry's answer meaning "this instance already did it": the create found the id
+    there, the delete found it gone — so a retry after a partial failure converges."""
+    if kind == "create":
+        return answer.status == 409 and ALREADY_EXISTS in answer.message()
+    if kind == "delete":
+        return answer.status == 404
+    return False
+
+
+def merge(kind: FanKind, answers: list[Answer], body: bytes | None) -> Response:
+    """One reply for a fan-out: the instances' common answer when they agree (an
+    "already done" counts as done), else 502 naming each instance and its status."""
+    ok = [a for a in answers if a.status is not None and 200 <= a.status < 300]
+    failed = [a for a in answers if not any(a is o for o in ok) and not already_done(kind, a)]
+    if not failed or (
+        not ok
+        and len({a.status for a in answers}) == 1
+        and answers[0].status is not None
+        and answers[0].status < 500
+    ):
+        # all done, or all refused alike (the client's own error, e.g. 404 or 400)
+        best = ok[0] if ok else answers[0]
+        return Response(best.content, status_code=best.status or 502, media_type=best.content_type)
+    names = "; ".join(
+        f"{a.inst.role} {a.inst.url} "
+        f"{'unreachable' if a.status is None else f'answered {a.status}'}: "
+        f"{a.message()}"
+        for a in failed
+    )
+    data: dict[str, Any] = {
+        "error": {
+            "message": f"{len(failed)} of {len(answers)} instances failed ({names}); "
+            "the others applied it — retry the same request (same id) "
+            "to converge",
+            "type": "BadGatewayError",
+            "code": 502,
+        },
+        "instances": [
+            {
+                "url": a.inst.url,
+                "role": a.inst.role,
+                "status": a.status,
+                "ok": not any(a is f for f in failed),
+                **({} if not any(a is f for f in failed) else {"error": a.message()}),
+            }
+            for a in answers
+        ],
+    }
+    try:
+        sent = json.loads(body) if body else None
+    except ValueError:
+        sent = None
+    if isinstance(sent, dict):  # the id the router chose, so the retry can name it
+        data.update({k: sent[k] for k in ("session_id", "branch_id") if sent.get(k)})
+    return JSONResponse(data, status_code=502)
+
+
+def with_id(body: bytes, field: str, prefix: str) -> bytes:
+    """``body`` with ``field`` set to a new id when the client left it out: every instance
+    must create the same id."""
+    try:
+        data = json.loads(body) if body else {}
+    except ValueError:
+        return body  # the instances answer with their own 400
+    if isinstance(data, dict) and not data.get(field):
+        data[field] = new_id(prefix)
+        return json.dumps(data).encode()
+    return body
+
+
+class Admin:
+    """Session routes, stats, health and model listing across the pool."""
+
+    def __init__(self, pool: Pool, index: ClusterIndex, fanout_timeout_s: float = 60.0) -> None:
+        self.pool = pool
+        self.index = index
+        self.fanout_timeout_s = fanout_timeout_s
+
+    async def forward(
+        self,
+        request: Request,
+        inst: Instance,
+        path: str,
+        body: bytes | None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in SESSION_ROUTE_HEADERS}
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        return await self.pool.client.request(
+            request.method,
+            inst.url + path,
+            content=body,
+            headers=headers,
+            params=request.query_params,
+            **extra,
+        )
+
+    async def _fan_one(
+        self, request: Request, inst: Instance, path: str, body: bytes | None
+    ) -> Answer:
+        try:
+            r = await self.forward(request, inst, path, body, timeout=self.fanout_timeout_s)
+        except httpx.HTTPError as exc:
+            self.pool.mark_down(inst)
+            return Answer(inst, None, error=f"{type(exc).__name__}: {exc}"[:200])
+        return Answer(inst, r.status_code, r.content, r.headers.get("content-type"))
+
+    async def session_route(self, request: Request, path: str) -> Response:
+        try:
+            body = await read_body(request)
+        except Refused as refused:
+            return refused.response
+        prefills = await self.pool.live(self.pool.prefills)
+        if not prefills:
+            return unavailable("no prefill instance is reachable")
+        tenant = tenant_of(request.headers.get("authorization"))
+        full = f"{API_PREFIX}/{path}"
+        if request.method == "POST" and (path == "sessions" or path.endswith("/branches")):
+            # Every instance must create the same id: choose it here when the client did not.
+            body = with_id(
+                body,
+                "session_id" if path == "sessions" else "branch_id",
+                "sess" if path == "sessions" else "br",
+            )
+        if path.endswith("/prefetch") or request.method == "GET":
+            if path.endswith("/prefetch"):  # warms the session's own prefill instance
+                parts = path.split("/")
+                chosen = await self.pool.choose_prefill(
+                    (tenant, parts[1], parts[3]) if len(parts) > 3 else None
+                )
+                targets = [chosen or prefills[0]]
+            else:  # a read: every instance has the session; the first that answers
+                targets = prefills
+            return await self.first_answer(
+                request, targets, full, body or None, "no prefill instance answered"
+            )
+        # A change: every instance, the ones seen down included — the answer must say which
+        # instance missed it, and a retry must reach it.
+        answers = await asyncio.gather(
+            *(self._fan_one(request, t, full, body or None) for t in self.pool.all)
+        )
+        kind = fan_kind(request.method, path)
+        if (
+            kind == "delete"
+            and path.count("/") == 1
+            and any(a.status == 200 or already_done(kind, a) for a in answers)
+        ):
+            self.index.drop_session(tenant, path.split("/")[1])
+        return merge(kind, answers, body)
+
+    async def stats(self, request: Request) -> Response:
+        prefills = await self.pool.live(self.pool.prefills)
+        if not prefills:
+            return unavailable("no prefill instance is reachable")
+        r = await self.forward(request, prefills[0], STATS_PATH, None)
+        if r.status_code != 200:
+            return relay.passthrough(r)
+        data = r.json()
+        tenant = tenant_of(request.headers.get("authorization"))
+        data["cluster"] = {
+            "instances": self.pool.infos(),
+            "index": self.index.snapshot(tenant),
+            "index_counters": self.index.counters(),
+            "hold_ttl_s": self.index.ttl_s,
+        }
+        return JSONResponse(data)
+
+    async def health(self) -> Response:
+        """A prefill instance's health (the sdk reads it) plus the router's view of all."""
+        pool = self.pool
+        await pool.probe_all()
+        ok = any(i.alive for i in pool.prefills) and any(i.alive for i in pool.decodes)
+        body: dict[str, Any] = {}
+        for inst in pool.prefills:
+            if inst.alive:
+                try:
+                    r = await pool.client.get(
+                        inst.url + HEALTH_PATH,
+                        headers=pool.auth_headers(),
+                        timeout=HEALTH_BODY_TIMEOUT_S,
+                    )
+                    body = r.json() if r.status_code == 200 else {}
+                except (httpx.HTTPError, ValueError):
+                    body = {}
+                break
+        body.update(
+            status="ok" if ok else "degraded",
+            role="router",
+            protocol_version=PROTOCOL_VERSION,
+            instances=pool.infos(),
+        )
+        serving = any(i.alive for i in pool.all)  # fallbacks still serve
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    async def passthrough_get(self, request: Request, path: str) -> Response:
+        live = await self.pool.live(self.pool.prefills) + await self.pool.live(self.pool.decodes)
+        return await self.first_answer(request, live, path, None, "no instance is reachable")
+
+    async def first_answer(
+        self,
+        request: Request,
+        targets: list[Instance],
+        path: str,
+        body: bytes | None,
+        none_message: str,
+    ) -> Response:
+        """The first of ``targets`` that answers, as it answered; an instance that cannot be
+        reached is marked down and the next one tried; 503 when none answers."""
+        for inst in targets:
+            try:
+                r = await self.forward(request, inst, path, body)
+            except httpx.HTTPError:
+                self.pool.mark_down(inst)
+                continue
+            return relay.passthrough(r)
+        return unavailable(none_message)

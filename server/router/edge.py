@@ -1,0 +1,83 @@
+"""The router's edge with its clients: what it reads from a request before any instance sees it.
+
+Request bodies are bounded *before* they are read whole (413), the router's own error replies
+have the OpenAI error shape the clients parse, and a request's tenant — the digest of its API
+key — scopes the cluster index the way the instances scope sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from server.contract import BRANCH_HEADER, MAX_BODY_BYTES, SESSION_HEADER
+
+#: Request headers a completion turn forwards to the instances.
+FORWARD_HEADERS = ("authorization", SESSION_HEADER.lower(), BRANCH_HEADER.lower())
+#: Request headers a session route forwards.
+SESSION_ROUTE_HEADERS = ("authorization", "content-type")
+#: How long a client should wait before retrying when no instance answers.
+RETRY_AFTER = {"Retry-After": "5"}
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error reply in the OpenAI shape (``{"error": {"message", "type", "code"}}``)."""
+    kind = _ERROR_TYPES.get(status, "ServerError")
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}},
+        status_code=status,
+        headers=headers,
+    )
+
+
+def unavailable(message: str) -> JSONResponse:
+    """503 with Retry-After: no instance could take the request."""
+    return error(503, message, headers=RETRY_AFTER)
+
+
+def tenant_of(authorization: str | None) -> str:
+    """Scopes the index per API key (the instances scope sessions the same way)."""
+    if not authorization:
+        return "-"
+    return hashlib.sha256(b"kvbranch-router\0" + authorization.encode()).hexdigest()[:24]
+
+
+class Refused(Exception):
+    """The request is refused before any instance sees it; ``response`` says why."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, bounded *before* it is read: a declared Content-Length over
+    ``MAX_BODY_BYTES`` is refused unread, and a chunked (or understated) body as soon as the
+    bytes read pass the bound — a client cannot make the router buffer an unbounded body."""
+    limit = MAX_BODY_BYTES  # read at call time (tests lower it)
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise Refused(error(400, "Content-Length is not a number")) from None
+        if size > limit:
+            raise Refused(error(413, f"request body over {limit} bytes"))
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise Refused(error(413, f"request body over {limit} bytes"))
+        chunks.append(chunk)
+    return b"".join(chunks)

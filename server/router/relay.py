@@ -1,0 +1,120 @@
+"""Relaying an instance's answer to the client, taking out what only the router should see.
+
+The generating instance's answer carries D's returned transfer params (``kv_transfer_params``):
+in the JSON body, or — on a stream, where vLLM 0.32 returns none — in the usage chunk, where
+the kvbranch middleware puts them. The router files them in its index for the next turn's pull
+and removes them from what the client gets. It also puts P's prompt-source split (the
+``kvbranch`` object: P ran the prefill, so P's split is the turn's) over D's, and drops the
+usage chunk it asked for itself when the client did not ask for one.
+
+A client that leaves mid-stream closes the upstream response, so D sees the disconnect and
+aborts the request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from server.contract import RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
+
+#: Called with the transfer params an answer carried (whatever they are; the caller checks).
+FileParams = Callable[[Any], None]
+
+_DATA = b"data: "
+
+
+def passthrough(r: httpx.Response, headers: dict[str, str] | None = None) -> Response:
+    """An instance's answer, as it answered (status, body, content type)."""
+    return Response(
+        r.content,
+        status_code=r.status_code,
+        media_type=r.headers.get("content-type"),
+        headers=headers,
+    )
+
+
+def ask_for_usage(body: dict[str, Any]) -> bool:
+    """Make the instance send the usage chunk (D's params ride on it); returns whether the
+    client asked for it itself."""
+    options = body.get("stream_options")
+    want_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    body["stream_options"] = dict(options if isinstance(options, dict) else {}, include_usage=True)
+    return want_usage
+
+
+def rewrite_json(data: dict[str, Any], file_params: FileParams, split: Any) -> dict[str, Any]:
+    """A non-streaming answer: file its transfer params, put P's split in."""
+    file_params(data.pop(TRANSFER_PARAMS_FIELD, None))
+    if split is not None:
+        data[RESPONSE_FIELD] = split
+    return data
+
+
+def rewrite_event(
+    event: bytes, file_params: FileParams, split: Any, want_usage: bool
+) -> bytes | None:
+    """One SSE event (without its blank-line terminator): file and remove transfer params,
+    put P's split in; None drops the event (the usage chunk the client did not ask for)."""
+    if not event.startswith(b"data: {") or (
+        b'"usage"' not in event and TRANSFER_PARAMS_FIELD.encode() not in event
+    ):
+        return event
+    try:
+        chunk = json.loads(event[len(_DATA) :])
+    except ValueError:
+        return event
+    if not isinstance(chunk, dict):
+        return event
+    file_params(chunk.pop(TRANSFER_PARAMS_FIELD, None))
+    if chunk.get("usage") and not chunk.get("choices") and not want_usage:
+        return None  # the client did not ask for the usage chunk; we did
+    if split is not None and RESPONSE_FIELD in chunk:
+        chunk[RESPONSE_FIELD] = split
+    return _DATA + json.dumps(chunk, separators=(",", ":")).encode()
+
+
+async def relay_events(
+    resp: httpx.Response, rewrite: Callable[[bytes], bytes | None], on_close: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """The stream of ``resp``, each complete event passed through ``rewrite``; a trailing
+    partial event passes as is. ``on_close`` runs and ``resp`` closes however it ends."""
+    buffer = b""
+    try:
+        async for data in resp.aiter_raw():
+            buffer += data
+            out = []
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                rewritten = rewrite(event)
+                if rewritten is not None:
+                    out.append(rewritten + b"\n\n")
+            if out:
+                yield b"".join(out)
+        if buffer:
+            yield buffer
+    finally:
+        on_close()
+        await resp.aclose()  # a client that left: D sees the disconnect and aborts
+
+
+def relay_stream(
+    resp: httpx.Response,
+    file_params: FileParams,
+    split: Any,
+    want_usage: bool,
+    on_close: Callable[[], None],
+    headers: dict[str, str],
+) -> StreamingResponse:
+    """The client's streaming response for an open upstream stream."""
+
+    def rewrite(event: bytes) -> bytes | None:
+        return rewrite_event(event, file_params, split, want_usage)
+
+    return StreamingResponse(
+        relay_events(resp, rewrite, on_close), media_type="text/event-stream", headers=headers
+    )

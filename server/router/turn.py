@@ -1,0 +1,327 @@
+"""A completion turn through prefill and decode (chat or completion, streamed or not).
+
+1. **Prefill on P** with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``.
+   When the index holds D's params for this (tenant, session, branch), the router first claims
+   that hold on D (``HOLD_CLAIM_PATH``: D then keeps the blocks until the claim ends instead of
+   releasing them for new work) and sends the claimed params along, so P pulls the conversation
+   back from D — P's connector checks the token prefix first and pulls only what matches
+   (:mod:`server.connector.pd`), so a re-rendered history costs a recompute, never a wrong
+   answer. A hold D no longer has cannot be claimed: that turn recomputes on P.
+2. **Decode on D** with P's returned params (D reads the prompt's blocks from P). D's own
+   returned params go into the index for the next turn (:mod:`server.router.relay`).
+
+Faults never reach the user as errors: P down → D computes the prompt itself; D down → P
+serves the whole turn; a peer restarted or a hold expired → no pull, P recomputes. Every
+response says which way it went in the ``X-KVBranch-Route`` header.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter
+
+from server.connector.transfer_auth import CLAIM_FIELD
+from server.contract import (
+    BRANCH_HEADER,
+    BRANCH_XARG,
+    DEFAULT_BRANCH,
+    HOLD_CLAIM_PATH,
+    RESPONSE_FIELD,
+    SESSION_HEADER,
+    TRANSFER_PARAMS_FIELD,
+)
+from server.router import relay
+from server.router.edge import FORWARD_HEADERS, Refused, error, read_body, tenant_of, unavailable
+from server.router.index import ClusterIndex, Holding, Key
+from server.router.pool import Instance, Pool
+
+logger = logging.getLogger("kvbranch.router")
+
+ROUTE_HEADER = "X-KVBranch-Route"
+CLAIM_TIMEOUT_S = 5.0
+
+
+class _Fallback(Exception):
+    """This leg failed in a way the other instance can cover."""
+
+
+def turn_key(payload: dict[str, Any], request: Request) -> Key | None:
+    """(tenant, session, branch) of a turn, from the body or the headers; None without a
+    session (such a turn is routed, but nothing is held for it)."""
+    session = payload.get("session_id") or request.headers.get(SESSION_HEADER)
+    if not isinstance(session, str) or not session:
+        return None
+    xargs = payload.get("vllm_xargs")
+    branch = xargs.get(BRANCH_XARG) if isinstance(xargs, dict) else None
+    branch = branch or request.headers.get(BRANCH_HEADER) or DEFAULT_BRANCH
+    return (tenant_of(request.headers.get("authorization")), session, str(branch))
+
+
+class TurnFlow:
+    """Routes completion turns: P then D, a fallback to one instance when the other fails."""
+
+    def __init__(self, pool: Pool, index: ClusterIndex, registry: CollectorRegistry) -> None:
+        self.pool = pool
+        self.index = index
+        self.turns = Counter(
+            "kvbranch_router_turns", "Completion turns by route taken", ["route"], registry=registry
+        )
+        self.claims_refused = Counter(
+            "kvbranch_router_claims_refused",
+            "Pulls dropped because D no longer held the blocks",
+            registry=registry,
+        )
+        self.pulled_tokens = Counter(
+            "kvbranch_router_pull_offered_tokens",
+            "Tokens D held that P was offered to pull",
+            registry=registry,
+        )
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        return self.pool.client
+
+    async def completion(self, request: Request) -> Response:
+        try:
+            raw = await read_body(request)
+        except Refused as refused:
+            return refused.response
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            return error(400, "request body is not valid JSON")
+        if not isinstance(payload, dict):
+            return error(400, "request body must be a JSON object")
+        if TRANSFER_PARAMS_FIELD in payload:
+            return error(400, "kv_transfer_params is set by the router; remove it")
+        turn = _Turn(
+            self,
+            request.url.path,
+            payload,
+            {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS},
+            turn_key(payload, request),
+        )
+        return await turn.run()
+
+    async def claim(
+        self, inst: Instance, holding: Holding, headers: dict[str, str]
+    ) -> Holding | None:
+        """Ask D to claim its held blocks for this pull (D then keeps them until the claim
+        ends instead of releasing them for new work); None when D no longer holds them."""
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        if self.pool.api_key:
+            auth = self.pool.auth_headers()
+        try:
+            r = await self.client.post(
+                inst.url + HOLD_CLAIM_PATH,
+                json={"handle": holding.params},
+                headers=auth,
+                timeout=CLAIM_TIMEOUT_S,
+            )
+            claim = r.json().get(CLAIM_FIELD) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            claim = None
+        if not isinstance(claim, dict):
+            self.claims_refused.inc()
+            return None
+        holding.params = dict(holding.params, **{CLAIM_FIELD: claim})
+        return holding
+
+    def file(self, key: Key | None, inst: Instance, started: float, params: Any) -> None:
+        """File D's returned params for the next turn's pull (only a hold D made: params for
+        a remote decode with block ids)."""
+        if (
+            key is not None
+            and isinstance(params, dict)
+            and params.get("do_remote_decode")
+            and params.get("remote_block_ids")
+        ):
+            self.index.put(key, inst.url, inst.instance_id, params, started=started)
+
+
+class _Turn:
+    """One turn's state: the request as the client sent it, its key and when it started (an
+    answer must not replace a newer turn's index entry)."""
+
+    def __init__(
+        self,
+        flow: TurnFlow,
+        path: str,
+        payload: dict[str, Any],
+        headers: dict[str, str],
+        key: Key | None,
+    ) -> None:
+        self.flow = flow
+        self.pool = flow.pool
+        self.path = path
+        self.payload = payload
+        self.headers = headers
+        self.key = key
+        self.started = time.monotonic()
+
+    async def run(self) -> Response:
+        flow, key = self.flow, self.key
+        holding = flow.index.take(key) if key else None
+        prefill = await self.pool.choose_prefill(key)
+        decode = await self.pool.choose_decode(holding.decode_url if holding else None)
+        if prefill is None and decode is None:
+            return unavailable("no prefill or decode instance is reachable")
+        if decode is None:
+            assert prefill is not None
+            return await self.single(prefill, "prefill-only")
+        if prefill is None:
+            return await self.single(decode, "decode-only", hold=True)
+        pull = (
+            holding
+            if holding is not None
+            and holding.decode_url == decode.url
+            and holding.instance_id == decode.instance_id
+            else None
+        )
+        if pull is not None:
+            pull = await flow.claim(decode, pull, self.headers)
+        try:
+            prefilled = await self.prefill(prefill, pull)
+        except _Fallback as exc:
+            logger.warning(
+                "prefill on %s failed (%s): decode instance computes the prompt", prefill.url, exc
+            )
+            return await self.single(decode, "decode-only", hold=True)
+        if isinstance(prefilled, Response):
+            return prefilled  # the client's own error (4xx), as P said it
+        p_params, split = prefilled
+        route = "pd+pull" if pull is not None else "pd"
+        try:
+            return await self.decode(decode, p_params, split, route)
+        except _Fallback as exc:
+            logger.warning(
+                "decode on %s failed (%s): prefill instance serves the turn", decode.url, exc
+            )
+            return await self.single(prefill, "prefill-only")
+
+    async def post(self, inst: Instance, body: dict[str, Any]) -> httpx.Response:
+        inst.inflight += 1
+        inst.requests += 1
+        try:
+            return await self.flow.client.post(
+                inst.url + self.path, json=body, headers=self.headers
+            )
+        except httpx.HTTPError as exc:
+            self.pool.mark_down(inst)
+            raise _Fallback(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            inst.inflight -= 1
+
+    async def prefill(
+        self, inst: Instance, pull: Holding | None
+    ) -> Response | tuple[dict[str, Any], Any]:
+        """P's leg: one token, transfer params out (and D's params in when pulling)."""
+        params: dict[str, Any] = {"do_remote_decode": True}
+        if pull is not None:
+            params = dict(pull.params, do_remote_decode=True, do_remote_prefill=False)
+            self.flow.pulled_tokens.inc(pull.num_tokens)
+        body = dict(self.payload, max_tokens=1, stream=False, n=1)
+        body.pop("max_completion_tokens", None)
+        body.pop("stream_options", None)
+        body[TRANSFER_PARAMS_FIELD] = params
+        r = await self.post(inst, body)
+        if 400 <= r.status_code < 500:
+            return relay.passthrough(r)
+        if r.status_code != 200:
+            raise _Fallback(f"HTTP {r.status_code}")
+        try:
+            data = r.json()
+        except ValueError:
+            raise _Fallback("response is not JSON") from None
+        p_params = data.get(TRANSFER_PARAMS_FIELD)
+        if not isinstance(p_params, dict) or not p_params.get("do_remote_prefill"):
+            raise _Fallback("the prefill instance returned no transfer params")
+        return p_params, data.get(RESPONSE_FIELD)
+
+    async def decode(
+        self, inst: Instance, p_params: dict[str, Any], split: Any, route: str
+    ) -> Response:
+        body = dict(self.payload)
+        body[TRANSFER_PARAMS_FIELD] = {k: v for k, v in p_params.items() if k != RESPONSE_FIELD}
+        return await self.final(inst, body, self.key, route, split)
+
+    async def single(self, inst: Instance, route: str, hold: bool = False) -> Response:
+        """One instance serves the whole turn (the other one is down); ``hold``: it is a D,
+        which keeps the blocks for the next turn's pull."""
+        body = dict(self.payload)
+        if hold and self.key is not None:
+            # An empty request for D's connector: hold the blocks for the next turn's pull.
+            body[TRANSFER_PARAMS_FIELD] = {"do_remote_prefill": False}
+        try:
+            return await self.final(inst, body, self.key if hold else None, route, None)
+        except _Fallback as exc:
+            return unavailable(f"the {inst.role} instance failed mid-turn: {exc}")
+
+    async def final(
+        self, inst: Instance, body: dict[str, Any], key: Key | None, route: str, split: Any
+    ) -> Response:
+        """Send the generating request; file D's returned params; relay the answer."""
+        self.flow.turns.labels(route).inc()
+        out_headers = {ROUTE_HEADER: route}
+
+        def file_params(params: Any) -> None:
+            self.flow.file(key, inst, self.started, params)
+
+        if body.get("stream") is True:
+            return await self.stream(inst, body, file_params, split, out_headers)
+        r = await self.post(inst, body)
+        if r.status_code >= 500:
+            raise _Fallback(f"HTTP {r.status_code}")
+        if r.status_code != 200:
+            return relay.passthrough(r, out_headers)
+        try:
+            data = r.json()
+        except ValueError:
+            raise _Fallback("response is not JSON") from None
+        return JSONResponse(relay.rewrite_json(data, file_params, split), headers=out_headers)
+
+    async def stream(
+        self,
+        inst: Instance,
+        body: dict[str, Any],
+        file_params: relay.FileParams,
+        split: Any,
+        out_headers: dict[str, str],
+    ) -> Response:
+        want_usage = relay.ask_for_usage(body)
+        inst.inflight += 1
+        inst.requests += 1
+        client = self.flow.client
+        try:
+            req = client.build_request(
+                "POST", inst.url + self.path, json=body, headers=self.headers
+            )
+            resp = await client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            inst.inflight -= 1
+            self.pool.mark_down(inst)
+            raise _Fallback(f"{type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            inst.inflight -= 1
+            if resp.status_code >= 500:
+                raise _Fallback(f"HTTP {resp.status_code}")
+            return Response(
+                content,
+                status_code=resp.status_code,
+                media_type=resp.headers.get("content-type"),
+                headers=out_headers,
+            )
+
+        def done() -> None:
+            inst.inflight -= 1
+
+        return relay.relay_stream(resp, file_params, split, want_usage, done, out_headers)

@@ -1,0 +1,101 @@
+"""Session routes fanned out to every instance: one id everywhere, a partial failure is a 502
+naming the instance, a retry converges; reads fall over to a prefill that answers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server.contract import HEALTH_PATH, SESSIONS_PATH, session_path
+from server.router.app import Router
+from server.router.edge import tenant_of
+from tests.unit.server.router.fakes import D, Fakes, P, call, err, json_reply, make_router, refused
+
+
+# --- session fan-out -----------------------------------------------------------------------
+def test_a_create_reaches_every_instance_with_one_id():
+    fakes = Fakes()
+    r = call(make_router(fakes), "POST", SESSIONS_PATH, json={})
+    assert r.status_code == 201
+    ids = {json.loads(c)["session_id"] for _, _, _, c in fakes.seen}
+    assert len(ids) == 1 and {b for b, *_ in fakes.seen} == {P, D}
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [refused, lambda r: err(500, "engine died"), lambda r: err(409, "too many sessions (8)")],
+)
+def test_a_partial_failure_is_a_502_naming_the_instance(decode):
+    fakes = Fakes()
+    fakes.answer[D] = decode
+    r = call(make_router(fakes), "POST", SESSIONS_PATH, json={})
+    assert r.status_code == 502, r.text
+    data = r.json()
+    by_role = {i["role"]: i for i in data["instances"]}
+    assert by_role["prefill"]["ok"] and by_role["prefill"]["status"] == 201
+    assert not by_role["decode"]["ok"] and by_role["decode"]["url"] == D
+    assert by_role["decode"]["status"] in (None, 500, 409) and by_role["decode"]["error"]
+    assert D in data["error"]["message"]
+    # the id the router chose comes back, so the client's retry converges on it
+    sent = {json.loads(c)["session_id"] for _, _, _, c in fakes.seen}
+    assert data["session_id"] in sent
+
+
+def test_a_retried_create_converges_where_one_instance_already_has_it():
+    fakes = Fakes()
+    fakes.answer[P] = lambda r: err(409, "session 's1' already exists")
+    r = call(make_router(fakes), "POST", SESSIONS_PATH, json={"session_id": "s1"})
+    assert r.status_code == 201 and r.json() == {"from": "d"}
+    fakes.answer[D] = fakes.answer[P]  # everywhere already: the plain 409 one instance gives
+    r = call(make_router(fakes), "POST", SESSIONS_PATH, json={"session_id": "s1"})
+    assert r.status_code == 409
+
+
+def test_a_retried_fork_converges_too():
+    fakes = Fakes()
+    fakes.answer[D] = lambda r: err(409, "branch 'b' already exists in session 's1'")
+    r = call(
+        make_router(fakes),
+        "POST",
+        "/v1/kvbranch/sessions/s1/branches",
+        json={"parent": "main", "branch_id": "b"},
+    )
+    assert r.status_code == 201 and r.json() == {"from": "p"}
+
+
+def test_a_retried_delete_converges_and_drops_the_index_entries():
+    fakes = Fakes()
+    fakes.answer[P] = lambda r: err(404, "no session 's1'")
+    fakes.answer[D] = lambda r: json_reply(200, {"deleted": True})
+    router = make_router(fakes)
+    key = (tenant_of(None), "s1", "main")
+    router.index.put(key, D, "x", {"remote_num_tokens": 3})
+    r = call(router, "DELETE", session_path("s1"))
+    assert r.status_code == 200 and r.json() == {"deleted": True}
+    assert router.index.peek(key) is None
+    fakes.answer[D] = fakes.answer[P]
+    assert call(router, "DELETE", session_path("s1")).status_code == 404
+
+
+def test_the_clients_own_error_passes_through_as_is():
+    fakes = Fakes()
+    fakes.answer[P] = fakes.answer[D] = lambda r: err(400, "pin_ttl_s must be positive")
+    r = call(make_router(fakes), "POST", SESSIONS_PATH, json={"pin_ttl_s": -1})
+    assert r.status_code == 400 and "pin_ttl_s" in r.json()["error"]["message"]
+
+
+def test_a_read_falls_over_to_a_prefill_that_answers():
+    fakes = Fakes()
+    router = Router([P, "http://p2.test:3"], [D], hold_ttl_s=60)
+    fakes.answer["http://p2.test:3"] = lambda r: json_reply(200, {"session_id": "s1"})
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "p.test" and request.url.path != HEALTH_PATH:
+            raise httpx.ConnectError("refused", request=request)
+        return fakes(request)
+
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    r = call(router, "GET", session_path("s1"))
+    assert r.status_code == 200 and r.json() == {"session_id": "s1"}

@@ -1,0 +1,233 @@
+"""A completion turn through fake P and D instances: which instance gets what, the route header,
+D's params filed for the next turn and taken out of the answer, the claim before a pull, the
+fallbacks, and the stream relay (usage chunk dropped unless asked for, P's split put in)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from server.contract import HOLD_CLAIM_PATH, RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
+from server.router.edge import tenant_of
+from tests.unit.server.router.fakes import D, Fakes, P, base_of, call, json_reply, make_router
+
+CHAT = "/v1/chat/completions"
+ROUTE = "X-KVBranch-Route"
+CLAIM = {"handle": "h", "until": 1.0, "until_perf": 1.0, "mac": "m"}
+D_PARAMS = {
+    "do_remote_decode": True,
+    "remote_block_ids": [[3, 4]],
+    "remote_num_tokens": 200,
+    "remote_host": "d",
+}
+P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_host": "p"}
+P_SPLIT = {
+    "prompt_tokens": 9,
+    "device_hit_tokens": 0,
+    "host_hit_tokens": 0,
+    "remote_hit_tokens": 0,
+    "recomputed_tokens": 9,
+}
+
+
+class _Chunks(httpx.AsyncByteStream):
+    """A body that arrives in pieces, cut mid-event (as a real stream may be)."""
+
+    def __init__(self, data: bytes, size: int = 7) -> None:
+        self.pieces = [data[i : i + size] for i in range(0, len(data), size)]
+
+    async def __aiter__(self):
+        for piece in self.pieces:
+            yield piece
+
+
+def _sse(*chunks: object) -> httpx.AsyncByteStream:
+    data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    return _Chunks(data + b"data: [DONE]\n\n")
+
+
+class PD(Fakes):
+    """P answers a prefill leg with its transfer params; D answers (JSON or SSE) with its own
+    params riding along (the usage chunk on a stream), and claims holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims: list[dict[str, Any]] = []
+        self.claim_status = 200
+        self.answer[P] = self._p
+        self.answer[D] = self._d
+
+    def bodies(self, base: str) -> list[dict[str, Any]]:
+        return [json.loads(c) for b, _, path, c in self.seen if b == base and path == CHAT]
+
+    def _p(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body.get("max_tokens") == 1 and TRANSFER_PARAMS_FIELD in body:
+            return json_reply(
+                200,
+                {
+                    "choices": [{"text": "x"}],
+                    TRANSFER_PARAMS_FIELD: P_PARAMS,
+                    RESPONSE_FIELD: P_SPLIT,
+                },
+            )
+        return json_reply(200, {"choices": [{"message": {"content": "from p"}}]})
+
+    def _d(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == HOLD_CLAIM_PATH:
+            self.claims.append(json.loads(request.content))
+            if self.claim_status != 200:
+                return json_reply(self.claim_status, {"error": {"message": "released"}})
+            return json_reply(200, {"kvbranch_claim": CLAIM})
+        body = json.loads(request.content)
+        d_split = {"prompt_tokens": 9, "from": "d"}
+        if body.get("stream"):
+            usage = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
+            return httpx.Response(
+                200,
+                headers={"content-type": "text/event-stream"},
+                stream=_sse(
+                    {"choices": [{"delta": {"content": "hi"}}]},
+                    {
+                        "choices": [],
+                        "usage": usage,
+                        TRANSFER_PARAMS_FIELD: D_PARAMS,
+                        RESPONSE_FIELD: d_split,
+                    },
+                ),
+            )
+        return json_reply(
+            200,
+            {
+                "choices": [{"message": {"content": "from d"}}],
+                "usage": {"prompt_tokens": 9},
+                TRANSFER_PARAMS_FIELD: D_PARAMS,
+                RESPONSE_FIELD: d_split,
+            },
+        )
+
+
+def _turn(router, **extra: Any) -> httpx.Response:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "session_id": "s1",
+        **extra,
+    }
+    return call(router, "POST", CHAT, json=body)
+
+
+KEY = (tenant_of(None), "s1", "main")
+
+
+def test_a_turn_prefills_on_p_decodes_on_d_and_files_ds_params():
+    fakes = PD()
+    router = make_router(fakes)
+    r = _turn(router, max_tokens=20)
+    assert r.status_code == 200 and r.headers[ROUTE] == "pd"
+    data = r.json()
+    assert data["choices"][0]["message"]["content"] == "from d"
+    assert TRANSFER_PARAMS_FIELD not in data and data[RESPONSE_FIELD] == P_SPLIT
+    (p_body,) = fakes.bodies(P)
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False and p_body["n"] == 1
+    assert p_body[TRANSFER_PARAMS_FIELD] == {"do_remote_decode": True}
+    (d_body,) = fakes.bodies(D)
+    assert d_body["max_tokens"] == 20 and d_body[TRANSFER_PARAMS_FIELD] == P_PARAMS
+    held = router.index.peek(KEY)
+    assert held is not None and held.decode_url == D and held.num_tokens == 200
+
+
+def test_the_next_turn_claims_ds_hold_and_p_pulls_it():
+    fakes = PD()
+    router = make_router(fakes)
+    _turn(router)
+    r = _turn(router)
+    assert r.status_code == 200 and r.headers[ROUTE] == "pd+pull"
+    assert fakes.claims == [{"handle": D_PARAMS}]
+    pulled = fakes.bodies(P)[1][TRANSFER_PARAMS_FIELD]
+    assert pulled == dict(
+        D_PARAMS, do_remote_decode=True, do_remote_prefill=False, kvbranch_claim=CLAIM
+    )
+
+
+def test_a_hold_d_released_is_not_pulled():
+    fakes = PD()
+    router = make_router(fakes)
+    _turn(router)
+    fakes.claim_status = 410
+    r = _turn(router)
+    assert r.status_code == 200 and r.headers[ROUTE] == "pd"
+    assert fakes.bodies(P)[1][TRANSFER_PARAMS_FIELD] == {"do_remote_decode": True}
+    assert b"kvbranch_router_claims_refused_total 1.0" in call(router, "GET", "/metrics").content
+
+
+@pytest.mark.parametrize("want_usage", [False, True])
+def test_a_stream_files_ds_params_and_shows_only_what_the_client_asked_for(want_usage):
+    fakes = PD()
+    router = make_router(fakes)
+    extra: dict[str, Any] = {"stream": True}
+    if want_usage:
+        extra["stream_options"] = {"include_usage": True}
+    r = _turn(router, **extra)
+    assert r.status_code == 200 and r.headers[ROUTE] == "pd"
+    assert TRANSFER_PARAMS_FIELD.encode() not in r.content
+    events = [e for e in r.content.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and b'"hi"' in events[0]
+    usage = [json.loads(e[6:]) for e in events if b'"usage"' in e]
+    if want_usage:
+        (chunk,) = usage
+        assert chunk[RESPONSE_FIELD] == P_SPLIT and chunk["usage"]["completion_tokens"] == 2
+    else:
+        assert usage == []
+    assert fakes.bodies(D)[0]["stream_options"] == {"include_usage": True}
+    assert router.index.peek(KEY) is not None
+
+
+def test_p_down_means_d_computes_the_prompt_and_holds_it():
+    fakes = PD()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if base_of(request) == P:
+            raise httpx.ConnectError("refused", request=request)
+        return fakes(request)
+
+    router = make_router(handler)
+    r = _turn(router)
+    assert r.status_code == 200 and r.headers[ROUTE] == "decode-only"
+    assert fakes.bodies(D)[0][TRANSFER_PARAMS_FIELD] == {"do_remote_prefill": False}
+    assert router.index.peek(KEY) is not None
+
+
+def test_d_failing_mid_turn_means_p_serves_it():
+    fakes = PD()
+    fakes.answer[D] = lambda r: json_reply(500, {"error": {"message": "engine died"}})
+    r = _turn(make_router(fakes))
+    assert r.status_code == 200 and r.headers[ROUTE] == "prefill-only"
+    assert r.json()["choices"][0]["message"]["content"] == "from p"
+    assert TRANSFER_PARAMS_FIELD not in fakes.bodies(P)[1]
+
+
+def test_the_clients_own_error_on_p_comes_back_as_is():
+    fakes = PD()
+    fakes.answer[P] = lambda r: json_reply(400, {"error": {"message": "bad temperature"}})
+    r = _turn(make_router(fakes))
+    assert r.status_code == 400 and r.json()["error"]["message"] == "bad temperature"
+    assert not fakes.bodies(D)
+
+
+def test_transfer_params_from_a_client_are_refused():
+    fakes = PD()
+    r = _turn(make_router(fakes), kv_transfer_params={"do_remote_decode": True})
+    assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
+    assert not fakes.seen
+
+
+def test_no_instance_up_is_a_503_with_retry_after():
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    r = _turn(make_router(down))
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
