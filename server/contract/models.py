@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.contract.wire import (
     CLAIM_FIELD,
+    CLAIM_HANDLE_FIELD,
     DEFAULT_BRANCH,
     MAX_TTL_S,
     PROTOCOL_VERSION,
@@ -221,6 +222,9 @@ class HoldClaimRequest(BaseModel):
     """``POST HOLD_CLAIM_PATH``: the transfer params a decode instance issued."""
 
     handle: dict[str, Any]
+
+
+assert CLAIM_HANDLE_FIELD in HoldClaimRequest.model_fields, "HoldClaimRequest: CLAIM_HANDLE_FIELD"
 
 
 class HoldClaim(BaseModel):

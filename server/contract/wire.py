@@ -51,6 +51,13 @@ TRANSFER_PARAMS_FIELD = "kv_transfer_params"
 #: P/D: the field of a hold-claim answer (and of the transfer params the router passes to P)
 #: that carries D's sealed claim (:class:`HoldClaim`).
 CLAIM_FIELD = "kvbranch_claim"
+#: The body of ``POST HOLD_CLAIM_PATH``: ``{CLAIM_HANDLE_FIELD: <transfer params D issued>}``.
+CLAIM_HANDLE_FIELD = "handle"
+#: vLLM's NIXL transfer-param names the router reads and sets (upstream's, not ours).
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+REMOTE_BLOCK_IDS = "remote_block_ids"
+REMOTE_NUM_TOKENS = "remote_num_tokens"
 #: P/D router: which way a turn went (``pd``, ``pd+pull``, ``prefill-only``, ...).
 ROUTE_HEADER = "X-KVBranch-Route"
 #: vLLM's OpenAI routes the sdk, the router and the fake server speak.
