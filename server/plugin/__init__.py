@@ -11,10 +11,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server.cli import ENV_CONTROL_SOCKET, ENV_MODEL_NAME  # the launcher sets them
+from server.settings import ENV_CONTROL_SOCKET, ENV_MODEL_NAME  # the launcher sets them
 
 logger = logging.getLogger("kvbranch.plugin")
-
 
 
 class KVBranchPlugin:
@@ -23,10 +22,9 @@ class KVBranchPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         from server.plugin.guard import KVBranchGuard
+        from server.plugin.holds import router as holds_router
         from server.plugin.middleware import KVBranchMiddleware
         from server.plugin.routes import router
-
-        from server.plugin.holds import router as holds_router
 
         app.include_router(router)
         app.include_router(holds_router)
@@ -36,7 +34,7 @@ class KVBranchPlugin:
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         from server.connector.control import AsyncControlClient
         from server.plugin.metrics import register_collector
-        from server.plugin.routes import PluginState
+        from server.plugin.state import PluginState
 
         path = os.environ.get(ENV_CONTROL_SOCKET)
         control = AsyncControlClient(path) if path else None

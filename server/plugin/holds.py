@@ -1,36 +1,36 @@
 """``POST /v1/kvbranch/holds/claim`` (P/D decode instances): the router claims a held
 conversation right before the prefill instance pulls it, so that the decode instance does not
 release those blocks for new work while they are being read (see
-:mod:`server.connector.transfer_auth`). 410 when the hold is already gone: the turn recomputes."""
+:mod:`server.connector.transfer_auth`). 410 when the hold is already gone: the turn recomputes.
+
+Body :class:`~server.contract.HoldClaimRequest`, answer :class:`~server.contract.HoldClaimResult`.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter, Body, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from server.connector.control import ControlError
-from server.contract import HOLD_CLAIM_PATH
+from server.contract import CLAIM_HANDLE_FIELD, HOLD_CLAIM_PATH, HoldClaimResult
+from server.errors import error_response
 
 router = APIRouter(tags=["kvbranch"])
 
+_BAD_BODY = f'body must be {{"{CLAIM_HANDLE_FIELD}": <transfer params a decode instance issued>}}'
+
 
 @router.post(HOLD_CLAIM_PATH)
-async def claim_hold(request: Request, body: Any = Body(...)) -> Any:
+async def claim_hold(request: Request, body: Any = Body(...)) -> Response:  # noqa: B008
     kvb = request.app.state.kvbranch
-    if not isinstance(body, dict) or not isinstance(body.get("handle"), dict):
-        return _error(400, "body must be {\"handle\": <transfer params a decode instance issued>}")
+    if not isinstance(body, dict) or not isinstance(body.get(CLAIM_HANDLE_FIELD), dict):
+        return error_response(400, _BAD_BODY)
     if kvb.control is None:
-        return _error(503, "the kvbranch connector is not loaded on this server")
+        return error_response(503, "the kvbranch connector is not loaded on this server")
     try:
-        return await kvb.control.call("claim_hold", handle=body["handle"])
+        result = await kvb.control.call("claim_hold", handle=body[CLAIM_HANDLE_FIELD])
     except ControlError as exc:
-        return _error(exc.status, exc.message)
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    kind = {400: "BadRequestError", 410: "GoneError", 503: "ServiceUnavailableError"}.get(
-        status, "Error")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                        status_code=status)
+        return error_response(exc.status, exc.message)
+    return JSONResponse(HoldClaimResult.model_validate(result).model_dump(mode="json"))

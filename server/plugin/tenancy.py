@@ -6,7 +6,8 @@ Whose keys: exactly the ones vLLM's own ``AuthenticationMiddleware`` accepts —
 ``--api-key``, keys after ``--``, a vLLM config file, the environment, or ``vllm serve`` with
 the plugin). Without app arguments (unit tests), the launcher's ``KVBRANCH_API_KEYS``.
 
-A tenant's id (``owner``) is a digest of its key — the key itself is never stored or logged.
+A tenant's id (``owner``) is a digest of its key (:func:`server.tenants.tenant_id`, the digest
+the router scopes its index with too) — the key itself is never stored or logged.
 It scopes sessions (each tenant has its own id space) and salts the prefix cache, combined
 with any ``cache_salt`` the client sends (:func:`tenant_salt`). A header that does not carry a
 configured key has no owner: the guard refuses it on every generating route.
@@ -19,16 +20,13 @@ import hmac
 import os
 from typing import Any
 
-from server.cli import ENV_API_KEYS  # the launcher sets it from the keys it saw
+from server.settings import ENV_API_KEYS  # the launcher sets it from the keys it saw
+from server.tenants import DIGEST_CHARS, bearer_key, tenant_id
 
-_DIGEST_CHARS = 32
+__all__ = ["app_args_of", "keys_of", "owner_of", "tenancy_on", "tenant_id", "tenant_salt"]
+
 #: id(args) -> (args, {sha256(key): owner}); keeping args alive keeps its id unique.
 _CACHE: dict[int, tuple[Any, dict[bytes, str]]] = {}
-
-
-def tenant_id(key: str) -> str:
-    """``t_`` + 128 bits of a domain-separated sha256 of the key."""
-    return "t_" + hashlib.sha256(b"kvbranch-tenant\0" + key.encode()).hexdigest()[:_DIGEST_CHARS]
 
 
 def keys_of(args: Any) -> list[str]:
@@ -64,10 +62,8 @@ def owner_of(authorization: str | None, app_args: Any = None) -> str | None:
     """The tenant of a configured bearer key, parsed as vLLM parses it; ``None`` without keys,
     without a header, or for a key the server does not have."""
     table = _table(app_args)
-    if not table or not authorization:
-        return None
-    scheme, _, key = authorization.partition(" ")
-    if scheme.lower() != "bearer":
+    key = bearer_key(authorization)
+    if not table or key is None:
         return None
     digest = hashlib.sha256(key.encode("utf-8")).digest()
     owner = None
@@ -85,4 +81,4 @@ def tenant_salt(owner: str, client_salt: Any) -> str:
     if client_salt is None or client_salt == "":
         return owner
     text = client_salt if isinstance(client_salt, str) else repr(client_salt)
-    return f"{owner}.{hashlib.sha256(text.encode()).hexdigest()[:_DIGEST_CHARS]}"
+    return f"{owner}.{hashlib.sha256(text.encode()).hexdigest()[:DIGEST_CHARS]}"

@@ -17,11 +17,18 @@ import secrets
 import signal
 import sys
 
-from server.cli import LaunchError
+from server.settings import LaunchError
 
 #: Our flags that describe one instance and are not copied to the children of --disagg.
-_CLUSTER_FLAGS = {"--disagg": 0, "--port": 1, "--role": 1, "--cpu-cores": 1, "--nixl-port": 1,
-                  "--prefill": 1, "--decode": 1}
+_CLUSTER_FLAGS = {
+    "--disagg": 0,
+    "--port": 1,
+    "--role": 1,
+    "--cpu-cores": 1,
+    "--nixl-port": 1,
+    "--prefill": 1,
+    "--decode": 1,
+}
 
 
 def router_ttl(args: argparse.Namespace) -> float:
@@ -36,15 +43,28 @@ def run_router(args: argparse.Namespace) -> None:
 
     if not args.prefill or not args.decode:
         raise LaunchError("--role router needs at least one --prefill URL and one --decode URL")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(args.prefill, args.decode, hold_ttl_s=router_ttl(args),
-                    api_key=args.api_key[0] if args.api_key else None)
-    print(f"[kvbranch] router on http://{args.host}:{args.port} prefill={args.prefill} "
-          f"decode={args.decode}", file=sys.stderr, flush=True)
-    uvicorn.run(build_app(router), host=args.host, port=args.port,
-                log_level="warning" if args.log_level == "info" else args.log_level,
-                timeout_graceful_shutdown=args.shutdown_grace_s)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    router = Router(
+        args.prefill,
+        args.decode,
+        hold_ttl_s=router_ttl(args),
+        api_key=args.api_key[0] if args.api_key else None,
+    )
+    print(
+        f"[kvbranch] router on http://{args.host}:{args.port} prefill={args.prefill} "
+        f"decode={args.decode}",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        build_app(router),
+        host=args.host,
+        port=args.port,
+        log_level="warning" if args.log_level == "info" else args.log_level,
+        timeout_graceful_shutdown=args.shutdown_grace_s,
+    )
 
 
 def instance_argv(ours: list[str]) -> list[str]:
@@ -90,23 +110,29 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
     # P and D trust only transfer handles sealed with this secret (server.connector.transfer_auth).
     secret = os.environ.get(ENV_CLUSTER_SECRET) or secrets.token_hex(32)
     children = []
-    for role, core in (("prefill", cores[0] if cores else None),
-                       ("decode", cores[1] if cores else None)):
+    for role, core in (
+        ("prefill", cores[0] if cores else None),
+        ("decode", cores[1] if cores else None),
+    ):
         argv = [*base, "--role", role, "--nixl-port", str(free_port())]
         if core is not None:
             argv += ["--cpu-cores", core]
         if passthrough:
             argv += ["--", *passthrough]
-        children.append(ServerProcess(argv, name=role, ready_timeout=900,
-                                      env={ENV_CLUSTER_SECRET: secret}))
+        children.append(
+            ServerProcess(argv, name=role, ready_timeout=900, env={ENV_CLUSTER_SECRET: secret})
+        )
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default action the
     # process would die before the ``finally`` below stops the instances it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         for child in children:
             child.launch()
-            print(f"[kvbranch] {child.name} instance starting on {child.url} "
-                  f"(log: {child.log_path})", file=sys.stderr, flush=True)
+            print(
+                f"[kvbranch] {child.name} instance starting on {child.url} (log: {child.log_path})",
+                file=sys.stderr,
+                flush=True,
+            )
         for child in children:
             child.wait_ready()
         args.prefill = [children[0].url]
