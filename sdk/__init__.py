@@ -13,17 +13,6 @@ Wire models (``SessionInfo``, ``BranchInfo``, ``PromptSourceSplit``, ...) come f
 :mod:`server.contract`, the single source of truth, and are re-exported here.
 """
 
-from server.contract import (
-    DEFAULT_BRANCH,
-    BranchInfo,
-    DeleteResult,
-    HealthInfo,
-    PrefetchResult,
-    PromptSourceSplit,
-    SessionInfo,
-    Stats,
-)
-
 from sdk.aclient import AsyncChatStream, AsyncKVBranchClient
 from sdk.client import ChatStream, KVBranchClient
 from sdk.errors import (
@@ -44,22 +33,59 @@ from sdk.errors import (
 from sdk.retry import NO_RETRY, RetryPolicy
 from sdk.session import AsyncBranch, AsyncSession, Branch, Session
 from sdk.types import ChatChunk, ChatResult, ToolCall, ToolCallDelta, Usage
+from server.contract import (
+    DEFAULT_BRANCH,
+    BranchInfo,
+    DeleteResult,
+    HealthInfo,
+    PrefetchResult,
+    PromptSourceSplit,
+    SessionInfo,
+    Stats,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     # clients
-    "KVBranchClient", "AsyncKVBranchClient", "ChatStream", "AsyncChatStream",
+    "KVBranchClient",
+    "AsyncKVBranchClient",
+    "ChatStream",
+    "AsyncChatStream",
     # sessions
-    "Session", "Branch", "AsyncSession", "AsyncBranch", "DEFAULT_BRANCH",
+    "Session",
+    "Branch",
+    "AsyncSession",
+    "AsyncBranch",
+    "DEFAULT_BRANCH",
     # results
-    "ChatResult", "ChatChunk", "ToolCall", "ToolCallDelta", "Usage", "PromptSourceSplit",
-    "SessionInfo", "BranchInfo", "DeleteResult", "PrefetchResult", "HealthInfo", "Stats",
+    "ChatResult",
+    "ChatChunk",
+    "ToolCall",
+    "ToolCallDelta",
+    "Usage",
+    "PromptSourceSplit",
+    "SessionInfo",
+    "BranchInfo",
+    "DeleteResult",
+    "PrefetchResult",
+    "HealthInfo",
+    "Stats",
     # retries
-    "RetryPolicy", "NO_RETRY",
+    "RetryPolicy",
+    "NO_RETRY",
     # errors
-    "KVBranchError", "APIConnectionError", "APITimeoutError", "StreamInterruptedError",
-    "APIResponseError", "APIStatusError", "BadRequestError", "AuthenticationError",
-    "NotFoundError", "KVBranchUnavailableError", "ConflictError", "RateLimitError",
+    "KVBranchError",
+    "APIConnectionError",
+    "APITimeoutError",
+    "StreamInterruptedError",
+    "APIResponseError",
+    "APIStatusError",
+    "BadRequestError",
+    "AuthenticationError",
+    "NotFoundError",
+    "KVBranchUnavailableError",
+    "ConflictError",
+    "RateLimitError",
     "ServerError",
 ]

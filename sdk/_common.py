@@ -13,9 +13,21 @@ from typing_extensions import TypedDict
 
 from server.contract import BRANCH_XARG, check_id
 
-__all__ = ["ENV_BASE_URL", "ENV_API_KEY", "DEFAULT_BASE_URL", "CHAT_PATH", "MODELS_PATH",
-           "resolve_base_url", "resolve_api_key", "make_timeout", "chat_payload",
-           "check_messages", "user_agent", "ChatParams"]
+__all__ = [
+    "ENV_BASE_URL",
+    "ENV_API_KEY",
+    "DEFAULT_BASE_URL",
+    "CHAT_PATH",
+    "MODELS_PATH",
+    "resolve_base_url",
+    "resolve_api_key",
+    "make_timeout",
+    "chat_payload",
+    "check_messages",
+    "user_agent",
+    "ChatParams",
+    "ChatArgs",
+]
 
 ENV_BASE_URL = "KVBRANCH_BASE_URL"
 ENV_API_KEY = "KVBRANCH_API_KEY"
@@ -35,23 +47,29 @@ def resolve_base_url(base_url: str | None) -> str:
     """Argument, else ``KVBRANCH_BASE_URL``, else ``OPENAI_BASE_URL``, else
     ``http://127.0.0.1:8000``. A trailing ``/v1`` (as in OpenAI base URLs) is accepted and
     dropped: the sdk's paths start with ``/v1``."""
-    url = base_url or os.environ.get(ENV_BASE_URL) or os.environ.get("OPENAI_BASE_URL") \
+    url = (
+        base_url
+        or os.environ.get(ENV_BASE_URL)
+        or os.environ.get("OPENAI_BASE_URL")
         or DEFAULT_BASE_URL
+    )
     url = url.strip().rstrip("/")
     if url.endswith("/v1"):
         url = url[:-3]
     parsed = httpx.URL(url)
     if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"base_url must be an http(s) URL like {DEFAULT_BASE_URL}, "
-                         f"got {url!r}")
+        raise ValueError(f"base_url must be an http(s) URL like {DEFAULT_BASE_URL}, got {url!r}")
     return url
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
     """Argument, else ``KVBRANCH_API_KEY``, else ``OPENAI_API_KEY``; ``None`` means no
     ``Authorization`` header."""
-    key = api_key if api_key is not None else (os.environ.get(ENV_API_KEY)
-                                               or os.environ.get("OPENAI_API_KEY"))
+    key = (
+        api_key
+        if api_key is not None
+        else (os.environ.get(ENV_API_KEY) or os.environ.get("OPENAI_API_KEY"))
+    )
     return key or None
 
 
@@ -70,41 +88,80 @@ def make_timeout(timeout: float | httpx.Timeout | None) -> httpx.Timeout:
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     """A deep copy of ``messages`` after checking it is a list of ``{"role": ...}`` dicts."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError("messages must be a list of chat messages like "
-                        f"{{'role': 'user', 'content': '...'}}, got {type(messages).__name__}")
+        raise TypeError(
+            "messages must be a list of chat messages like "
+            f"{{'role': 'user', 'content': '...'}}, got {type(messages).__name__}"
+        )
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise TypeError(f"messages[{i}] must be a dict with a 'role', got "
-                            f"{type(message).__name__}")
+            raise TypeError(
+                f"messages[{i}] must be a dict with a 'role', got {type(message).__name__}"
+            )
         role = message.get("role")
         if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}] has no 'role' (one of system, user, assistant, "
-                             f"tool): {dict(message)!r:.200}")
+            raise ValueError(
+                f"messages[{i}] has no 'role' (one of system, user, assistant, "
+                f"tool): {dict(message)!r:.200}"
+            )
         out.append(copy.deepcopy(dict(message)))
     return out
 
 
-def chat_payload(messages: Sequence[Mapping[str, Any]], *, model: str, stream: bool,
-                 session_id: str | None = None, branch_id: str | None = None,
-                 temperature: float | None = None, max_tokens: int | None = None,
-                 stop: str | Sequence[str] | None = None,
-                 tools: Sequence[Mapping[str, Any]] | None = None,
-                 tool_choice: Any = None, top_p: float | None = None,
-                 seed: int | None = None, extra_body: Mapping[str, Any] | None = None
-                 ) -> dict[str, Any]:
+class ChatParams(TypedDict, total=False):
+    """Keyword arguments of a chat turn (see :meth:`sdk.KVBranchClient.chat`): ``model``
+    (default: the client's, else the server's first), the OpenAI sampling parameters,
+    ``extra_body`` (merged into the request body: any server-specific parameter) and
+    ``extra_headers``. ``None`` means "not set"."""
+
+    model: str | None
+    temperature: float | None
+    max_tokens: int | None
+    stop: str | Sequence[str] | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: Any
+    top_p: float | None
+    seed: int | None
+    extra_body: Mapping[str, Any] | None
+    extra_headers: Mapping[str, str] | None
+
+
+class ChatArgs(ChatParams, total=False):
+    """:class:`ChatParams` plus the kvbranch ``session_id`` and ``branch_id`` the request
+    continues (a :class:`~sdk.Branch` fills them in itself)."""
+
+    session_id: str | None
+    branch_id: str | None
+
+
+def chat_payload(
+    messages: Sequence[Mapping[str, Any]], params: ChatArgs, *, model: str, stream: bool
+) -> dict[str, Any]:
     """The OpenAI-compatible request body. ``session_id`` and ``branch_id`` (kvbranch) go in
-    the body field ``session_id`` and in ``vllm_xargs``; ``extra_body`` is merged last."""
+    the body field ``session_id`` and in ``vllm_xargs``; ``extra_body`` is merged last;
+    ``params["model"]`` and ``params["extra_headers"]`` are the caller's to apply."""
+    unknown = sorted(set(params) - ChatArgs.__optional_keys__)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) of a chat call: {', '.join(unknown)}")
+    session_id = params.get("session_id")
+    branch_id = params.get("branch_id")
+    temperature = params.get("temperature")
+    max_tokens = params.get("max_tokens")
+    stop = params.get("stop")
+    tools = params.get("tools")
+    tool_choice = params.get("tool_choice")
+    top_p = params.get("top_p")
+    seed = params.get("seed")
     msgs = check_messages(messages)
     if not msgs:
         raise ValueError("messages must not be empty")
     if not isinstance(model, str) or not model:
         raise ValueError("model must be a non-empty string")
-    if temperature is not None and (not isinstance(temperature, (int, float))
-                                    or temperature < 0):
+    if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0):
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                   or max_tokens < 1):
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
@@ -120,15 +177,16 @@ def chat_payload(messages: Sequence[Mapping[str, Any]], *, model: str, stream: b
             stop = [stop]
         stop = list(stop)
         if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got "
-                             f"{stop!r}")
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
         payload["stop"] = stop
     if tools is not None:
         tools = [dict(t) for t in tools]
         for i, tool in enumerate(tools):
             if tool.get("type") != "function" or not isinstance(tool.get("function"), Mapping):
-                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': "
-                                 f"{{'name': ..., 'parameters': ...}}}}, got {tool!r:.200}")
+                raise ValueError(
+                    f"tools[{i}] must be {{'type': 'function', 'function': "
+                    f"{{'name': ..., 'parameters': ...}}}}, got {tool!r:.200}"
+                )
         payload["tools"] = tools
     if tool_choice is not None:
         payload["tool_choice"] = tool_choice
@@ -136,7 +194,7 @@ def chat_payload(messages: Sequence[Mapping[str, Any]], *, model: str, stream: b
         payload["top_p"] = top_p
     if seed is not None:
         payload["seed"] = seed
-    extra = dict(extra_body or {})
+    extra = dict(params.get("extra_body") or {})
     xargs = dict(extra.pop("vllm_xargs", None) or {})
     if "session_id" in extra:
         if session_id is not None and extra["session_id"] != session_id:
@@ -144,8 +202,7 @@ def chat_payload(messages: Sequence[Mapping[str, Any]], *, model: str, stream: b
         session_id = extra.pop("session_id")
     if BRANCH_XARG in xargs:
         if branch_id is not None and xargs[BRANCH_XARG] != branch_id:
-            raise ValueError(f"extra_body['vllm_xargs'][{BRANCH_XARG!r}] conflicts with "
-                             "branch_id")
+            raise ValueError(f"extra_body['vllm_xargs'][{BRANCH_XARG!r}] conflicts with branch_id")
         branch_id = xargs.pop(BRANCH_XARG)
     if session_id is not None:
         payload["session_id"] = check_id(session_id, "session_id")
@@ -161,18 +218,3 @@ def chat_payload(messages: Sequence[Mapping[str, Any]], *, model: str, stream: b
         raise ValueError("n > 1 is not supported: the sdk returns one answer per request")
     payload.update(extra)
     return payload
-
-
-class ChatParams(TypedDict, total=False):
-    """Keyword arguments of a chat turn (see :meth:`sdk.KVBranchClient.chat`)."""
-
-    model: str
-    temperature: float
-    max_tokens: int
-    stop: str | Sequence[str]
-    tools: Sequence[Mapping[str, Any]]
-    tool_choice: Any
-    top_p: float
-    seed: int
-    extra_body: Mapping[str, Any]
-    extra_headers: Mapping[str, str]

@@ -1,149 +1,41 @@
 """The synchronous kvbranch client (httpx).
 
 :class:`KVBranchClient` speaks the OpenAI chat API to any compatible server, and the kvbranch
-routes (sessions, branches, pins, prefetch, stats; see :mod:`server.contract`) to a kvbranch
+routes (sessions, branches, pins and prefetch, stats; see :mod:`server.contract`) to a kvbranch
 server. :meth:`KVBranchClient.session` returns a :class:`sdk.session.Session`, the object most
 users want: it keeps every branch's history and re-sends it, so a server that lost its state
 only costs time.
+
+This module is only the sync *driver*: what each call sends and how its answer is read are
+flows of :mod:`sdk._core`, and a stream's rules are :class:`sdk._stream.StreamState`, both
+shared with :mod:`sdk.aclient`. Here: sending a request (with retries) and reading bytes.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import httpx
+from typing_extensions import Unpack
 
-from server.contract import (
-    HEALTH_PATH,
-    SESSIONS_PATH,
-    STATS_PATH,
-    BranchInfo,
-    CreateSessionRequest,
-    DeleteResult,
-    ForkRequest,
-    HealthInfo,
-    PinRequest,
-    PrefetchResult,
-    SessionInfo,
-    Stats,
-    branch_path,
-    branches_path,
-    check_id,
-    pin_path,
-    prefetch_path,
-    session_path,
-)
-
-from sdk._common import (
-    CHAT_PATH,
-    MODELS_PATH,
-    chat_payload,
-    make_timeout,
-    resolve_api_key,
-    resolve_base_url,
-    user_agent,
-)
-from sdk.errors import (
-    APIConnectionError,
-    APIResponseError,
-    NotFoundError,
-    StreamInterruptedError,
-    error_from_response,
-    error_from_transport,
-)
-from sdk.retry import RetryPolicy
-from sdk.sse import SSEDecoder, ServerSentEvent
-from sdk.types import ChatAccumulator, ChatChunk, ChatResult
+from sdk._common import ChatArgs
+from sdk._core import Callback, ClientCore, Closing, Done, Flow, Outcome, Request, advance
+from sdk._stream import StreamState, event_to_chunk
+from sdk.errors import APIConnectionError, KVBranchError, error_from_response, error_from_transport
+from sdk.types import ChatChunk, ChatResult
+from server import contract
 
 if TYPE_CHECKING:
     from sdk.session import Session
 
-__all__ = ["KVBranchClient", "ChatStream"]
+__all__ = ["KVBranchClient", "ChatStream", "event_to_chunk"]
 
-logger = logging.getLogger("kvbranch.sdk")
-
-UNAVAILABLE_WARNING = ("kvbranch: {url} has no kvbranch routes (a plain OpenAI-compatible "
-                       "server); sessions, branches, pins and prefetch run client-side only "
-                       "(full history re-sent each turn, no server cache management)")
+T = TypeVar("T")
 
 
-def _dump(model: Any) -> dict[str, Any]:
-    return model.model_dump(exclude_none=True)
-
-
-def _parse(model: Any, data: Any) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValueError as exc:
-        raise APIResponseError(f"unexpected {model.__name__} from the server: {exc}") from exc
-
-
-def max_model_len_of(data: Any, model: str | None) -> int | None:
-    """``max_model_len`` of ``model`` (else of the first model) in a ``/v1/models`` response;
-    ``None`` when the model is not listed or the server does not report it (vLLM does)."""
-    try:
-        entries = [m for m in data["data"] if isinstance(m, dict)]
-    except (TypeError, KeyError) as exc:
-        raise APIResponseError(f"unexpected /v1/models response: {data!r:.200}") from exc
-    entry = next((m for m in entries if model is None or m.get("id") == model), None)
-    value = entry.get("max_model_len") if entry is not None else None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return None
-    return value
-
-
-def event_to_chunk(event: ServerSentEvent) -> ChatChunk | None:
-    """A chat chunk, or ``None`` for ``[DONE]``. An ``{"error": ...}`` event raises the
-    server's error; unreadable JSON raises :class:`APIResponseError`."""
-    data = event.data.strip()
-    if data == "[DONE]":
-        return None
-    try:
-        obj = json.loads(data)
-    except ValueError as exc:
-        raise APIResponseError(f"malformed stream event (not JSON): {data[:200]!r}") from exc
-    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-        err = obj["error"]
-        status = err.get("code") if isinstance(err.get("code"), int) else 500
-        response = httpx.Response(status, json=obj, request=httpx.Request("POST", CHAT_PATH))
-        raise error_from_response(response)
-    return ChatChunk.from_openai(obj)
-
-
-class _ClientBase:
-    """Configuration shared by the sync and async clients."""
-
-    def __init__(self, base_url: str | None, api_key: str | None, model: str | None,
-                 timeout: float | httpx.Timeout | None, retry: RetryPolicy | None,
-                 default_headers: Mapping[str, str] | None, kvbranch: bool | None) -> None:
-        self.base_url = resolve_base_url(base_url)
-        self.api_key = resolve_api_key(api_key)
-        self.model = model
-        self.timeout = make_timeout(timeout)
-        self.retry = retry or RetryPolicy()
-        self._headers = {"User-Agent": user_agent(), "Accept": "application/json"}
-        if self.api_key:
-            self._headers["Authorization"] = f"Bearer {self.api_key}"
-        self._headers.update(default_headers or {})
-        self._kvbranch = kvbranch
-        self._health: HealthInfo | None = None
-        self._warned = False
-
-    def _mark_unavailable(self) -> None:
-        self._kvbranch = False
-        if not self._warned:
-            self._warned = True
-            message = UNAVAILABLE_WARNING.format(url=self.base_url)
-            logger.info(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-class KVBranchClient(_ClientBase):
+class KVBranchClient(ClientCore, Closing):
     """Synchronous client of a kvbranch (or any OpenAI-compatible) server.
 
     Args:
@@ -159,234 +51,210 @@ class KVBranchClient(_ClientBase):
         transport: an httpx transport (tests: ``httpx.MockTransport``).
     """
 
-    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
-                 model: str | None = None, timeout: float | httpx.Timeout | None = 600.0,
-                 retry: RetryPolicy | None = None,
-                 default_headers: Mapping[str, str] | None = None,
-                 kvbranch: bool | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        super().__init__(base_url, api_key, model, timeout, retry, default_headers, kvbranch)
-        self._http = httpx.Client(base_url=self.base_url, headers=self._headers,
-                                  timeout=self.timeout, transport=transport)
+    _http: httpx.Client
+
+    def _connect(self, transport: httpx.BaseTransport | None) -> None:
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=self._headers, timeout=self.timeout, transport=transport
+        )
+
+    # --- the driver -----------------------------------------------------------------------
+    def _run(self, flow: Flow[T]) -> T:
+        """Run a flow of :mod:`sdk._core` to its result, sending each request it yields."""
+        step = advance(flow, Outcome())
+        while not isinstance(step, Done):
+            try:
+                outcome = Outcome(self._send(step))
+            except KVBranchError as exc:
+                outcome = Outcome(error=exc)
+            step = advance(flow, outcome)
+        return cast(T, step.value)
+
+    def _send(self, request: Request) -> Any:
+        def attempt() -> Any:
+            try:
+                response = self._http.request(
+                    request.method, request.path, json=request.body, headers=request.headers
+                )
+            except httpx.HTTPError as exc:
+                raise error_from_transport(exc, url=self._url(request.path)) from exc
+            return self._read(request, response)
+
+        return self.retry.call(attempt)
+
+    def _open_stream(self, request: Request) -> tuple[httpx.Response, Iterator[bytes], bytes]:
+        """Send a streaming request and read its first bytes, with retries: until the first
+        byte, nothing was generated for us, so trying again duplicates nothing."""
+        url = self._url(request.path)
+
+        def attempt() -> tuple[httpx.Response, Iterator[bytes], bytes]:
+            http_request = self._http.build_request(
+                request.method, request.path, json=request.body, headers=request.headers
+            )
+            try:
+                response = self._http.send(http_request, stream=True)
+                try:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise error_from_response(response)
+                    chunks = response.iter_bytes()
+                    first = next(chunks, b"")
+                    if not first:
+                        raise APIConnectionError(f"{url}: the stream closed before its first byte")
+                except BaseException:
+                    response.close()
+                    raise
+            except httpx.HTTPError as exc:
+                raise error_from_transport(exc, url=url) from exc
+            return response, chunks, first
+
+        return self.retry.call(attempt)
 
     # --- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> KVBranchClient:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # --- plumbing -------------------------------------------------------------------------
-    def _send(self, method: str, path: str, body: Any = None,
-              headers: Mapping[str, str] | None = None) -> Any:
-        def attempt() -> Any:
-            try:
-                response = self._http.request(method, path, json=body, headers=headers)
-            except httpx.HTTPError as exc:
-                raise error_from_transport(exc, url=f"{self.base_url}{path}") from exc
-            if response.status_code >= 400:
-                raise error_from_response(response)
-            if not response.content:
-                return None
-            try:
-                return response.json()
-            except ValueError as exc:
-                raise APIResponseError(f"{method} {path}: response is not JSON: "
-                                       f"{response.text[:200]!r}") from exc
-
-        return self.retry.call(attempt)
-
-    def _open_stream(self, body: dict[str, Any], headers: Mapping[str, str] | None
-                     ) -> tuple[httpx.Response, Iterator[bytes], bytes]:
-        """Send a streaming request and read its first bytes, with retries: until the first
-        byte, nothing was generated for us, so trying again duplicates nothing."""
-        url = f"{self.base_url}{CHAT_PATH}"
-
-        def attempt() -> tuple[httpx.Response, Iterator[bytes], bytes]:
-            request = self._http.build_request("POST", CHAT_PATH, json=body, headers=headers)
-            try:
-                response = self._http.send(request, stream=True)
-            except httpx.HTTPError as exc:
-                raise error_from_transport(exc, url=url) from exc
-            try:
-                if response.status_code >= 400:
-                    response.read()
-                    raise error_from_response(response)
-                chunks = response.iter_bytes()
-                first = next(chunks, b"")
-                if not first:
-                    raise APIConnectionError(f"{url}: the stream closed before its first byte")
-            except httpx.HTTPError as exc:
-                response.close()
-                raise error_from_transport(exc, url=url) from exc
-            except BaseException:
-                response.close()
-                raise
-            return response, chunks, first
-
-        return self.retry.call(attempt)
-
     # --- discovery ------------------------------------------------------------------------
-    def health(self) -> HealthInfo:
+    def health(self) -> contract.HealthInfo:
         """``GET /v1/kvbranch/health``; :class:`KVBranchUnavailableError` on a server
         without kvbranch."""
-        self._health = _parse(HealthInfo, self._send("GET", HEALTH_PATH))
-        return self._health
+        return self._run(self._flows.health())
 
     def kvbranch_available(self) -> bool:
         """Whether the server has the kvbranch routes (probed once, then remembered). The
         first ``False`` logs one warning; session features then run client-side only."""
-        if self._kvbranch is None:
-            try:
-                self.health()
-                self._kvbranch = True
-            except NotFoundError:
-                self._mark_unavailable()
-        return bool(self._kvbranch)
+        return self._run(self._flows.kvbranch_available())
 
     def models(self) -> list[str]:
         """Ids of the server's models (``GET /v1/models``)."""
-        data = self._send("GET", MODELS_PATH)
-        try:
-            return [m["id"] for m in data["data"]]
-        except (TypeError, KeyError) as exc:
-            raise APIResponseError(f"unexpected /v1/models response: {data!r:.200}") from exc
+        return self._run(self._flows.models())
 
     def max_model_len(self, model: str | None = None) -> int | None:
         """The context length (prompt + answer tokens) of ``model`` (default: the client's
         model, else the server's first) from ``GET /v1/models``; ``None`` when the server
         does not report one."""
-        return max_model_len_of(self._send("GET", MODELS_PATH), model or self.model)
+        return self._run(self._flows.max_model_len(model))
 
     def resolve_model(self, model: str | None = None) -> str:
         """``model``, else the client's default, else the server's first model."""
-        if model:
-            return model
-        if not self.model:
-            ids = self.models()
-            if not ids:
-                raise APIResponseError("the server lists no models; pass model=")
-            self.model = ids[0]
-        return self.model
+        return self._run(self._flows.resolve_model(model))
 
     # --- chat -----------------------------------------------------------------------------
-    def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = None,
-             session_id: str | None = None, branch_id: str | None = None,
-             temperature: float | None = None, max_tokens: int | None = None,
-             stop: str | Sequence[str] | None = None,
-             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
-             top_p: float | None = None, seed: int | None = None,
-             extra_body: Mapping[str, Any] | None = None,
-             extra_headers: Mapping[str, str] | None = None) -> ChatResult:
+    def chat(self, messages: Sequence[Mapping[str, Any]], **args: Unpack[ChatArgs]) -> ChatResult:
         """One chat completion (not streamed). ``session_id``/``branch_id`` name the
         kvbranch session and branch the request continues; ``extra_body`` is merged into the
-        request body (any server-specific parameter)."""
-        body = chat_payload(messages, model=self.resolve_model(model), stream=False,
-                            session_id=session_id, branch_id=branch_id,
-                            temperature=temperature, max_tokens=max_tokens, stop=stop,
-                            tools=tools, tool_choice=tool_choice, top_p=top_p, seed=seed,
-                            extra_body=extra_body)
-        start = time.perf_counter()
-        data = self._send("POST", CHAT_PATH, body, extra_headers)
-        return ChatResult.from_openai(data, latency_s=time.perf_counter() - start)
+        request body (any server-specific parameter); the other keywords (``model``,
+        ``temperature``, ``max_tokens``, ``stop``, ``tools``, ``tool_choice``, ``top_p``,
+        ``seed``, ``extra_headers``) are :class:`~sdk._common.ChatArgs`."""
+        return self._run(self._flows.chat(messages, **args))
 
-    def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = None,
-                    session_id: str | None = None, branch_id: str | None = None,
-                    temperature: float | None = None, max_tokens: int | None = None,
-                    stop: str | Sequence[str] | None = None,
-                    tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
-                    top_p: float | None = None, seed: int | None = None,
-                    extra_body: Mapping[str, Any] | None = None,
-                    extra_headers: Mapping[str, str] | None = None,
-                    on_complete: Callable[[ChatResult], None] | None = None) -> ChatStream:
+    def chat_stream(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        on_complete: Callback | None = None,
+        **args: Unpack[ChatArgs],
+    ) -> ChatStream:
         """A streamed chat completion: iterate the returned :class:`ChatStream` for
-        :class:`ChatChunk`\\ s; its ``result`` is the whole answer once it finished. The
-        request is sent (and retried, up to its first byte) before this returns."""
-        body = chat_payload(messages, model=self.resolve_model(model), stream=True,
-                            session_id=session_id, branch_id=branch_id,
-                            temperature=temperature, max_tokens=max_tokens, stop=stop,
-                            tools=tools, tool_choice=tool_choice, top_p=top_p, seed=seed,
-                            extra_body=extra_body)
+        :class:`ChatChunk`\\ s; its ``result`` is the whole answer once it finished (and is
+        passed to ``on_complete``). The request is sent (and retried, up to its first byte)
+        before this returns. Same keywords as :meth:`chat`."""
+        request = self._run(self._flows.chat_request(messages, stream=True, **args))
         start = time.perf_counter()
-        response, chunks, first = self._open_stream(body, extra_headers)
-        return ChatStream(response, chunks, first, start=start, on_complete=on_complete)
+        return ChatStream(*self._open_stream(request), start=start, on_complete=on_complete)
 
     # --- sessions and branches ------------------------------------------------------------
-    def session(self, session_id: str | None = None, *, system: str | None = None,
-                messages: Sequence[Mapping[str, Any]] | None = None, auto_pin: bool = True,
-                pin_ttl_s: float | None = None) -> Session:
+    def session(
+        self,
+        session_id: str | None = None,
+        *,
+        system: str | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        auto_pin: bool = True,
+        pin_ttl_s: float | None = None,
+    ) -> Session:
         """A :class:`~sdk.session.Session` whose ``main`` branch starts with ``messages``
         (after a ``system`` message, if given). Created on the server when it has kvbranch;
         an existing server session of that id is attached to."""
         from sdk.session import Session
 
-        return Session._open(self, session_id, system=system, messages=messages,
-                             auto_pin=auto_pin, pin_ttl_s=pin_ttl_s)
+        return self._run(
+            Session._opening(
+                self,
+                session_id,
+                system=system,
+                messages=messages,
+                auto_pin=auto_pin,
+                pin_ttl_s=pin_ttl_s,
+            )
+        )
 
-    def create_session(self, session_id: str | None = None, *, auto_pin: bool = True,
-                       pin_ttl_s: float | None = None) -> SessionInfo:
-        body = CreateSessionRequest(session_id=session_id, auto_pin=auto_pin,
-                                    pin_ttl_s=pin_ttl_s)
-        return _parse(SessionInfo, self._send("POST", SESSIONS_PATH, _dump(body)))
+    def create_session(
+        self,
+        session_id: str | None = None,
+        *,
+        auto_pin: bool = True,
+        pin_ttl_s: float | None = None,
+    ) -> contract.SessionInfo:
+        """Create a server session (``session_id`` chosen by the server when omitted)."""
+        return self._run(
+            self._flows.create_session(session_id, auto_pin=auto_pin, pin_ttl_s=pin_ttl_s)
+        )
 
-    def get_session(self, session_id: str) -> SessionInfo:
-        path = session_path(check_id(session_id, "session_id"))
-        return _parse(SessionInfo, self._send("GET", path))
+    def get_session(self, session_id: str) -> contract.SessionInfo:
+        return self._run(self._flows.get_session(session_id))
 
-    def delete_session(self, session_id: str) -> DeleteResult:
-        path = session_path(check_id(session_id, "session_id"))
-        return _parse(DeleteResult, self._send("DELETE", path))
+    def delete_session(self, session_id: str) -> contract.DeleteResult:
+        return self._run(self._flows.delete_session(session_id))
 
-    def list_branches(self, session_id: str) -> list[BranchInfo]:
-        data = self._send("GET", branches_path(check_id(session_id, "session_id")))
-        if not isinstance(data, list):
-            raise APIResponseError(f"expected a list of branches, got {data!r:.200}")
-        return [_parse(BranchInfo, b) for b in data]
+    def list_branches(self, session_id: str) -> list[contract.BranchInfo]:
+        return self._run(self._flows.list_branches(session_id))
 
-    def get_branch(self, session_id: str, branch_id: str) -> BranchInfo:
-        path = branch_path(check_id(session_id, "session_id"), check_id(branch_id, "branch_id"))
-        return _parse(BranchInfo, self._send("GET", path))
+    def get_branch(self, session_id: str, branch_id: str) -> contract.BranchInfo:
+        return self._run(self._flows.get_branch(session_id, branch_id))
 
-    def fork_branch(self, session_id: str, *, parent: str = "main",
-                    branch_id: str | None = None, token_offset: int | None = None,
-                    messages: Sequence[Mapping[str, Any]] | None = None) -> BranchInfo:
+    def fork_branch(
+        self,
+        session_id: str,
+        *,
+        parent: str = contract.DEFAULT_BRANCH,
+        branch_id: str | None = None,
+        token_offset: int | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+    ) -> contract.BranchInfo:
         """Server-side fork of ``parent``: after ``token_offset`` tokens, or where
         ``messages`` (rendered with the chat template) end, or at its end."""
-        body = ForkRequest(parent=parent, branch_id=branch_id, token_offset=token_offset,
-                           messages=None if messages is None else [dict(m) for m in messages])
-        path = branches_path(check_id(session_id, "session_id"))
-        return _parse(BranchInfo, self._send("POST", path, _dump(body)))
+        return self._run(
+            self._flows.fork_branch(
+                session_id,
+                parent=parent,
+                branch_id=branch_id,
+                token_offset=token_offset,
+                messages=messages,
+            )
+        )
 
-    def delete_branch(self, session_id: str, branch_id: str) -> DeleteResult:
-        path = branch_path(check_id(session_id, "session_id"), check_id(branch_id, "branch_id"))
-        return _parse(DeleteResult, self._send("DELETE", path))
+    def delete_branch(self, session_id: str, branch_id: str) -> contract.DeleteResult:
+        return self._run(self._flows.delete_branch(session_id, branch_id))
 
-    def pin_branch(self, session_id: str, branch_id: str, ttl_s: float) -> BranchInfo:
+    def pin_branch(self, session_id: str, branch_id: str, ttl_s: float) -> contract.BranchInfo:
         """Keep the branch's blocks in the host store for ``ttl_s`` seconds (renewed by each
         use). :class:`~sdk.errors.ConflictError` when it exceeds the pin budget."""
-        body = PinRequest(ttl_s=ttl_s)
-        path = pin_path(check_id(session_id, "session_id"), check_id(branch_id, "branch_id"))
-        return _parse(BranchInfo, self._send("POST", path, _dump(body)))
+        return self._run(self._flows.pin_branch(session_id, branch_id, ttl_s))
 
-    def unpin_branch(self, session_id: str, branch_id: str) -> BranchInfo:
-        path = pin_path(check_id(session_id, "session_id"), check_id(branch_id, "branch_id"))
-        return _parse(BranchInfo, self._send("DELETE", path))
+    def unpin_branch(self, session_id: str, branch_id: str) -> contract.BranchInfo:
+        return self._run(self._flows.unpin_branch(session_id, branch_id))
 
-    def prefetch_branch(self, session_id: str, branch_id: str) -> PrefetchResult:
+    def prefetch_branch(self, session_id: str, branch_id: str) -> contract.PrefetchResult:
         """Ask the server to warm the device cache with the branch's last sequence (in the
         background; returns at once)."""
-        path = prefetch_path(check_id(session_id, "session_id"),
-                             check_id(branch_id, "branch_id"))
-        return _parse(PrefetchResult, self._send("POST", path))
+        return self._run(self._flows.prefetch_branch(session_id, branch_id))
 
-    def stats(self) -> Stats:
-        return _parse(Stats, self._send("GET", STATS_PATH))
+    def stats(self) -> contract.Stats:
+        return self._run(self._flows.stats())
 
 
-class ChatStream:
+class ChatStream(StreamState, Closing):
     """An open streamed answer. Iterate it for :class:`ChatChunk`\\ s (content deltas,
     tool-call deltas, finish reason, and last the usage chunk with the kvbranch split).
 
@@ -396,30 +264,19 @@ class ChatStream:
     manager, or call :meth:`close`, when not reading it to the end.
     """
 
-    def __init__(self, response: httpx.Response, chunks: Iterator[bytes], first: bytes, *,
-                 start: float, on_complete: Callable[[ChatResult], None] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        response: httpx.Response,
+        chunks: Iterator[bytes],
+        first: bytes,
+        *,
+        start: float,
+        on_complete: Callback | None = None,
+    ) -> None:
+        super().__init__(start=start, on_complete=on_complete)
         self._response = response
         self._chunks = chunks
         self._first = first
-        self._start = start
-        self._on_complete = on_complete
-        self._acc = ChatAccumulator()
-        self._result: ChatResult | None = None
-        self._iterated = False
-        self.ttft_s: float | None = None
-
-    @property
-    def result(self) -> ChatResult:
-        if self._result is None:
-            raise RuntimeError("the stream has not finished: iterate it (or call "
-                               "final()) first")
-        return self._result
-
-    @property
-    def text(self) -> str:
-        """The content received so far."""
-        return "".join(self._acc.text)
 
     def final(self) -> ChatResult:
         """Read the rest of the stream; the whole answer."""
@@ -428,33 +285,15 @@ class ChatStream:
         return self.result
 
     def __iter__(self) -> Iterator[ChatChunk]:
-        if self._iterated:
-            raise RuntimeError("a ChatStream can be iterated only once")
-        self._iterated = True
-        decoder = SSEDecoder()
-        done = False
+        self._begin()
         try:
             for raw in self._raw_chunks():
-                for event in decoder.feed(raw):
-                    chunk = event_to_chunk(event)
-                    if chunk is None:
-                        done = True
-                        break
-                    yield self._take(chunk)
-                if done:
+                yield from self._feed(raw)
+                if self._done:
                     break
-            if not done:
-                for event in decoder.close():
-                    chunk = event_to_chunk(event)
-                    if chunk is None:
-                        done = True
-                        break
-                    yield self._take(chunk)
+            yield from self._close()
         finally:
             self.close()
-        if not done and self._acc.finish_reason is None:
-            raise StreamInterruptedError("the stream ended before the answer finished (no "
-                                         "finish_reason, no [DONE]); not retried")
         self._finish()
 
     def _raw_chunks(self) -> Iterator[bytes]:
@@ -462,28 +301,7 @@ class ChatStream:
         try:
             yield from self._chunks
         except httpx.HTTPError as exc:
-            raise StreamInterruptedError(
-                f"the stream broke after {self._acc.chunks} chunks: {exc or type(exc).__name__}"
-                "; not retried (it would run the generation again)") from exc
-
-    def _take(self, chunk: ChatChunk) -> ChatChunk:
-        if self.ttft_s is None and (chunk.content or chunk.tool_calls):
-            self.ttft_s = time.perf_counter() - self._start
-        self._acc.add(chunk)
-        return chunk
-
-    def _finish(self) -> None:
-        self._result = self._acc.result(ttft_s=self.ttft_s,
-                                        latency_s=time.perf_counter() - self._start)
-        if self._on_complete is not None:
-            self._on_complete(self._result)
+            raise self._interrupted(exc) from exc
 
     def close(self) -> None:
         self._response.close()
-
-    def __enter__(self) -> ChatStream:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-

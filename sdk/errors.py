@@ -76,9 +76,16 @@ class APIResponseError(KVBranchError):
 class APIStatusError(KVBranchError):
     """The server answered with an HTTP error status."""
 
-    def __init__(self, message: str, *, status_code: int, error_type: str | None = None,
-                 code: Any = None, body: Any = None, headers: httpx.Headers | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int,
+        error_type: str | None = None,
+        code: Any = None,
+        body: Any = None,
+        headers: httpx.Headers | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.error_type = error_type
@@ -174,8 +181,9 @@ def _message_of(body: Any, text: str) -> tuple[str, str | None, Any]:
     return (text[:2000] if text else "(empty response body)"), None, None
 
 
-def error_from_response(response: httpx.Response, *, body_text: str | None = None
-                        ) -> APIStatusError:
+def error_from_response(
+    response: httpx.Response, *, body_text: str | None = None
+) -> APIStatusError:
     """The typed error for an HTTP error response (its body must have been read)."""
     status = response.status_code
     text = body_text if body_text is not None else response.text
@@ -184,8 +192,13 @@ def error_from_response(response: httpx.Response, *, body_text: str | None = Non
     except ValueError:
         body = None
     message, error_type, code = _message_of(body, text)
-    kwargs = dict(status_code=status, error_type=error_type, code=code,
-                  body=body if body is not None else text, headers=response.headers)
+    kwargs = dict(
+        status_code=status,
+        error_type=error_type,
+        code=code,
+        body=body if body is not None else text,
+        headers=response.headers,
+    )
     retry_after = parse_retry_after(response.headers.get("retry-after"))
     if status == 429:
         return RateLimitError(message, retry_after=retry_after, **kwargs)
@@ -199,10 +212,12 @@ def error_from_response(response: httpx.Response, *, body_text: str | None = Non
 
         # kvbranch answers {"error": {...}}; a server without the routes answers FastAPI's
         # {"detail": "Not Found"} (or anything else).
-        if API_PREFIX in path and not (isinstance(body, dict) and
-                                       isinstance(body.get("error"), dict)):
+        if API_PREFIX in path and not (
+            isinstance(body, dict) and isinstance(body.get("error"), dict)
+        ):
             return KVBranchUnavailableError(
-                f"this server has no kvbranch routes ({path}: {message})", **kwargs)
+                f"this server has no kvbranch routes ({path}: {message})", **kwargs
+            )
         return NotFoundError(message, **kwargs)
     if status == 409:
         return ConflictError(message, **kwargs)
@@ -215,12 +230,18 @@ def error_from_transport(exc: httpx.HTTPError, *, url: str) -> KVBranchError:
     if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
         return APITimeoutError(f"timed out connecting to {url}: {detail}", retryable=True)
     if isinstance(exc, httpx.TimeoutException):
-        return APITimeoutError(f"timed out waiting for {url}: {detail} (not retried: the "
-                               f"server may still be working on it)", retryable=False)
+        return APITimeoutError(
+            f"timed out waiting for {url}: {detail} (not retried: the "
+            f"server may still be working on it)",
+            retryable=False,
+        )
     if isinstance(exc, httpx.ConnectError):
-        return APIConnectionError(f"cannot connect to {url}: {detail} (is a kvbranch server "
-                                  f"running there? start one with `python -m server`, or set "
-                                  f"KVBRANCH_BASE_URL)", retryable=True)
+        return APIConnectionError(
+            f"cannot connect to {url}: {detail} (is a kvbranch server "
+            f"running there? start one with `python -m server`, or set "
+            f"KVBRANCH_BASE_URL)",
+            retryable=True,
+        )
     if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
         # The connection closed before a response arrived: nothing was returned to us.
         return APIConnectionError(f"connection to {url} broke: {detail}", retryable=True)

@@ -46,8 +46,7 @@ class RetryPolicy:
     max_total_s: float = 60.0
     jitter: bool = True
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False)
-    async_sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep,
-                                                            compare=False)
+    async_sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep, compare=False)
     random: Callable[[], float] = field(default=_random.random, compare=False)
     clock: Callable[[], float] = field(default=time.monotonic, compare=False)
 
@@ -64,7 +63,7 @@ class RetryPolicy:
         retry_after = getattr(error, "retry_after", None)
         if retry_after is not None:
             return float(retry_after)
-        ceiling = min(self.max_backoff_s, self.initial_backoff_s * (2 ** (attempt - 1)))
+        ceiling = min(self.max_backoff_s, self.initial_backoff_s * float(2 ** (attempt - 1)))
         return ceiling * self.random() if self.jitter else ceiling
 
     @staticmethod
@@ -78,8 +77,9 @@ class RetryPolicy:
     def _log(state: tenacity.RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
         wait = state.next_action.sleep if state.next_action is not None else 0.0
-        logger.info("kvbranch: attempt %d failed (%s); retrying in %.2fs",
-                       state.attempt_number, error, wait)
+        logger.info(
+            "kvbranch: attempt %d failed (%s); retrying in %.2fs", state.attempt_number, error, wait
+        )
 
     def _kwargs(self) -> dict[str, Any]:
         start = self.clock()
@@ -99,8 +99,9 @@ class RetryPolicy:
                 return True
             return (self.clock() - start) + wait(state) > self.max_total_s
 
-        return dict(retry=self._should_retry, wait=wait, stop=stop, reraise=True,
-                    before_sleep=self._log)
+        return dict(
+            retry=self._should_retry, wait=wait, stop=stop, reraise=True, before_sleep=self._log
+        )
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` with retries (sync)."""

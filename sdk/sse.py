@@ -105,8 +105,12 @@ class SSEDecoder:
         if not self._has_field:
             self._event = ""
             return None
-        event = ServerSentEvent(data="\n".join(self._data), event=self._event or "message",
-                                id=self._id, retry=self._retry)
+        event = ServerSentEvent(
+            data="\n".join(self._data),
+            event=self._event or "message",
+            id=self._id,
+            retry=self._retry,
+        )
         self._data = []
         self._event = ""
         self._has_field = False

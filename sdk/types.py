@@ -7,12 +7,13 @@ result. The kvbranch models (``PromptSourceSplit``, ``SessionInfo``, ...) come f
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from server.contract import RESPONSE_FIELD, PromptSourceSplit
+from pydantic import ValidationError
 
 from sdk.errors import APIResponseError
+from server.contract import RESPONSE_FIELD, PromptSourceSplit
 
 __all__ = ["Usage", "ToolCall", "ToolCallDelta", "ChatChunk", "ChatResult", "ChatAccumulator"]
 
@@ -32,10 +33,12 @@ class Usage:
             return None
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return cls(prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                   completion_tokens=int(usage.get("completion_tokens") or 0),
-                   total_tokens=int(usage.get("total_tokens") or 0),
-                   cached_tokens=None if cached is None else int(cached))
+        return cls(
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            total_tokens=int(usage.get("total_tokens") or 0),
+            cached_tokens=None if cached is None else int(cached),
+        )
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,11 @@ class ToolCall:
         return json.loads(self.arguments) if self.arguments else {}
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": self.type,
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": self.type,
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(frozen=True)
@@ -70,21 +76,30 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True)
-class ChatChunk:
+class _Answer:
+    """What a whole answer and a streamed piece of one both carry (choice 0); the fields
+    after ``model`` are keyword-only."""
+
+    id: str | None
+    model: str | None
+    _: KW_ONLY
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    split: PromptSourceSplit | None = None
+    """Where the prompt's tokens came from (kvbranch servers only)."""
+    reasoning: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class ChatChunk(_Answer):
     """One streamed event of a chat completion (choice 0). A chunk may carry any mix of a
     content delta, tool-call deltas, the finish reason, and — on the final usage chunk —
     ``usage`` and the kvbranch ``split``."""
 
-    id: str | None
-    model: str | None
     content: str | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
-    finish_reason: str | None = None
     role: str | None = None
-    usage: Usage | None = None
-    split: PromptSourceSplit | None = None
-    reasoning: str | None = None
-    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_openai(cls, data: Any) -> ChatChunk:
@@ -102,35 +117,41 @@ class ChatChunk:
             finish = choice.get("finish_reason")
             for position, tc in enumerate(delta.get("tool_calls") or []):
                 fn = tc.get("function") or {}
-                deltas.append(ToolCallDelta(index=int(tc.get("index", position)),
-                                            id=tc.get("id"), name=fn.get("name"),
-                                            arguments=fn.get("arguments"), type=tc.get("type")))
-        return cls(id=data.get("id"), model=data.get("model"), content=content,
-                   tool_calls=tuple(deltas), finish_reason=finish, role=role,
-                   usage=Usage.from_openai(data.get("usage")), split=_split(data),
-                   reasoning=reasoning, raw=data)
+                deltas.append(
+                    ToolCallDelta(
+                        index=int(tc.get("index", position)),
+                        id=tc.get("id"),
+                        name=fn.get("name"),
+                        arguments=fn.get("arguments"),
+                        type=tc.get("type"),
+                    )
+                )
+        return cls(
+            id=data.get("id"),
+            model=data.get("model"),
+            content=content,
+            tool_calls=tuple(deltas),
+            finish_reason=finish,
+            role=role,
+            usage=Usage.from_openai(data.get("usage")),
+            split=_split(data),
+            reasoning=reasoning,
+            raw=data,
+        )
 
 
 @dataclass(frozen=True)
-class ChatResult:
+class ChatResult(_Answer):
     """A whole chat answer (choice 0).
 
-    ``split`` is where the prompt's tokens came from (kvbranch servers only). ``ttft_s`` is
-    the time to the first content (or tool-call) delta of a stream; ``latency_s`` the time
-    to the whole answer.
+    ``ttft_s`` is the time to the first content (or tool-call) delta of a stream;
+    ``latency_s`` the time to the whole answer.
     """
 
-    id: str | None
-    model: str | None
     text: str
     tool_calls: tuple[ToolCall, ...] = ()
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    split: PromptSourceSplit | None = None
-    reasoning: str | None = None
     ttft_s: float | None = None
     latency_s: float | None = None
-    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def cached_tokens(self) -> int | None:
@@ -157,25 +178,42 @@ class ChatResult:
         calls = []
         for tc in message.get("tool_calls") or []:
             fn = tc.get("function") or {}
-            calls.append(ToolCall(id=tc.get("id") or "", name=fn.get("name") or "",
-                                  arguments=fn.get("arguments") or "",
-                                  type=tc.get("type") or "function"))
-        return cls(id=data.get("id"), model=data.get("model"),
-                   text=message.get("content") or "", tool_calls=tuple(calls),
-                   finish_reason=choice.get("finish_reason"),
-                   usage=Usage.from_openai(data.get("usage")), split=_split(data),
-                   reasoning=message.get("reasoning_content") or message.get("reasoning"),
-                   latency_s=latency_s, raw=data)
+            calls.append(
+                ToolCall(
+                    id=tc.get("id") or "",
+                    name=fn.get("name") or "",
+                    arguments=fn.get("arguments") or "",
+                    type=tc.get("type") or "function",
+                )
+            )
+        return cls(
+            id=data.get("id"),
+            model=data.get("model"),
+            text=message.get("content") or "",
+            tool_calls=tuple(calls),
+            finish_reason=choice.get("finish_reason"),
+            usage=Usage.from_openai(data.get("usage")),
+            split=_split(data),
+            reasoning=message.get("reasoning_content") or message.get("reasoning"),
+            latency_s=latency_s,
+            raw=data,
+        )
 
 
 def _split(data: dict[str, Any]) -> PromptSourceSplit | None:
+    """The response's kvbranch split: ``None`` when absent (a plain OpenAI-compatible
+    server); a field that is there but does not match the contract is an
+    :class:`~sdk.errors.APIResponseError`, not a silent ``None`` (client and server drifted)."""
     value = data.get(RESPONSE_FIELD)
-    if not isinstance(value, dict):
+    if value is None:
         return None
     try:
         return PromptSourceSplit.model_validate(value)
-    except ValueError:
-        return None
+    except ValidationError as exc:
+        raise APIResponseError(
+            f"the server's {RESPONSE_FIELD!r} field does not match the sdk's "
+            f"contract (PromptSourceSplit): {exc}"
+        ) from exc
 
 
 class ChatAccumulator:
@@ -201,8 +239,9 @@ class ChatAccumulator:
         if chunk.reasoning:
             self.reasoning.append(chunk.reasoning)
         for d in chunk.tool_calls:
-            call = self.calls.setdefault(d.index, {"id": "", "name": "", "arguments": [],
-                                                   "type": "function"})
+            call = self.calls.setdefault(
+                d.index, {"id": "", "name": "", "arguments": [], "type": "function"}
+            )
             if d.id:
                 call["id"] = d.id
             if d.name:
@@ -218,13 +257,20 @@ class ChatAccumulator:
         if chunk.split is not None:
             self.split = chunk.split
 
-    def result(self, *, ttft_s: float | None = None, latency_s: float | None = None
-               ) -> ChatResult:
-        calls = tuple(ToolCall(id=c["id"], name=c["name"], arguments="".join(c["arguments"]),
-                               type=c["type"])
-                      for _, c in sorted(self.calls.items()))
-        return ChatResult(id=self.id, model=self.model, text="".join(self.text),
-                          tool_calls=calls, finish_reason=self.finish_reason, usage=self.usage,
-                          split=self.split,
-                          reasoning="".join(self.reasoning) if self.reasoning else None,
-                          ttft_s=ttft_s, latency_s=latency_s)
+    def result(self, *, ttft_s: float | None = None, latency_s: float | None = None) -> ChatResult:
+        calls = tuple(
+            ToolCall(id=c["id"], name=c["name"], arguments="".join(c["arguments"]), type=c["type"])
+            for _, c in sorted(self.calls.items())
+        )
+        return ChatResult(
+            id=self.id,
+            model=self.model,
+            text="".join(self.text),
+            tool_calls=calls,
+            finish_reason=self.finish_reason,
+            usage=self.usage,
+            split=self.split,
+            reasoning="".join(self.reasoning) if self.reasoning else None,
+            ttft_s=ttft_s,
+            latency_s=latency_s,
+        )

@@ -1,0 +1,107 @@
+"""The state of a streamed chat answer, shared by :class:`sdk.ChatStream` and
+:class:`sdk.AsyncChatStream`: SSE decoding, events to chunks, time to first token, the
+accumulated answer, and the end-of-stream checks. The two stream classes only read bytes
+(``for`` or ``async for``) and feed them here, so the stream's rules are written once."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import httpx
+
+from sdk._common import CHAT_PATH
+from sdk.errors import APIResponseError, StreamInterruptedError, error_from_response
+from sdk.sse import ServerSentEvent, SSEDecoder
+from sdk.types import ChatAccumulator, ChatChunk, ChatResult
+
+__all__ = ["StreamState", "event_to_chunk"]
+
+
+def event_to_chunk(event: ServerSentEvent) -> ChatChunk | None:
+    """A chat chunk, or ``None`` for ``[DONE]``. An ``{"error": ...}`` event raises the
+    server's error; unreadable JSON raises :class:`APIResponseError`."""
+    data = event.data.strip()
+    if data == "[DONE]":
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError as exc:
+        raise APIResponseError(f"malformed stream event (not JSON): {data[:200]!r}") from exc
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        err = obj["error"]
+        status = err.get("code") if isinstance(err.get("code"), int) else 500
+        response = httpx.Response(status, json=obj, request=httpx.Request("POST", CHAT_PATH))
+        raise error_from_response(response)
+    return ChatChunk.from_openai(obj)
+
+
+class StreamState:
+    """An open streamed answer, less its I/O. ``ttft_s`` is set at the first content or
+    tool-call delta; ``result`` (a :class:`ChatResult`) once the stream finished."""
+
+    def __init__(
+        self, *, start: float, on_complete: Callable[[ChatResult], None] | None = None
+    ) -> None:
+        self._start = start
+        self._on_complete = on_complete
+        self._decoder = SSEDecoder()
+        self._acc = ChatAccumulator()
+        self._result: ChatResult | None = None
+        self._iterated = False
+        self._done = False
+        self.ttft_s: float | None = None
+
+    @property
+    def result(self) -> ChatResult:
+        if self._result is None:
+            raise RuntimeError("the stream has not finished: iterate it (or call final()) first")
+        return self._result
+
+    @property
+    def text(self) -> str:
+        """The content received so far."""
+        return "".join(self._acc.text)
+
+    def _begin(self) -> None:
+        if self._iterated:
+            raise RuntimeError(f"a {type(self).__name__} can be iterated only once")
+        self._iterated = True
+
+    def _feed(self, raw: bytes) -> Iterator[ChatChunk]:
+        """The chunks ``raw`` completes, up to ``[DONE]``."""
+        return self._take(self._decoder.feed(raw))
+
+    def _close(self) -> Iterator[ChatChunk]:
+        """End of the bytes: the last event, if the stream did not end with ``[DONE]``."""
+        return self._take(() if self._done else self._decoder.close())
+
+    def _take(self, events: Iterable[ServerSentEvent]) -> Iterator[ChatChunk]:
+        for event in events:
+            chunk = event_to_chunk(event)
+            if chunk is None:
+                self._done = True
+                return
+            if self.ttft_s is None and (chunk.content or chunk.tool_calls):
+                self.ttft_s = time.perf_counter() - self._start
+            self._acc.add(chunk)
+            yield chunk
+
+    def _interrupted(self, exc: httpx.HTTPError) -> StreamInterruptedError:
+        return StreamInterruptedError(
+            f"the stream broke after {self._acc.chunks} chunks: {exc or type(exc).__name__}"
+            "; not retried (it would run the generation again)"
+        )
+
+    def _finish(self) -> None:
+        if not self._done and self._acc.finish_reason is None:
+            raise StreamInterruptedError(
+                "the stream ended before the answer finished (no "
+                "finish_reason, no [DONE]); not retried"
+            )
+        self._result = self._acc.result(
+            ttft_s=self.ttft_s, latency_s=time.perf_counter() - self._start
+        )
+        if self._on_complete is not None:
+            self._on_complete(self._result)
