@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from server.connector.sessions import new_id
 from server.contract import (
@@ -25,11 +27,16 @@ from server.contract import (
     HEALTH_PATH,
     PROTOCOL_VERSION,
     STATS_PATH,
+    ClusterInfo,
+    RouterHealthInfo,
+    error_body,
 )
 from server.router import relay
 from server.router.edge import SESSION_ROUTE_HEADERS, Refused, read_body, tenant_of, unavailable
 from server.router.index import ClusterIndex
 from server.router.pool import Instance, Pool
+
+logger = logging.getLogger("kvbranch.router")
 
 HEALTH_BODY_TIMEOUT_S = 5.0
 
@@ -94,25 +101,21 @@ def merge(kind: FanKind, answers: list[Answer], body: bytes | None) -> Response:
         f"{a.message()}"
         for a in failed
     )
-    data: dict[str, Any] = {
-        "error": {
-            "message": f"{len(failed)} of {len(answers)} instances failed ({names}); "
-            "the others applied it — retry the same request (same id) "
-            "to converge",
-            "type": "BadGatewayError",
-            "code": 502,
-        },
-        "instances": [
-            {
-                "url": a.inst.url,
-                "role": a.inst.role,
-                "status": a.status,
-                "ok": not any(a is f for f in failed),
-                **({} if not any(a is f for f in failed) else {"error": a.message()}),
-            }
-            for a in answers
-        ],
-    }
+    message = (
+        f"{len(failed)} of {len(answers)} instances failed ({names}); "
+        "the others applied it — retry the same request (same id) to converge"
+    )
+    data: dict[str, Any] = error_body(502, message)
+    data["instances"] = [
+        {
+            "url": a.inst.url,
+            "role": a.inst.role,
+            "status": a.status,
+            "ok": not any(a is f for f in failed),
+            **({} if not any(a is f for f in failed) else {"error": a.message()}),
+        }
+        for a in answers
+    ]
     try:
         sent = json.loads(body) if body else None
     except ValueError:
@@ -180,7 +183,7 @@ class Admin:
         prefills = await self.pool.live(self.pool.prefills)
         if not prefills:
             return unavailable("no prefill instance is reachable")
-        tenant = tenant_of(request.headers.get("authorization"))
+        tenant = tenant_of(request)
         full = f"{API_PREFIX}/{path}"
         if request.method == "POST" and (path == "sessions" or path.endswith("/branches")):
             # Every instance must create the same id: choose it here when the client did not.
@@ -223,13 +226,16 @@ class Admin:
         if r.status_code != 200:
             return relay.passthrough(r)
         data = r.json()
-        tenant = tenant_of(request.headers.get("authorization"))
-        data["cluster"] = {
-            "instances": self.pool.infos(),
-            "index": self.index.snapshot(tenant),
-            "index_counters": self.index.counters(),
-            "hold_ttl_s": self.index.ttl_s,
-        }
+        tenant = tenant_of(request)
+        cluster = ClusterInfo.model_validate(
+            {
+                "instances": self.pool.infos(),
+                "index": self.index.snapshot(tenant),
+                "index_counters": self.index.counters(),
+                "hold_ttl_s": self.index.ttl_s,
+            }
+        )
+        data["cluster"] = cluster.model_dump()
         return JSONResponse(data)
 
     async def health(self) -> Response:
@@ -250,14 +256,21 @@ class Admin:
                 except (httpx.HTTPError, ValueError):
                     body = {}
                 break
-        body.update(
-            status="ok" if ok else "degraded",
-            role="router",
-            protocol_version=PROTOCOL_VERSION,
-            instances=pool.infos(),
-        )
+        view = {
+            "status": "ok" if ok else "degraded",
+            "role": "router",
+            "protocol_version": PROTOCOL_VERSION,
+            "instances": pool.infos(),
+        }
+        try:
+            health = RouterHealthInfo.model_validate({**body, **view})
+        except ValidationError as exc:  # a prefill instance that speaks another contract
+            logger.warning("prefill health does not match the contract: %s", exc)
+            health = RouterHealthInfo.model_validate(view)
         serving = any(i.alive for i in pool.all)  # fallbacks still serve
-        return JSONResponse(body, status_code=200 if serving else 503)
+        return JSONResponse(
+            health.model_dump(exclude_unset=True), status_code=200 if serving else 503
+        )
 
     async def passthrough_get(self, request: Request, path: str) -> Response:
         live = await self.pool.live(self.pool.prefills) + await self.pool.live(self.pool.decodes)

@@ -25,7 +25,14 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from server.contract import API_PREFIX, COMPLETION_PATHS, HEALTH_PATH, PROTOCOL_VERSION, STATS_PATH
+from server.contract import (
+    API_PREFIX,
+    COMPLETION_PATHS,
+    HEALTH_PATH,
+    MODELS_PATH,
+    PROTOCOL_VERSION,
+    STATS_PATH,
+)
 from server.router.admin import Admin
 from server.router.index import ClusterIndex
 from server.router.pool import Pool
@@ -125,9 +132,9 @@ def build_app(router: Router) -> FastAPI:
     async def session_route(request: Request, path: str) -> Response:
         return await admin.session_route(request, path)
 
-    @app.get("/v1/models")
+    @app.get(MODELS_PATH)
     async def models(request: Request) -> Response:
-        return await admin.passthrough_get(request, "/v1/models")
+        return await admin.passthrough_get(request, MODELS_PATH)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,18 +1,18 @@
 """The router's edge with its clients: what it reads from a request before any instance sees it.
 
-Request bodies are bounded *before* they are read whole (413), the router's own error replies
-have the OpenAI error shape the clients parse, and a request's tenant — the digest of its API
-key — scopes the cluster index the way the instances scope sessions.
+Request bodies are bounded *before* they are read whole (413); a request's tenant — the digest
+of its API key — scopes the cluster index the way the instances scope sessions. The router's
+own error replies come from the server's one error builder (:mod:`server.errors`).
 """
 
 from __future__ import annotations
-
-import hashlib
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from server.contract import BRANCH_HEADER, MAX_BODY_BYTES, SESSION_HEADER
+from server.errors import error_response
+from server.tenants import scope_of
 
 #: Request headers a completion turn forwards to the instances.
 FORWARD_HEADERS = ("authorization", SESSION_HEADER.lower(), BRANCH_HEADER.lower())
@@ -21,35 +21,16 @@ SESSION_ROUTE_HEADERS = ("authorization", "content-type")
 #: How long a client should wait before retrying when no instance answers.
 RETRY_AFTER = {"Retry-After": "5"}
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    413: "BadRequestError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-}
-
-
-def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error reply in the OpenAI shape (``{"error": {"message", "type", "code"}}``)."""
-    kind = _ERROR_TYPES.get(status, "ServerError")
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}},
-        status_code=status,
-        headers=headers,
-    )
-
 
 def unavailable(message: str) -> JSONResponse:
     """503 with Retry-After: no instance could take the request."""
-    return error(503, message, headers=RETRY_AFTER)
+    return error_response(503, message, headers=RETRY_AFTER)
 
 
-def tenant_of(authorization: str | None) -> str:
-    """Scopes the index per API key (the instances scope sessions the same way)."""
-    if not authorization:
-        return "-"
-    return hashlib.sha256(b"kvbranch-router\0" + authorization.encode()).hexdigest()[:24]
+def tenant_of(request: Request) -> str:
+    """Whose request this is: the scope of its API key (:func:`server.tenants.scope_of`, the
+    same tenant id the instances give a key they have). It scopes the cluster index."""
+    return scope_of(request.headers.get("authorization"))
 
 
 class Refused(Exception):
@@ -70,14 +51,14 @@ async def read_body(request: Request) -> bytes:
         try:
             size = int(declared)
         except ValueError:
-            raise Refused(error(400, "Content-Length is not a number")) from None
+            raise Refused(error_response(400, "Content-Length is not a number")) from None
         if size > limit:
-            raise Refused(error(413, f"request body over {limit} bytes"))
+            raise Refused(error_response(413, f"request body over {limit} bytes"))
     chunks: list[bytes] = []
     total = 0
     async for chunk in request.stream():
         total += len(chunk)
         if total > limit:
-            raise Refused(error(413, f"request body over {limit} bytes"))
+            raise Refused(error_response(413, f"request body over {limit} bytes"))
         chunks.append(chunk)
     return b"".join(chunks)

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from server.contract import REMOTE_NUM_TOKENS
+
 Key = tuple[str, str, str]  # (tenant, session id, branch id)
 
 #: Default cap: each entry is a few KB of params; 100k entries stay well under a GiB.
@@ -74,7 +76,7 @@ class ClusterIndex:
             decode_url,
             instance_id,
             params,
-            int(params.get("remote_num_tokens") or 0),
+            int(params.get(REMOTE_NUM_TOKENS) or 0),
             time.monotonic() + self.ttl_s,
             time.monotonic() if started is None else started,
         )

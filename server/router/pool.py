@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from server.contract import HEALTH_PATH
+from server.contract import HEALTH_PATH, InstanceInfo
 from server.router.index import Key
 
 logger = logging.getLogger("kvbranch.router")
@@ -45,15 +45,16 @@ class Instance:
     failures: int = 0
 
     def info(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "role": self.role,
-            "alive": self.alive,
-            "instance_id": self.instance_id,
-            "inflight": self.inflight,
-            "requests": self.requests,
-            "failures": self.failures,
-        }
+        """As health and stats report it (:class:`InstanceInfo`)."""
+        return InstanceInfo(
+            url=self.url,
+            role=self.role,
+            alive=self.alive,
+            instance_id=self.instance_id,
+            inflight=self.inflight,
+            requests=self.requests,
+            failures=self.failures,
+        ).model_dump()
 
 
 class Pool:

@@ -13,7 +13,6 @@ aborts the request.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -21,11 +20,10 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from server.contract import RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
+from server.sse import EventSplitter, Rewrite, encode_event, json_event, rewrite_events
 
 #: Called with the transfer params an answer carried (whatever they are; the caller checks).
 FileParams = Callable[[Any], None]
-
-_DATA = b"data: "
 
 
 def passthrough(r: httpx.Response, headers: dict[str, str] | None = None) -> Response:
@@ -55,48 +53,39 @@ def rewrite_json(data: dict[str, Any], file_params: FileParams, split: Any) -> d
     return data
 
 
+_MARKERS = (b'"usage"', TRANSFER_PARAMS_FIELD.encode())
+
+
 def rewrite_event(
     event: bytes, file_params: FileParams, split: Any, want_usage: bool
 ) -> bytes | None:
     """One SSE event (without its blank-line terminator): file and remove transfer params,
     put P's split in; None drops the event (the usage chunk the client did not ask for)."""
-    if not event.startswith(b"data: {") or (
-        b'"usage"' not in event and TRANSFER_PARAMS_FIELD.encode() not in event
-    ):
-        return event
-    try:
-        chunk = json.loads(event[len(_DATA) :])
-    except ValueError:
-        return event
-    if not isinstance(chunk, dict):
+    chunk = json_event(event, *_MARKERS)
+    if chunk is None:
         return event
     file_params(chunk.pop(TRANSFER_PARAMS_FIELD, None))
     if chunk.get("usage") and not chunk.get("choices") and not want_usage:
         return None  # the client did not ask for the usage chunk; we did
     if split is not None and RESPONSE_FIELD in chunk:
         chunk[RESPONSE_FIELD] = split
-    return _DATA + json.dumps(chunk, separators=(",", ":")).encode()
+    return encode_event(chunk)
 
 
 async def relay_events(
-    resp: httpx.Response, rewrite: Callable[[bytes], bytes | None], on_close: Callable[[], None]
+    resp: httpx.Response, rewrite: Rewrite, on_close: Callable[[], None]
 ) -> AsyncIterator[bytes]:
     """The stream of ``resp``, each complete event passed through ``rewrite``; a trailing
     partial event passes as is. ``on_close`` runs and ``resp`` closes however it ends."""
-    buffer = b""
+    events = EventSplitter()
     try:
         async for data in resp.aiter_raw():
-            buffer += data
-            out = []
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                rewritten = rewrite(event)
-                if rewritten is not None:
-                    out.append(rewritten + b"\n\n")
+            out = rewrite_events(events.feed(data), rewrite)
             if out:
-                yield b"".join(out)
-        if buffer:
-            yield buffer
+                yield out
+        rest = events.rest()
+        if rest:
+            yield rest
     finally:
         on_close()
         await resp.aclose()  # a client that left: D sees the disconnect and aborts

@@ -27,24 +27,30 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter
 
-from server.connector.transfer_auth import CLAIM_FIELD
 from server.contract import (
     BRANCH_HEADER,
     BRANCH_XARG,
+    CLAIM_FIELD,
     DEFAULT_BRANCH,
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
     HOLD_CLAIM_PATH,
+    REMOTE_BLOCK_IDS,
     RESPONSE_FIELD,
+    ROUTE_HEADER,
     SESSION_HEADER,
     TRANSFER_PARAMS_FIELD,
+    HoldClaimRequest,
+    HoldClaimResult,
 )
+from server.errors import error_response
 from server.router import relay
-from server.router.edge import FORWARD_HEADERS, Refused, error, read_body, tenant_of, unavailable
+from server.router.edge import FORWARD_HEADERS, Refused, read_body, tenant_of, unavailable
 from server.router.index import ClusterIndex, Holding, Key
 from server.router.pool import Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
 
-ROUTE_HEADER = "X-KVBranch-Route"
 CLAIM_TIMEOUT_S = 5.0
 
 
@@ -61,7 +67,7 @@ def turn_key(payload: dict[str, Any], request: Request) -> Key | None:
     xargs = payload.get("vllm_xargs")
     branch = xargs.get(BRANCH_XARG) if isinstance(xargs, dict) else None
     branch = branch or request.headers.get(BRANCH_HEADER) or DEFAULT_BRANCH
-    return (tenant_of(request.headers.get("authorization")), session, str(branch))
+    return (tenant_of(request), session, str(branch))
 
 
 class TurnFlow:
@@ -96,11 +102,11 @@ class TurnFlow:
         try:
             payload = json.loads(raw)
         except ValueError:
-            return error(400, "request body is not valid JSON")
+            return error_response(400, "request body is not valid JSON")
         if not isinstance(payload, dict):
-            return error(400, "request body must be a JSON object")
+            return error_response(400, "request body must be a JSON object")
         if TRANSFER_PARAMS_FIELD in payload:
-            return error(400, "kv_transfer_params is set by the router; remove it")
+            return error_response(400, "kv_transfer_params is set by the router; remove it")
         turn = _Turn(
             self,
             request.url.path,
@@ -121,16 +127,19 @@ class TurnFlow:
         try:
             r = await self.client.post(
                 inst.url + HOLD_CLAIM_PATH,
-                json={"handle": holding.params},
+                json=HoldClaimRequest(handle=holding.params).model_dump(),
                 headers=auth,
                 timeout=CLAIM_TIMEOUT_S,
             )
             claim = r.json().get(CLAIM_FIELD) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+            if claim is not None:
+                HoldClaimResult.model_validate({CLAIM_FIELD: claim})  # drift fails here
+        except (httpx.HTTPError, ValueError, AttributeError):  # ValidationError is a ValueError
             claim = None
         if not isinstance(claim, dict):
             self.claims_refused.inc()
             return None
+        # D's claim as D sent it: P checks its seal over these very values.
         holding.params = dict(holding.params, **{CLAIM_FIELD: claim})
         return holding
 
@@ -140,8 +149,8 @@ class TurnFlow:
         if (
             key is not None
             and isinstance(params, dict)
-            and params.get("do_remote_decode")
-            and params.get("remote_block_ids")
+            and params.get(DO_REMOTE_DECODE)
+            and params.get(REMOTE_BLOCK_IDS)
         ):
             self.index.put(key, inst.url, inst.instance_id, params, started=started)
 
@@ -223,9 +232,9 @@ class _Turn:
         self, inst: Instance, pull: Holding | None
     ) -> Response | tuple[dict[str, Any], Any]:
         """P's leg: one token, transfer params out (and D's params in when pulling)."""
-        params: dict[str, Any] = {"do_remote_decode": True}
+        params: dict[str, Any] = {DO_REMOTE_DECODE: True}
         if pull is not None:
-            params = dict(pull.params, do_remote_decode=True, do_remote_prefill=False)
+            params = dict(pull.params, **{DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False})
             self.flow.pulled_tokens.inc(pull.num_tokens)
         body = dict(self.payload, max_tokens=1, stream=False, n=1)
         body.pop("max_completion_tokens", None)
@@ -241,7 +250,7 @@ class _Turn:
         except ValueError:
             raise _Fallback("response is not JSON") from None
         p_params = data.get(TRANSFER_PARAMS_FIELD)
-        if not isinstance(p_params, dict) or not p_params.get("do_remote_prefill"):
+        if not isinstance(p_params, dict) or not p_params.get(DO_REMOTE_PREFILL):
             raise _Fallback("the prefill instance returned no transfer params")
         return p_params, data.get(RESPONSE_FIELD)
 
@@ -258,7 +267,7 @@ class _Turn:
         body = dict(self.payload)
         if hold and self.key is not None:
             # An empty request for D's connector: hold the blocks for the next turn's pull.
-            body[TRANSFER_PARAMS_FIELD] = {"do_remote_prefill": False}
+            body[TRANSFER_PARAMS_FIELD] = {DO_REMOTE_PREFILL: False}
         try:
             return await self.final(inst, body, self.key if hold else None, route, None)
         except _Fallback as exc:

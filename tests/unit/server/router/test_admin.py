@@ -8,9 +8,9 @@ import json
 import httpx
 import pytest
 
-from server.contract import HEALTH_PATH, SESSIONS_PATH, session_path
+from server.contract import HEALTH_PATH, SESSIONS_PATH, STATS_PATH, session_path
 from server.router.app import Router
-from server.router.edge import tenant_of
+from server.tenants import scope_of
 from tests.unit.server.router.fakes import D, Fakes, P, call, err, json_reply, make_router, refused
 
 
@@ -70,7 +70,7 @@ def test_a_retried_delete_converges_and_drops_the_index_entries():
     fakes.answer[P] = lambda r: err(404, "no session 's1'")
     fakes.answer[D] = lambda r: json_reply(200, {"deleted": True})
     router = make_router(fakes)
-    key = (tenant_of(None), "s1", "main")
+    key = (scope_of(None), "s1", "main")
     router.index.put(key, D, "x", {"remote_num_tokens": 3})
     r = call(router, "DELETE", session_path("s1"))
     assert r.status_code == 200 and r.json() == {"deleted": True}
@@ -99,3 +99,38 @@ def test_a_read_falls_over_to_a_prefill_that_answers():
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     r = call(router, "GET", session_path("s1"))
     assert r.status_code == 200 and r.json() == {"session_id": "s1"}
+
+
+def test_health_is_a_prefill_health_plus_the_routers_view():
+    r = call(make_router(Fakes()), "GET", HEALTH_PATH)
+    data = r.json()
+    assert r.status_code == 200 and data["status"] == "ok" and data["role"] == "router"
+    assert data["instance_id"] == P  # the prefill instance's own health body
+    assert {i["url"]: i["alive"] for i in data["instances"]} == {P: True, D: True}
+
+
+def test_health_without_a_decode_is_degraded_and_without_any_instance_503():
+    def no_decode(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "d.test":
+            raise httpx.ConnectError("refused", request=request)
+        return Fakes()(request)
+
+    r = call(make_router(no_decode), "GET", HEALTH_PATH)
+    assert r.status_code == 200 and r.json()["status"] == "degraded"
+    r = call(make_router(refused), "GET", HEALTH_PATH)
+    assert r.status_code == 503 and r.json()["status"] == "degraded"
+
+
+def test_stats_add_the_cluster_index_of_the_callers_tenant_only():
+    fakes = Fakes()
+    fakes.answer[P] = lambda r: json_reply(200, {"requests": 3})
+    router = make_router(fakes)
+    router.index.put((scope_of("Bearer k1"), "s1", "main"), D, "x", {"remote_num_tokens": 7})
+    router.index.put((scope_of("Bearer k2"), "s2", "main"), D, "x", {"remote_num_tokens": 8})
+    r = call(router, "GET", STATS_PATH, headers={"authorization": "Bearer k1"})
+    data = r.json()
+    assert r.status_code == 200 and data["requests"] == 3
+    (entry,) = data["cluster"]["index"]
+    assert entry["session_id"] == "s1" and entry["tokens"] == 7 and entry["decode"] == D
+    assert data["cluster"]["index_counters"]["entries"] == 2
+    assert [i["role"] for i in data["cluster"]["instances"]] == ["prefill", "decode"]

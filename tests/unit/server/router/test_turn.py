@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from server.contract import HOLD_CLAIM_PATH, RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
-from server.router.edge import tenant_of
+from server.tenants import scope_of
 from tests.unit.server.router.fakes import D, Fakes, P, base_of, call, json_reply, make_router
 
 CHAT = "/v1/chat/completions"
@@ -120,7 +120,7 @@ def _turn(router, **extra: Any) -> httpx.Response:
     return call(router, "POST", CHAT, json=body)
 
 
-KEY = (tenant_of(None), "s1", "main")
+KEY = (scope_of(None), "s1", "main")
 
 
 def test_a_turn_prefills_on_p_decodes_on_d_and_files_ds_params():
@@ -162,6 +162,23 @@ def test_a_hold_d_released_is_not_pulled():
     assert r.status_code == 200 and r.headers[ROUTE] == "pd"
     assert fakes.bodies(P)[1][TRANSFER_PARAMS_FIELD] == {"do_remote_decode": True}
     assert b"kvbranch_router_claims_refused_total 1.0" in call(router, "GET", "/metrics").content
+
+
+def test_a_claim_that_is_not_a_claim_is_not_pulled_with():
+    fakes = PD()
+    router = make_router(fakes)
+    _turn(router)
+    bad = fakes.answer[D]
+
+    def no_mac(request: httpx.Request) -> httpx.Response:
+        if request.url.path == HOLD_CLAIM_PATH:
+            return json_reply(200, {"kvbranch_claim": {"handle": "h", "until": 1.0}})
+        return bad(request)
+
+    fakes.answer[D] = no_mac
+    r = _turn(router)
+    assert r.status_code == 200 and r.headers[ROUTE] == "pd"
+    assert fakes.bodies(P)[1][TRANSFER_PARAMS_FIELD] == {"do_remote_decode": True}
 
 
 @pytest.mark.parametrize("want_usage", [False, True])
