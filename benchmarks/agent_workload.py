@@ -44,37 +44,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
-    BENCH_DIR,
-    BLOCK_TOKENS,
-    DEFAULT_RESERVED_CPUS,
-    MODEL_NAME,
-    OUT_DIR,
-    MemorySampler,
-    Progress,
-    append_results,
-    cold_prefill_ttft,
-    command_line,
-    get_stats,
-    git_rev,
-    load_md,
-    machine_info_async,
-    machine_md,
-    md_table,
-    median,
-    now_str,
-    omp_binding,
-    percentile,
-    ratio,
-    server_args,
-    server_pgids,
-    start_server,
-    stream_request,
-    text_of_tokens,
-    write_json,
-)
+from benchmarks import common, reporting  # noqa: E402
+from benchmarks.reporting import median, percentile, ratio  # noqa: E402
+from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
+from server.contract import DEFAULT_BRANCH  # noqa: E402
 
 CONFIG_NAMES = ("plain", "kvbranch", "pd", "pd-kvbranch")
+# fmt: off
 PROFILES = {
     # ~10 minutes on 2 cores; contexts together ~2x the device KV budget.
     "quick": dict(sessions=2, turns=6, obs_tokens=100, gen_tokens=16, system_tokens=400,
@@ -85,77 +61,142 @@ PROFILES = {
                  tools=6, pause_min=2.0, pause_max=6.0, fork_turn=5, branches=2,
                  stagger_s=5.0, kv_cache_gib=0.15, host_store_gib=2.0, max_model_len=3328),
 }
-WORKLOAD_KEYS = ("sessions", "turns", "obs_tokens", "gen_tokens", "system_tokens", "tools",
-                 "pause_min", "pause_max", "fork_turn", "branches", "stagger_s", "seed")
-TOOL_NAMES = ["read_file", "grep", "run_tests", "list_dir", "apply_patch", "search_docs",
-              "http_get", "sql_query", "shell", "git_log"]
-APPROACHES = ["a minimal patch", "a rewrite of the failing function", "a configuration change",
-              "reverting the last commit", "adding a regression test first", "more logging"]
+# fmt: on
+WORKLOAD_KEYS = (
+    "sessions",
+    "turns",
+    "obs_tokens",
+    "gen_tokens",
+    "system_tokens",
+    "tools",
+    "pause_min",
+    "pause_max",
+    "fork_turn",
+    "branches",
+    "stagger_s",
+    "seed",
+)
+TOOL_NAMES = [
+    "read_file",
+    "grep",
+    "run_tests",
+    "list_dir",
+    "apply_patch",
+    "search_docs",
+    "http_get",
+    "sql_query",
+    "shell",
+    "git_log",
+]
+APPROACHES = [
+    "a minimal patch",
+    "a rewrite of the failing function",
+    "a configuration change",
+    "reverting the last commit",
+    "adding a regression test first",
+    "more logging",
+]
 
 
 # --- workload ------------------------------------------------------------------------------------
 def tool_schemas(n: int) -> str:
     tools = []
     for name in TOOL_NAMES[:n]:
-        tools.append({"type": "function", "function": {
-            "name": name, "description": f"{name.replace('_', ' ')} in the workspace",
-            "parameters": {"type": "object", "properties": {
-                "target": {"type": "string", "description": "path, pattern or query"},
-                "limit": {"type": "integer", "description": "maximum results"}},
-                "required": ["target"]}}})
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": f"{name.replace('_', ' ')} in the workspace",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "target": {"type": "string", "description": "path, pattern or query"},
+                            "limit": {"type": "integer", "description": "maximum results"},
+                        },
+                        "required": ["target"],
+                    },
+                },
+            }
+        )
     return "\n".join(json.dumps(t) for t in tools)
 
 
 def build_workload(p: dict) -> dict:
     rng = random.Random(p["seed"])
-    system = ("You are an autonomous coding agent. Call one tool per turn by answering with a "
-              "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> block after one "
-              "short sentence of reasoning. Tool results come back in <tool_response> blocks."
-              "\n\n<tools>\n" + tool_schemas(p["tools"]) + "\n</tools>\n\nWorkspace notes:\n")
-    from benchmarks.common import tokenizer
-
-    have = len(tokenizer().encode(system))
+    system = (
+        "You are an autonomous coding agent. Call one tool per turn by answering with a "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call> block after one '
+        "short sentence of reasoning. Tool results come back in <tool_response> blocks."
+        "\n\n<tools>\n" + tool_schemas(p["tools"]) + "\n</tools>\n\nWorkspace notes:\n"
+    )
+    have = count_tokens(system)
     system += text_of_tokens(rng, max(p["system_tokens"] - have, 16), "prose")
     fork_turn = p["fork_turn"] if p["branches"] > 1 and 2 <= p["fork_turn"] <= p["turns"] else 0
     sessions = []
     for s in range(p["sessions"]):
         lanes: dict[str, list[dict]] = {}
-        lane_names = ["main"]
+        lane_names = [DEFAULT_BRANCH]
         if fork_turn:
             lane_names += [f"alt{i}" for i in range(p["branches"])]
         for lane in lane_names:
-            if lane == "main":
+            if lane == DEFAULT_BRANCH:
                 turns = range(1, (fork_turn or p["turns"] + 1))
             else:
                 turns = range(fork_turn, p["turns"] + 1)
             items = []
             for t in turns:
                 if t == 1:
-                    head = (f"Task {s}: the {rng.choice(['billing', 'search', 'auth', 'ingest'])}"
-                            f" service fails its nightly tests; find the cause and fix it. "
-                            f"Here is the output of the first test run.")
-                elif lane != "main" and t == fork_turn:
+                    head = (
+                        f"Task {s}: the {rng.choice(['billing', 'search', 'auth', 'ingest'])}"
+                        f" service fails its nightly tests; find the cause and fix it. "
+                        f"Here is the output of the first test run."
+                    )
+                elif lane != DEFAULT_BRANCH and t == fork_turn:
                     i = int(lane[3:])
-                    head = (f"Alternative {i}: explore {APPROACHES[i % len(APPROACHES)]}. "
-                            f"<tool_response>")
+                    head = (
+                        f"Alternative {i}: explore {APPROACHES[i % len(APPROACHES)]}. "
+                        f"<tool_response>"
+                    )
                 else:
-                    head = f"<tool_response name=\"{rng.choice(TOOL_NAMES[:p['tools']])}\">"
+                    head = f'<tool_response name="{rng.choice(TOOL_NAMES[: p["tools"]])}">'
                 obs = text_of_tokens(rng, p["obs_tokens"], "observation")
-                items.append({"turn": t, "user": f"{head}\n{obs}\n</tool_response>",
-                              "pause_s": round(rng.uniform(p["pause_min"], p["pause_max"]), 3)})
+                items.append(
+                    {
+                        "turn": t,
+                        "user": f"{head}\n{obs}\n</tool_response>",
+                        "pause_s": round(rng.uniform(p["pause_min"], p["pause_max"]), 3),
+                    }
+                )
             lanes[lane] = items
-        sessions.append({"session_id": f"agent-s{s}",
-                         "start_offset_s": round(rng.uniform(0, p["stagger_s"]), 3),
-                         "lanes": lanes})
-    return {"params": {k: p[k] for k in WORKLOAD_KEYS}, "fork_turn": fork_turn,
-            "system_tokens_actual": len(tokenizer().encode(system)),
-            "system": system, "sessions": sessions}
+        sessions.append(
+            {
+                "session_id": f"agent-s{s}",
+                "start_offset_s": round(rng.uniform(0, p["stagger_s"]), 3),
+                "lanes": lanes,
+            }
+        )
+    return {
+        "params": {k: p[k] for k in WORKLOAD_KEYS},
+        "fork_turn": fork_turn,
+        "system_tokens_actual": count_tokens(system),
+        "system": system,
+        "sessions": sessions,
+    }
 
 
 # --- one configuration ---------------------------------------------------------------------------
 class Runner:
-    def __init__(self, name: str, kvbranch: bool, base: str, workload: dict, gen_tokens: int,
-                 client: httpx.AsyncClient, log: Progress) -> None:
+    def __init__(
+        self,
+        name: str,
+        kvbranch: bool,
+        base: str,
+        workload: dict,
+        gen_tokens: int,
+        client: httpx.AsyncClient,
+        log: reporting.Progress,
+    ) -> None:
         self.name, self.kvbranch, self.base = name, kvbranch, base
         self.workload, self.gen_tokens, self.client, self.log = workload, gen_tokens, client, log
         self.records: list[dict] = []
@@ -165,61 +206,83 @@ class Runner:
         self.t0 = 0.0
         self.n_turns = workload["params"]["turns"]
 
-    async def post(self, path: str, body: dict | None = None) -> httpx.Response:
-        return await self.client.post(f"{self.base}{path}", json=body or {}, timeout=60)
-
     async def prefetch(self, sid: str, branch: str) -> None:
         t = time.perf_counter()
         try:
-            r = await self.post(f"/v1/kvbranch/sessions/{sid}/branches/{branch}/prefetch")
-            self.prefetches.append({"session": sid, "branch": branch, "status": r.status_code,
-                                    "body": r.json(), "latency_s": time.perf_counter() - t})
+            r = await common.prefetch_branch(self.client, self.base, sid, branch)
+            self.prefetches.append(
+                {
+                    "session": sid,
+                    "branch": branch,
+                    "status": r.status_code,
+                    "body": r.json(),
+                    "latency_s": time.perf_counter() - t,
+                }
+            )
         except httpx.HTTPError as exc:
             self.errors.append(f"prefetch {sid}/{branch}: {exc}")
 
-    async def run_lane(self, sess: dict, lane: str, messages: list[dict],
-                       prev_prompt: int) -> None:
+    async def run_lane(self, sess: dict, lane: str, messages: list[dict], prev_prompt: int) -> None:
         sid = sess["session_id"]
         fork_turn = self.workload["fork_turn"]
         for item in sess["lanes"][lane]:
             t = item["turn"]
             messages = messages + [{"role": "user", "content": item["user"]}]
-            body = {"model": MODEL_NAME, "messages": messages, "max_tokens": self.gen_tokens,
-                    "temperature": 0.0, "session_id": sid,
-                    "vllm_xargs": {"kvbranch_branch": lane}}
+            body = {
+                "model": common.MODEL_NAME,
+                "messages": messages,
+                "max_tokens": self.gen_tokens,
+                "temperature": 0.0,
+                **common.session_fields(sid, lane),
+            }
             try:
-                res = await stream_request(self.client, f"{self.base}/v1/chat/completions", body)
+                res = await common.stream_request(
+                    self.client, f"{self.base}/v1/chat/completions", body
+                )
             except Exception as exc:  # noqa: BLE001 - record and end this lane
                 self.errors.append(f"{sid}/{lane} turn {t}: {exc}")
                 self.log(f"[{self.name}] ERROR {sid}/{lane} turn {t}: {exc}")
                 return
             rec = res.to_dict()
-            rec.update(session=sid, branch=lane, turn=t, new_tokens=res.prompt_tokens - prev_prompt,
-                       finished_at=time.monotonic() - self.t0)
+            rec.update(
+                session=sid,
+                branch=lane,
+                turn=t,
+                new_tokens=res.prompt_tokens - prev_prompt,
+                finished_at=time.monotonic() - self.t0,
+            )
             self.records.append(rec)
             prev_prompt = res.prompt_tokens
-            self.log(f"[{self.name}] {sid}/{lane} turn {t}/{self.n_turns}: TTFT {res.ttft_s:.2f}s "
-                     f"prompt {res.prompt_tokens} (device {res.device_hit_tokens}, host "
-                     f"{res.host_hit_tokens}, recomputed {res.recomputed_tokens}) out "
-                     f"{res.completion_tokens}")
+            self.log(
+                f"[{self.name}] {sid}/{lane} turn {t}/{self.n_turns}: TTFT {res.ttft_s:.2f}s "
+                f"prompt {res.prompt_tokens} (device {res.device_hit_tokens}, host "
+                f"{res.host_hit_tokens}, recomputed {res.recomputed_tokens}) out "
+                f"{res.completion_tokens}"
+            )
             messages = messages + [{"role": "assistant", "content": res.content}]
             if t >= self.n_turns:
                 return
-            forking = lane == "main" and fork_turn and t == fork_turn - 1
+            forking = lane == DEFAULT_BRANCH and fork_turn and t == fork_turn - 1
             if self.kvbranch:
                 if forking:
-                    for alt in [n for n in sess["lanes"] if n != "main"]:
-                        r = await self.post(f"/v1/kvbranch/sessions/{sid}/branches",
-                                            {"parent": "main", "branch_id": alt})
-                        self.forks.append({"session": sid, "branch": alt,
-                                           "status": r.status_code, "body": r.json()})
+                    for alt in [n for n in sess["lanes"] if n != DEFAULT_BRANCH]:
+                        r = await common.fork_branch(
+                            self.client, self.base, sid, DEFAULT_BRANCH, alt
+                        )
+                        self.forks.append(
+                            {
+                                "session": sid,
+                                "branch": alt,
+                                "status": r.status_code,
+                                "body": r.json(),
+                            }
+                        )
                 # Warm the device cache while the tool runs (forks share main's blocks).
                 await self.prefetch(sid, lane)
             await asyncio.sleep(item["pause_s"])
             if forking:
-                alts = [n for n in sess["lanes"] if n != "main"]
-                await asyncio.gather(*(self.run_lane(sess, a, messages, prev_prompt)
-                                       for a in alts))
+                alts = [n for n in sess["lanes"] if n != DEFAULT_BRANCH]
+                await asyncio.gather(*(self.run_lane(sess, a, messages, prev_prompt) for a in alts))
                 return
 
     async def run_session(self, sess: dict) -> dict:
@@ -227,11 +290,11 @@ class Runner:
         start = time.monotonic()
         sid = sess["session_id"]
         if self.kvbranch:
-            r = await self.post("/v1/kvbranch/sessions", {"session_id": sid})
+            r = await common.create_session(self.client, self.base, sid)
             if r.status_code != 201:
                 self.errors.append(f"create session {sid}: {r.status_code} {r.text[:200]}")
         system = [{"role": "system", "content": self.workload["system"]}]
-        await self.run_lane(sess, "main", system, 0)
+        await self.run_lane(sess, DEFAULT_BRANCH, system, 0)
         return {"session": sid, "jct_s": time.monotonic() - start}
 
     async def run(self) -> tuple[list[dict], float]:
@@ -240,36 +303,55 @@ class Runner:
         return list(jcts), time.monotonic() - self.t0
 
 
-async def run_config(name: str, kvbranch: bool, args: argparse.Namespace, workload: dict,
-                     log: Progress) -> dict:
-    extra = ["--disagg", "--pd-hold-ttl-s", str(args.pd_hold_ttl_s)] \
-        if name.startswith("pd") else []
+async def run_config(
+    name: str, kvbranch: bool, args: argparse.Namespace, workload: dict, log: reporting.Progress
+) -> dict:
+    extra = (
+        ["--disagg", "--pd-hold-ttl-s", str(args.pd_hold_ttl_s)] if name.startswith("pd") else []
+    )
     if name == "pd":
         extra.append("--no-bidirectional")  # upstream P/D (server_args adds --no-connector)
-    server = start_server(name, server_args(kvbranch, args.kv_cache_gib, args.host_store_gib,
-                                            args.max_model_len, extra),
-                          reserved_cpus=args.reserved_cpus)
-    binding = omp_binding(server) if not extra else "P/D: prefill on core 0, decode on core 1"
+    server = common.start_server(
+        name,
+        common.server_args(
+            kvbranch, args.kv_cache_gib, args.host_store_gib, args.max_model_len, extra
+        ),
+        reserved_cpus=args.reserved_cpus,
+    )
+    binding = (
+        common.omp_binding(server) if not extra else "P/D: prefill on core 0, decode on core 1"
+    )
     try:
-        with MemorySampler(server_pgids(server)) as mem:
+        with common.MemorySampler(common.server_pgids(server)) as mem:
             limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
             async with httpx.AsyncClient(limits=limits) as client:
-                warm = await cold_prefill_ttft(client, server.url, random.Random(99), 64)
-                log(f"[{name}] warm-up request {warm.ttft_s:.2f}s; running "
-                    f"{len(workload['sessions'])} sessions")
-                runner = Runner(name, kvbranch, server.url, workload, args.gen_tokens, client,
-                                log)
+                warm = await common.cold_prefill_ttft(client, server.url, random.Random(99), 64)
+                log(
+                    f"[{name}] warm-up request {warm.ttft_s:.2f}s; running "
+                    f"{len(workload['sessions'])} sessions"
+                )
+                runner = Runner(name, kvbranch, server.url, workload, args.gen_tokens, client, log)
                 jcts, wall = await runner.run()
-                stats = await get_stats(client, server.url)
+                stats = await common.get_stats(client, server.url)
             mem.sample()
     finally:
         server.stop()
         log(f"[{name}] server stopped")
-    return {"name": name, "kvbranch": kvbranch, "records": runner.records, "jct": jcts,
-            "wall_s": wall, "stats": stats, "prefetches": runner.prefetches,
-            "forks": runner.forks, "errors": runner.errors,
-            "peak_rss_bytes": mem.peak_bytes, "peak_rss_procs": mem.peak_procs,
-            "mem_method": mem.method, "omp": binding}
+    return {
+        "name": name,
+        "kvbranch": kvbranch,
+        "records": runner.records,
+        "jct": jcts,
+        "wall_s": wall,
+        "stats": stats,
+        "prefetches": runner.prefetches,
+        "forks": runner.forks,
+        "errors": runner.errors,
+        "peak_rss_bytes": mem.peak_bytes,
+        "peak_rss_procs": mem.peak_procs,
+        "mem_method": mem.method,
+        "omp": binding,
+    }
 
 
 # --- summary -------------------------------------------------------------------------------------
@@ -279,14 +361,21 @@ def summarize(res: dict) -> dict:
     for r in recs:
         by_turn.setdefault(r["turn"], []).append(r["ttft_s"])
     late = [r["ttft_s"] for r in recs if r["turn"] >= 5]
-    tokens = {k: sum(r[f"{k}_tokens"] for r in recs)
-              for k in ("prompt", "device_hit", "host_hit", "recomputed", "completion")}
-    rec_ok = [r["recomputed_tokens"] <= r["new_tokens"] + BLOCK_TOKENS
-              for r in recs if r["turn"] >= 2]
+    tokens = {
+        k: sum(r[f"{k}_tokens"] for r in recs)
+        for k in ("prompt", "device_hit", "host_hit", "recomputed", "completion")
+    }
+    rec_ok = [
+        r["recomputed_tokens"] <= r["new_tokens"] + common.BLOCK_TOKENS
+        for r in recs
+        if r["turn"] >= 2
+    ]
     return {
-        "ttft_by_turn": {t: (percentile(v, 50), percentile(v, 95), len(v))
-                         for t, v in sorted(by_turn.items())},
-        "ttft_p50_late": median(late), "ttft_p95_late": percentile(late, 95),
+        "ttft_by_turn": {
+            t: (percentile(v, 50), percentile(v, 95), len(v)) for t, v in sorted(by_turn.items())
+        },
+        "ttft_p50_late": median(late),
+        "ttft_p95_late": percentile(late, 95),
         "ttft_p50_all": median([r["ttft_s"] for r in recs]),
         "jct": {j["session"]: j["jct_s"] for j in res["jct"]},
         "jct_mean": sum(j["jct_s"] for j in res["jct"]) / max(len(res["jct"]), 1),
@@ -298,13 +387,8 @@ def summarize(res: dict) -> dict:
 
 
 def plot(results: dict[str, dict], sums: dict[str, dict], path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (.venv/bin/pip install matplotlib)", flush=True)
+    plt = reporting.pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for i, name in enumerate(results):
@@ -314,44 +398,49 @@ def plot(results: dict[str, dict], sums: dict[str, dict], path: Path, title: str
         color = f"C{i}"
         ax.plot(turns, p50, marker="o", color=color, label=f"{name} p50")
         ax.plot(turns, p95, linestyle="--", color=color, alpha=0.5, label=f"{name} p95")
-    ax.set_xlabel("turn index")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    reporting.save_plot(fig, ax, path, "turn index", "TTFT (s)", title)
     return True
 
 
-def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
-           sums: dict[str, dict], info: dict, elapsed: float, png: Path | None, raw: Path,
-           wl_path: Path) -> str:
+def report(
+    args: argparse.Namespace,
+    workload: dict,
+    results: dict[str, dict],
+    sums: dict[str, dict],
+    info: dict,
+    elapsed: float,
+    png: Path | None,
+    raw: Path,
+    wl_path: Path,
+) -> str:
     p = workload["params"]
     # Ratios are against the first configuration of the run (plain vLLM unless --configs says
     # otherwise, e.g. "pd,pd-kvbranch": upstream P/D against kvbranch P/D).
     base_name = next(iter(results))
     base = sums.get(base_name)
-    lines = [f"## agent_workload ({args.profile}) — {now_str()}\n",
-             f"- Command: `{command_line()}` (git {git_rev()}, {elapsed / 60:.1f} min)",
-             machine_md(info).rstrip(),
-             f"- Workload: {p['sessions']} concurrent sessions x {p['turns']} turns, shared "
-             f"system prompt {workload.get('system_tokens_actual', p['system_tokens'])} tokens "
-             f"with {p['tools']} tool schemas, "
-             f"~{p['obs_tokens']} observation tokens per turn, {args.gen_tokens} greedy output "
-             f"tokens per turn, tool pauses {p['pause_min']}-{p['pause_max']} s, "
-             + (f"fork at turn {workload['fork_turn']} into {p['branches']} alternatives, "
-                if workload["fork_turn"] else "no fork, ")
-             + f"seed {p['seed']}; device KV {args.kv_cache_gib} GiB "
-             f"(~{int(args.kv_cache_gib * 23000)} tokens), host store {args.host_store_gib} GiB, "
-             f"max-model-len {args.max_model_len}; streaming, TTFT at first content token",
-             load_md([r["extra"].get("load1", 0.0) for res in results.values()
-                      for r in res["records"]]),
-             f"- Engine CPU binding (VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}): "
-             + "; ".join(f"{n}: {r.get('omp')}" for n, r in results.items()),
-             f"- Workload file: `{wl_path.relative_to(BENCH_DIR.parent)}`, raw data: "
-             f"`{raw.relative_to(BENCH_DIR.parent)}` (not committed)"]
+    lines = [
+        *reporting.run_header(f"agent_workload ({args.profile})", info, elapsed),
+        f"- Workload: {p['sessions']} concurrent sessions x {p['turns']} turns, shared "
+        f"system prompt {workload.get('system_tokens_actual', p['system_tokens'])} tokens "
+        f"with {p['tools']} tool schemas, "
+        f"~{p['obs_tokens']} observation tokens per turn, {args.gen_tokens} greedy output "
+        f"tokens per turn, tool pauses {p['pause_min']}-{p['pause_max']} s, "
+        + (
+            f"fork at turn {workload['fork_turn']} into {p['branches']} alternatives, "
+            if workload["fork_turn"]
+            else "no fork, "
+        )
+        + f"seed {p['seed']}; device KV {args.kv_cache_gib} GiB "
+        f"(~{int(args.kv_cache_gib * 23000)} tokens), host store {args.host_store_gib} GiB, "
+        f"max-model-len {args.max_model_len}; streaming, TTFT at first content token",
+        *reporting.conditions_md(
+            [r["extra"].get("load1", 0.0) for res in results.values() for r in res["records"]],
+            args.reserved_cpus,
+            {n: r.get("omp") for n, r in results.items()},
+        ),
+        f"- Workload file: `{wl_path.relative_to(reporting.ROOT)}`, raw data: "
+        f"`{raw.relative_to(reporting.ROOT)}` (not committed)",
+    ]
     if png:
         lines.append(f"- Plot: `{png.name}`")
     lines.append("")
@@ -374,27 +463,56 @@ def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
                 row.append(ratio(a[0], b[0]) if a and b else "-")
         rows.append(row)
     lines.append("TTFT per turn index (all sessions and branches):\n")
-    lines.append(md_table(header, rows))
-    header = ["config", "TTFT p50 turns>=5 s", "p95 turns>=5 s", "mean JCT s", "wall s",
-              "out tok/s", "prompt tok", "device", "host", "recomputed", "peak server RSS GiB",
-              "requests", "errors"]
+    lines.append(reporting.md_table(header, rows))
+    header = [
+        "config",
+        "TTFT p50 turns>=5 s",
+        "p95 turns>=5 s",
+        "mean JCT s",
+        "wall s",
+        "out tok/s",
+        "prompt tok",
+        "device",
+        "host",
+        "recomputed",
+        "peak server RSS GiB",
+        "requests",
+        "errors",
+    ]
     rows = []
     for n in names:
         s, r = sums[n], results[n]
         tk = s["tokens"]
-        rows.append([n, s["ttft_p50_late"], s["ttft_p95_late"], s["jct_mean"], r["wall_s"],
-                     s["out_tps"], tk["prompt"], tk["device_hit"], tk["host_hit"],
-                     tk["recomputed"], f"{r['peak_rss_bytes'] / (1 << 30):.2f}", s["requests"],
-                     len(r["errors"])])
-    lines.append("Per configuration (prompt tokens by source from the server's accounting; "
-                 "peak RSS summed over the server's process group via "
-                 f"{results[names[0]]['mem_method']}):\n")
-    lines.append(md_table(header, rows))
+        rows.append(
+            [
+                n,
+                s["ttft_p50_late"],
+                s["ttft_p95_late"],
+                s["jct_mean"],
+                r["wall_s"],
+                s["out_tps"],
+                tk["prompt"],
+                tk["device_hit"],
+                tk["host_hit"],
+                tk["recomputed"],
+                f"{r['peak_rss_bytes'] / (1 << 30):.2f}",
+                s["requests"],
+                len(r["errors"]),
+            ]
+        )
+    lines.append(
+        "Per configuration (prompt tokens by source from the server's accounting; "
+        "peak RSS summed over the server's process group via "
+        f"{results[names[0]]['mem_method']}):\n"
+    )
+    lines.append(reporting.md_table(header, rows))
     jhead = ["session"] + [f"{n} JCT s" for n in names]
-    jrows = [[sid] + [sums[n]["jct"].get(sid, float("nan")) for n in names]
-             for sid in sums[names[0]]["jct"]]
+    jrows = [
+        [sid] + [sums[n]["jct"].get(sid, float("nan")) for n in names]
+        for sid in sums[names[0]]["jct"]
+    ]
     lines.append("Job completion time per session:\n")
-    lines.append(md_table(jhead, jrows))
+    lines.append(reporting.md_table(jhead, jrows))
     if base:
         for n in names:
             if n == base_name:
@@ -402,89 +520,108 @@ def report(args: argparse.Namespace, workload: dict, results: dict[str, dict],
             s = sums[n]
             plain_rss = results[base_name]["peak_rss_bytes"]
             r_late = base["ttft_p50_late"] / s["ttft_p50_late"] if s["ttft_p50_late"] else 0
-            lines.append(f"- Ratios {base_name}/{n}: TTFT p50 turns>=5 {r_late:.2f}x, TTFT p95 turns>=5 "
-                         f"{ratio(base['ttft_p95_late'], s['ttft_p95_late'])}, mean JCT "
-                         f"{ratio(base['jct_mean'], s['jct_mean'])}, recomputed prompt tokens "
-                         f"{ratio(base['tokens']['recomputed'], s['tokens']['recomputed'])}; "
-                         f"{n}/{base_name} output tok/s {ratio(s['out_tps'], base['out_tps'])}, peak "
-                         f"RSS {ratio(results[n]['peak_rss_bytes'], plain_rss)}")
-            lines.append(f"- Target (memory-pressure profile) kvbranch p50 TTFT at turns >= 5 at "
-                         f"least 3.3x lower than plain: {'MET' if r_late >= 3.3 else 'NOT MET'} "
-                         f"({r_late:.2f}x, profile {args.profile})")
+            lines.append(
+                f"- Ratios {base_name}/{n}: TTFT p50 turns>=5 {r_late:.2f}x, TTFT p95 turns>=5 "
+                f"{ratio(base['ttft_p95_late'], s['ttft_p95_late'])}, mean JCT "
+                f"{ratio(base['jct_mean'], s['jct_mean'])}, recomputed prompt tokens "
+                f"{ratio(base['tokens']['recomputed'], s['tokens']['recomputed'])}; "
+                f"{n}/{base_name} output tok/s {ratio(s['out_tps'], base['out_tps'])}, peak "
+                f"RSS {ratio(results[n]['peak_rss_bytes'], plain_rss)}"
+            )
+            lines.append(
+                f"- Target (memory-pressure profile) kvbranch p50 TTFT at turns >= 5 at "
+                f"least 3.3x lower than plain: {'MET' if r_late >= 3.3 else 'NOT MET'} "
+                f"({r_late:.2f}x, profile {args.profile})"
+            )
             ok, tot = s["recompute_ok"]
-            lines.append(f"- Target recomputed prompt tokens <= new tokens + one block per turn "
-                         f"({n}, turns >= 2): {'MET' if ok == tot else 'NOT MET'} ({ok}/{tot} "
-                         "requests)")
+            lines.append(
+                f"- Target recomputed prompt tokens <= new tokens + one block per turn "
+                f"({n}, turns >= 2): {'MET' if ok == tot else 'NOT MET'} ({ok}/{tot} "
+                "requests)"
+            )
     for n in names:
         r = results[n]
         if r["kvbranch"]:
-            st = r.get("stats") or {}
+            st = r.get("stats")
             pf = r["prefetches"]
             lat = median([x["latency_s"] for x in pf])
-            lines.append(f"- {n}: {len(pf)} prefetch calls (median route latency {lat * 1000:.0f} "
-                         f"ms, statuses {sorted({x['status'] for x in pf})}), {len(r['forks'])} "
-                         f"forks (statuses {sorted({x['status'] for x in r['forks']})}); server "
-                         f"hits_tokens {st.get('hits_tokens')}, prefetches "
-                         f"{st.get('prefetches')}, store "
-                         f"{(st.get('store') or {}).get('used_blocks')}/"
-                         f"{(st.get('store') or {}).get('capacity_blocks')} blocks, evictions "
-                         f"{(st.get('store') or {}).get('evictions')}, pins degraded "
-                         f"{st.get('pins_degraded')}")
+            lines.append(
+                f"- {n}: {len(pf)} prefetch calls (median route latency {lat * 1000:.0f} "
+                f"ms, statuses {sorted({x['status'] for x in pf})}), {len(r['forks'])} "
+                f"forks (statuses {sorted({x['status'] for x in r['forks']})}); server: "
+                + (common.describe_stats(st) if st else "no stats")
+            )
         if r["errors"]:
             lines.append(f"- {n} errors: {r['errors'][:5]}")
     if len(names) > 1:
-        outs = {n: {(x["session"], x["branch"], x["turn"]): x["content"]
-                    for x in results[n]["records"]} for n in names}
+        outs = {
+            n: {(x["session"], x["branch"], x["turn"]): x["content"] for x in results[n]["records"]}
+            for n in names
+        }
         keys = set.intersection(*(set(o) for o in outs.values()))
         same = sum(1 for k in keys if len({outs[n][k] for n in names}) == 1)
-        lines.append(f"- Greedy outputs identical across configurations: {same}/{len(keys)} "
-                     "requests")
+        lines.append(
+            f"- Greedy outputs identical across configurations: {same}/{len(keys)} requests"
+        )
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+#: Workload options (``None`` defaults: the profile's value): flag, type, help.
+WORKLOAD_OPTIONS = [
+    ("--sessions", int, "S concurrent sessions"),
+    ("--turns", int, "T turns per session"),
+    ("--obs-tokens", int, "U tool-observation tokens per turn"),
+    ("--gen-tokens", int, "G generated tokens per turn"),
+    ("--system-tokens", int, "shared system prompt tokens"),
+    ("--tools", int, "tool schemas in the system prompt"),
+    ("--pause-min", float, "shortest tool pause (s)"),
+    ("--pause-max", float, "longest tool pause (s)"),
+    ("--fork-turn", int, "turn at which sessions fork (0: never)"),
+    ("--branches", int, "B alternatives at the fork"),
+    ("--stagger-s", float, "sessions start within this many seconds"),
+    ("--kv-cache-gib", float, "device KV budget of every config"),
+    ("--host-store-gib", float, "kvbranch host store size"),
+    ("--max-model-len", int, "the servers' --max-model-len"),
+]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="the quick profile (~10 min, 2 cores)")
-    ap.add_argument("--profile", choices=sorted(PROFILES), default=None,
-                    help="parameter profile (default full; --quick = --profile quick)")
-    ap.add_argument("--sessions", type=int, help="S concurrent sessions")
-    ap.add_argument("--turns", type=int, help="T turns per session")
-    ap.add_argument("--obs-tokens", type=int, help="U tool-observation tokens per turn")
-    ap.add_argument("--gen-tokens", type=int, help="G generated tokens per turn")
-    ap.add_argument("--system-tokens", type=int, help="shared system prompt tokens")
-    ap.add_argument("--tools", type=int, help="tool schemas in the system prompt")
-    ap.add_argument("--pause-min", type=float, help="shortest tool pause (s)")
-    ap.add_argument("--pause-max", type=float, help="longest tool pause (s)")
-    ap.add_argument("--fork-turn", type=int, help="turn at which sessions fork (0: never)")
-    ap.add_argument("--branches", type=int, help="B alternatives at the fork")
-    ap.add_argument("--stagger-s", type=float, help="sessions start within this many seconds")
-    ap.add_argument("--kv-cache-gib", type=float, help="device KV budget of every config")
-    ap.add_argument("--host-store-gib", type=float, help="kvbranch host store size")
-    ap.add_argument("--max-model-len", type=int)
-    ap.add_argument("--pd-hold-ttl-s", type=float, default=30.0,
-                    help="P/D configurations: how long D holds a turn's blocks")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reserved-cpus", type=int, default=DEFAULT_RESERVED_CPUS,
-                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server, so that all configs "
-                    "get the same OpenMP cores (vLLM otherwise reserves one more core when a "
-                    "KV connector is loaded); -1: leave vLLM's default")
+    ap.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="parameter profile (default full; --quick = --profile quick)",
+    )
+    for flag, kind, text in WORKLOAD_OPTIONS:
+        ap.add_argument(flag, type=kind, help=text)
+    ap.add_argument(
+        "--pd-hold-ttl-s",
+        type=float,
+        default=30.0,
+        help="P/D configurations: how long D holds a turn's blocks",
+    )
     ap.add_argument("--configs", default="plain,kvbranch", help="run in this order")
     ap.add_argument("--replay", type=Path, help="replay a workload JSON written by a run")
-    ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
-    if args.reserved_cpus is not None and args.reserved_cpus < 0:
-        args.reserved_cpus = None
+    common.add_run_args(ap)
+    args = common.parse_run_args(ap)
     args.profile = args.profile or ("quick" if args.quick else "full")
     for key, value in PROFILES[args.profile].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for c in configs:
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in args.configs:
         if c not in CONFIG_NAMES:
             ap.error(f"unknown config {c!r}")
+    return args
 
-    log = Progress()
+
+def main() -> int:
+    args = parse_args()
+    log = reporting.Progress()
     if args.replay:
         workload = json.loads(args.replay.read_text())
         for k, v in workload["params"].items():
@@ -492,33 +629,42 @@ def main() -> int:
         log(f"replaying {args.replay}")
     else:
         workload = build_workload({k: getattr(args, k) for k in WORKLOAD_KEYS})
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    wl_path = OUT_DIR / f"agent_workload-{args.profile}-{stamp}-workload.json"
-    write_json(wl_path, workload)
+    raw = reporting.raw_path(f"agent_workload-{args.profile}")
+    wl_path = raw.with_name(raw.stem + "-workload.json")
+    reporting.write_json(wl_path, workload)
     log(f"workload written to {wl_path}")
-    info_job = machine_info_async()  # a subprocess imports vLLM: overlap it with the runs
+    info_job = reporting.machine_info_async()
     results: dict[str, dict] = {}
     t0 = time.monotonic()
-    for name in configs:
+    for name in args.configs:
         log(f"=== configuration {name} ===")
-        results[name] = asyncio.run(run_config(name, name in ("kvbranch", "pd-kvbranch"), args,
-                                               workload, log))
+        results[name] = asyncio.run(
+            run_config(name, name in ("kvbranch", "pd-kvbranch"), args, workload, log)
+        )
     elapsed = time.monotonic() - t0
     info = info_job.result()
     sums = {n: summarize(r) for n, r in results.items()}
-    raw = OUT_DIR / f"agent_workload-{args.profile}-{stamp}.json"
-    write_json(raw, {"args": {k: str(v) for k, v in vars(args).items()}, "machine": info,
-                     "results": results, "summary": sums})
-    png = BENCH_DIR / f"agent_workload_{args.profile}.png"
+    reporting.write_json(
+        raw,
+        {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "machine": info,
+            "results": results,
+            "summary": sums,
+        },
+    )
+    png: Path | None = reporting.BENCH_DIR / f"agent_workload_{args.profile}.png"
     p = workload["params"]
-    if not plot(results, sums, png, f"TTFT vs turn: {p['sessions']} sessions, "
-                f"{args.kv_cache_gib} GiB device KV ({args.profile})"):
+    if not plot(
+        results,
+        sums,
+        png,
+        f"TTFT vs turn: {p['sessions']} sessions, "
+        f"{args.kv_cache_gib} GiB device KV ({args.profile})",
+    ):
         png = None
     section = report(args, workload, results, sums, info, elapsed, png, raw, wl_path)
-    print("\n" + section)
-    if not args.no_results:
-        append_results(section)
+    reporting.publish(section, args.no_results)
     return 0
 
 

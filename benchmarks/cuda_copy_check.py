@@ -46,14 +46,27 @@ from server.connector.host_pool import HostKVPool  # noqa: E402  (torch only)
 LAYOUTS = ("blocks_first", "kv_first")  # [blocks, 2, bs, heads, hd] and [2, blocks, bs, ...]
 
 
-def make_caches(layout: str, num_blocks: int, layers: int = 2, block_size: int = 16,
-                heads: int = 2, head_dim: int = 64, dtype: torch.dtype = torch.float16,
-                seed: int = 0, device: str = "cuda") -> tuple[dict[str, torch.Tensor], int]:
+def make_caches(
+    layout: str,
+    num_blocks: int,
+    layers: int = 2,
+    block_size: int = 16,
+    heads: int = 2,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float16,
+    seed: int = 0,
+    device: str = "cuda",
+) -> tuple[dict[str, torch.Tensor], int]:
     g = torch.Generator(device=device).manual_seed(seed)
-    shape = ([num_blocks, 2, block_size, heads, head_dim] if layout == "blocks_first"
-             else [2, num_blocks, block_size, heads, head_dim])
-    caches = {f"layer.{i}": torch.randn(shape, generator=g, device=device, dtype=torch.float32
-                                        ).to(dtype) for i in range(layers)}
+    shape = (
+        [num_blocks, 2, block_size, heads, head_dim]
+        if layout == "blocks_first"
+        else [2, num_blocks, block_size, heads, head_dim]
+    )
+    caches = {
+        f"layer.{i}": torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+        for i in range(layers)
+    }
     return caches, (0 if layout == "blocks_first" else 1)
 
 
@@ -90,7 +103,7 @@ def check_round_trip(layout: str) -> None:
     pool.load([3, 0, 2], [7, 0, 5])
     torch.cuda.synchronize()
     for name, t in caches.items():
-        for got_block, want in zip((7, 0, 5), expected[name]):
+        for got_block, want in zip((7, 0, 5), expected[name], strict=True):
             assert torch.equal(block(t, dim, got_block), want), f"{name} block {got_block}"
 
 
@@ -100,14 +113,15 @@ def check_save_fence(layout: str) -> None:
     old = {n: block(t, dim, 2).clone() for n, t in caches.items()}
     torch.cuda.synchronize()
     assert pool._stream is not None
-    hold_stream(pool._stream)            # the save's copies start late
-    pool.save([2], [1])                  # step N: save block 2
-    for t in caches.values():            # step N+1, compute stream: block 2 is rewritten
+    hold_stream(pool._stream)  # the save's copies start late
+    pool.save([2], [1])  # step N: save block 2
+    for t in caches.values():  # step N+1, compute stream: block 2 is rewritten
         block(t, dim, 2).fill_(7.0)
     torch.cuda.synchronize()
     for name, host in pool.host_caches.items():
         assert torch.equal(host[1], old[name].cpu()), (
-            f"{name}: the host copy of block 2 holds the next step's write (no save fence)")
+            f"{name}: the host copy of block 2 holds the next step's write (no save fence)"
+        )
 
 
 def check_load_after_zeroing(layout: str) -> None:
@@ -123,7 +137,8 @@ def check_load_after_zeroing(layout: str) -> None:
     torch.cuda.synchronize()
     for name, t in caches.items():
         assert torch.equal(block(t, dim, 3), want[name]), (
-            f"{name}: block zeroing landed after the load")
+            f"{name}: block zeroing landed after the load"
+        )
 
 
 def check_host_fence(layout: str) -> None:
@@ -133,7 +148,7 @@ def check_host_fence(layout: str) -> None:
     assert pool._stream is not None
     hold_stream(pool._stream)
     pool.save([0], [1])
-    pool.fence()                         # host wait only: no device synchronize
+    pool.fence()  # host wait only: no device synchronize
     for name, host in pool.host_caches.items():
         assert torch.equal(host[1], want[name]), f"{name}: fence returned before the copy"
 
@@ -188,8 +203,15 @@ def link_limit(device: str, mib: int, repeats: int) -> dict:
     if device == "cuda":
         try:
             q = subprocess.run(
-                ["nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.width.current",
-                 "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+                [
+                    "nvidia-smi",
+                    "--query-gpu=pcie.link.gen.current,pcie.link.width.current",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             gen, width = (int(x) for x in q.stdout.splitlines()[0].split(","))
             per_lane = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}.get(gen)
             if per_lane:
@@ -200,12 +222,21 @@ def link_limit(device: str, mib: int, repeats: int) -> dict:
     return out
 
 
-def time_copies(layout: str, layers: int, block_size: int, heads: int, head_dim: int,
-                sizes: list[int], repeats: int, device: str = "cuda",
-                link: dict | None = None) -> list[dict]:
+def time_copies(
+    layout: str,
+    layers: int,
+    block_size: int,
+    heads: int,
+    head_dim: int,
+    sizes: list[int],
+    repeats: int,
+    device: str = "cuda",
+    link: dict | None = None,
+) -> list[dict]:
     num_blocks = max(sizes) * 2
-    caches, _ = make_caches(layout, num_blocks, layers, block_size, heads, head_dim,
-                            torch.bfloat16, device=device)
+    caches, _ = make_caches(
+        layout, num_blocks, layers, block_size, heads, head_dim, torch.bfloat16, device=device
+    )
     pool = HostKVPool(caches, num_blocks=num_blocks, num_slots=max(sizes))
     rows = []
     for n in sizes:
@@ -226,7 +257,9 @@ def time_copies(layout: str, layers: int, block_size: int, heads: int, head_dim:
             best = min(total)
             gbps = n * pool.block_bytes / best / 1e9
             row = {
-                "layout": layout, "direction": direction, "blocks": n,
+                "layout": layout,
+                "direction": direction,
+                "blocks": n,
                 "bytes": n * pool.block_bytes,
                 "enqueue_ms": round(1000 * min(enqueue), 3),
                 "total_ms": round(1000 * best, 3),
@@ -246,15 +279,26 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--link-mib", type=int, default=1024,
-                        help="size of the contiguous copy that measures the link's limit")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run the timing code on CPU tensors (automatic without CUDA)")
+    parser.add_argument(
+        "--link-mib",
+        type=int,
+        default=1024,
+        help="size of the contiguous copy that measures the link's limit",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the timing code on CPU tensors (automatic without CUDA)",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.dry_run
     device = "cuda" if cuda else "cpu"
-    results: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)",
-                     "torch": torch.__version__, "checks": {}, "timings": []}
+    results: dict = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)",
+        "torch": torch.__version__,
+        "checks": {},
+        "timings": [],
+    }
     if not cuda:
         results["note"] = "dry run on CPU: checks the script, says nothing about a GPU"
     failed = False
@@ -271,13 +315,20 @@ def main() -> int:
                 results["checks"][key] = f"FAIL: {exc}"
                 failed = True
     repeats = 2 if args.quick else 5
-    results["link"] = link_limit(device, args.link_mib if cuda else min(args.link_mib, 64),
-                                 repeats)
+    results["link"] = link_limit(device, args.link_mib if cuda else min(args.link_mib, 64), repeats)
     sizes = [1, 16] if args.quick else [1, 4, 16, 64]
     for layout in LAYOUTS:
-        results["timings"] += time_copies(layout, args.layers, args.block_size, args.kv_heads,
-                                          args.head_dim, sizes, repeats, device,
-                                          results["link"])
+        results["timings"] += time_copies(
+            layout,
+            args.layers,
+            args.block_size,
+            args.kv_heads,
+            args.head_dim,
+            sizes,
+            repeats,
+            device,
+            results["link"],
+        )
     print(json.dumps(results, indent=1))
     return 1 if failed else 0
 

@@ -28,27 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
-    DEFAULT_RESERVED_CPUS,
-    OUT_DIR,
-    WORDS,
-    MemorySampler,
-    Progress,
-    append_results,
-    command_line,
-    git_rev,
-    machine_info_async,
-    machine_md,
-    md_table,
-    now_str,
-    omp_binding,
-    percentile,
-    server_args,
-    server_pgid,
-    start_server,
-    write_json,
-)
+from benchmarks import common, reporting  # noqa: E402
+from benchmarks.reporting import percentile  # noqa: E402
+from benchmarks.textgen import WORDS  # noqa: E402
 from sdk import AsyncKVBranchClient  # noqa: E402
+from server.contract import Stats  # noqa: E402
 
 GIB = 1 << 30
 
@@ -63,12 +47,24 @@ class Recorder:
         try:
             result = await awaitable
         except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
-            self.ops.append({"op": name, "ok": False, "t": round(start - self.t0, 3),
-                             "latency_s": time.perf_counter() - start,
-                             "error": f"{type(exc).__name__}: {exc}"[:300]})
+            self.ops.append(
+                {
+                    "op": name,
+                    "ok": False,
+                    "t": round(start - self.t0, 3),
+                    "latency_s": time.perf_counter() - start,
+                    "error": f"{type(exc).__name__}: {exc}"[:300],
+                }
+            )
             return None, False
-        self.ops.append({"op": name, "ok": True, "t": round(start - self.t0, 3),
-                         "latency_s": time.perf_counter() - start})
+        self.ops.append(
+            {
+                "op": name,
+                "ok": True,
+                "t": round(start - self.t0, 3),
+                "latency_s": time.perf_counter() - start,
+            }
+        )
         return result, True
 
 
@@ -77,18 +73,23 @@ def system_text(rng: random.Random, words: int) -> str:
 
 
 def user_text(rng: random.Random, turn: int) -> str:
-    return (f"Step {turn}: tool {rng.choice(WORDS)} returned {rng.randrange(10**5)}. "
-            f"Next {rng.choice(WORDS)}?")
+    return (
+        f"Step {turn}: tool {rng.choice(WORDS)} returned {rng.randrange(10**5)}. "
+        f"Next {rng.choice(WORDS)}?"
+    )
 
 
-async def worker(i: int, client: AsyncKVBranchClient, rec: Recorder, args, deadline: float,
-                 counters: dict) -> None:
+async def worker(
+    i: int, client: AsyncKVBranchClient, rec: Recorder, args, deadline: float, counters: dict
+) -> None:
     rng = random.Random(args.seed * 100_003 + i)
     await asyncio.sleep(rng.uniform(0, args.stagger_s))
     gen = {"max_tokens": args.max_tokens, "temperature": 0}
     while time.monotonic() < deadline:
-        session, ok = await rec.op("create_session", client.session(
-            system=system_text(rng, args.system_words), pin_ttl_s=args.pin_ttl_s))
+        session, ok = await rec.op(
+            "create_session",
+            client.session(system=system_text(rng, args.system_words), pin_ttl_s=args.pin_ttl_s),
+        )
         if not ok:
             await asyncio.sleep(1.0)
             continue
@@ -114,8 +115,9 @@ async def worker(i: int, client: AsyncKVBranchClient, rec: Recorder, args, deadl
         await rec.op("delete_session", session.delete())
 
 
-async def sample_rss(sampler: MemorySampler, t0: float, out: list, stop: asyncio.Event,
-                     every_s: float) -> None:
+async def sample_rss(
+    sampler: common.MemorySampler, t0: float, out: list, stop: asyncio.Event, every_s: float
+) -> None:
     while not stop.is_set():
         rss = await asyncio.to_thread(sampler.sample)
         out.append((round(time.monotonic() - t0, 1), rss))
@@ -125,8 +127,8 @@ async def sample_rss(sampler: MemorySampler, t0: float, out: list, stop: asyncio
             pass
 
 
-async def run(args, server, log: Progress) -> dict:
-    sampler = MemorySampler(server_pgid(server))
+async def run(args, server, log: reporting.Progress) -> dict:
+    sampler = common.MemorySampler(common.server_pgid(server))
     t0 = time.monotonic()
     rss: list[tuple[float, int]] = []
     stop = asyncio.Event()
@@ -146,8 +148,9 @@ async def run(args, server, log: Progress) -> dict:
                 log(f"ops ok {done}, failed {bad}, rss {rss[-1][1] / GIB:.2f} GiB")
 
         reporter = asyncio.create_task(progress())
-        await asyncio.gather(*(worker(i, client, rec, args, deadline, counters)
-                               for i in range(args.sessions)))
+        await asyncio.gather(
+            *(worker(i, client, rec, args, deadline, counters) for i in range(args.sessions))
+        )
         reporter.cancel()
         load_end = time.monotonic() - t0
         log(f"load over after {load_end:.0f}s; all sessions deleted by their workers")
@@ -156,8 +159,14 @@ async def run(args, server, log: Progress) -> dict:
     stop.set()
     await sampling
     rss.append((round(time.monotonic() - t0, 1), sampler.sample()))
-    return {"ops": rec.ops, "rss": rss, "load_end_s": load_end, "counters": counters,
-            "stats_before": stats0.model_dump(), "stats_after": stats1.model_dump()}
+    return {
+        "ops": rec.ops,
+        "rss": rss,
+        "load_end_s": load_end,
+        "counters": counters,
+        "stats_before": stats0.model_dump(),
+        "stats_after": stats1.model_dump(),
+    }
 
 
 def summarize(data: dict) -> dict:
@@ -169,48 +178,58 @@ def summarize(data: dict) -> dict:
         if o["ok"]:
             entry["lat"].append(o["latency_s"])
     rss = [b for _, b in data["rss"]]
-    after = data["stats_after"]
+    after = Stats.model_validate(data["stats_after"])
+    store = after.store
     chat_lat = by_op.get("chat", {"lat": []})["lat"]
     return {
         "ops_ok": sum(1 for o in ops if o["ok"]),
         "ops_failed": sum(1 for o in ops if not o["ok"]),
         "errors": sorted({o["error"] for o in ops if not o["ok"]})[:20],
         "chat_requests": len(chat_lat),
-        "chat_p50_s": percentile(chat_lat, 50), "chat_p95_s": percentile(chat_lat, 95),
+        "chat_p50_s": percentile(chat_lat, 50),
+        "chat_p95_s": percentile(chat_lat, 95),
         "chat_per_s": len(chat_lat) / data["load_end_s"] if data["load_end_s"] else 0.0,
-        "per_op": {k: {"ok": v["ok"], "failed": v["failed"], "p50_s": percentile(v["lat"], 50),
-                       "p95_s": percentile(v["lat"], 95)} for k, v in sorted(by_op.items())},
-        "rss_start_gib": rss[0] / GIB, "rss_peak_gib": max(rss) / GIB,
+        "per_op": {
+            k: {
+                "ok": v["ok"],
+                "failed": v["failed"],
+                "p50_s": percentile(v["lat"], 50),
+                "p95_s": percentile(v["lat"], 95),
+            }
+            for k, v in sorted(by_op.items())
+        },
+        "rss_start_gib": rss[0] / GIB,
+        "rss_peak_gib": max(rss) / GIB,
         "rss_end_gib": rss[-1] / GIB,
         "sessions_opened": data["counters"]["sessions"],
-        "pinned_blocks_after": after["store"]["pinned_blocks"],
-        "pinned_bytes_after": after["store"]["pinned_bytes"],
-        "sessions_left": len(after["sessions"]),
-        "store_used_gib": after["store"]["used_bytes"] / GIB,
-        "store_capacity_gib": after["store"]["capacity_blocks"] * after["store"]["block_bytes"]
-        / GIB,
-        "store_after": {k: after["store"][k] for k in ("used_blocks", "capacity_blocks",
-                                                       "evictions", "saved_blocks",
-                                                       "loaded_blocks")},
-        "pins_degraded": after["pins_degraded"], "pins_refused": after["pins_refused"],
-        "hits_tokens": after["hits_tokens"], "prefetches": after["prefetches"],
+        "pinned_blocks_after": store.pinned_blocks,
+        "pinned_bytes_after": store.pinned_bytes,
+        "sessions_left": len(after.sessions),
+        "store_used_gib": store.used_bytes / GIB,
+        "store_capacity_gib": store.capacity_blocks * store.block_bytes / GIB,
+        "store_after": store.model_dump(
+            include={"used_blocks", "capacity_blocks", "evictions", "saved_blocks", "loaded_blocks"}
+        ),
+        "pins_degraded": after.pins_degraded,
+        "pins_refused": after.pins_refused,
+        "hits_tokens": after.hits_tokens,
+        "prefetches": after.prefetches,
     }
 
 
-def report(args, summary: dict, info: dict, json_path: Path, started: str, wall_s: float,
-           binding: str) -> tuple[str, bool]:
+def report(
+    args, summary: dict, info: dict, json_path: Path, wall_s: float, binding: str
+) -> tuple[str, bool]:
     checks = {
         "no failed operation": summary["ops_failed"] == 0,
         "pinned blocks 0 after all sessions were deleted": summary["pinned_blocks_after"] == 0,
         "no session left": summary["sessions_left"] == 0,
     }
-    rows = [[op, v["ok"], v["failed"], v["p50_s"], v["p95_s"]]
-            for op, v in summary["per_op"].items()]
+    rows = [
+        [op, v["ok"], v["failed"], v["p50_s"], v["p95_s"]] for op, v in summary["per_op"].items()
+    ]
     lines = [
-        f"## Load test ({args.profile}) — {started}",
-        "",
-        f"- Command: `{command_line()}` (git {git_rev()}, {wall_s / 60:.1f} min)",
-        machine_md(info).rstrip(),
+        *reporting.run_header(f"Load test ({args.profile})", info, wall_s),
         f"- Server: `python -m server {' '.join(server_args_of(args))}`, "
         f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} ({binding})",
         f"- Load: {args.sessions} concurrent sessions (async sdk) for {args.duration_s:.0f} s; "
@@ -219,9 +238,9 @@ def report(args, summary: dict, info: dict, json_path: Path, started: str, wall_
         f"pin of main after turn 1 and of the fork, fork + prefetch at turn "
         f"{args.fork_turn + 1}, half the forks unpinned and deleted, then the session deleted "
         f"and a new one opened; seed {args.seed}",
-        f"- Raw data: `{json_path.relative_to(json_path.parent.parent.parent)}`",
+        f"- Raw data: `{json_path.relative_to(reporting.ROOT)}`",
         "",
-        md_table(["operation", "ok", "failed", "p50 s", "p95 s"], rows).rstrip(),
+        reporting.md_table(["operation", "ok", "failed", "p50 s", "p95 s"], rows).rstrip(),
         "",
         f"- Operations: {summary['ops_ok']} ok, {summary['ops_failed']} failed; "
         f"{summary['chat_requests']} chat requests ({summary['chat_per_s']:.2f}/s), latency "
@@ -236,8 +255,7 @@ def report(args, summary: dict, info: dict, json_path: Path, started: str, wall_
         f"{summary['sessions_left']}, store {summary['store_after']}, pins degraded "
         f"{summary['pins_degraded']}, refused {summary['pins_refused']}, prefetches "
         f"{summary['prefetches']}, prompt tokens by source {summary['hits_tokens']}",
-        "- Checks: " + "; ".join(f"{k}: {'MET' if v else 'NOT MET'}" for k, v in
-                                 checks.items()),
+        "- Checks: " + "; ".join(f"{k}: {'MET' if v else 'NOT MET'}" for k, v in checks.items()),
     ]
     if summary["errors"]:
         lines.append("- Errors: " + "; ".join(summary["errors"][:5]))
@@ -245,18 +263,28 @@ def report(args, summary: dict, info: dict, json_path: Path, started: str, wall_
 
 
 def server_args_of(args) -> list[str]:
-    return server_args(True, args.kv_cache_gib, args.host_store_gib, args.max_model_len,
-                       ["--pin-ttl-s", str(int(args.pin_ttl_s))])
+    return common.server_args(
+        True,
+        args.kv_cache_gib,
+        args.host_store_gib,
+        args.max_model_len,
+        ["--pin-ttl-s", str(int(args.pin_ttl_s))],
+    )
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="~60 s of load instead of ~3 min")
     ap.add_argument("--sessions", type=int, default=32, help="concurrent sessions (workers)")
     ap.add_argument("--duration-s", type=float, help="seconds of load (default 180, quick 60)")
-    ap.add_argument("--turns", type=int, default=6, help="turns per session before it is "
-                    "deleted and a new one opened")
+    ap.add_argument(
+        "--turns",
+        type=int,
+        default=6,
+        help="turns per session before it is deleted and a new one opened",
+    )
     ap.add_argument("--fork-turn", type=int, default=2, help="0-based turn that forks")
     ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per chat")
     ap.add_argument("--system-words", type=int, default=150, help="system prompt words")
@@ -267,35 +295,25 @@ def main() -> int:
     ap.add_argument("--host-store-gib", type=float, default=1.0)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--sample-every-s", type=float, default=2.0, help="RSS sampling period")
-    ap.add_argument("--reserved-cpus", type=int, default=DEFAULT_RESERVED_CPUS,
-                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for the server")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    common.add_run_args(ap)
+    args = common.parse_run_args(ap)
     args.profile = "quick" if args.quick else "default"
     if args.duration_s is None:
         args.duration_s = 60.0 if args.quick else 180.0
 
-    log = Progress()
-    info_future = machine_info_async()
-    started = now_str()
-    t0 = time.monotonic()
-    server = start_server("kvbranch", server_args_of(args), args.reserved_cpus)
+    log = reporting.Progress()
+    info_future = reporting.machine_info_async()
+    server = common.start_server("kvbranch", server_args_of(args), args.reserved_cpus)
     try:
-        binding = omp_binding(server)
+        binding = common.omp_binding(server)
         data = asyncio.run(run(args, server, log))
     finally:
         server.stop()
-    wall_s = time.monotonic() - t0
     summary = summarize(data)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    json_path = OUT_DIR / f"load_test-{args.profile}-{stamp}.json"
-    write_json(json_path, {"args": vars(args), "summary": summary, **data})
-    section, ok = report(args, summary, info_future.result(), json_path, started, wall_s,
-                         binding)
-    print(section)
-    if not args.no_results:
-        append_results(section)
+    json_path = reporting.raw_path(f"load_test-{args.profile}")
+    reporting.write_json(json_path, {"args": vars(args), "summary": summary, **data})
+    section, ok = report(args, summary, info_future.result(), json_path, log.elapsed(), binding)
+    reporting.publish(section, args.no_results)
     return 0 if ok else 1
 
 

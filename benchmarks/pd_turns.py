@@ -28,29 +28,14 @@ import asyncio
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
-    BENCH_DIR,
-    MODEL_NAME,
-    OUT_DIR,
-    Progress,
-    append_results,
-    command_line,
-    git_rev,
-    machine_info_async,
-    machine_md,
-    md_table,
-    now_str,
-    stream_request,
-    text_of_tokens,
-)
-from server.process import ServerProcess  # noqa: E402
+from benchmarks import common, reporting  # noqa: E402
+from benchmarks.textgen import text_of_tokens  # noqa: E402
 
 CONFIGS = {
     "pd": ["--disagg", "--no-connector", "--no-bidirectional"],
@@ -60,50 +45,72 @@ CONFIGS = {
 }
 
 
-def conversation_turns(seed: int, turns: int, system_tokens: int,
-                       new_tokens: int) -> tuple[str, list[str]]:
+def conversation_turns(
+    seed: int, turns: int, system_tokens: int, new_tokens: int
+) -> tuple[str, list[str]]:
     rng = random.Random(seed)
     system = "You are an agent that uses tools. Notes: " + text_of_tokens(rng, system_tokens)
     users = [f"Task {seed}: inspect the logs and report." + text_of_tokens(rng, 40)]
-    users += [f"Tool result {t}: " + text_of_tokens(rng, new_tokens, style="observation")
-              for t in range(1, turns)]
+    users += [
+        f"Tool result {t}: " + text_of_tokens(rng, new_tokens, style="observation")
+        for t in range(1, turns)
+    ]
     return system, users
 
 
-async def run_config(name: str, args: argparse.Namespace, log: Progress) -> dict:
-    server_args = ["--kv-cache-gib", str(args.kv_cache_gib), "--max-model-len",
-                   str(args.max_model_len), *CONFIGS[name]]
-    log(f"[{name}] starting: python -m server {' '.join(server_args)}")
-    t0 = time.monotonic()
-    server = ServerProcess(server_args, name=f"bench-{name}", ready_timeout=1200).start()
-    log(f"[{name}] ready after {time.monotonic() - t0:.0f}s at {server.url}")
+async def run_config(name: str, args: argparse.Namespace, log: reporting.Progress) -> dict:
+    server_args = [
+        "--kv-cache-gib",
+        str(args.kv_cache_gib),
+        "--max-model-len",
+        str(args.max_model_len),
+        *CONFIGS[name],
+    ]
+    server = common.start_server(
+        f"bench-{name}", server_args, reserved_cpus=None, ready_timeout=1200
+    )
     turns: list[dict] = []
     try:
         async with httpx.AsyncClient(timeout=1800) as client:
             for conv in range(args.conversations):
-                system, users = conversation_turns(args.seed + conv, args.turns,
-                                                   args.system_tokens, args.new_tokens)
+                system, users = conversation_turns(
+                    args.seed + conv, args.turns, args.system_tokens, args.new_tokens
+                )
                 messages = [{"role": "system", "content": system}]
                 session = f"pd-bench-{conv}"
                 for turn, user in enumerate(users, start=1):
                     messages.append({"role": "user", "content": user})
-                    body = {"model": MODEL_NAME, "messages": messages, "temperature": 0.0,
-                            "max_tokens": args.gen_tokens, "session_id": session}
-                    res = await stream_request(client, f"{server.url}/v1/chat/completions",
-                                               body)
-                    split = res.split or {}
-                    turns.append({"conversation": conv, "turn": turn, "ttft_s": res.ttft_s,
-                                  "total_s": res.total_s, "prompt_tokens": res.prompt_tokens,
-                                  "completion_tokens": res.completion_tokens,
-                                  "device_hit_tokens": res.device_hit_tokens,
-                                  "host_hit_tokens": res.host_hit_tokens,
-                                  "remote_hit_tokens": int(split.get("remote_hit_tokens", 0)),
-                                  "recomputed_tokens": res.recomputed_tokens,
-                                  "content": res.content, "load1": res.extra.get("load1")})
-                    log(f"[{name}] conv {conv} turn {turn}: TTFT {res.ttft_s:.2f}s, prompt "
+                    body = {
+                        "model": common.MODEL_NAME,
+                        "messages": messages,
+                        "temperature": 0.0,
+                        "max_tokens": args.gen_tokens,
+                        **common.session_fields(session),
+                    }
+                    res = await common.stream_request(
+                        client, f"{server.url}/v1/chat/completions", body
+                    )
+                    turns.append(
+                        {
+                            "conversation": conv,
+                            "turn": turn,
+                            "ttft_s": res.ttft_s,
+                            "total_s": res.total_s,
+                            "prompt_tokens": res.prompt_tokens,
+                            "completion_tokens": res.completion_tokens,
+                            "device_hit_tokens": res.device_hit_tokens,
+                            "host_hit_tokens": res.host_hit_tokens,
+                            "remote_hit_tokens": res.remote_hit_tokens,
+                            "recomputed_tokens": res.recomputed_tokens,
+                            "content": res.content,
+                            "load1": res.extra.get("load1"),
+                        }
+                    )
+                    log(
+                        f"[{name}] conv {conv} turn {turn}: TTFT {res.ttft_s:.2f}s, prompt "
                         f"{res.prompt_tokens} (device {res.device_hit_tokens}, remote "
-                        f"{split.get('remote_hit_tokens', 0)}, recomputed "
-                        f"{res.recomputed_tokens})")
+                        f"{res.remote_hit_tokens}, recomputed {res.recomputed_tokens})"
+                    )
                     messages.append({"role": "assistant", "content": res.content})
     finally:
         server.stop()
@@ -121,108 +128,126 @@ def per_turn_median(result: dict, turn: int) -> float:
 
 
 def plot(results: list[dict], turns: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = reporting.pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = list(range(1, turns + 1))
     for res in results:
         ax.plot(xs, [per_turn_median(res, t) for t in xs], marker="o", label=res["name"])
-    ax.set_xlabel("turn")
-    ax.set_ylabel("median TTFT (s)")
-    ax.set_title("Multi-turn TTFT: P/D with and without the D->P pull")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    reporting.save_plot(
+        fig,
+        ax,
+        path,
+        "turn",
+        "median TTFT (s)",
+        "Multi-turn TTFT: P/D with and without the D->P pull",
+        dpi=120,
+    )
 
 
-def report(results: list[dict], args: argparse.Namespace, info: dict, started: str) -> str:
+def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: float) -> str:
     by = {r["name"]: r for r in results}
     header = ["turn", *[r["name"] for r in results]]
-    rows = [[t, *[f"{per_turn_median(r, t):.2f}" for r in results]]
-            for t in range(1, args.turns + 1)]
+    rows = [
+        [t, *[f"{per_turn_median(r, t):.2f}" for r in results]] for t in range(1, args.turns + 1)
+    ]
     means = {r["name"]: mean_ttft(r, 2) for r in results}
     summary = [["mean TTFT turns >= 2 (s)", *[f"{means[r['name']]:.2f}" for r in results]]]
-    rec = [["recomputed prompt tokens, turns >= 2",
-            *[str(sum(t["recomputed_tokens"] for t in r["turns"] if t["turn"] >= 2))
-              for r in results]],
-           ["tokens pulled from D (remote hits)",
-            *[str(sum(t["remote_hit_tokens"] for t in r["turns"])) for r in results]],
-           ["median 1-min load average at requests (2 cores = 2.0)",
-            *[f"{statistics.median([t['load1'] or 0 for t in r['turns']]):.1f}"
-              for r in results]]]
-    lines = [f"## pd_turns — {started}", "", machine_md(info), "",
-             f"- Command: `{command_line()}`", f"- Commit: {git_rev()}",
-             f"- {args.conversations} conversations x {args.turns} turns, system prompt "
-             f"~{args.system_tokens} tokens, ~{args.new_tokens} new tokens and "
-             f"{args.gen_tokens} generated tokens per turn; conversations one at a time; "
-             "P on core 0, D on core 1, single instances on core 0.", "",
-             "Median TTFT per turn (s):", "", md_table(header, rows), "",
-             md_table(["", *[r["name"] for r in results]], summary + rec), ""]
+    rec = [
+        [
+            "recomputed prompt tokens, turns >= 2",
+            *[
+                str(sum(t["recomputed_tokens"] for t in r["turns"] if t["turn"] >= 2))
+                for r in results
+            ],
+        ],
+        [
+            "tokens pulled from D (remote hits)",
+            *[str(sum(t["remote_hit_tokens"] for t in r["turns"])) for r in results],
+        ],
+        [
+            "median 1-min load average at requests (2 cores = 2.0)",
+            *[f"{statistics.median([t['load1'] or 0 for t in r['turns']]):.1f}" for r in results],
+        ],
+    ]
+    lines = [
+        *reporting.run_header("pd_turns", info, elapsed),
+        f"- {args.conversations} conversations x {args.turns} turns, system prompt "
+        f"~{args.system_tokens} tokens, ~{args.new_tokens} new tokens and "
+        f"{args.gen_tokens} generated tokens per turn; conversations one at a time; "
+        "P on core 0, D on core 1, single instances on core 0.",
+        "",
+        "Median TTFT per turn (s):",
+        "",
+        reporting.md_table(header, rows),
+        "",
+        reporting.md_table(["", *[r["name"] for r in results]], summary + rec),
+        "",
+    ]
     if "pd" in by and "pd-kvbranch" in by:
-        lines.append(f"- P/D with the kvbranch pull vs upstream P/D (mean TTFT turns >= 2): "
-                     f"{means['pd-kvbranch'] / means['pd']:.2f} of it "
-                     f"(1/{means['pd'] / means['pd-kvbranch']:.2f}); target at most 1/1.6.")
+        lines.append(
+            f"- P/D with the kvbranch pull vs upstream P/D (mean TTFT turns >= 2): "
+            f"{means['pd-kvbranch'] / means['pd']:.2f} of it "
+            f"(1/{means['pd'] / means['pd-kvbranch']:.2f}); target at most 1/1.6."
+        )
     if "pd-kvbranch" in by and "single-kvbranch" in by:
-        lines.append(f"- P/D kvbranch vs single-instance kvbranch: "
-                     f"{means['pd-kvbranch'] - means['single-kvbranch']:+.3f} s per turn "
-                     f"({means['pd-kvbranch'] / means['single-kvbranch']:.2f}x).")
+        lines.append(
+            f"- P/D kvbranch vs single-instance kvbranch: "
+            f"{means['pd-kvbranch'] - means['single-kvbranch']:+.3f} s per turn "
+            f"({means['pd-kvbranch'] / means['single-kvbranch']:.2f}x)."
+        )
     if "pd" in by and "single-plain" in by:
-        lines.append(f"- Upstream P/D's overhead over a plain single instance: "
-                     f"{means['pd'] / means['single-plain']:.2f}x.")
+        lines.append(
+            f"- Upstream P/D's overhead over a plain single instance: "
+            f"{means['pd'] / means['single-plain']:.2f}x."
+        )
     names = [r["name"] for r in results]
     same = 0
     total = 0
     for i, t in enumerate(results[0]["turns"]):
         total += 1
-        same += all(r["turns"][i]["content"] == t["content"] for r in results[1:]
-                    if i < len(r["turns"]))
+        same += all(
+            r["turns"][i]["content"] == t["content"] for r in results[1:] if i < len(r["turns"])
+        )
     lines.append(f"- Greedy outputs identical across {', '.join(names)}: {same}/{total} turns.")
     lines.append("- Plot: `benchmarks/pd_turns.png`.")
     return "\n".join(lines)
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    log = Progress()
-    started = now_str()
-    info_job = machine_info_async()  # a subprocess imports vLLM: overlap it with the runs
-    results = []
-    for name in args.configs:
-        results.append(await run_config(name, args, log))
+    log = reporting.Progress()
+    info_job = reporting.machine_info_async()
+    results = [await run_config(name, args, log) for name in args.configs]
+    elapsed = log.elapsed()
     info = info_job.result()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = OUT_DIR / f"pd_turns-{stamp}.json"
-    from benchmarks.common import write_json
-
-    write_json(out, {"args": vars(args), "machine": info, "results": results})
-    plot(results, args.turns, BENCH_DIR / "pd_turns.png")
-    section = report(results, args, info, started)
-    print(section)
-    if not args.no_results:
-        append_results(section)
+    out = reporting.raw_path("pd_turns")
+    reporting.write_json(out, {"args": vars(args), "machine": info, "results": results})
+    plot(results, args.turns, reporting.BENCH_DIR / "pd_turns.png")
+    reporting.publish(report(results, args, info, elapsed), args.no_results)
     log(f"raw data: {out}")
     return 0
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-tokens", type=int, default=500)
-    parser.add_argument("--new-tokens", type=int, default=180,
-                        help="tool observation tokens added per turn (default %(default)s)")
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=180,
+        help="tool observation tokens added per turn (default %(default)s)",
+    )
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--no-results", action="store_true",
-                        help="do not append to benchmarks/RESULTS.md")
-    return asyncio.run(main_async(parser.parse_args()))
+    common.add_run_args(parser, seed=7, reserved_cpus=False)
+    return asyncio.run(main_async(common.parse_run_args(parser)))
 
 
 if __name__ == "__main__":

@@ -26,31 +26,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
-    BENCH_DIR,
-    BLOCK_TOKENS,
-    DEFAULT_RESERVED_CPUS,
-    MODEL_NAME,
-    OUT_DIR,
-    Progress,
-    append_results,
-    cold_prefill_ttft,
-    command_line,
-    get_stats,
-    git_rev,
-    load_md,
-    machine_info_async,
-    machine_md,
-    md_table,
-    now_str,
-    omp_binding,
-    ratio,
-    server_args,
-    start_server,
-    stream_request,
-    text_of_tokens,
-    tokenizer,
-)
+from benchmarks import common, reporting  # noqa: E402
+from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
+from server.contract import DEFAULT_BRANCH  # noqa: E402
 
 TASKS = [
     "Find why the nightly build of the {x} service fails and fix it.",
@@ -61,117 +39,155 @@ TASKS = [
 
 def build_workload(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    system = ("You are a careful software engineering agent. You work in a repository through "
-              "tools; each user turn carries the observation of the tool you called last. "
-              "Think briefly, then say which tool to call next and why.\n\nProject notes:\n"
-              + text_of_tokens(rng, args.system_tokens, "prose"))
+    system = (
+        "You are a careful software engineering agent. You work in a repository through "
+        "tools; each user turn carries the observation of the tool you called last. "
+        "Think briefly, then say which tool to call next and why.\n\nProject notes:\n"
+        + text_of_tokens(rng, args.system_tokens, "prose")
+    )
     turns = []
     for k in range(args.turns):
-        instr = (rng.choice(TASKS).format(x=rng.choice(["billing", "search", "auth"]))
-                 if k == 0 else f"Step {k + 1}: here is the tool output. What next?")
-        obs_tokens = max(args.new_tokens - len(tokenizer().encode(instr)) - 12, 16)
+        instr = (
+            rng.choice(TASKS).format(x=rng.choice(["billing", "search", "auth"]))
+            if k == 0
+            else f"Step {k + 1}: here is the tool output. What next?"
+        )
+        obs_tokens = max(args.new_tokens - count_tokens(instr) - 12, 16)
         obs = text_of_tokens(rng, obs_tokens, "observation")
         turns.append(f"{instr}\n\n<tool_output>\n{obs}\n</tool_output>")
     return {"system": system, "turns": turns}
 
 
-async def run_config(name: str, connector: bool, args: argparse.Namespace, workload: dict,
-                     log: Progress) -> dict:
-    server = start_server(name, server_args(connector, args.kv_cache_gib, args.host_store_gib,
-                                            args.max_model_len),
-                          reserved_cpus=args.reserved_cpus)
+async def run_config(
+    name: str, connector: bool, args: argparse.Namespace, workload: dict, log: reporting.Progress
+) -> dict:
+    server = common.start_server(
+        name,
+        common.server_args(connector, args.kv_cache_gib, args.host_store_gib, args.max_model_len),
+        reserved_cpus=args.reserved_cpus,
+    )
     base = server.url
-    binding = omp_binding(server)
-    ref_rng = random.Random(args.seed + 1000)   # reference prompts (same across configs)
+    binding = common.omp_binding(server)
+    ref_rng = random.Random(args.seed + 1000)  # reference prompts (same across configs)
     fill_rng = random.Random(args.seed + 2000)  # the other tenant's prompts
     session = f"turn-ttft-{int(time.time())}"
     turns_out = []
     fillers_out = []
     try:
         async with httpx.AsyncClient() as client:
-            warm = await cold_prefill_ttft(client, base, random.Random(args.seed + 3000), 64)
+            warm = await common.cold_prefill_ttft(client, base, random.Random(args.seed + 3000), 64)
             log(f"[{name}] warm-up request: {warm.ttft_s:.2f}s")
             messages = [{"role": "system", "content": workload["system"]}]
             prev_prompt = 0
             for k, user in enumerate(workload["turns"], start=1):
                 messages.append({"role": "user", "content": user})
-                body = {"model": MODEL_NAME, "messages": messages, "max_tokens": args.gen_tokens,
-                        "temperature": 0.0, "session_id": session,
-                        "vllm_xargs": {"kvbranch_branch": "main"}}
-                res = await stream_request(client, f"{base}/v1/chat/completions", body)
+                body = {
+                    "model": common.MODEL_NAME,
+                    "messages": messages,
+                    "max_tokens": args.gen_tokens,
+                    "temperature": 0.0,
+                    **common.session_fields(session, DEFAULT_BRANCH),
+                }
+                res = await common.stream_request(client, f"{base}/v1/chat/completions", body)
                 new_tokens = res.prompt_tokens - prev_prompt
                 prev_prompt = res.prompt_tokens
                 messages.append({"role": "assistant", "content": res.content})
-                refs = [await cold_prefill_ttft(client, base, ref_rng, new_tokens)
-                        for _ in range(args.ref_repeats)]
+                refs = [
+                    await common.cold_prefill_ttft(client, base, ref_rng, new_tokens)
+                    for _ in range(args.ref_repeats)
+                ]
                 ref = sorted(refs, key=lambda r: r.ttft_s)[len(refs) // 2]  # median
-                log(f"[{name}] turn {k}: TTFT {res.ttft_s:.2f}s prompt {res.prompt_tokens} "
+                log(
+                    f"[{name}] turn {k}: TTFT {res.ttft_s:.2f}s prompt {res.prompt_tokens} "
                     f"new {new_tokens} device {res.device_hit_tokens} host {res.host_hit_tokens} "
                     f"recomputed {res.recomputed_tokens}; cold prefill of {new_tokens} new "
-                    f"tokens {ref.ttft_s:.2f}s (median of {len(refs)})")
+                    f"tokens {ref.ttft_s:.2f}s (median of {len(refs)})"
+                )
                 row = res.to_dict()
-                row.update(turn=k, new_tokens=new_tokens, ref_ttft_s=ref.ttft_s,
-                           ref_prompt_tokens=ref.prompt_tokens,
-                           ref_samples_s=[r.ttft_s for r in refs])
+                row.update(
+                    turn=k,
+                    new_tokens=new_tokens,
+                    ref_ttft_s=ref.ttft_s,
+                    ref_prompt_tokens=ref.prompt_tokens,
+                    ref_samples_s=[r.ttft_s for r in refs],
+                )
                 turns_out.append(row)
                 if k < len(workload["turns"]):
                     for _ in range(args.fillers):
-                        f = await cold_prefill_ttft(client, base, fill_rng, args.filler_tokens)
+                        f = await common.cold_prefill_ttft(
+                            client, base, fill_rng, args.filler_tokens
+                        )
                         fillers_out.append({"after_turn": k, **f.to_dict()})
-                    log(f"[{name}]   {args.fillers} filler prompts of {args.filler_tokens} "
-                        f"tokens sent (other tenant)")
-            stats = await get_stats(client, base)
+                    log(
+                        f"[{name}]   {args.fillers} filler prompts of {args.filler_tokens} "
+                        f"tokens sent (other tenant)"
+                    )
+            stats = await common.get_stats(client, base)
     finally:
         server.stop()
         log(f"[{name}] server stopped")
-    return {"name": name, "connector": connector, "turns": turns_out, "fillers": fillers_out,
-            "stats": stats, "omp": binding}
+    return {
+        "name": name,
+        "connector": connector,
+        "turns": turns_out,
+        "fillers": fillers_out,
+        "stats": stats,
+        "omp": binding,
+    }
 
 
 def plot(results: dict[str, dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", flush=True)
+    plt = reporting.pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, res in results.items():
         turns = [t["turn"] for t in res["turns"]]
         ax.plot(turns, [t["ttft_s"] for t in res["turns"]], marker="o", label=f"{name} TTFT")
     ref = results.get("kvbranch") or next(iter(results.values()))
-    ax.plot([t["turn"] for t in ref["turns"]], [t["ref_ttft_s"] for t in ref["turns"]],
-            linestyle="--", marker="x", color="gray", label="cold prefill of new tokens only")
-    ax.set_xlabel("turn")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title("Per-turn TTFT, conversation evicted from device cache between turns")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.plot(
+        [t["turn"] for t in ref["turns"]],
+        [t["ref_ttft_s"] for t in ref["turns"]],
+        linestyle="--",
+        marker="x",
+        color="gray",
+        label="cold prefill of new tokens only",
+    )
+    reporting.save_plot(
+        fig,
+        ax,
+        path,
+        "turn",
+        "TTFT (s)",
+        "Per-turn TTFT, conversation evicted from device cache between turns",
+    )
     return True
 
 
-def report(args: argparse.Namespace, results: dict[str, dict], info: dict, elapsed: float,
-           png: Path | None, raw: Path) -> str:
+def report(
+    args: argparse.Namespace,
+    results: dict[str, dict],
+    info: dict,
+    elapsed: float,
+    png: Path | None,
+    raw: Path,
+) -> str:
     plain, kvb = results.get("plain"), results.get("kvbranch")
-    lines = [f"## turn_ttft — {now_str()}\n",
-             f"- Command: `{command_line()}` (git {git_rev()}, {elapsed / 60:.1f} min)",
-             machine_md(info).rstrip(),
-             f"- Workload: 1 conversation, {args.turns} turns, system prompt ~{args.system_tokens} "
-             f"tokens, ~{args.new_tokens} new user/tool tokens per turn, {args.gen_tokens} greedy "
-             f"output tokens per turn; between turns {args.fillers} prompts of "
-             f"{args.filler_tokens} tokens from another tenant; device KV "
-             f"{args.kv_cache_gib} GiB (~{int(args.kv_cache_gib * 23000)} tokens), host store "
-             f"{args.host_store_gib} GiB, streaming, TTFT at first content token",
-             load_md([t["extra"].get("load1", 0.0) for res in results.values()
-                      for t in res["turns"]]),
-             f"- Engine CPU binding (VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus}): "
-             + "; ".join(f"{n}: {r.get('omp')}" for n, r in results.items()),
-             f"- Raw data: `{raw.relative_to(BENCH_DIR.parent)}` (not committed)"]
+    lines = [
+        *reporting.run_header("turn_ttft", info, elapsed),
+        f"- Workload: 1 conversation, {args.turns} turns, system prompt ~{args.system_tokens} "
+        f"tokens, ~{args.new_tokens} new user/tool tokens per turn, {args.gen_tokens} greedy "
+        f"output tokens per turn; between turns {args.fillers} prompts of "
+        f"{args.filler_tokens} tokens from another tenant; device KV "
+        f"{args.kv_cache_gib} GiB (~{int(args.kv_cache_gib * 23000)} tokens), host store "
+        f"{args.host_store_gib} GiB, streaming, TTFT at first content token",
+        *reporting.conditions_md(
+            [t["extra"].get("load1", 0.0) for res in results.values() for t in res["turns"]],
+            args.reserved_cpus,
+            {n: r.get("omp") for n, r in results.items()},
+        ),
+        f"- Raw data: `{raw.relative_to(reporting.ROOT)}` (not committed)",
+    ]
     if png:
         lines.append(f"- Plot: `{png.name}`")
     lines.append("")
@@ -196,59 +212,77 @@ def report(args: argparse.Namespace, results: dict[str, dict], info: dict, elaps
             row += [p["ttft_s"], f"{p['recomputed_tokens']} ({p['cached_tokens']})"]
         if kvb:
             q = kvb["turns"][i]
-            row += [q["ttft_s"], f"{q['device_hit_tokens']}/{q['host_hit_tokens']}/"
-                                 f"{q['recomputed_tokens']}"]
+            row += [
+                q["ttft_s"],
+                f"{q['device_hit_tokens']}/{q['host_hit_tokens']}/{q['recomputed_tokens']}",
+            ]
         row += [t["ref_ttft_s"]]
         if kvb:
-            row += [ratio(kvb["turns"][i]["ttft_s"], t["ref_ttft_s"])]
+            row += [reporting.ratio(kvb["turns"][i]["ttft_s"], t["ref_ttft_s"])]
         if plain and kvb:
-            row += [ratio(plain["turns"][i]["ttft_s"], kvb["turns"][i]["ttft_s"])]
+            row += [reporting.ratio(plain["turns"][i]["ttft_s"], kvb["turns"][i]["ttft_s"])]
         rows.append(row)
-    lines.append(md_table(header, rows))
+    lines.append(reporting.md_table(header, rows))
     if plain:
         pref = ", ".join(f"{x['ref_ttft_s']:.2f}" for x in plain["turns"])
-        lines.append(f"Cold prefill reference measured on the plain server too (s per turn): "
-                     f"{pref}.\n")
+        lines.append(
+            f"Cold prefill reference measured on the plain server too (s per turn): {pref}.\n"
+        )
     # Checks against the targets.
     checks = []
     if kvb:
         late = [t for t in kvb["turns"] if t["turn"] >= 3]
         ok_ttft = [t["ttft_s"] <= 1.5 * t["ref_ttft_s"] for t in late]
-        ok_rec = [t["recomputed_tokens"] <= t["new_tokens"] + BLOCK_TOKENS for t in kvb["turns"]
-                  if t["turn"] >= 2]
+        ok_rec = [
+            t["recomputed_tokens"] <= t["new_tokens"] + common.BLOCK_TOKENS
+            for t in kvb["turns"]
+            if t["turn"] >= 2
+        ]
         worst = max((t["ttft_s"] / t["ref_ttft_s"] for t in late), default=float("nan"))
-        checks.append(f"- Target 'kvbranch TTFT within 1.5x of prefilling only the new tokens, "
-                      f"turns >= 3': {'MET' if all(ok_ttft) else 'NOT MET'} "
-                      f"({sum(ok_ttft)}/{len(ok_ttft)} turns; worst {worst:.2f}x)")
-        checks.append(f"- Target 'recomputed <= new tokens + one 128-token block' (turns >= 2): "
-                      f"{'MET' if all(ok_rec) else 'NOT MET'} ({sum(ok_rec)}/{len(ok_rec)})")
+        checks.append(
+            f"- Target 'kvbranch TTFT within 1.5x of prefilling only the new tokens, "
+            f"turns >= 3': {'MET' if all(ok_ttft) else 'NOT MET'} "
+            f"({sum(ok_ttft)}/{len(ok_ttft)} turns; worst {worst:.2f}x)"
+        )
+        checks.append(
+            f"- Target 'recomputed <= new tokens + one 128-token block' (turns >= 2): "
+            f"{'MET' if all(ok_rec) else 'NOT MET'} ({sum(ok_rec)}/{len(ok_rec)})"
+        )
         dev = [t["device_hit_tokens"] for t in kvb["turns"][1:]]
-        checks.append(f"- Eviction check: kvbranch device_hit_tokens at turns >= 2: {dev} "
-                      f"(0 means the fillers evicted the conversation from the device cache)")
+        checks.append(
+            f"- Eviction check: kvbranch device_hit_tokens at turns >= 2: {dev} "
+            f"(0 means the fillers evicted the conversation from the device cache)"
+        )
     if plain:
         cached = [t["cached_tokens"] for t in plain["turns"][1:]]
         ttfts = [t["ttft_s"] for t in plain["turns"]]
-        grows = all(b >= a * 0.9 for a, b in zip(ttfts[1:], ttfts[2:]))
-        checks.append(f"- Plain vLLM cached_tokens at turns >= 2: {cached}; its TTFT "
-                      f"{'grows' if grows else 'does not grow monotonically'} with history "
-                      f"({ttfts[0]:.2f}s -> {ttfts[-1]:.2f}s)")
+        grows = all(b >= a * 0.9 for a, b in zip(ttfts[1:], ttfts[2:], strict=False))
+        checks.append(
+            f"- Plain vLLM cached_tokens at turns >= 2: {cached}; its TTFT "
+            f"{'grows' if grows else 'does not grow monotonically'} with history "
+            f"({ttfts[0]:.2f}s -> {ttfts[-1]:.2f}s)"
+        )
     if plain and kvb:
-        same = [p["content"] == q["content"] for p, q in zip(plain["turns"], kvb["turns"])]
-        checks.append(f"- Greedy outputs identical between plain vLLM and kvbranch: "
-                      f"{'YES' if all(same) else 'NO'} ({sum(same)}/{len(same)} turns equal"
-                      + ("" if all(same) else
-                         f"; first difference at turn {same.index(False) + 1}") + ")")
-        late_ratio = [p["ttft_s"] / q["ttft_s"] for p, q in zip(plain["turns"], kvb["turns"])
-                      if p["turn"] >= 3]
+        same = [
+            p["content"] == q["content"] for p, q in zip(plain["turns"], kvb["turns"], strict=False)
+        ]
+        checks.append(
+            f"- Greedy outputs identical between plain vLLM and kvbranch: "
+            f"{'YES' if all(same) else 'NO'} ({sum(same)}/{len(same)} turns equal"
+            + ("" if all(same) else f"; first difference at turn {same.index(False) + 1}")
+            + ")"
+        )
+        late_ratio = [
+            p["ttft_s"] / q["ttft_s"]
+            for p, q in zip(plain["turns"], kvb["turns"], strict=False)
+            if p["turn"] >= 3
+        ]
         if late_ratio:
-            checks.append(f"- plain/kvbranch TTFT at turns >= 3: "
-                          f"{', '.join(f'{r:.2f}x' for r in late_ratio)}")
+            checks.append(
+                f"- plain/kvbranch TTFT at turns >= 3: {', '.join(f'{r:.2f}x' for r in late_ratio)}"
+            )
     if kvb and kvb.get("stats"):
-        st = kvb["stats"]
-        checks.append(f"- kvbranch server stats at the end: hits_tokens {st['hits_tokens']}, "
-                      f"store used {st['store']['used_blocks']}/{st['store']['capacity_blocks']} "
-                      f"blocks, evictions {st['store']['evictions']}, saved "
-                      f"{st['store']['saved_blocks']}, loaded {st['store']['loaded_blocks']}")
+        checks.append(f"- kvbranch server stats at the end: {common.describe_stats(kvb['stats'])}")
     lines += checks
     return "\n".join(lines) + "\n"
 
@@ -264,22 +298,22 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--fillers", type=int, default=3, help="other-tenant prompts between turns")
     ap.add_argument("--filler-tokens", type=int, default=800)
-    ap.add_argument("--ref-repeats", type=int, default=3,
-                    help="cold prefills of the new-token count per turn (median is used)")
-    ap.add_argument("--reserved-cpus", type=int, default=DEFAULT_RESERVED_CPUS,
-                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server, so that all configs "
-                    "get the same OpenMP cores (vLLM otherwise reserves one more core when a "
-                    "KV connector is loaded); -1: leave vLLM's default")
-    ap.add_argument("--configs", default="plain,kvbranch",
-                    help="comma list of plain,kvbranch (run in this order)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
-    if args.reserved_cpus is not None and args.reserved_cpus < 0:
-        args.reserved_cpus = None
+    ap.add_argument(
+        "--ref-repeats",
+        type=int,
+        default=3,
+        help="cold prefills of the new-token count per turn (median is used)",
+    )
+    ap.add_argument(
+        "--configs",
+        default="plain,kvbranch",
+        help="comma list of plain,kvbranch (run in this order)",
+    )
+    common.add_run_args(ap)
+    args = common.parse_run_args(ap)
 
-    log = Progress()
-    info_job = machine_info_async()  # a subprocess imports vLLM: overlap it with the runs
+    log = reporting.Progress()
+    info_job = reporting.machine_info_async()
     workload = build_workload(args)
     results: dict[str, dict] = {}
     t0 = time.monotonic()
@@ -289,20 +323,14 @@ def main() -> int:
         results[name] = asyncio.run(run_config(name, name == "kvbranch", args, workload, log))
     elapsed = time.monotonic() - t0
     info = info_job.result()
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    raw = OUT_DIR / f"turn_ttft-{stamp}.json"
-    from benchmarks.common import write_json
-
-    write_json(raw, {"args": vars(args), "machine": info, "workload": workload,
-                     "results": results})
-    png = BENCH_DIR / "turn_ttft.png"
+    raw = reporting.raw_path("turn_ttft")
+    reporting.write_json(
+        raw, {"args": vars(args), "machine": info, "workload": workload, "results": results}
+    )
+    png: Path | None = reporting.BENCH_DIR / "turn_ttft.png"
     if not plot(results, png):
         png = None
-    section = report(args, results, info, elapsed, png, raw)
-    print("\n" + section)
-    if not args.no_results:
-        append_results(section)
+    reporting.publish(report(args, results, info, elapsed, png, raw), args.no_results)
     return 0
 
 
