@@ -8,7 +8,9 @@
     fake.lose_state()                                  # like a server restart
 
 Answers are deterministic functions of the messages (``reply``), so tests can check that a
-conversation continues identically after the fake lost its state. Meant for the sdk's tests and
+conversation continues identically after the fake lost its state. Every kvbranch answer is built
+through the contract's response models (:mod:`server.contract`), so the fake cannot drift from
+the server's wire format. Meant for the sdk's tests and
 for integrations built on the sdk; it is not a model of the real server's cache.
 """
 
@@ -26,14 +28,26 @@ import httpx
 from server.contract import (
     API_PREFIX,
     BRANCH_XARG,
+    CHAT_COMPLETIONS_PATH,
     DEFAULT_BRANCH,
     HEALTH_PATH,
+    MODELS_PATH,
     RESPONSE_FIELD,
     SESSIONS_PATH,
     STATS_PATH,
+    BranchInfo,
+    ConnectorInfo,
     CreateSessionRequest,
+    DeleteResult,
     ForkRequest,
+    HealthInfo,
     PinRequest,
+    PrefetchResult,
+    PromptSourceSplit,
+    SessionInfo,
+    Stats,
+    StoreStats,
+    error_body,
 )
 
 __all__ = ["FakeKVBranchServer", "Reply", "FakeToolCall"]
@@ -71,9 +85,14 @@ def _tokens(messages: list[dict[str, Any]]) -> list[str]:
 
 
 class FakeKVBranchServer:
-    def __init__(self, *, kvbranch: bool = True, model: str = "fake-model",
-                 reply: Callable[[list[dict[str, Any]]], Reply] = default_reply,
-                 stream_piece: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        kvbranch: bool = True,
+        model: str = "fake-model",
+        reply: Callable[[list[dict[str, Any]]], Reply] = default_reply,
+        stream_piece: int = 4,
+    ) -> None:
         self.kvbranch = kvbranch
         self.model = model
         self.reply = reply
@@ -89,27 +108,26 @@ class FakeKVBranchServer:
         """For ``KVBranchClient`` and ``AsyncKVBranchClient`` alike."""
         return httpx.MockTransport(self.handle)
 
-    def fail_next(self, status_or_exc: int | Exception, *, body: Any = None,
-                  headers: dict[str, str] | None = None, times: int = 1) -> None:
+    def fail_next(
+        self,
+        status_or_exc: int | Exception,
+        *,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        times: int = 1,
+    ) -> None:
         """The next ``times`` requests fail with this status (JSON ``body``, default the
         kvbranch error format) or raise this exception (e.g. ``httpx.ConnectError``)."""
         for _ in range(times):
             if isinstance(status_or_exc, Exception):
-                exc = status_or_exc
-
-                def fail(request: httpx.Request, exc: Exception = exc) -> httpx.Response:
-                    raise exc
+                self._failures.append(_raiser(status_or_exc))
             else:
-                status = status_or_exc
-                payload = body if body is not None else {"error": {
-                    "message": f"injected {status}", "type": "Injected", "code": status}}
-
-                def fail(request: httpx.Request, status: int = status,
-                         payload: Any = payload) -> httpx.Response:
-                    if isinstance(payload, (bytes, str)):
-                        return httpx.Response(status, content=payload, headers=headers)
-                    return httpx.Response(status, json=payload, headers=headers)
-            self._failures.append(fail)
+                payload = (
+                    body
+                    if body is not None
+                    else error_body(status_or_exc, f"injected {status_or_exc}")
+                )
+                self._failures.append(_responder(status_or_exc, payload, headers))
 
     def break_next_stream(self, after_events: int) -> None:
         """The next streamed answer sends ``after_events`` events, then the connection
@@ -121,8 +139,7 @@ class FakeKVBranchServer:
         self.sessions.clear()
 
     def chat_requests(self) -> list[dict[str, Any]]:
-        return [body for method, path, body, _ in self.requests
-                if path == "/v1/chat/completions"]
+        return [body for method, path, body, _ in self.requests if path == CHAT_COMPLETIONS_PATH]
 
     def paths(self) -> list[str]:
         return [f"{method} {path}" for method, path, _, _ in self.requests]
@@ -136,10 +153,11 @@ class FakeKVBranchServer:
         self.requests.append((request.method, path, body, request.headers))
         if self._failures:
             return self._failures.pop(0)(request)
-        if path == "/v1/models" and request.method == "GET":
-            return httpx.Response(200, json={"object": "list", "data": [
-                {"id": self.model, "object": "model"}]})
-        if path == "/v1/chat/completions" and request.method == "POST":
+        if path == MODELS_PATH and request.method == "GET":
+            return httpx.Response(
+                200, json={"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            )
+        if path == CHAT_COMPLETIONS_PATH and request.method == "POST":
             return self._chat(body or {})
         if path.startswith(API_PREFIX):
             if not self.kvbranch:
@@ -149,94 +167,150 @@ class FakeKVBranchServer:
 
     @staticmethod
     def _error(status: int, message: str) -> httpx.Response:
-        return httpx.Response(status, json={"error": {"message": message,
-                                                      "type": "Error", "code": status}})
+        return httpx.Response(status, json=error_body(status, message))
 
     def _session(self, sid: str, **settings: Any) -> dict[str, Any]:
-        session = {"session_id": sid, "created_at": time.time(),
-                   "auto_pin": settings.get("auto_pin", True),
-                   "pin_ttl_s": settings.get("pin_ttl_s") or 300.0, "branches": {}}
+        session = {
+            "session_id": sid,
+            "created_at": time.time(),
+            "auto_pin": settings.get("auto_pin", True),
+            "pin_ttl_s": settings.get("pin_ttl_s") or 300.0,
+            "branches": {},
+        }
         session["branches"][DEFAULT_BRANCH] = self._branch(sid, DEFAULT_BRANCH)
         self.sessions[sid] = session
         return session
 
     @staticmethod
-    def _branch(sid: str, bid: str, parent: str | None = None, tokens: list[str] | None = None,
-                offset: int | None = None) -> dict[str, Any]:
-        return {"session_id": sid, "branch_id": bid, "parent": parent,
-                "fork_offset_tokens": offset, "tokens": list(tokens or []), "pinned": False,
-                "pin_ttl_s": None, "requests": 0}
+    def _branch(
+        sid: str,
+        bid: str,
+        parent: str | None = None,
+        tokens: list[str] | None = None,
+        offset: int | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "session_id": sid,
+            "branch_id": bid,
+            "parent": parent,
+            "fork_offset_tokens": offset,
+            "tokens": list(tokens or []),
+            "pinned": False,
+            "pin_ttl_s": None,
+            "requests": 0,
+        }
 
     @staticmethod
     def _branch_info(b: dict[str, Any]) -> dict[str, Any]:
-        return {"session_id": b["session_id"], "branch_id": b["branch_id"],
-                "parent": b["parent"], "fork_offset_tokens": b["fork_offset_tokens"],
-                "num_tokens": len(b["tokens"]), "pinned": b["pinned"],
-                "pin_expires_in_s": b["pin_ttl_s"], "requests": b["requests"]}
+        return BranchInfo(
+            session_id=b["session_id"],
+            branch_id=b["branch_id"],
+            parent=b["parent"],
+            fork_offset_tokens=b["fork_offset_tokens"],
+            num_tokens=len(b["tokens"]),
+            pinned=b["pinned"],
+            pin_expires_in_s=b["pin_ttl_s"],
+            requests=b["requests"],
+        ).model_dump(mode="json")
 
     def _session_info(self, s: dict[str, Any]) -> dict[str, Any]:
-        return {"session_id": s["session_id"], "created_at": s["created_at"],
-                "auto_pin": s["auto_pin"], "pin_ttl_s": s["pin_ttl_s"],
-                "branches": [self._branch_info(b) for b in s["branches"].values()]}
+        branches = [BranchInfo.model_validate(self._branch_info(b)) for b in s["branches"].values()]
+        return SessionInfo(
+            session_id=s["session_id"],
+            created_at=s["created_at"],
+            auto_pin=s["auto_pin"],
+            pin_ttl_s=s["pin_ttl_s"],
+            branches=branches,
+        ).model_dump(mode="json")
+
+    def _health(self) -> dict[str, Any]:
+        return HealthInfo(
+            status="ok",
+            kvbranch_version="fake",
+            vllm_version="fake",
+            model=self.model,
+            connector=ConnectorInfo(loaded=True, name="fake"),
+        ).model_dump(mode="json")
+
+    def _stats(self) -> dict[str, Any]:
+        store = StoreStats(
+            capacity_blocks=0,
+            used_blocks=0,
+            pinned_blocks=0,
+            block_bytes=0,
+            used_bytes=0,
+            pin_budget_bytes=0,
+            pinned_bytes=0,
+            evictions=0,
+            saved_blocks=0,
+            loaded_blocks=0,
+        )
+        sessions = [
+            SessionInfo.model_validate(self._session_info(s)) for s in self.sessions.values()
+        ]
+        return Stats(
+            store=store,
+            hits_tokens={k: self.stats[k] for k in ("device", "host", "recomputed")},
+            requests=self.stats["requests"],
+            pins_degraded=0,
+            pins_refused=0,
+            prefetches=self.stats["prefetches"],
+            sessions=sessions,
+        ).model_dump(mode="json")
+
+    @staticmethod
+    def _deleted(what: str) -> httpx.Response:
+        return httpx.Response(
+            200, json=DeleteResult(deleted=what, released_blocks=0).model_dump(mode="json")
+        )
 
     def _kvbranch(self, method: str, path: str, body: Any) -> httpx.Response:
         if path == HEALTH_PATH:
-            return httpx.Response(200, json={
-                "status": "ok", "kvbranch_version": "fake", "vllm_version": "fake",
-                "model": self.model, "connector": {"loaded": True, "name": "fake"}})
+            return httpx.Response(200, json=self._health())
         if path == STATS_PATH:
-            return httpx.Response(200, json={
-                "store": {k: 0 for k in ("capacity_blocks", "used_blocks", "pinned_blocks",
-                                         "block_bytes", "used_bytes", "pin_budget_bytes",
-                                         "pinned_bytes", "evictions", "saved_blocks",
-                                         "loaded_blocks")},
-                "hits_tokens": {k: self.stats[k] for k in ("device", "host", "recomputed")},
-                "requests": self.stats["requests"], "pins_degraded": 0, "pins_refused": 0,
-                "prefetches": self.stats["prefetches"],
-                "sessions": [self._session_info(s) for s in self.sessions.values()]})
+            return httpx.Response(200, json=self._stats())
         if path == SESSIONS_PATH and method == "POST":
-            req = CreateSessionRequest.model_validate(body or {})
-            sid = req.session_id or f"sess_fake{next(self._ids)}"
+            create = CreateSessionRequest.model_validate(body or {})
+            sid = create.session_id or f"sess_fake{next(self._ids)}"
             if sid in self.sessions:
                 return self._error(409, f"session {sid!r} already exists")
-            session = self._session(sid, auto_pin=req.auto_pin, pin_ttl_s=req.pin_ttl_s)
+            session = self._session(sid, auto_pin=create.auto_pin, pin_ttl_s=create.pin_ttl_s)
             return httpx.Response(201, json=self._session_info(session))
-        parts = path[len(SESSIONS_PATH) + 1:].split("/")
+        parts = path[len(SESSIONS_PATH) + 1 :].split("/")
         sid = parts[0]
-        session = self.sessions.get(sid)
-        if session is None:
+        found = self.sessions.get(sid)
+        if found is None:
             return self._error(404, f"session {sid!r} not found")
+        session = found
         if len(parts) == 1:
             if method == "GET":
                 return httpx.Response(200, json=self._session_info(session))
             if method == "DELETE":
                 del self.sessions[sid]
-                return httpx.Response(200, json={"deleted": sid, "released_blocks": 0})
+                return self._deleted(sid)
         branches = session["branches"]
         if len(parts) == 2 and parts[1] == "branches":
             if method == "GET":
-                return httpx.Response(200, json=[self._branch_info(b)
-                                                 for b in branches.values()])
-            req = ForkRequest.model_validate(body or {})
-            parent = branches.get(req.parent)
+                return httpx.Response(200, json=[self._branch_info(b) for b in branches.values()])
+            fork = ForkRequest.model_validate(body or {})
+            parent = branches.get(fork.parent)
             if parent is None:
-                return self._error(404, f"branch {req.parent!r} not found in session {sid!r}")
-            bid = req.branch_id or f"br_fake{next(self._ids)}"
+                return self._error(404, f"branch {fork.parent!r} not found in session {sid!r}")
+            bid = fork.branch_id or f"br_fake{next(self._ids)}"
             if bid in branches:
                 return self._error(409, f"branch {bid!r} already exists")
-            if req.messages is not None:
-                prefix = _tokens(req.messages)
+            if fork.messages is not None:
+                prefix = _tokens(fork.messages)
                 offset = 0
-                for a, b in zip(parent["tokens"], prefix):
+                for a, b in zip(parent["tokens"], prefix, strict=False):
                     if a != b:
                         break
                     offset += 1
-            elif req.token_offset is not None:
-                offset = req.token_offset
+            elif fork.token_offset is not None:
+                offset = fork.token_offset
             else:
                 offset = len(parent["tokens"])
-            branches[bid] = self._branch(sid, bid, req.parent, parent["tokens"][:offset],
-                                         offset)
+            branches[bid] = self._branch(sid, bid, fork.parent, parent["tokens"][:offset], offset)
             return httpx.Response(201, json=self._branch_info(branches[bid]))
         bid = parts[2]
         branch = branches.get(bid)
@@ -247,10 +321,10 @@ class FakeKVBranchServer:
             return httpx.Response(200, json=self._branch_info(branch))
         if action is None and method == "DELETE":
             del branches[bid]
-            return httpx.Response(200, json={"deleted": bid, "released_blocks": 0})
+            return self._deleted(bid)
         if action == "pin" and method == "POST":
-            req = PinRequest.model_validate(body or {})
-            branch["pinned"], branch["pin_ttl_s"] = True, req.ttl_s
+            pin = PinRequest.model_validate(body or {})
+            branch["pinned"], branch["pin_ttl_s"] = True, pin.ttl_s
             return httpx.Response(200, json=self._branch_info(branch))
         if action == "pin" and method == "DELETE":
             branch["pinned"], branch["pin_ttl_s"] = False, None
@@ -258,9 +332,13 @@ class FakeKVBranchServer:
         if action == "prefetch" and method == "POST":
             self.stats["prefetches"] += 1
             n = len(branch["tokens"])
-            return httpx.Response(202, json={
-                "session_id": sid, "branch_id": bid, "num_tokens": n,
-                "status": "scheduled" if n > 1 else "nothing_to_do"})
+            result = PrefetchResult(
+                session_id=sid,
+                branch_id=bid,
+                num_tokens=n,
+                status="scheduled" if n > 1 else "nothing_to_do",
+            )
+            return httpx.Response(202, json=result.model_dump(mode="json"))
         return httpx.Response(405, json={"detail": "Method Not Allowed"})
 
     def _chat(self, body: dict[str, Any]) -> httpx.Response:
@@ -284,7 +362,7 @@ class FakeKVBranchServer:
             bid = (body.get("vllm_xargs") or {}).get(BRANCH_XARG) or DEFAULT_BRANCH
             session = self.sessions.get(sid) or self._session(sid)
             branch = session["branches"].setdefault(bid, self._branch(sid, bid))
-            for a, b in zip(branch["tokens"], prompt):
+            for a, b in zip(branch["tokens"], prompt, strict=False):
                 if a != b:
                     break
                 cached += 1
@@ -292,55 +370,109 @@ class FakeKVBranchServer:
             answer = {"role": "assistant", "content": content}
             branch["tokens"] = prompt + _tokens([answer])[1:]
             branch["requests"] += 1
-            split = {"session_id": sid, "branch_id": bid, "prompt_tokens": len(prompt),
-                     "device_hit_tokens": cached, "host_hit_tokens": 0, "remote_hit_tokens": 0,
-                     "recomputed_tokens": len(prompt) - cached}
+            split = PromptSourceSplit(
+                session_id=sid,
+                branch_id=bid,
+                prompt_tokens=len(prompt),
+                device_hit_tokens=cached,
+                host_hit_tokens=0,
+                remote_hit_tokens=0,
+                recomputed_tokens=len(prompt) - cached,
+            ).model_dump(mode="json")
             self.stats["device"] += cached
             self.stats["recomputed"] += len(prompt) - cached
         self.stats["requests"] += 1
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(words),
-                 "total_tokens": len(prompt) + len(words),
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(words),
+            "total_tokens": len(prompt) + len(words),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         cid = f"chatcmpl-fake{next(self._ids)}"
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = self._events(cid, content, reply.tool_calls, finish,
-                                  usage if include_usage else None, split)
-            return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                  stream=_EventStream(events))
+            events = self._events(
+                cid, content, reply.tool_calls, finish, usage if include_usage else None, split
+            )
+            return httpx.Response(
+                200, headers={"content-type": "text/event-stream"}, stream=_EventStream(events)
+            )
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reply.tool_calls:
-            message["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
-                "name": tc.name, "arguments": tc.arguments}} for tc in reply.tool_calls]
-        data = {"id": cid, "object": "chat.completion", "model": self.model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": usage}
+            message["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.name, "arguments": tc.arguments},
+                }
+                for tc in reply.tool_calls
+            ]
+        data = {
+            "id": cid,
+            "object": "chat.completion",
+            "model": self.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": usage,
+        }
         if split is not None:
             data[RESPONSE_FIELD] = split
         return httpx.Response(200, json=data)
 
-    def _events(self, cid: str, content: str, tool_calls: list[FakeToolCall], finish: str,
-                usage: dict | None, split: dict | None) -> Iterator[bytes]:
-        def chunk(delta: dict, finish_reason: str | None = None) -> dict:
-            return {"id": cid, "object": "chat.completion.chunk", "model": self.model,
-                    "choices": [{"index": 0, "delta": delta,
-                                 "finish_reason": finish_reason}]}
+    def _events(
+        self,
+        cid: str,
+        content: str,
+        tool_calls: list[FakeToolCall],
+        finish: str,
+        usage: dict[str, Any] | None,
+        split: dict[str, Any] | None,
+    ) -> Iterator[bytes]:
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            }
 
-        events: list[dict] = [chunk({"role": "assistant", "content": ""})]
+        events: list[dict[str, Any]] = [chunk({"role": "assistant", "content": ""})]
         n = self.stream_piece
         for i in range(0, len(content), n):
-            events.append(chunk({"content": content[i:i + n]}))
+            events.append(chunk({"content": content[i : i + n]}))
         for index, tc in enumerate(tool_calls):
-            events.append(chunk({"tool_calls": [{"index": index, "id": tc.id,
-                                                 "type": "function", "function": {
-                                                     "name": tc.name, "arguments": ""}}]}))
+            events.append(
+                chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": index,
+                                "id": tc.id,
+                                "type": "function",
+                                "function": {"name": tc.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
+            )
             for i in range(0, len(tc.arguments), n):
-                events.append(chunk({"tool_calls": [{"index": index, "function": {
-                    "arguments": tc.arguments[i:i + n]}}]}))
+                events.append(
+                    chunk(
+                        {
+                            "tool_calls": [
+                                {"index": index, "function": {"arguments": tc.arguments[i : i + n]}}
+                            ]
+                        }
+                    )
+                )
         events.append(chunk({}, finish))
         if usage is not None:
-            last = {"id": cid, "object": "chat.completion.chunk", "model": self.model,
-                    "choices": [], "usage": usage}
+            last = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "model": self.model,
+                "choices": [],
+                "usage": usage,
+            }
             if split is not None:
                 last[RESPONSE_FIELD] = split
             events.append(last)
@@ -354,6 +486,24 @@ class FakeKVBranchServer:
             yield b"data: [DONE]\n\n"
 
         return gen()
+
+
+def _raiser(exc: Exception) -> Callable[[httpx.Request], httpx.Response]:
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise exc
+
+    return fail
+
+
+def _responder(
+    status: int, payload: Any, headers: dict[str, str] | None
+) -> Callable[[httpx.Request], httpx.Response]:
+    def fail(request: httpx.Request) -> httpx.Response:
+        if isinstance(payload, (bytes, str)):
+            return httpx.Response(status, content=payload, headers=headers)
+        return httpx.Response(status, json=payload, headers=headers)
+
+    return fail
 
 
 class _EventStream(httpx.SyncByteStream, httpx.AsyncByteStream):

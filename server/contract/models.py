@@ -26,10 +26,10 @@ class _Strict(BaseModel):
 # --- requests --------------------------------------------------------------------------------
 class CreateSessionRequest(_Strict):
     session_id: str | None = Field(
-        None, description="Chosen id; the server makes an unguessable one when omitted."
+        default=None, description="Chosen id; the server makes an unguessable one when omitted."
     )
     pin_ttl_s: float | None = Field(
-        None,
+        default=None,
         gt=0,
         le=MAX_TTL_S,
         description="Pin every "
@@ -46,18 +46,18 @@ class CreateSessionRequest(_Strict):
 
 
 class ForkRequest(_Strict):
-    parent: str = Field(DEFAULT_BRANCH, description="Branch to fork from.")
+    parent: str = Field(default=DEFAULT_BRANCH, description="Branch to fork from.")
     branch_id: str | None = Field(
-        None, description="Id of the new branch (server-made when omitted)."
+        default=None, description="Id of the new branch (server-made when omitted)."
     )
     token_offset: int | None = Field(
-        None,
+        default=None,
         ge=0,
         description="Fork after this many tokens of "
         "the parent's last sequence (default: all of it).",
     )
     messages: list[dict[str, Any]] | None = Field(
-        None,
+        default=None,
         description="Fork at the point where "
         "these chat messages end (rendered with the "
         "model's chat template).",
@@ -84,14 +84,17 @@ class BranchInfo(BaseModel):
     branch_id: str
     parent: str | None = None
     fork_offset_tokens: int | None = None
-    num_tokens: int = Field(0, description="Tokens of the branch's last known sequence.")
+    num_tokens: int = Field(default=0, description="Tokens of the branch's last known sequence.")
     pinned: bool = False
     pin_expires_in_s: float | None = None
     pinned_blocks: int = 0
     pinned_bytes: int = 0
-    stored_blocks: int = Field(0, description="Blocks of the branch present in the host store.")
+    stored_blocks: int = Field(
+        default=0, description="Blocks of the branch present in the host store."
+    )
     degraded: bool = Field(
-        False, description="The pin was demoted to LRU retention because the pin budget was full."
+        default=False,
+        description="The pin was demoted to LRU retention because the pin budget was full.",
     )
     requests: int = 0
 
@@ -130,7 +133,7 @@ class PromptSourceSplit(BaseModel):
     device_hit_tokens: int = Field(description="Reused from vLLM's on-device prefix cache.")
     host_hit_tokens: int = Field(description="Loaded from the kvbranch host store.")
     remote_hit_tokens: int = Field(
-        0,
+        default=0,
         description="Pulled from a peer instance (P/D: the "
         "decode instance that holds the conversation).",
     )
@@ -154,9 +157,10 @@ class HealthInfo(BaseModel):
     model: str
     connector: ConnectorInfo
     instance_id: str | None = Field(
-        None, description="Random per server start: a router notices a restarted peer by it."
+        default=None,
+        description="Random per server start: a router notices a restarted peer by it.",
     )
-    role: str | None = Field(None, description="single, prefill, decode or router.")
+    role: str | None = Field(default=None, description="single, prefill, decode or router.")
 
 
 class PDStats(BaseModel):
@@ -270,11 +274,12 @@ class Stats(BaseModel):
     pins_refused: int
     prefetches: int = Field(description="Prefetches that ran in the engine.")
     prefetches_skipped: int = Field(
-        0, description="Prefetch requests skipped because the branch was already device-resident."
+        default=0,
+        description="Prefetch requests skipped because the branch was already device-resident.",
     )
     sessions: list[SessionInfo]
     pd: PDStats | None = Field(
-        None,
+        default=None,
         description="P/D instances: held conversations, "
         "holds released for new work, claims, declined handles.",
     )
