@@ -200,3 +200,19 @@ def test_dashboard_shape(dashboard: dict[str, Any]) -> None:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}"
             assert all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+
+
+def test_the_config_files_parse() -> None:
+    """The provisioning and scrape files are valid YAML that point at what they should."""
+    yaml = pytest.importorskip("yaml")
+    deploy = DASHBOARD.parents[1]
+    prom = yaml.safe_load((deploy / "prometheus" / "prometheus.yml").read_text())
+    targets = [
+        t for job in prom["scrape_configs"] for c in job["static_configs"] for t in c["targets"]
+    ]
+    assert "127.0.0.1:8000" in targets  # python -m server's default port
+    provisioning = deploy / "grafana" / "provisioning"
+    source = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    assert source["datasources"][0]["type"] == "prometheus"
+    provider = yaml.safe_load((provisioning / "dashboards" / "kvbranch.yml").read_text())
+    assert provider["providers"][0]["options"]["path"].endswith("/kvbranch")
