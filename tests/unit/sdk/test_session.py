@@ -3,16 +3,13 @@ server lost its state, and plain OpenAI-compatible servers."""
 
 from __future__ import annotations
 
-import asyncio
 import warnings
 
 import pytest
 
 from sdk import (
     NO_RETRY,
-    AsyncKVBranchClient,
     ConflictError,
-    KVBranchClient,
     ServerError,
     StreamInterruptedError,
 )
@@ -26,9 +23,10 @@ def fake():
 
 
 @pytest.fixture
-def client(fake):
-    return KVBranchClient("http://fake", transport=fake.transport(), model="fake-model",
-                          retry=NO_RETRY)
+def client(driver, fake):
+    return driver.client(
+        "http://fake", transport=fake.transport(), model="fake-model", retry=NO_RETRY
+    )
 
 
 def test_turns_keep_history_and_send_identity(fake, client):
@@ -84,8 +82,11 @@ def test_stream_commits_only_a_finished_answer(fake, client):
 
 def test_tool_call_turn_and_tool_result(fake, client):
     calls = [FakeToolCall("lookup", '{"q": "x"}', id="call_1")]
-    fake.reply = lambda m: (Reply(tool_calls=calls) if m[-1]["role"] == "user"
-                            else Reply(content=f"got {m[-1]['content']}"))
+    fake.reply = lambda m: (
+        Reply(tool_calls=calls)
+        if m[-1]["role"] == "user"
+        else Reply(content=f"got {m[-1]['content']}")
+    )
     main = client.session().main
     result = main.chat("find x", tools=[{"type": "function", "function": {"name": "lookup"}}])
     assert result.finish_reason == "tool_calls" and result.tool_calls[0].name == "lookup"
@@ -126,9 +127,16 @@ def test_fork_at_message_index(fake, client):
 def test_fork_falls_back_when_the_server_cannot_render_messages(fake, client):
     main = client.session().main
     main.chat("one")
-    fake.fail_next(400, body={"error": {"message": "messages could not be rendered with the "
-                                        "chat template", "type": "BadRequestError",
-                                        "code": 400}})
+    fake.fail_next(
+        400,
+        body={
+            "error": {
+                "message": "messages could not be rendered with the chat template",
+                "type": "BadRequestError",
+                "code": 400,
+            }
+        },
+    )
     child = main.fork(at_message=1, branch_id="b")
     assert fake.requests[-1][2] == {"parent": "main", "branch_id": "b", "token_offset": 0}
     assert child.messages == main.messages[:1]
@@ -143,7 +151,7 @@ def test_recovery_after_the_server_lost_everything(fake, client):
     before = child.chat("two").text
 
     fake.lose_state()  # restart
-    child.prefetch()   # 404 -> recreate session and branch, then repeat
+    child.prefetch()  # 404 -> recreate session and branch, then repeat
     assert session.recoveries == 1
     restored = fake.sessions["sess-1"]
     assert restored["pin_ttl_s"] == 120
@@ -174,8 +182,16 @@ def test_existing_session_id_is_attached(fake, client):
 
 def test_pin_conflict_is_raised(fake, client):
     main = client.session().main
-    fake.fail_next(409, body={"error": {"message": "pin refused: the pin budget is full",
-                                        "type": "ConflictError", "code": 409}})
+    fake.fail_next(
+        409,
+        body={
+            "error": {
+                "message": "pin refused: the pin budget is full",
+                "type": "ConflictError",
+                "code": 409,
+            }
+        },
+    )
     with pytest.raises(ConflictError, match="pin budget"):
         main.pin(60)
     assert main.pin_ttl_s is None
@@ -195,9 +211,9 @@ def test_delete_branch_and_session(fake, client):
     assert session.session_id not in fake.sessions and session.branches == {}
 
 
-def test_plain_openai_server_one_warning_client_side_only():
+def test_plain_openai_server_one_warning_client_side_only(driver):
     fake = FakeKVBranchServer(kvbranch=False)
-    client = KVBranchClient("http://fake", transport=fake.transport(), model="fake-model")
+    client = driver.client("http://fake", transport=fake.transport(), model="fake-model")
     with pytest.warns(RuntimeWarning, match="no kvbranch routes") as caught:
         session = client.session(system="sys")
         main = session.main
@@ -215,20 +231,22 @@ def test_plain_openai_server_one_warning_client_side_only():
     assert [p for p in fake.paths() if "kvbranch" in p] == ["GET /v1/kvbranch/health"]
 
 
-def test_kvbranch_false_skips_the_probe_silently():
+def test_kvbranch_false_skips_the_probe_silently(driver):
     fake = FakeKVBranchServer()
-    client = KVBranchClient("http://fake", transport=fake.transport(), model="fake-model",
-                            kvbranch=False)
+    client = driver.client(
+        "http://fake", transport=fake.transport(), model="fake-model", kvbranch=False
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         client.session().main.chat("x")
     assert not [p for p in fake.paths() if "kvbranch" in p]
 
 
-def test_bad_turn_input():
+def test_bad_turn_input(driver):
     fake = FakeKVBranchServer()
-    main = KVBranchClient("http://fake", transport=fake.transport(),
-                          model="fake-model").session().main
+    main = (
+        driver.client("http://fake", transport=fake.transport(), model="fake-model").session().main
+    )
     with pytest.raises(ValueError, match="nothing to send"):
         main.chat()
     with pytest.raises(ValueError, match="no 'role'"):
@@ -236,31 +254,26 @@ def test_bad_turn_input():
     with pytest.raises(TypeError, match="at_message"):
         main.fork(at_message="1")
     with pytest.raises(ValueError, match="session_id must be"):
-        KVBranchClient("http://fake", transport=fake.transport()).session("bad id")
+        driver.client("http://fake", transport=fake.transport()).session("bad id")
     assert len(main) == 0
 
 
-def test_async_session_flow_and_recovery():
-    fake = FakeKVBranchServer()
-
-    async def run():
-        async with AsyncKVBranchClient("http://fake", transport=fake.transport(),
-                                       model="fake-model", retry=NO_RETRY) as client:
-            session = await client.session("a-1", system="sys")
-            main = session.main
-            await main.chat("one")
-            stream = await main.chat_stream("two")
-            text = "".join([c.content or "" async for c in stream])
-            child = await main.fork(at_message=3, branch_id="alt")
-            await child.pin(60)
-            fake.lose_state()
-            prefetch = await child.prefetch()
-            answer = await child.chat("three")
-            info = await child.info()
-            await session.delete()
-            return session, main, child, text, prefetch, answer, info
-
-    session, main, child, text, prefetch, answer, info = asyncio.run(run())
+def test_session_flow_and_recovery(fake, client):
+    session = client.session("a-1", system="sys")
+    main = session.main
+    main.chat("one")
+    stream = main.chat_stream("two")
+    text = "".join(c.content or "" for c in stream)
+    child = main.fork(at_message=3, branch_id="alt")
+    child.pin(60)
+    fake.lose_state()
+    prefetch = child.prefetch()
+    answer = child.chat("three")
+    info = child.info()
+    assert session.info().session_id == "a-1"
+    child.unpin()
+    assert not child.info().pinned
+    session.delete()
     assert text == "echo 4: two" and main.messages[-1]["content"] == text
     assert child.messages[:3] == main.messages[:3] and answer.text == "echo 4: three"
     assert session.recoveries == 1 and prefetch is not None and info.pinned
