@@ -2,22 +2,30 @@
 goes to.
 
 Health is probed lazily (at most once per ``PROBE_MAX_AGE_S`` per instance, when a turn needs
-it) and an instance that failed a request is marked down at once; it comes back on the next
+it) and an instance that could not be reached is marked down at once; it comes back on the next
 probe that answers 200. Each probe also reads the instance's ``instance_id``: a changed id means
 the instance restarted and lost the blocks it held, so ``on_restart`` drops its index entries.
 
+Ejection (a circuit breaker, as vllm-router has one): an instance whose health check answers
+but whose requests fail (unreachable or 5xx) ``EJECT_AFTER_FAILURES`` times in a row is left out
+for ``EJECT_S`` whatever its health check says; then it gets one request again, and one more
+failure ejects it again. A success resets the count. Without this, every turn would pay a
+failed leg on it before falling back.
+
 Choice: a session's turns (and its forks) go to the same prefill instance — where its local
-prefix cache and host store are — by a hash of (tenant, session); a turn without a session goes
-to the least busy one. A decode instance is the one that holds the branch's KV when it is up,
-else the least busy.
+prefix cache and host store are — by rendezvous hashing of (tenant, session) over the live
+prefill instances: when one leaves, only its own sessions move (spread over the others), and
+when it comes back they return — the others' sessions keep their instance and its cache. A turn
+without a session goes to the least busy one. A decode instance is the one that holds the
+branch's KV when it is up, else the least busy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +39,10 @@ logger = logging.getLogger("kvbranch.router")
 
 PROBE_MAX_AGE_S = 1.0
 PROBE_TIMEOUT_S = 3.0
+#: Failed requests in a row (unreachable or 5xx) after which an instance is left out ...
+EJECT_AFTER_FAILURES = 3
+#: ... for this long, whatever its health check says (vllm-router's breaker waits 30 s too).
+EJECT_S = 30.0
 
 
 @dataclass
@@ -43,6 +55,10 @@ class Instance:
     inflight: int = 0
     requests: int = 0
     failures: int = 0
+    #: Failed requests in a row; a success resets it.
+    consecutive_failures: int = 0
+    #: Left out until then (router clock), see ``EJECT_S``.
+    ejected_until: float = 0.0
 
     def info(self) -> dict[str, Any]:
         """As health and stats report it (:class:`InstanceInfo`)."""
@@ -90,6 +106,8 @@ class Pool:
 
     async def probe(self, inst: Instance, max_age: float = PROBE_MAX_AGE_S) -> bool:
         now = time.monotonic()
+        if now < inst.ejected_until:
+            return False
         if now - inst.checked_at < max_age:
             return inst.alive
         try:
@@ -111,9 +129,32 @@ class Pool:
         return alive
 
     def mark_down(self, inst: Instance) -> None:
-        """A request to ``inst`` failed: skip it until a probe finds it up again."""
+        """``inst`` could not be reached: skip it until a probe finds it up again."""
         inst.alive, inst.checked_at = False, time.monotonic()
         inst.failures += 1
+
+    def failed(self, inst: Instance, *, reachable: bool = True) -> None:
+        """A turn's request to ``inst`` failed (5xx, or unreachable: then it is also marked
+        down); enough in a row eject it. Only turns count: a session route fanned out to an
+        instance that is down anyway must not keep it out once it is back."""
+        if reachable:
+            inst.failures += 1
+        else:
+            self.mark_down(inst)
+        inst.consecutive_failures += 1
+        if inst.consecutive_failures >= EJECT_AFTER_FAILURES:
+            inst.alive, inst.ejected_until = False, time.monotonic() + EJECT_S
+            logger.warning(
+                "%s %s failed %d requests in a row: left out for %.0f s",
+                inst.role,
+                inst.url,
+                inst.consecutive_failures,
+                EJECT_S,
+            )
+
+    def succeeded(self, inst: Instance) -> None:
+        """A request to ``inst`` was answered (any status under 500)."""
+        inst.consecutive_failures = 0
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(i, 0.0) for i in self.all))
@@ -130,7 +171,8 @@ class Pool:
             return None
         if key is None:
             return min(live, key=lambda i: i.inflight)
-        return live[zlib.crc32(f"{key[0]}/{key[1]}".encode()) % len(live)]
+        session = f"{key[0]}/{key[1]}\0".encode()
+        return max(live, key=lambda i: _weight(session, i.url))
 
     async def choose_decode(self, held_on: str | None) -> Instance | None:
         live = await self.live(self.decodes)
@@ -140,3 +182,9 @@ class Pool:
             if inst.url == held_on:
                 return inst  # the D that holds this branch's KV
         return min(live, key=lambda i: i.inflight)
+
+
+def _weight(session: bytes, url: str) -> int:
+    """Rendezvous (highest random weight) hashing: each (session, instance) pair gets a stable
+    pseudo-random weight; a session goes to its heaviest live instance."""
+    return int.from_bytes(hashlib.blake2b(session + url.encode(), digest_size=8).digest(), "big")

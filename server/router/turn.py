@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import Request
@@ -51,11 +52,27 @@ from server.router.pool import Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
 
+_T = TypeVar("_T")
+
 CLAIM_TIMEOUT_S = 5.0
 
 
 class _Fallback(Exception):
-    """This leg failed in a way the other instance can cover."""
+    """This leg failed in a way the other instance can cover. ``sent``: the request may have
+    reached the instance; when it surely did not (no connection), another instance of the same
+    role can take the same leg."""
+
+    def __init__(self, message: str, *, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+#: Transport errors that mean nothing was sent: the connection was never made.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+def _transport_failure(exc: httpx.HTTPError) -> _Fallback:
+    return _Fallback(f"{type(exc).__name__}: {exc}", sent=not isinstance(exc, _NOT_SENT))
 
 
 def turn_key(payload: dict[str, Any], request: Request) -> Key | None:
@@ -82,6 +99,12 @@ class TurnFlow:
         self.claims_refused = Counter(
             "kvbranch_router_claims_refused",
             "Pulls dropped because D no longer held the blocks",
+            registry=registry,
+        )
+        self.retries = Counter(
+            "kvbranch_router_retries",
+            "Legs sent to another instance of the role after the first could not be reached",
+            ["role"],
             registry=registry,
         )
         self.pulled_tokens = Counter(
@@ -196,8 +219,10 @@ class _Turn:
         )
         if pull is not None:
             pull = await flow.claim(decode, pull, self.headers)
+        if pull is not None:
+            flow.pulled_tokens.inc(pull.num_tokens)
         try:
-            prefilled = await self.prefill(prefill, pull)
+            prefilled = await self.on_any(prefill, lambda inst: self.prefill(inst, pull))
         except _Fallback as exc:
             logger.warning(
                 "prefill on %s failed (%s): decode instance computes the prompt", prefill.url, exc
@@ -208,25 +233,58 @@ class _Turn:
         p_params, split = prefilled
         route = "pd+pull" if pull is not None else "pd"
         try:
-            return await self.decode(decode, p_params, split, route)
+            return await self.on_any(decode, lambda inst: self.decode(inst, p_params, split, route))
         except _Fallback as exc:
             logger.warning(
                 "decode on %s failed (%s): prefill instance serves the turn", decode.url, exc
             )
             return await self.single(prefill, "prefill-only")
 
+    async def on_any(self, inst: Instance, leg: Callable[[Instance], Awaitable[_T]]) -> _T:
+        """``leg(inst)``; when ``inst`` could not be reached (nothing was sent), the same leg on
+        another live instance of its role — the unreachable one is marked down, so each is
+        tried at most once."""
+        for _ in range(len(self.pool.all)):
+            try:
+                return await leg(inst)
+            except _Fallback as exc:
+                if exc.sent:
+                    raise
+                other = await self.choose_like(inst)
+                if other is None:
+                    raise
+                logger.warning(
+                    "%s %s unreachable (%s): trying %s", inst.role, inst.url, exc, other.url
+                )
+                self.flow.retries.labels(inst.role).inc()
+                inst = other
+        return await leg(inst)
+
+    async def choose_like(self, inst: Instance) -> Instance | None:
+        """Another live instance of ``inst``'s role for this turn."""
+        if inst.role == "prefill":
+            return await self.pool.choose_prefill(self.key)
+        return await self.pool.choose_decode(None)
+
     async def post(self, inst: Instance, body: dict[str, Any]) -> httpx.Response:
         inst.inflight += 1
         inst.requests += 1
         try:
-            return await self.flow.client.post(
-                inst.url + self.path, json=body, headers=self.headers
-            )
+            r = await self.flow.client.post(inst.url + self.path, json=body, headers=self.headers)
         except httpx.HTTPError as exc:
-            self.pool.mark_down(inst)
-            raise _Fallback(f"{type(exc).__name__}: {exc}") from None
+            self.pool.failed(inst, reachable=False)
+            raise _transport_failure(exc) from None
         finally:
             inst.inflight -= 1
+        self.record(inst, r.status_code)
+        return r
+
+    def record(self, inst: Instance, status: int) -> None:
+        """An answer's status counts for ejection: 5xx is a failure, anything else a success."""
+        if status >= 500:
+            self.pool.failed(inst)
+        else:
+            self.pool.succeeded(inst)
 
     async def prefill(
         self, inst: Instance, pull: Holding | None
@@ -235,7 +293,6 @@ class _Turn:
         params: dict[str, Any] = {DO_REMOTE_DECODE: True}
         if pull is not None:
             params = dict(pull.params, **{DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False})
-            self.flow.pulled_tokens.inc(pull.num_tokens)
         body = dict(self.payload, max_tokens=1, stream=False, n=1)
         body.pop("max_completion_tokens", None)
         body.pop("stream_options", None)
@@ -268,8 +325,9 @@ class _Turn:
         if hold and self.key is not None:
             # An empty request for D's connector: hold the blocks for the next turn's pull.
             body[TRANSFER_PARAMS_FIELD] = {DO_REMOTE_PREFILL: False}
+        key = self.key if hold else None
         try:
-            return await self.final(inst, body, self.key if hold else None, route, None)
+            return await self.on_any(inst, lambda i: self.final(i, body, key, route, None))
         except _Fallback as exc:
             return unavailable(f"the {inst.role} instance failed mid-turn: {exc}")
 
@@ -304,6 +362,7 @@ class _Turn:
         split: Any,
         out_headers: dict[str, str],
     ) -> Response:
+        body = dict(body)  # a retry on another instance starts from the same body
         want_usage = relay.ask_for_usage(body)
         inst.inflight += 1
         inst.requests += 1
@@ -315,8 +374,9 @@ class _Turn:
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as exc:
             inst.inflight -= 1
-            self.pool.mark_down(inst)
-            raise _Fallback(f"{type(exc).__name__}: {exc}") from None
+            self.pool.failed(inst, reachable=False)
+            raise _transport_failure(exc) from None
+        self.record(inst, resp.status_code)
         if resp.status_code != 200:
             content = await resp.aread()
             await resp.aclose()

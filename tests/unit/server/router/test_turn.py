@@ -248,3 +248,77 @@ def test_no_instance_up_is_a_503_with_retry_after():
 
     r = _turn(make_router(down))
     assert r.status_code == 503 and r.headers["retry-after"] == "5"
+
+
+# --- an unreachable instance: the same leg on another one; a failing one: ejected -------------
+P2, D2 = "http://p2.test:3", "http://d2.test:4"
+
+
+def _unreachable(fakes: PD, *bases: str):
+    """Health answers, completions cannot connect (a proxy in front of a dead engine)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if base_of(request) in bases and request.url.path == CHAT:
+            raise httpx.ConnectError("refused", request=request)
+        return fakes(request)
+
+    return handler
+
+
+def test_an_unreachable_prefill_leg_goes_to_another_prefill():
+    fakes = PD()
+    fakes.answer[P2] = fakes.answer[P]
+    router = make_router(_unreachable(fakes, P), prefills=[P, P2])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    r = call(router, "POST", CHAT, json=body)  # no session: the least busy P, the first one
+    assert r.status_code == 200 and r.headers[ROUTE] == "pd"
+    assert len(fakes.bodies(P2)) == 1 and fakes.bodies(P2)[0]["max_tokens"] == 1
+    assert not router.pool.prefills[0].alive
+    metrics = call(router, "GET", "/metrics").content
+    assert b'kvbranch_router_retries_total{role="prefill"} 1.0' in metrics
+
+
+def test_a_prefill_that_answered_5xx_is_not_retried_elsewhere():
+    fakes = PD()
+    fakes.answer[P] = lambda r: json_reply(500, {"error": {"message": "engine died"}})
+    fakes.answer[P2] = lambda r: pytest.fail("a request P may have run was sent again")
+    router = make_router(fakes, prefills=[P, P2])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    r = call(router, "POST", CHAT, json=body)
+    assert r.status_code == 200 and r.headers[ROUTE] == "decode-only"
+
+
+def test_a_stream_goes_to_another_decode_as_the_client_asked_for_it():
+    fakes = PD()
+    fakes.answer[D2] = fakes.answer[D]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if base_of(request) == P:
+            raise httpx.ConnectError("refused", request=request)
+        return _unreachable(fakes, D)(request)
+
+    router = make_router(handler, decodes=[D, D2])
+    r = _turn(router, stream=True)
+    assert r.status_code == 200 and r.headers[ROUTE] == "decode-only"
+    assert b'"usage"' not in r.content  # the retry did not inherit the router's own usage ask
+    assert len(fakes.bodies(D2)) == 1
+    held = router.index.peek(KEY)
+    assert held is not None and held.decode_url == D2
+
+
+def test_a_prefill_failing_every_turn_is_left_out_then_tried_again(monkeypatch):
+    from server.router import pool as pool_mod
+
+    fakes = PD()
+    fakes.answer[P] = lambda r: json_reply(500, {"error": {"message": "engine died"}})
+    router = make_router(fakes)
+    for _ in range(pool_mod.EJECT_AFTER_FAILURES):
+        assert _turn(router).headers[ROUTE] == "decode-only"
+    assert len([s for s in fakes.seen if s[0] == P]) == pool_mod.EJECT_AFTER_FAILURES
+    r = _turn(router)
+    assert r.status_code == 200 and r.headers[ROUTE] == "decode-only"
+    assert len([s for s in fakes.seen if s[0] == P]) == pool_mod.EJECT_AFTER_FAILURES, "P tried"
+    router.pool.prefills[0].ejected_until = 0.0  # the ejection is over; P works again
+    router.pool.prefills[0].checked_at = 0.0
+    fakes.answer[P] = PD()._p
+    assert _turn(router).headers[ROUTE] == "pd+pull"  # D held the decode-only turns

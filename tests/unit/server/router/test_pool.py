@@ -1,0 +1,90 @@
+"""The instance pool: session affinity that survives an instance leaving and coming back
+(rendezvous hashing), and ejection of an instance that keeps failing requests while its
+health check still answers."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import httpx
+
+from server.router import pool as pool_mod
+from server.router.pool import Pool
+from tests.unit.server.router.fakes import D, base_of, json_reply
+
+PS = [f"http://p{i}.test:1" for i in range(3)]
+
+
+def _pool(down: set[str]) -> Pool:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if base_of(request) in down:
+            raise httpx.ConnectError("refused", request=request)
+        return json_reply(200, {"instance_id": base_of(request)})
+
+    return Pool(PS, [D], client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+
+
+def _placement(pool: Pool, sessions: list[str]) -> dict[str, str]:
+    async def go() -> dict[str, str]:
+        out = {}
+        for s in sessions:
+            inst = await pool.choose_prefill(("t", s, "main"))
+            assert inst is not None
+            out[s] = inst.url
+        return out
+
+    return asyncio.run(go())
+
+
+def test_sessions_spread_over_prefills_and_stay_put_when_another_one_leaves_and_returns():
+    sessions = [f"s{i}" for i in range(300)]
+    down: set[str] = set()
+    pool = _pool(down)
+    before = _placement(pool, sessions)
+    counts = collections.Counter(before.values())
+    assert set(counts) == set(PS) and min(counts.values()) >= 60, counts
+
+    down.add(PS[1])
+    for inst in pool.prefills:
+        inst.checked_at = 0.0  # probe again now
+    during = _placement(pool, sessions)
+    moved = [s for s in sessions if during[s] != before[s]]
+    assert all(before[s] == PS[1] for s in moved), "a session on a live prefill moved"
+    assert {during[s] for s in moved} == {PS[0], PS[2]}, "the left instance's sessions spread"
+
+    down.clear()
+    for inst in pool.prefills:
+        inst.checked_at = 0.0
+    assert _placement(pool, sessions) == before, "sessions did not return to their prefill"
+
+
+def test_an_instance_failing_requests_is_ejected_then_tried_again(monkeypatch):
+    monkeypatch.setattr(pool_mod, "EJECT_S", 0.2)
+    pool = _pool(set())
+    p0 = pool.prefills[0]
+
+    async def live() -> list[str]:
+        return [i.url for i in await pool.live(pool.prefills)]
+
+    assert PS[0] in asyncio.run(live())
+    for _ in range(pool_mod.EJECT_AFTER_FAILURES - 1):
+        pool.failed(p0)
+    assert PS[0] in asyncio.run(live()), "ejected before the threshold"
+    pool.failed(p0)
+    p0.checked_at = 0.0  # its health check answers 200: ejection wins over it
+    assert PS[0] not in asyncio.run(live())
+    assert not p0.info()["alive"] and p0.info()["failures"] == pool_mod.EJECT_AFTER_FAILURES
+    p0.checked_at = 0.0
+    import time
+
+    time.sleep(0.25)
+    assert PS[0] in asyncio.run(live()), "not tried again after the ejection"
+    pool.failed(p0)  # still failing: out again at once
+    assert PS[0] not in asyncio.run(live())
+    p0.ejected_until = 0.0
+    p0.checked_at = 0.0
+    pool.succeeded(p0)
+    for _ in range(pool_mod.EJECT_AFTER_FAILURES - 1):
+        pool.failed(p0)
+    assert PS[0] in asyncio.run(live()), "a success did not reset the count"
