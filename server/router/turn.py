@@ -296,6 +296,9 @@ class _Turn:
         body = dict(self.payload, max_tokens=1, stream=False, n=1)
         body.pop("max_completion_tokens", None)
         body.pop("stream_options", None)
+        min_tokens = body.get("min_tokens")
+        if isinstance(min_tokens, int) and min_tokens > 1:
+            body["min_tokens"] = 1  # vLLM refuses min_tokens > max_tokens; D keeps the client's
         body[TRANSFER_PARAMS_FIELD] = params
         r = await self.post(inst, body)
         if 400 <= r.status_code < 500:

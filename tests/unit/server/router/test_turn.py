@@ -65,6 +65,10 @@ class PD(Fakes):
 
     def _p(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
+        if body.get("min_tokens", 0) > body.get("max_tokens", 16):  # as vLLM checks it
+            return json_reply(
+                400, {"error": {"message": "min_tokens must be less than or equal to max_tokens"}}
+            )
         if body.get("max_tokens") == 1 and TRANSFER_PARAMS_FIELD in body:
             return json_reply(
                 200,
@@ -322,3 +326,13 @@ def test_a_prefill_failing_every_turn_is_left_out_then_tried_again(monkeypatch):
     router.pool.prefills[0].checked_at = 0.0
     fakes.answer[P] = PD()._p
     assert _turn(router).headers[ROUTE] == "pd+pull"  # D held the decode-only turns
+
+
+def test_min_tokens_does_not_turn_the_prefill_leg_into_a_400():
+    """vLLM refuses min_tokens > max_tokens; the prefill leg runs with max_tokens=1 (found by
+    reading vllm-router, which clamps it too)."""
+    fakes = PD()
+    r = _turn(make_router(fakes), max_tokens=20, min_tokens=5)
+    assert r.status_code == 200 and r.headers[ROUTE] == "pd", r.text
+    assert fakes.bodies(P)[0]["min_tokens"] == 1
+    assert fakes.bodies(D)[0]["min_tokens"] == 5 and fakes.bodies(D)[0]["max_tokens"] == 20
