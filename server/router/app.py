@@ -7,7 +7,7 @@ This module only assembles the parts, each in its own module:
   decode on D, fall back to one instance when the other fails;
 * :mod:`server.router.relay` — the answer back to the client, D's transfer params filed;
 * :mod:`server.router.admin` — session routes fanned out to every instance, stats, health;
-* :mod:`server.router.edge` — bounded request bodies, error replies, the tenant digest;
+* :mod:`server.router.edge` — bounded request bodies, 503 replies, the request's tenant;
 * :mod:`server.router.index` — which D holds which branch's KV (bounded: swept on a timer
   started by the lifespan below, and capped).
 """

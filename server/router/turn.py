@@ -11,8 +11,11 @@
    returned params go into the index for the next turn (:mod:`server.router.relay`).
 
 Faults never reach the user as errors: P down → D computes the prompt itself; D down → P
-serves the whole turn; a peer restarted or a hold expired → no pull, P recomputes. Every
-response says which way it went in the ``X-KVBranch-Route`` header.
+serves the whole turn; a peer restarted or a hold expired → no pull, P recomputes. A leg that
+could not even connect goes to another live instance of the same role first (nothing was sent,
+so nothing runs twice); a leg that may have run is never re-sent. Every answer's status counts
+toward ejecting an instance that keeps failing (:mod:`server.router.pool`). Every response
+says which way it went in the ``X-KVBranch-Route`` header.
 """
 
 from __future__ import annotations
