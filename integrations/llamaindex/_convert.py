@@ -22,8 +22,15 @@ from llama_index.core.llms.utils import parse_partial_json
 
 from sdk.types import ChatResult, ToolCall
 
-__all__ = ["to_openai_message", "to_openai_messages", "to_chat_message", "tool_kwargs",
-           "resolve_tool_choice", "tool_schemas", "openai_tool_calls"]
+__all__ = [
+    "to_openai_message",
+    "to_openai_messages",
+    "to_chat_message",
+    "tool_kwargs",
+    "resolve_tool_choice",
+    "tool_schemas",
+    "openai_tool_calls",
+]
 
 logger = logging.getLogger("kvbranch.llamaindex")
 
@@ -58,14 +65,28 @@ def openai_tool_calls(message: ChatMessage) -> list[dict[str, Any]]:
             if not isinstance(tc, Mapping):
                 continue
             fn = tc.get("function") or {}
-            out.append({"id": tc.get("id") or f"call_{i}", "type": tc.get("type") or "function",
-                        "function": {"name": fn.get("name") or "",
-                                     "arguments": _arguments_text(fn.get("arguments"))}})
+            out.append(
+                {
+                    "id": tc.get("id") or f"call_{i}",
+                    "type": tc.get("type") or "function",
+                    "function": {
+                        "name": fn.get("name") or "",
+                        "arguments": _arguments_text(fn.get("arguments")),
+                    },
+                }
+            )
         return out
     for i, block in enumerate(b for b in message.blocks if isinstance(b, ToolCallBlock)):
-        out.append({"id": block.tool_call_id or f"call_{i}", "type": "function",
-                    "function": {"name": block.tool_name,
-                                 "arguments": _arguments_text(block.tool_kwargs)}})
+        out.append(
+            {
+                "id": block.tool_call_id or f"call_{i}",
+                "type": "function",
+                "function": {
+                    "name": block.tool_name,
+                    "arguments": _arguments_text(block.tool_kwargs),
+                },
+            }
+        )
     return out
 
 
@@ -89,8 +110,9 @@ def _content(message: ChatMessage) -> str | list[dict[str, Any]] | None:
                 part["image_url"]["detail"] = block.detail
             parts.append(part)
         elif isinstance(block, (AudioBlock, DocumentBlock)):
-            raise ValueError(f"{type(block).__name__} is not supported by KVBranchLLM "
-                             "(text and images only)")
+            raise ValueError(
+                f"{type(block).__name__} is not supported by KVBranchLLM (text and images only)"
+            )
         elif not isinstance(block, (ThinkingBlock, ToolCallBlock)):
             logger.debug("kvbranch: dropping a %s from a chat message", type(block).__name__)
     if has_media:
@@ -101,8 +123,9 @@ def _content(message: ChatMessage) -> str | list[dict[str, Any]] | None:
 
 def to_openai_message(message: ChatMessage) -> dict[str, Any]:
     """One LlamaIndex message as an OpenAI chat message."""
-    role = _ROLES.get(message.role, message.role.value if hasattr(message.role, "value")
-                      else str(message.role))
+    role = _ROLES.get(
+        message.role, message.role.value if hasattr(message.role, "value") else str(message.role)
+    )
     content = _content(message)
     out: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
     kw = message.additional_kwargs
@@ -136,12 +159,13 @@ def _single_parameter(schema: Mapping[str, Any] | None) -> str | None:
         return required[0]
     properties = schema.get("properties") or {}
     if isinstance(properties, Mapping) and len(properties) == 1:
-        return next(iter(properties))
+        return str(next(iter(properties)))
     return None
 
 
-def tool_kwargs(arguments: str | None, schema: Mapping[str, Any] | None = None, *,
-                partial: bool = False) -> dict[str, Any]:
+def tool_kwargs(
+    arguments: str | None, schema: Mapping[str, Any] | None = None, *, partial: bool = False
+) -> dict[str, Any]:
     """The keyword arguments of a tool call from the model's argument text.
 
     A JSON object is used as it is. Anything else a model may write — a bare JSON value
@@ -163,16 +187,23 @@ def tool_kwargs(arguments: str | None, schema: Mapping[str, Any] | None = None, 
     param = _single_parameter(schema)
     if isinstance(value, dict):
         properties = (schema or {}).get("properties") if isinstance(schema, Mapping) else None
-        if (param is not None and len(value) == 1 and isinstance(properties, Mapping)
-                and param not in value and next(iter(value)) not in properties):
+        if (
+            param is not None
+            and len(value) == 1
+            and isinstance(properties, Mapping)
+            and param not in value
+            and next(iter(value)) not in properties
+        ):
             return {param: next(iter(value.values()))}
         return value
     if param is not None:
         return {param: value}
     if not partial:
-        logger.warning("kvbranch: tool arguments %r are not a JSON object and the tool has no "
-                       "single parameter to map them to; calling it without arguments",
-                       text[:200])
+        logger.warning(
+            "kvbranch: tool arguments %r are not a JSON object and the tool has no "
+            "single parameter to map them to; calling it without arguments",
+            text[:200],
+        )
     return {}
 
 
@@ -187,8 +218,12 @@ def tool_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping
     return out
 
 
-def to_chat_message(result: ChatResult, schemas: Mapping[str, Mapping[str, Any]] | None = None,
-                    *, partial: bool = False) -> ChatMessage:
+def to_chat_message(
+    result: ChatResult,
+    schemas: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    partial: bool = False,
+) -> ChatMessage:
     """The assistant ``ChatMessage`` of an sdk result: text, reasoning (``ThinkingBlock``),
     tool calls as ``ToolCallBlock``\\ s (arguments read with :func:`tool_kwargs`) and, in
     ``additional_kwargs["tool_calls"]``, as the model wrote them (OpenAI form)."""
@@ -200,15 +235,24 @@ def to_chat_message(result: ChatResult, schemas: Mapping[str, Mapping[str, Any]]
     additional: dict[str, Any] = {}
     calls: list[ToolCall] = [tc for tc in result.tool_calls if tc.name or not partial]
     for i, tc in enumerate(calls):
-        blocks.append(ToolCallBlock(
-            tool_call_id=tc.id or f"call_{i}", tool_name=tc.name,
-            tool_kwargs=tool_kwargs(tc.arguments, (schemas or {}).get(tc.name),
-                                    partial=partial)))
+        blocks.append(
+            ToolCallBlock(
+                tool_call_id=tc.id or f"call_{i}",
+                tool_name=tc.name,
+                tool_kwargs=tool_kwargs(
+                    tc.arguments, (schemas or {}).get(tc.name), partial=partial
+                ),
+            )
+        )
     if calls:
         additional["tool_calls"] = [
-            {"id": tc.id or f"call_{i}", "type": tc.type or "function",
-             "function": {"name": tc.name, "arguments": tc.arguments}}
-            for i, tc in enumerate(calls)]
+            {
+                "id": tc.id or f"call_{i}",
+                "type": tc.type or "function",
+                "function": {"name": tc.name, "arguments": tc.arguments},
+            }
+            for i, tc in enumerate(calls)
+        ]
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=additional)
 
 

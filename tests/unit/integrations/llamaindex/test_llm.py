@@ -64,11 +64,22 @@ class Fake(FakeKVBranchServer):
             self.requests.append((request.method, request.url.path, None, request.headers))
             if isinstance(self.prefetch_failure, Exception):
                 raise self.prefetch_failure
-            return httpx.Response(self.prefetch_failure, json={"error": {
-                "message": "injected", "type": "Injected", "code": self.prefetch_failure}})
+            return httpx.Response(
+                self.prefetch_failure,
+                json={
+                    "error": {
+                        "message": "injected",
+                        "type": "Injected",
+                        "code": self.prefetch_failure,
+                    }
+                },
+            )
         response = super().handle(request)
-        if request.url.path == "/v1/models" and response.status_code == 200 \
-                and self.max_model_len is not None:
+        if (
+            request.url.path == "/v1/models"
+            and response.status_code == 200
+            and self.max_model_len is not None
+        ):
             data = json.loads(response.content)
             for model in data["data"]:
                 model["max_model_len"] = self.max_model_len
@@ -78,14 +89,15 @@ class Fake(FakeKVBranchServer):
 
 def tool_then_answer(arguments: str = '{"city": "Paris"}', name: str = "get_weather"):
     """A fake model: a tool call after a user message, prose after a tool result."""
+
     def reply(messages):
         last = messages[-1]
         if last["role"] == "user":
-            return Reply(tool_calls=[FakeToolCall(name=name, arguments=arguments,
-                                                  id="call_1")])
+            return Reply(tool_calls=[FakeToolCall(name=name, arguments=arguments, id="call_1")])
         if last["role"] == "tool":
             return Reply(content=f"It is {last['content']}.")
         return Reply(content="ok")
+
     return reply
 
 
@@ -97,6 +109,11 @@ def fake():
 def make_llm(fake, **kwargs) -> KVBranchLLM:
     kwargs.setdefault("max_retries", 0)
     return KVBranchLLM(base_url="http://fake", transport=fake.transport(), **kwargs)
+
+
+def openai_call(call_id: str, name: str, arguments: str) -> dict:
+    """An OpenAI tool call as the wire and ``additional_kwargs["tool_calls"]`` carry it."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def user(text: str) -> ChatMessage:
@@ -127,13 +144,15 @@ def test_metadata_reads_the_context_window_from_the_server(fake):
     assert meta.is_chat_model and meta.is_function_calling_model
     assert meta.model_name == "fake-model"
     assert make_llm(fake, context_window=1000).metadata.context_window == 1000
-    assert make_llm(fake, is_function_calling_model=False).metadata \
-        .is_function_calling_model is False
+    assert (
+        make_llm(fake, is_function_calling_model=False).metadata.is_function_calling_model is False
+    )
 
 
 def test_metadata_falls_back_when_the_server_is_unreachable_or_silent(caplog):
     def refuse(request):
         raise httpx.ConnectError("refused")
+
     llm = KVBranchLLM(base_url="http://down", transport=httpx.MockTransport(refuse))
     with caplog.at_level(logging.WARNING, logger="kvbranch.llamaindex"):
         assert llm.metadata.context_window == DEFAULT_CONTEXT_WINDOW
@@ -161,8 +180,10 @@ def test_chat_sends_session_and_branch_and_reports_usage_and_split(fake):
     assert body["session_id"] == llm.session_id
     assert body["vllm_xargs"][BRANCH_XARG] == "main"
     assert body["temperature"] == 0 and body["max_tokens"] == 16
-    assert body["messages"] == [{"role": "system", "content": "be brief"},
-                                {"role": "user", "content": "hello"}]
+    assert body["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
     info = first.additional_kwargs
     assert info["prompt_tokens"] == info["kvbranch"]["prompt_tokens"] > 0
     assert info["kvbranch"]["session_id"] == llm.session_id
@@ -217,6 +238,7 @@ def test_complete_and_stream_complete(fake):
 
 def _prompt(text):
     from llama_index.core.prompts import PromptTemplate
+
     return PromptTemplate(text)
 
 
@@ -268,8 +290,14 @@ def test_server_errors_propagate_as_sdk_errors(fake):
 
 def test_extra_kwargs_reach_the_request_body(fake):
     llm = make_llm(fake, additional_kwargs={"top_k": 5})
-    llm.chat([user("x")], response_format={"type": "json_object"}, stop=["\n"], seed=3,
-             extra_body={"min_tokens": 1}, verbose=True)
+    llm.chat(
+        [user("x")],
+        response_format={"type": "json_object"},
+        stop=["\n"],
+        seed=3,
+        extra_body={"min_tokens": 1},
+        verbose=True,
+    )
     body = fake.chat_requests()[-1]
     assert body["top_k"] == 5 and body["min_tokens"] == 1
     assert body["response_format"] == {"type": "json_object"}
@@ -292,51 +320,73 @@ def test_plain_server_runs_client_side(caplog):
 
 # --- messages -----------------------------------------------------------------------------
 def test_message_conversion():
-    assistant = ChatMessage(role=MessageRole.ASSISTANT, blocks=[
-        ToolCallBlock(tool_call_id="c1", tool_name="get_weather",
-                      tool_kwargs={"city": "Oslo"})])
+    assistant = ChatMessage(
+        role=MessageRole.ASSISTANT,
+        blocks=[
+            ToolCallBlock(tool_call_id="c1", tool_name="get_weather", tool_kwargs={"city": "Oslo"})
+        ],
+    )
     assert to_openai_message(assistant) == {
-        "role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [openai_call("c1", "get_weather", '{"city": "Oslo"}')],
+    }
     # the model's own argument text wins over the blocks' parsed kwargs
-    raw = ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [
-        {"id": "c2", "type": "function",
-         "function": {"name": "get_weather", "arguments": '"Oslo"'}}]},)
+    raw = ChatMessage(
+        role="assistant",
+        content="",
+        additional_kwargs={"tool_calls": [openai_call("c2", "get_weather", '"Oslo"')]},
+    )
     assert to_openai_message(raw)["tool_calls"][0]["function"]["arguments"] == '"Oslo"'
-    tool = ChatMessage(role=MessageRole.TOOL, content="snow",
-                       additional_kwargs={"tool_call_id": "c1", "name": "get_weather"})
-    assert to_openai_message(tool) == {"role": "tool", "content": "snow",
-                                       "tool_call_id": "c1", "name": "get_weather"}
-    assert to_openai_message(ChatMessage(role=MessageRole.DEVELOPER, content="x"))["role"] \
-        == "system"
+    tool = ChatMessage(
+        role=MessageRole.TOOL,
+        content="snow",
+        additional_kwargs={"tool_call_id": "c1", "name": "get_weather"},
+    )
+    assert to_openai_message(tool) == {
+        "role": "tool",
+        "content": "snow",
+        "tool_call_id": "c1",
+        "name": "get_weather",
+    }
+    assert (
+        to_openai_message(ChatMessage(role=MessageRole.DEVELOPER, content="x"))["role"] == "system"
+    )
     two = ChatMessage(role="user", blocks=[TextBlock(text="a"), TextBlock(text="b")])
     assert to_openai_message(two) == {"role": "user", "content": "a\nb"}
-    image = ChatMessage(role="user", blocks=[TextBlock(text="what is this?"),
-                                             ImageBlock(url="http://img/x.png")])
+    image = ChatMessage(
+        role="user", blocks=[TextBlock(text="what is this?"), ImageBlock(url="http://img/x.png")]
+    )
     assert to_openai_message(image)["content"] == [
         {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": "http://img/x.png"}}]
+        {"type": "image_url", "image_url": {"url": "http://img/x.png"}},
+    ]
 
 
 # --- tools --------------------------------------------------------------------------------
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-TWO = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-       "required": ["a", "b"]}
+TWO = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
 
 
-@pytest.mark.parametrize("text,schema,expected", [
-    ('{"city": "Paris"}', SCHEMA, {"city": "Paris"}),
-    ('"Paris"', SCHEMA, {"city": "Paris"}),                # guided decoding's bare value
-    ("Paris", SCHEMA, {"city": "Paris"}),                  # not JSON at all
-    ('{"location": "Paris"}', SCHEMA, {"city": "Paris"}),  # one unknown key
-    ('{"a": 1, "b": 2}', TWO, {"a": 1, "b": 2}),
-    ("3", TWO, {}),                                        # no single parameter to map to
-    ('{"a": 1}', TWO, {"a": 1}),                           # partial but valid: left as is
-    ("", SCHEMA, {}),
-    ('{"city": "Paris"', SCHEMA, {"city": "Paris"}),        # a prefix of a streamed call
-    ("42", None, {}),
-])
+@pytest.mark.parametrize(
+    "text,schema,expected",
+    [
+        ('{"city": "Paris"}', SCHEMA, {"city": "Paris"}),
+        ('"Paris"', SCHEMA, {"city": "Paris"}),  # guided decoding's bare value
+        ("Paris", SCHEMA, {"city": "Paris"}),  # not JSON at all
+        ('{"location": "Paris"}', SCHEMA, {"city": "Paris"}),  # one unknown key
+        ('{"a": 1, "b": 2}', TWO, {"a": 1, "b": 2}),
+        ("3", TWO, {}),  # no single parameter to map to
+        ('{"a": 1}', TWO, {"a": 1}),  # partial but valid: left as is
+        ("", SCHEMA, {}),
+        ('{"city": "Paris"', SCHEMA, {"city": "Paris"}),  # a prefix of a streamed call
+        ("42", None, {}),
+    ],
+)
 def test_tool_kwargs(text, schema, expected):
     assert tool_kwargs(text, schema, partial=True) == expected
 
@@ -346,16 +396,21 @@ def test_resolve_tool_choice():
     assert resolve_tool_choice(None, True) == "required"
     assert resolve_tool_choice("none", True) == "none"
     assert resolve_tool_choice("get_weather", False) == {
-        "type": "function", "function": {"name": "get_weather"}}
+        "type": "function",
+        "function": {"name": "get_weather"},
+    }
     named = {"type": "function", "function": {"name": "x"}}
     assert resolve_tool_choice(named, False) is named
 
 
 def test_prepare_chat_with_tools(fake):
     llm = make_llm(fake)
-    kw = llm._prepare_chat_with_tools([weather_tool], user_msg="weather in Paris?",
-                                      chat_history=[ChatMessage(role="system", content="s")],
-                                      tool_required=True)
+    kw = llm._prepare_chat_with_tools(
+        [weather_tool],
+        user_msg="weather in Paris?",
+        chat_history=[ChatMessage(role="system", content="s")],
+        tool_required=True,
+    )
     assert [m.role for m in kw["messages"]] == [MessageRole.SYSTEM, MessageRole.USER]
     assert kw["tools"][0]["function"]["name"] == "get_weather"
     assert kw["tools"][0]["function"]["parameters"]["required"] == ["city"]
@@ -369,25 +424,32 @@ def test_prepare_chat_with_tools(fake):
 def test_chat_with_tools_round_trip(arguments):
     fake = Fake(reply=tool_then_answer(arguments))
     llm = make_llm(fake)
-    response = llm.chat_with_tools([weather_tool], user_msg="Weather in Paris?",
-                                   tool_required=True)
+    response = llm.chat_with_tools([weather_tool], user_msg="Weather in Paris?", tool_required=True)
     body = fake.chat_requests()[-1]
     assert body["tool_choice"] == "required" and body["tools"][0]["type"] == "function"
     calls = llm.get_tool_calls_from_response(response)
     assert [(c.tool_id, c.tool_name, c.tool_kwargs) for c in calls] == [
-        ("call_1", "get_weather", {"city": "Paris"})]
+        ("call_1", "get_weather", {"city": "Paris"})
+    ]
     # the history keeps what the model wrote; the tool result goes back with its call id
-    tool_msg = ChatMessage(role="tool", content=get_weather(**calls[0].tool_kwargs),
-                           additional_kwargs={"tool_call_id": calls[0].tool_id})
-    final = llm.chat_with_tools([weather_tool], chat_history=[
-        user("Weather in Paris?"), response.message, tool_msg])
+    tool_msg = ChatMessage(
+        role="tool",
+        content=get_weather(**calls[0].tool_kwargs),
+        additional_kwargs={"tool_call_id": calls[0].tool_id},
+    )
+    final = llm.chat_with_tools(
+        [weather_tool], chat_history=[user("Weather in Paris?"), response.message, tool_msg]
+    )
     sent = fake.chat_requests()[-1]["messages"]
     assert sent[1]["tool_calls"][0]["function"]["arguments"] == arguments
     assert sent[2] == {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"}
     assert final.message.content == "It is sunny, 21 C."
     # the branch history holds the tool call as it is sent back (content "", not null)
-    assert llm.history[1] == {"role": "assistant", "content": "",
-                              "tool_calls": sent[1]["tool_calls"]}
+    assert llm.history[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": sent[1]["tool_calls"],
+    }
     assert llm.get_tool_calls_from_response(final, error_on_no_tool_call=False) == []
     with pytest.raises(ValueError):
         llm.get_tool_calls_from_response(final)
@@ -396,8 +458,7 @@ def test_chat_with_tools_round_trip(arguments):
 def test_streamed_tool_calls_parse_at_every_step():
     fake = Fake(reply=tool_then_answer('{"a": 2, "b": 40}', name="add"))
     llm = make_llm(fake)
-    responses = list(llm.stream_chat_with_tools([add_tool], user_msg="2+40?",
-                                                tool_required=True))
+    responses = list(llm.stream_chat_with_tools([add_tool], user_msg="2+40?", tool_required=True))
     for r in responses:  # partial arguments never raise
         llm.get_tool_calls_from_response(r, error_on_no_tool_call=False)
     calls = llm.get_tool_calls_from_response(responses[-1])
@@ -408,22 +469,30 @@ def test_streamed_tool_calls_parse_at_every_step():
 
 def test_parallel_tool_calls_are_cut_to_one_unless_allowed():
     def reply(messages):
-        return Reply(tool_calls=[FakeToolCall("get_weather", '{"city": "Paris"}', "c1"),
-                                 FakeToolCall("get_weather", '{"city": "Oslo"}', "c2")])
+        return Reply(
+            tool_calls=[
+                FakeToolCall("get_weather", '{"city": "Paris"}', "c1"),
+                FakeToolCall("get_weather", '{"city": "Oslo"}', "c2"),
+            ]
+        )
+
     llm = make_llm(Fake(reply=reply))
     one = llm.chat_with_tools([weather_tool], user_msg="both?")
     assert [c.tool_id for c in llm.get_tool_calls_from_response(one)] == ["c1"]
     assert len(one.message.additional_kwargs["tool_calls"]) == 1
     both = llm.chat_with_tools([weather_tool], user_msg="both?", allow_parallel_tool_calls=True)
     assert [c.tool_kwargs["city"] for c in llm.get_tool_calls_from_response(both)] == [
-        "Paris", "Oslo"]
+        "Paris",
+        "Oslo",
+    ]
 
 
 def test_tool_calls_from_openai_style_additional_kwargs(fake):
     llm = make_llm(fake)
-    response = ChatResponse(message=ChatMessage(role="assistant", content="", additional_kwargs={
-        "tool_calls": [{"id": "x", "type": "function",
-                        "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}))
+    calls_kwargs = {"tool_calls": [openai_call("x", "add", '{"a": 1, "b": 2}')]}
+    response = ChatResponse(
+        message=ChatMessage(role="assistant", content="", additional_kwargs=calls_kwargs)
+    )
     calls = llm.get_tool_calls_from_response(response)
     assert [(c.tool_id, c.tool_kwargs) for c in calls] == [("x", {"a": 1, "b": 2})]
 
@@ -431,8 +500,9 @@ def test_tool_calls_from_openai_style_additional_kwargs(fake):
 def test_predict_and_call(fake):
     fake.reply = tool_then_answer('"Oslo"')
     llm = make_llm(fake)
-    out = llm.predict_and_call([weather_tool], user_msg="Weather in Oslo?",
-                               tool_choice="get_weather")
+    out = llm.predict_and_call(
+        [weather_tool], user_msg="Weather in Oslo?", tool_choice="get_weather"
+    )
     assert out.response == "snow, -3 C"
 
 
@@ -447,7 +517,8 @@ def test_a_tool_call_prefetches_the_branch_in_the_background():
     llm.chat_with_tools([weather_tool], user_msg="Weather?", tool_required=True)
     llm.wait_for_prefetch()
     assert _prefetches(fake) == [
-        f"POST /v1/kvbranch/sessions/{llm.session_id}/branches/main/prefetch"]
+        f"POST /v1/kvbranch/sessions/{llm.session_id}/branches/main/prefetch"
+    ]
     fake.reply = lambda messages: Reply(content="prose")
     llm.chat([user("no tools")])
     llm.wait_for_prefetch()
@@ -463,8 +534,9 @@ def test_async_tool_call_prefetches_in_a_task():
     llm = make_llm(fake)
 
     async def run():
-        stream = await llm.astream_chat_with_tools([weather_tool], user_msg="Weather?",
-                                                   tool_required=True)
+        stream = await llm.astream_chat_with_tools(
+            [weather_tool], user_msg="Weather?", tool_required=True
+        )
         async for _ in stream:
             pass
         await llm.await_prefetch()
@@ -500,11 +572,19 @@ def test_fork_binds_a_new_llm_to_a_new_branch(fake):
     assert isinstance(child, KVBranchLLM) and child is not llm
     assert child.branch_id == "alt" and child.session_id == llm.session_id
     assert llm.branch_id == "main"
-    assert child.history == llm.history == [{"role": "user", "content": "plan A"},
-                                            {"role": "assistant",
-                                             "content": first.message.content}]
-    fork_body = [body for method, path, body, _ in fake.requests
-                 if path.endswith("/branches") and method == "POST"][-1]
+    assert (
+        child.history
+        == llm.history
+        == [
+            {"role": "user", "content": "plan A"},
+            {"role": "assistant", "content": first.message.content},
+        ]
+    )
+    fork_body = [
+        body
+        for method, path, body, _ in fake.requests
+        if path.endswith("/branches") and method == "POST"
+    ][-1]
     assert fork_body["parent"] == "main" and fork_body["branch_id"] == "alt"
     assert fork_body["messages"] == llm.history
     child.chat([user("plan A"), first.message, user("plan B")])
@@ -555,30 +635,32 @@ def test_lost_server_state_is_restored_for_forks_and_prefetch():
 def test_function_agent_round_trip(streaming):
     fake = Fake(reply=tool_then_answer('"Paris"'))
     llm = make_llm(fake, max_tokens=32)
-    agent = FunctionAgent(tools=[get_weather], llm=llm, streaming=streaming,
-                          initial_tool_choice="get_weather",
-                          system_prompt="You answer weather questions with the tool.")
+    agent = FunctionAgent(
+        tools=[get_weather],
+        llm=llm,
+        streaming=streaming,
+        initial_tool_choice="get_weather",
+        system_prompt="You answer weather questions with the tool.",
+    )
 
     async def run():
         handler = agent.run("What is the weather in Paris?")
-        results = [ev async for ev in handler.stream_events()
-                   if isinstance(ev, ToolCallResult)]
+        results = [ev async for ev in handler.stream_events() if isinstance(ev, ToolCallResult)]
         answer = await handler
         await llm.await_prefetch()
         return results, answer
 
     results, answer = asyncio.run(run())
     assert [(r.tool_name, r.tool_kwargs, r.tool_output.content) for r in results] == [
-        ("get_weather", {"city": "Paris"}, "sunny, 21 C")]
+        ("get_weather", {"city": "Paris"}, "sunny, 21 C")
+    ]
     assert str(answer.response.content) == "It is sunny, 21 C."
     bodies = fake.chat_requests()
     assert len(bodies) == 2
-    assert bodies[0]["tool_choice"] == {"type": "function",
-                                        "function": {"name": "get_weather"}}
+    assert bodies[0]["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert bodies[1]["tool_choice"] == "auto"
     assert all(b["session_id"] == llm.session_id for b in bodies)
-    assert [m["role"] for m in bodies[1]["messages"]] == ["system", "user", "assistant",
-                                                           "tool"]
+    assert [m["role"] for m in bodies[1]["messages"]] == ["system", "user", "assistant", "tool"]
     assert len(_prefetches(fake)) == 1
     # the second request continued the first one's cached sequence
     assert fake.sessions[llm.session_id]["branches"]["main"]["requests"] == 2

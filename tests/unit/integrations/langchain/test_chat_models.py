@@ -24,19 +24,27 @@ class TestChatKVBranchStandardUnit(ChatModelUnitTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"model": "SmolLM2-135M-Instruct", "base_url": "http://127.0.0.1:9",
-                "api_key": "test"}
+        return {
+            "model": "SmolLM2-135M-Instruct",
+            "base_url": "http://127.0.0.1:9",
+            "api_key": "test",
+        }
 
     @property
     def init_from_env_params(self) -> tuple[dict, dict, dict]:
-        return ({"KVBRANCH_BASE_URL": "http://127.0.0.1:8123"}, {"model": "m"},
-                {"base_url": None})
+        return ({"KVBRANCH_BASE_URL": "http://127.0.0.1:8123"}, {"model": "m"}, {"base_url": None})
 
 
 # --- behaviour against the fake server -------------------------------------------------------
 def make(fake: FakeKVBranchServer, **kwargs) -> ChatKVBranch:
-    return ChatKVBranch(base_url="http://fake", model=fake.model, transport=fake.transport(),
-                        async_transport=fake.transport(), max_retries=0, **kwargs)
+    return ChatKVBranch(
+        base_url="http://fake",
+        model=fake.model,
+        transport=fake.transport(),
+        async_transport=fake.transport(),
+        max_retries=0,
+        **kwargs,
+    )
 
 
 def ids(body: dict) -> tuple[str | None, str | None]:
@@ -68,8 +76,7 @@ def test_instance_session_and_cache_split():
     assert meta["session_id"] == "s1" and meta["branch_id"] == "main"
     split = meta["kvbranch"]
     assert split["device_hit_tokens"] > 0
-    assert second.usage_metadata["input_token_details"]["cache_read"] == \
-        split["device_hit_tokens"]
+    assert second.usage_metadata["input_token_details"]["cache_read"] == split["device_hit_tokens"]
 
 
 def test_auto_session_and_per_call_ids():
@@ -80,8 +87,9 @@ def test_auto_session_and_per_call_ids():
     assert ids(fake.chat_requests()[-1]) == (llm.session_id, None)
     llm.invoke("a", session_id="other", branch_id="b2")
     assert ids(fake.chat_requests()[-1]) == ("other", "b2")
-    llm.invoke("a", config={"metadata": {"kvbranch_session_id": "meta",
-                                          "kvbranch_branch_id": "mb"}})
+    llm.invoke(
+        "a", config={"metadata": {"kvbranch_session_id": "meta", "kvbranch_branch_id": "mb"}}
+    )
     assert ids(fake.chat_requests()[-1]) == ("meta", "mb")
 
 
@@ -117,7 +125,7 @@ def test_fork_binds_a_new_branch():
 def test_lazy_fork_inside_a_thread():
     fake = FakeKVBranchServer()
     llm = make(fake)
-    alt = llm.fork("alt")          # no session known yet
+    alt = llm.fork("alt")  # no session known yet
     assert alt.session_id is None
     llm.invoke("a", config={"configurable": {"thread_id": "T9"}})  # the thread's main
     alt.invoke("a", config={"configurable": {"thread_id": "T9"}})
@@ -128,8 +136,12 @@ def test_lazy_fork_inside_a_thread():
 def tool_reply(messages):
     if messages[-1]["role"] == "tool":
         return default_reply(messages)
-    return Reply(tool_calls=[FakeToolCall("get_weather", '{"city": "Paris"}', id="c1"),
-                             FakeToolCall("get_weather", '"Paris"', id="c2")])
+    return Reply(
+        tool_calls=[
+            FakeToolCall("get_weather", '{"city": "Paris"}', id="c1"),
+            FakeToolCall("get_weather", '"Paris"', id="c2"),
+        ]
+    )
 
 
 def get_weather(city: str) -> str:
@@ -153,14 +165,19 @@ def test_tool_calls_invalid_args_and_prefetch():
     body = fake.chat_requests()[-1]
     assert body["tool_choice"] == "required"
     assert body["tools"][0]["function"]["name"] == "get_weather"
-    assert msg.tool_calls == [{"name": "get_weather", "args": {"city": "Paris"}, "id": "c1",
-                               "type": "tool_call"}]
+    assert msg.tool_calls == [
+        {"name": "get_weather", "args": {"city": "Paris"}, "id": "c1", "type": "tool_call"}
+    ]
     assert msg.invalid_tool_calls[0]["args"] == '"Paris"'  # not a JSON object
-    assert wait_for(lambda: "POST /v1/kvbranch/sessions/s3/branches/main/prefetch"
-                    in fake.paths())
+    assert wait_for(lambda: "POST /v1/kvbranch/sessions/s3/branches/main/prefetch" in fake.paths())
     # the tool result goes back as a tool message
-    answer = llm.invoke([HumanMessage("weather?"), AIMessage("", tool_calls=msg.tool_calls),
-                         ToolMessage("sunny", tool_call_id="c1")])
+    answer = llm.invoke(
+        [
+            HumanMessage("weather?"),
+            AIMessage("", tool_calls=msg.tool_calls),
+            ToolMessage("sunny", tool_call_id="c1"),
+        ]
+    )
     sent = fake.chat_requests()[-1]["messages"]
     assert sent[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
     assert sent[2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
@@ -170,8 +187,10 @@ def test_tool_calls_invalid_args_and_prefetch():
 def test_named_tool_choice():
     fake = FakeKVBranchServer(reply=tool_reply)
     make(fake).bind_tools([get_weather], tool_choice="get_weather").invoke("x")
-    assert fake.chat_requests()[-1]["tool_choice"] == {"type": "function",
-                                                       "function": {"name": "get_weather"}}
+    assert fake.chat_requests()[-1]["tool_choice"] == {
+        "type": "function",
+        "function": {"name": "get_weather"},
+    }
     with pytest.raises(ValueError):
         make(fake).bind_tools([get_weather], tool_choice="nope")
 
@@ -287,19 +306,24 @@ def test_pin_and_ls_params():
     assert llm.unpin().pinned is False
     assert llm.prefetch().session_id == "s9"
     params = llm._get_ls_params(stop=["z"])
-    assert params == {"ls_provider": "kvbranch", "ls_model_name": "fake-model",
-                      "ls_model_type": "chat", "ls_temperature": 0.5, "ls_max_tokens": 7,
-                      "ls_stop": ["z"]}
+    assert params == {
+        "ls_provider": "kvbranch",
+        "ls_model_name": "fake-model",
+        "ls_model_type": "chat",
+        "ls_temperature": 0.5,
+        "ls_max_tokens": 7,
+        "ls_stop": ["z"],
+    }
     with pytest.raises(ValueError):
         make(fake).pin(10)
 
 
 def test_retries_come_from_the_sdk():
     fake = FakeKVBranchServer()
-    llm = ChatKVBranch(base_url="http://fake", model=fake.model, transport=fake.transport(),
-                       max_retries=2)
-    llm.client.retry.__class__  # the sdk policy: 3 attempts
-    assert llm.client.retry.max_attempts == 3
+    llm = ChatKVBranch(
+        base_url="http://fake", model=fake.model, transport=fake.transport(), max_retries=2
+    )
+    assert llm.client.retry.max_attempts == 3  # the sdk policy: 3 attempts
     fake.fail_next(503, headers={"Retry-After": "0"})
     assert llm.invoke("x").content == "echo 1: x"
     assert NO_RETRY.max_attempts == 1
@@ -311,9 +335,13 @@ class TemplateRefusingServer(FakeKVBranchServer):
 
     def handle(self, request):
         body = json.loads(request.content) if request.content else None
-        if (request.method == "POST" and request.url.path.endswith("/branches")
-                and isinstance(body, dict) and body.get("messages")
-                and body["messages"][0].get("content")):
+        if (
+            request.method == "POST"
+            and request.url.path.endswith("/branches")
+            and isinstance(body, dict)
+            and body.get("messages")
+            and body["messages"][0].get("content")
+        ):
             self.requests.append((request.method, request.url.path, body, request.headers))
             return self._error(400, "the chat template cannot render these messages")
         return super().handle(request)
@@ -344,4 +372,7 @@ def test_async_clients_are_per_loop_object_not_per_id():
     first = asyncio.run(client_of_this_loop())
     second = asyncio.run(client_of_this_loop())  # a new loop, possibly at the same address
     assert first is not second
-    assert all(not loop.is_closed() for loop in list(llm._aclients))  # closed loops dropped
+    assert all(
+        not loop.is_closed()  # closed loops dropped
+        for loop in llm.conversation.clients.loops()
+    )
