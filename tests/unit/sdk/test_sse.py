@@ -87,3 +87,30 @@ def test_async_iteration():
         return [e async for e in aiter_sse(chunks())]
 
     assert asyncio.run(collect()) == EXPECTED
+
+
+def test_leading_byte_order_mark_is_ignored():
+    # before: the BOM became part of the first field name and the first event was lost
+    assert list(iter_sse([b"\xef\xbb\xbfdata: x\n\n"])) == [ServerSentEvent(data="x")]
+    assert list(iter_sse([b"\xef", b"\xbb", b"\xbfdata: x\n\n"])) == [ServerSentEvent(data="x")]
+    # only a leading one: later U+FEFF characters are data
+    assert list(iter_sse(["data: \ufeffx\n\n".encode()])) == [ServerSentEvent(data="\ufeffx")]
+
+
+@pytest.mark.parametrize("value", ["²", "١٢", "-5", "+5", " 5", "1_000", "5s"])
+def test_retry_takes_ascii_digits_only(value):
+    # before: "²".isdigit() let int() raise ValueError out of the parser
+    raw = f"retry: {value}\ndata: a\n\n".encode()
+    assert list(iter_sse([raw])) == [ServerSentEvent(data="a")]
+
+
+def test_fields_without_data_dispatch_nothing():
+    raw = b"event: ping\n\nid: 3\n\nretry: 10\n\n\n\ndata: a\n\n"
+    assert list(iter_sse([raw])) == [ServerSentEvent(data="a", id="3", retry=10)]
+
+
+def test_a_long_line_in_many_small_chunks():
+    value = "x" * 100_000
+    raw = f"data: {value}\r\n\r\n".encode()
+    pieces = [raw[i:i + 7] for i in range(0, len(raw), 7)]
+    assert list(iter_sse(pieces)) == [ServerSentEvent(data=value)]
