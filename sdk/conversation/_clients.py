@@ -14,6 +14,9 @@ from sdk import AsyncKVBranchClient, KVBranchClient, RetryPolicy
 
 __all__ = ["ClientSet"]
 
+# keyword arguments of both clients, as ClientSet takes them
+_SETTINGS = ("api_key", "model", "timeout", "retry", "default_headers", "kvbranch")
+
 
 class ClientSet:
     """The sdk clients of a model and all its copies: one sync client, and one async client per
@@ -34,14 +37,8 @@ class ClientSet:
         async_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url
-        self._settings: dict[str, Any] = dict(
-            api_key=api_key,
-            model=model,
-            timeout=timeout,
-            retry=retry,
-            default_headers=default_headers,
-            kvbranch=kvbranch,
-        )
+        values = (api_key, model, timeout, retry, default_headers, kvbranch)
+        self._settings: dict[str, Any] = dict(zip(_SETTINGS, values, strict=True))
         self._transport = transport
         self._async_transport = async_transport
         self._lock = threading.Lock()

@@ -5,7 +5,6 @@ twin (``achat``, ``afork``, ...) on one event loop per test."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -252,30 +251,16 @@ def test_fork_without_a_session_is_lazy_and_local(mode: Mode) -> None:
     assert child == BranchRef(None, "b", fork_parent="main") and fake.requests == []
 
 
-class TemplateRefusingServer(FakeKVBranchServer):
-    """Answers 400 to a fork that carries messages, as a server whose chat template cannot
-    render them does."""
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else None
-        if (
-            request.method == "POST"
-            and request.url.path.endswith("/branches")
-            and isinstance(body, dict)
-            and body.get("messages")
-        ):
-            self.requests.append((request.method, request.url.path, body, request.headers))
-            return self._error(400, "the chat template cannot render these messages")
-        return super().handle(request)
-
-
 def test_a_fork_the_server_cannot_render_forks_without_a_shared_prefix(mode: Mode) -> None:
-    fake = TemplateRefusingServer()
+    fake = FakeKVBranchServer()
     conv = conversation(fake)
     mode(conv, "chat", BranchRef("s4"), USER)
+    fake.fail_next(400)  # what a server whose chat template cannot render the messages says
     mode(conv, "fork", BranchRef("s4"), "b400", at_messages=USER)
+    assert forks(fake)[-2]["messages"] == USER
     assert forks(fake)[-1] == {"parent": "main", "branch_id": "b400", "token_offset": 0}
     assert fake.sessions["s4"]["branches"]["b400"]["parent"] == "main"
+    fake.fail_next(400)
     mode(conv, "fork", BranchRef("s4"), "b400", at_messages=USER)  # 400, then 409: fine
 
 
