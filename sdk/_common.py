@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from typing_extensions import TypedDict
 
-from server.contract import BRANCH_XARG, check_id
+from server.contract import BRANCH_XARG, CHAT_COMPLETIONS_PATH, MODELS_PATH, check_id
 
 __all__ = [
     "ENV_BASE_URL",
@@ -32,9 +32,8 @@ __all__ = [
 ENV_BASE_URL = "KVBRANCH_BASE_URL"
 ENV_API_KEY = "KVBRANCH_API_KEY"
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
-# OpenAI's own routes (not part of the kvbranch contract).
-CHAT_PATH = "/v1/chat/completions"
-MODELS_PATH = "/v1/models"
+# OpenAI's own routes, named in the contract with the kvbranch ones.
+CHAT_PATH = CHAT_COMPLETIONS_PATH
 
 _VERSION = "0.1.0"
 

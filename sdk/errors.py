@@ -17,6 +17,9 @@ import time
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
+
+from server.contract import ErrorBody
 
 __all__ = [
     "KVBranchError",
@@ -157,6 +160,13 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
 
 
 def _message_of(body: Any, text: str) -> tuple[str, str | None, Any]:
+    """The message, type and code of an error body: kvbranch's and vLLM's own shape (the
+    contract's :class:`ErrorBody`), else whatever other servers send."""
+    try:
+        error = ErrorBody.model_validate(body).error
+        return error.message, error.type, error.code
+    except ValidationError:
+        pass
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict):

@@ -13,17 +13,18 @@ client-side only: one warning, no ``session_id``/``vllm_xargs`` sent, and ``pin`
 ``unpin``, ``prefetch`` and ``info`` return ``None``.
 
 :class:`AsyncSession`/:class:`AsyncBranch` are the same over :class:`AsyncKVBranchClient`.
-All of the logic is in :mod:`sdk._session_core`; the classes here only run its flows, one line
-per method.
+All of the logic is in :mod:`sdk._session_core` and :mod:`sdk._branch_core`; the classes here
+only run their flows, one line per method.
 """
 
 from __future__ import annotations
 
 from typing_extensions import Unpack
 
+from sdk._branch_core import BranchCore, MessageInput
 from sdk._common import ChatParams
 from sdk._core import copy_docs
-from sdk._session_core import BranchCore, MessageInput, SessionCore
+from sdk._session_core import SessionCore
 from sdk.aclient import AsyncChatStream, AsyncKVBranchClient
 from sdk.client import ChatStream, KVBranchClient
 from sdk.types import ChatResult

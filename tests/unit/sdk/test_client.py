@@ -310,7 +310,7 @@ def test_stream_result_before_the_end_is_an_error(driver):
         "http://fake", transport=fake.transport(), model="fake-model"
     ).chat_stream(MESSAGES)
     with pytest.raises(RuntimeError, match="not finished"):
-        stream.result
+        _ = stream.result
     stream.close()
 
 
