@@ -6,6 +6,11 @@ parser (so every vLLM flag keeps its meaning) and call its ``run_server``.
 
 Everything after a literal ``--`` is handed to vLLM unchanged, e.g.
 ``python -m server -- --max-num-seqs 8 --seed 1``.
+
+A start takes 25-90 s on CPU: once the launch is planned (model resolved, KV cache size
+checked), the launcher prints each phase on stderr as it begins (importing vLLM, the engine
+core's own phases, and ``ready:`` with the URL once the server listens; :mod:`server.phases`).
+The flags, ``ENV_*`` names and :class:`LaunchError` live in :mod:`server.settings`.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.phases import Phases, PhaseTracker, StdoutTee, watch_listening
 from server.settings import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
@@ -35,6 +43,10 @@ from server.settings import (
     LaunchError,
     build_parser,
 )
+
+#: When the launcher started (``python -m server`` imports this module first): phase times count
+#: from here.
+_STARTED = time.monotonic()
 
 
 @dataclass
@@ -283,8 +295,11 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def run(plan: LaunchPlan) -> None:
+def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
+    phases = phases or Phases(started=_STARTED)
     os.environ.update(plan.env)
+    # Phases start once the launch is planned: a launch error stays one line.
+    phases.say(f"model {plan.model_path} (KV cache size checked); importing vLLM")
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -298,14 +313,28 @@ def run(plan: LaunchPlan) -> None:
         raise LaunchError("vLLM rejected the arguments (see the line above)") from exc
     configure_logging_from_args(vllm_args)
     validate_parsed_serve_args(vllm_args)
-    print(f"[kvbranch] starting vLLM on http://{vllm_args.host}:{vllm_args.port} "
-          f"model={plan.served_model_name}", file=sys.stderr, flush=True)
+    url = f"http://{vllm_args.host}:{vllm_args.port}"
+    phases.say(f"starting vLLM on {url} model={plan.served_model_name}")
     from server.process import start_reaper
 
     start_reaper(plan.shutdown_grace_s)  # vLLM's engine core must not outlive us (SIGKILL)
+    tracker = PhaseTracker()  # vLLM's own log lines tell the engine's phases
+
+    def on_line(line: bytes) -> None:
+        phase = tracker.phase_of(line)
+        if phase is not None:
+            phases.say(phase)
+
+    tee = StdoutTee(on_line)
+    stop = threading.Event()
+    if not getattr(vllm_args, "uds", None):
+        watch_listening(vllm_args.host or "", vllm_args.port,
+                        lambda: phases.say(f"ready: {url}"), stop)
     try:
         uvloop.run(run_server(vllm_args))
     finally:
+        stop.set()
+        tee.close()
         if plan.control_socket:  # its private directory, with every engine core's socket
             shutil.rmtree(os.path.dirname(plan.control_socket), ignore_errors=True)
 

@@ -25,7 +25,8 @@ from server.contract import (
 from server.plugin import tenancy
 from server.plugin.guard import KVBranchGuard
 from server.plugin.middleware import KVBranchMiddleware, rewrite_request
-from server.plugin.tenancy import ENV_API_KEYS, owner_of, tenant_id, tenant_salt
+from server.plugin.tenancy import owner_of, tenant_id, tenant_salt
+from server.settings import ENV_API_KEYS
 
 KEY_A, KEY_B = "key-a", "key-b"
 

@@ -13,6 +13,12 @@ import pytest
 
 from server import cli
 from server.cli import (
+    check_port_free,
+    plan_launch,
+    resolve_model,
+    split_passthrough,
+)
+from server.settings import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
     ENV_API_KEYS,
@@ -21,13 +27,9 @@ from server.cli import (
     GIB,
     LaunchError,
     build_parser,
-    check_port_free,
-    plan_launch,
-    resolve_model,
-    split_passthrough,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)
@@ -367,7 +369,7 @@ def test_subprocess_busy_port(model_dir):
 
 def test_kv_cache_too_small_for_max_model_len_is_one_clear_error(tmp_path):
     """The embedded model's shape: 30 layers, 3 KV heads of 64 → 46,080 bytes/token in fp32."""
-    from server.cli import LaunchError, check_kv_fits, kv_bytes_per_token
+    from server.cli import check_kv_fits, kv_bytes_per_token
 
     (tmp_path / "config.json").write_text(json.dumps({
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from server.cli import ENV_API_KEYS, LaunchError, build_parser, main, plan_launch
+from server.cli import main, plan_launch
+from server.settings import ENV_API_KEYS, LaunchError, build_parser
 
 
 @pytest.fixture(autouse=True)
