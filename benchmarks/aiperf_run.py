@@ -51,6 +51,18 @@ METRICS = (
 )
 
 
+#: The workload, scaled to 2 cores and the embedded model: flag, default, meaning.
+WORKLOAD = (
+    ("--sessions", 4, "conversations"),
+    ("--turns", 4, "turns per conversation"),
+    ("--concurrency", 4, "conversations at a time"),
+    ("--isl", 200, "new user tokens per turn"),
+    ("--osl", 16, "output tokens per turn"),
+    ("--system-tokens", 400, "shared system prompt tokens"),
+    ("--turn-delay-ms", 2000, "think time between turns"),
+)
+
+
 def aiperf_command(args: argparse.Namespace, url: str, artifacts: Path) -> list[str]:
     from server.model_cache import ensure_model
 
@@ -342,16 +354,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--sessions", type=int, default=4, help="conversations")
-    ap.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    ap.add_argument("--concurrency", type=int, default=4, help="conversations at a time")
-    ap.add_argument("--isl", type=int, default=200, help="new user tokens per turn")
-    ap.add_argument("--osl", type=int, default=16, help="output tokens per turn")
-    ap.add_argument("--system-tokens", type=int, default=400, help="shared system prompt")
-    ap.add_argument("--turn-delay-ms", type=int, default=2000, help="think time between turns")
-    ap.add_argument("--kv-cache-gib", type=float, default=0.1)
-    ap.add_argument("--host-store-gib", type=float, default=2.0)
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    for flag, default, text in WORKLOAD:
+        ap.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+    common.add_server_args(ap, 0.1, 2048, 2.0)
     ap.add_argument("--configs", default="plain,kvbranch", help="run in this order")
     ap.add_argument("--aiperf", type=Path, default=AIPERF, help="the aiperf command")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per aiperf run")

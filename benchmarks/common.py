@@ -75,6 +75,27 @@ def add_run_args(ap: argparse.ArgumentParser, seed: int = 0, reserved_cpus: bool
         )
 
 
+def add_server_args(
+    ap: argparse.ArgumentParser,
+    kv_cache_gib: float,
+    max_model_len: int,
+    host_store_gib: float | None = 2.0,
+) -> None:
+    """The server sizes every configuration of a run shares (``host_store_gib=None``: the
+    benchmark has no host-store option)."""
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=kv_cache_gib,
+        help="device KV budget of every configuration (1 GiB ~ 23k tokens)",
+    )
+    ap.add_argument("--max-model-len", type=int, default=max_model_len)
+    if host_store_gib is not None:
+        ap.add_argument(
+            "--host-store-gib", type=float, default=host_store_gib, help="kvbranch host store size"
+        )
+
+
 def parse_run_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     args = ap.parse_args()
     if getattr(args, "reserved_cpus", None) is not None and args.reserved_cpus < 0:

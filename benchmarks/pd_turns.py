@@ -244,8 +244,7 @@ def main() -> int:
         help="tool observation tokens added per turn (default %(default)s)",
     )
     parser.add_argument("--gen-tokens", type=int, default=32)
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    common.add_server_args(parser, 1.0, 4096, None)
     common.add_run_args(parser, seed=7, reserved_cpus=False)
     return asyncio.run(main_async(common.parse_run_args(parser)))
 

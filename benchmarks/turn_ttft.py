@@ -293,9 +293,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=150, help="new user+tool tokens per turn")
     ap.add_argument("--system-tokens", type=int, default=400)
     ap.add_argument("--gen-tokens", type=int, default=32, help="max output tokens per turn")
-    ap.add_argument("--kv-cache-gib", type=float, default=0.1)
-    ap.add_argument("--host-store-gib", type=float, default=2.0)
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    common.add_server_args(ap, 0.1, 2048, 2.0)
     ap.add_argument("--fillers", type=int, default=3, help="other-tenant prompts between turns")
     ap.add_argument("--filler-tokens", type=int, default=800)
     ap.add_argument(
