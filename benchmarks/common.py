@@ -123,8 +123,10 @@ def start_server(
     name: str,
     args: list[str],
     reserved_cpus: int | None = DEFAULT_RESERVED_CPUS,
-    ready_timeout: float = 600.0,
+    ready_timeout: float = 1200.0,
 ) -> ServerProcess:
+    """Start ``python -m server`` with the shared core reservation. The generous readiness wait
+    is for shared machines: a start took over 10 minutes at a load average of 80 on 2 cores."""
     env = {} if reserved_cpus is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
     shown = " ".join(f"{k}={v}" for k, v in env.items())
     print(f"[{name}] starting server: {shown} python -m server {' '.join(args)}", flush=True)

@@ -66,9 +66,7 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
         str(args.max_model_len),
         *CONFIGS[name],
     ]
-    server = common.start_server(
-        f"bench-{name}", server_args, reserved_cpus=None, ready_timeout=1200
-    )
+    server = common.start_server(f"bench-{name}", server_args, reserved_cpus=None)
     turns: list[dict] = []
     try:
         async with httpx.AsyncClient(timeout=1800) as client:
