@@ -1,5 +1,11 @@
 """``ChatKVBranch``: a LangChain chat model for kvbranch servers, on :mod:`sdk.conversation`.
 
+(Over 400 lines because LangChain wants everything on the class: ~25 documented fields with
+ChatOpenAI's names and aliases, the four generation hooks, the run-config overrides, tools and
+structured output, and the kvbranch hooks. Each is a few lines; the work is in the sibling
+modules: ``messages`` (conversion), ``langgraph`` (ids), ``structured`` (tools) and
+:mod:`sdk.conversation` (ids, forks, prefetch).)
+
 Swap ``ChatOpenAI(base_url=..., model=...)`` for ``ChatKVBranch(base_url=..., model=...)``:
 invoke/stream/batch (sync and async), ``bind_tools`` (tool calls and streamed tool-call
 chunks), ``with_structured_output`` (``json_schema``, ``function_calling``, ``json_mode``),
@@ -32,6 +38,7 @@ host / recomputed tokens) and, for streams, ``ttft_s``.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -60,6 +67,8 @@ from sdk import AsyncKVBranchClient, BranchInfo, KVBranchClient, PrefetchResult,
 from sdk.conversation import BranchRef, ClientSet, Conversation, coerce_id
 
 __all__ = ["ChatKVBranch", "SESSION_KEY", "BRANCH_KEY"]
+
+logger = logging.getLogger("kvbranch.langchain")
 
 _SAMPLING = ("temperature", "max_tokens", "top_p", "seed")
 _Input = LanguageModelInput
@@ -172,7 +181,7 @@ class ChatKVBranch(BaseChatModel):
             async_transport=self.async_transport,
         )
         # shared by every copy (fork, bind): clients, lazy forks, background prefetches
-        self._conversation = Conversation(clients)
+        self._conversation = Conversation(clients, logger=logger)
         return self
 
     # --- LangChain plumbing ----------------------------------------------------------------

@@ -1,5 +1,10 @@
 """``KVBranchLLM``: a LlamaIndex ``FunctionCallingLLM`` over the kvbranch sdk.
 
+(Over 400 lines because LlamaIndex wants its whole surface on the class: 17 documented fields,
+chat/stream/complete in sync and async, the tool-calling hooks, forks and lifecycle. Each is a
+few lines; request and response shaping is in ``_responses``, conversions in ``_convert``,
+server facts in ``_facts``, and ids, forks and prefetch in :mod:`sdk.conversation`.)
+
 Swap it in for ``OpenAILike``/``OpenAI`` and an agent's conversation keeps its KV cache on the
 server between turns::
 

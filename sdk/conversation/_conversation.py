@@ -4,10 +4,8 @@ async driver."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -36,6 +34,7 @@ from sdk.conversation._flow import (
     run_flow,
 )
 from sdk.conversation._owned import OwnedSession
+from sdk.conversation._prefetch import Prefetches
 
 __all__ = ["Conversation"]
 
@@ -46,6 +45,7 @@ _CLIENT_OPS = {
     "info": "get_branch",
 }
 Reply = tuple[ChatResult, dict[str, str]]
+Messages = Sequence[Mapping[str, Any]]
 
 
 class Conversation:
@@ -70,8 +70,7 @@ class Conversation:
         self._log = logger or logging.getLogger("kvbranch.sdk")
         self._lock = threading.Lock()
         self._forked: set[tuple[str, str]] = set()
-        self._threads: set[threading.Thread] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._prefetches = Prefetches(self._log)
 
     def _run(self, flow: Flow[Any]) -> Any:
         return run_flow(flow, self.clients.sync)
@@ -83,7 +82,7 @@ class Conversation:
     def chat(
         self,
         ref: BranchRef,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Messages,
         *,
         prefetch_on_tool_call: bool = True,
         **params: Any,
@@ -97,7 +96,7 @@ class Conversation:
     async def achat(
         self,
         ref: BranchRef,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Messages,
         *,
         prefetch_on_tool_call: bool = True,
         **params: Any,
@@ -108,7 +107,7 @@ class Conversation:
     def chat_stream(
         self,
         ref: BranchRef,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Messages,
         *,
         prefetch_on_tool_call: bool = True,
         **params: Any,
@@ -121,7 +120,7 @@ class Conversation:
     async def achat_stream(
         self,
         ref: BranchRef,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Messages,
         *,
         prefetch_on_tool_call: bool = True,
         **params: Any,
@@ -132,7 +131,7 @@ class Conversation:
     def _chat(
         self,
         ref: BranchRef,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Messages,
         params: Mapping[str, Any],
         stream: bool,
         prefetch: bool,
@@ -154,7 +153,7 @@ class Conversation:
         done(result)
         return result, ids
 
-    def _ids(self, ref: BranchRef, messages: Sequence[Mapping[str, Any]]) -> Flow[dict[str, str]]:
+    def _ids(self, ref: BranchRef, messages: Messages) -> Flow[dict[str, str]]:
         """The ids to send: after opening an owned session, and after forking a lazily
         forked branch (once) where its first prompt agrees with its parent."""
         if ref.session_id is None:
@@ -173,7 +172,7 @@ class Conversation:
         ref: BranchRef,
         branch_id: str,
         *,
-        at_messages: Sequence[Mapping[str, Any]] | None = None,
+        at_messages: Messages | None = None,
     ) -> BranchRef:
         """Branch ``branch_id`` of ``ref``'s named session, forked from ``ref``'s branch
         where ``at_messages`` end (default: at the parent's end): on the server at once when
@@ -186,7 +185,7 @@ class Conversation:
         ref: BranchRef,
         branch_id: str,
         *,
-        at_messages: Sequence[Mapping[str, Any]] | None = None,
+        at_messages: Messages | None = None,
     ) -> BranchRef:
         return cast(BranchRef, await self._arun(self._fork_named(ref, branch_id, at_messages)))
 
@@ -205,7 +204,7 @@ class Conversation:
         return cast(BranchRef, await self._arun(flow))
 
     def _fork_named(
-        self, ref: BranchRef, branch_id: str, at_messages: Sequence[Mapping[str, Any]] | None
+        self, ref: BranchRef, branch_id: str, at_messages: Messages | None
     ) -> Flow[BranchRef]:
         child = BranchRef(ref.session_id, branch_id, fork_parent=ref.branch)
         if ref.session_id is None or not (yield available):
@@ -347,49 +346,19 @@ class Conversation:
         return self._owned().last_exchange(branch_id)
 
     # --- background prefetch --------------------------------------------------------------
-    def _failed(self, ref: BranchRef, exc: BaseException) -> None:
-        self._log.info("kvbranch: prefetch of %s/%s failed: %s", ref.session_id, ref.branch, exc)
-
     def _spawn(self, ref: BranchRef) -> None:
-        def run() -> None:
-            try:
-                self.prefetch(ref)
-            except Exception as exc:  # a prefetch is only a hint: it never fails the turn
-                self._failed(ref, exc)
-            finally:
-                self._threads.discard(threading.current_thread())
-
-        thread = threading.Thread(target=run, name="kvbranch-prefetch", daemon=True)
-        self._threads.add(thread)
-        try:
-            thread.start()
-        except RuntimeError as exc:  # e.g. the interpreter is shutting down
-            self._threads.discard(thread)
-            self._failed(ref, exc)
+        self._prefetches.start(ref, lambda: self.prefetch(ref))
 
     def _aspawn(self, ref: BranchRef) -> None:
-        async def run() -> None:
-            try:
-                await self.aprefetch(ref)
-            except Exception as exc:  # noqa: BLE001 - as in _spawn
-                self._failed(ref, exc)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._prefetches.astart(ref, lambda: self.aprefetch(ref))
 
     def wait_prefetches(self, timeout: float | None = 30.0) -> None:
         """Wait for the background prefetches of sync calls."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in list(self._threads):
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._prefetches.wait(timeout)
 
     async def await_prefetches(self, timeout: float | None = 30.0) -> None:
         """Wait for the background prefetches of async calls in the running event loop."""
-        loop = asyncio.get_running_loop()
-        tasks = [t for t in self._tasks if not t.done() and t.get_loop() is loop]
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout)
+        await self._prefetches.await_tasks(timeout)
 
     # --- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
