@@ -27,6 +27,9 @@ __all__ = [
     "user_agent",
     "ChatParams",
     "ChatArgs",
+    "ForkArgs",
+    "SessionArgs",
+    "check_keywords",
 ]
 
 ENV_BASE_URL = "KVBRANCH_BASE_URL"
@@ -133,15 +136,44 @@ class ChatArgs(ChatParams, total=False):
     branch_id: str | None
 
 
+class SessionArgs(TypedDict, total=False):
+    """How :meth:`sdk.KVBranchClient.session` starts a session: the ``main`` branch's first
+    messages (a ``system`` message, then ``messages``), and the server's pin settings for its
+    branches (``auto_pin``, default true; ``pin_ttl_s``, default the server's)."""
+
+    system: str | None
+    messages: Sequence[Mapping[str, Any]] | None
+    auto_pin: bool
+    pin_ttl_s: float | None
+
+
+class ForkArgs(TypedDict, total=False):
+    """Where a server-side fork starts (:meth:`sdk.KVBranchClient.fork_branch`): ``parent``
+    (default ``main``), the new ``branch_id`` (server-made when omitted), and the fork point:
+    after ``token_offset`` tokens of the parent, or where ``messages`` (rendered with the chat
+    template) end, or at the parent's end."""
+
+    parent: str
+    branch_id: str | None
+    token_offset: int | None
+    messages: Sequence[Mapping[str, Any]] | None
+
+
+def check_keywords(given: Mapping[str, Any], allowed: type, what: str) -> None:
+    """``TypeError`` for keywords a ``**kwargs: Unpack[TypedDict]`` method does not take (what
+    an explicit signature would raise)."""
+    unknown = sorted(set(given) - allowed.__optional_keys__)  # type: ignore[attr-defined]
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) of {what}: {', '.join(unknown)}")
+
+
 def chat_payload(
     messages: Sequence[Mapping[str, Any]], params: ChatArgs, *, model: str, stream: bool
 ) -> dict[str, Any]:
     """The OpenAI-compatible request body. ``session_id`` and ``branch_id`` (kvbranch) go in
     the body field ``session_id`` and in ``vllm_xargs``; ``extra_body`` is merged last;
     ``params["model"]`` and ``params["extra_headers"]`` are the caller's to apply."""
-    unknown = sorted(set(params) - ChatArgs.__optional_keys__)
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) of a chat call: {', '.join(unknown)}")
+    check_keywords(params, ChatArgs, "a chat call")
     session_id = params.get("session_id")
     branch_id = params.get("branch_id")
     temperature = params.get("temperature")

@@ -28,7 +28,9 @@ from sdk._common import (
     CHAT_PATH,
     MODELS_PATH,
     ChatArgs,
+    ForkArgs,
     chat_payload,
+    check_keywords,
     make_timeout,
     resolve_api_key,
     resolve_base_url,
@@ -301,19 +303,13 @@ class Flows:
         path = contract.branch_path(_sid(session_id), _bid(branch_id))
         return (yield from self._model(contract.BranchInfo, "GET", path))
 
-    def fork_branch(
-        self,
-        session_id: str,
-        *,
-        parent: str = contract.DEFAULT_BRANCH,
-        branch_id: str | None = None,
-        token_offset: int | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-    ) -> Flow[contract.BranchInfo]:
+    def fork_branch(self, session_id: str, **fork: Unpack[ForkArgs]) -> Flow[contract.BranchInfo]:
+        check_keywords(fork, ForkArgs, "fork_branch")
+        messages = fork.get("messages")
         body = contract.ForkRequest(
-            parent=parent,
-            branch_id=branch_id,
-            token_offset=token_offset,
+            parent=fork.get("parent", contract.DEFAULT_BRANCH),
+            branch_id=fork.get("branch_id"),
+            token_offset=fork.get("token_offset"),
             messages=None if messages is None else [dict(m) for m in messages],
         )
         path = contract.branches_path(_sid(session_id))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from typing_extensions import Self
 
-from sdk._common import check_messages
+from sdk._common import SessionArgs, check_keywords, check_messages
 from sdk._core import ClientCore, Flow, Flows
 from sdk.errors import BadRequestError, ConflictError, KVBranchUnavailableError, NotFoundError
 from server import contract
@@ -98,18 +98,12 @@ class SessionCore(Generic[C, B]):
 
     # --- flows ----------------------------------------------------------------------------
     @classmethod
-    def _opening(
-        cls,
-        client: C,
-        session_id: str | None,
-        *,
-        system: str | None,
-        messages: Sequence[Mapping[str, Any]] | None,
-        auto_pin: bool,
-        pin_ttl_s: float | None,
-    ) -> Flow[Self]:
+    def _opening(cls, client: C, session_id: str | None, options: SessionArgs) -> Flow[Self]:
         """Create (or attach to) the server session; a client-only one without kvbranch."""
-        history = _initial(system, messages)
+        check_keywords(options, SessionArgs, "session")
+        history = _initial(options.get("system"), options.get("messages"))
+        auto_pin = options.get("auto_pin", True)
+        pin_ttl_s = options.get("pin_ttl_s")
         if session_id is not None:
             contract.check_id(session_id, "session_id")
         flows = client._flows

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, TypeVar
 
 import httpx
 
@@ -17,6 +18,8 @@ from sdk.sse import ServerSentEvent, SSEDecoder
 from sdk.types import ChatAccumulator, ChatChunk, ChatResult
 
 __all__ = ["StreamState", "event_to_chunk"]
+
+Chunks = TypeVar("Chunks")
 
 
 def event_to_chunk(event: ServerSentEvent) -> ChatChunk | None:
@@ -37,13 +40,23 @@ def event_to_chunk(event: ServerSentEvent) -> ChatChunk | None:
     return ChatChunk.from_openai(obj)
 
 
-class StreamState:
-    """An open streamed answer, less its I/O. ``ttft_s`` is set at the first content or
-    tool-call delta; ``result`` (a :class:`ChatResult`) once the stream finished."""
+class StreamState(Generic[Chunks]):
+    """An open streamed answer, less its I/O: the response, its byte chunks (an iterator or
+    an async iterator) and the first bytes, already read. ``ttft_s`` is set at the first
+    content or tool-call delta; ``result`` (a :class:`ChatResult`) once the stream finished."""
 
     def __init__(
-        self, *, start: float, on_complete: Callable[[ChatResult], None] | None = None
+        self,
+        response: httpx.Response,
+        chunks: Chunks,
+        first: bytes,
+        *,
+        start: float,
+        on_complete: Callable[[ChatResult], None] | None = None,
     ) -> None:
+        self._response = response
+        self._chunks = chunks
+        self._first = first
         self._start = start
         self._on_complete = on_complete
         self._decoder = SSEDecoder()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import httpx
 from typing_extensions import Unpack
 
-from sdk._common import ChatArgs
+from sdk._common import ChatArgs, ForkArgs, SessionArgs
 from sdk._core import (
     AsyncClosing,
     Callback,
@@ -149,26 +149,11 @@ class AsyncKVBranchClient(ClientCore, AsyncClosing):
 
     # --- sessions and branches ------------------------------------------------------------
     async def session(
-        self,
-        session_id: str | None = None,
-        *,
-        system: str | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        auto_pin: bool = True,
-        pin_ttl_s: float | None = None,
+        self, session_id: str | None = None, **options: Unpack[SessionArgs]
     ) -> AsyncSession:
         from sdk.session import AsyncSession
 
-        return await self._arun(
-            AsyncSession._opening(
-                self,
-                session_id,
-                system=system,
-                messages=messages,
-                auto_pin=auto_pin,
-                pin_ttl_s=pin_ttl_s,
-            )
-        )
+        return await self._arun(AsyncSession._opening(self, session_id, options))
 
     async def create_session(
         self,
@@ -193,24 +178,8 @@ class AsyncKVBranchClient(ClientCore, AsyncClosing):
     async def get_branch(self, session_id: str, branch_id: str) -> contract.BranchInfo:
         return await self._arun(self._flows.get_branch(session_id, branch_id))
 
-    async def fork_branch(
-        self,
-        session_id: str,
-        *,
-        parent: str = contract.DEFAULT_BRANCH,
-        branch_id: str | None = None,
-        token_offset: int | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-    ) -> contract.BranchInfo:
-        return await self._arun(
-            self._flows.fork_branch(
-                session_id,
-                parent=parent,
-                branch_id=branch_id,
-                token_offset=token_offset,
-                messages=messages,
-            )
-        )
+    async def fork_branch(self, session_id: str, **fork: Unpack[ForkArgs]) -> contract.BranchInfo:
+        return await self._arun(self._flows.fork_branch(session_id, **fork))
 
     async def delete_branch(self, session_id: str, branch_id: str) -> contract.DeleteResult:
         return await self._arun(self._flows.delete_branch(session_id, branch_id))
@@ -230,24 +199,10 @@ class AsyncKVBranchClient(ClientCore, AsyncClosing):
         return await self._arun(self._flows.stats())
 
 
-class AsyncChatStream(StreamState, AsyncClosing):
+class AsyncChatStream(StreamState[AsyncIterator[bytes]], AsyncClosing):
     """An open streamed answer: ``async for chunk in stream``. Same contract as
     :class:`sdk.client.ChatStream` (``ttft_s``, ``result``, ``final()``, ``aclose()``,
     ``async with``)."""
-
-    def __init__(
-        self,
-        response: httpx.Response,
-        chunks: AsyncIterator[bytes],
-        first: bytes,
-        *,
-        start: float,
-        on_complete: Callback | None = None,
-    ) -> None:
-        super().__init__(start=start, on_complete=on_complete)
-        self._response = response
-        self._chunks = chunks
-        self._first = first
 
     async def final(self) -> ChatResult:
         async for _ in self:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import httpx
 from typing_extensions import Unpack
 
-from sdk._common import ChatArgs
+from sdk._common import ChatArgs, ForkArgs, SessionArgs
 from sdk._core import Callback, ClientCore, Closing, Done, Flow, Outcome, Request, advance
 from sdk._stream import StreamState, event_to_chunk
 from sdk.errors import APIConnectionError, KVBranchError, error_from_response, error_from_transport
@@ -164,30 +164,15 @@ class KVBranchClient(ClientCore, Closing):
         return ChatStream(*self._open_stream(request), start=start, on_complete=on_complete)
 
     # --- sessions and branches ------------------------------------------------------------
-    def session(
-        self,
-        session_id: str | None = None,
-        *,
-        system: str | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        auto_pin: bool = True,
-        pin_ttl_s: float | None = None,
-    ) -> Session:
+    def session(self, session_id: str | None = None, **options: Unpack[SessionArgs]) -> Session:
         """A :class:`~sdk.session.Session` whose ``main`` branch starts with ``messages``
         (after a ``system`` message, if given). Created on the server when it has kvbranch;
-        an existing server session of that id is attached to."""
+        an existing server session of that id is attached to. Keywords:
+        :class:`~sdk._common.SessionArgs` (``system``, ``messages``, ``auto_pin``,
+        ``pin_ttl_s``)."""
         from sdk.session import Session
 
-        return self._run(
-            Session._opening(
-                self,
-                session_id,
-                system=system,
-                messages=messages,
-                auto_pin=auto_pin,
-                pin_ttl_s=pin_ttl_s,
-            )
-        )
+        return self._run(Session._opening(self, session_id, options))
 
     def create_session(
         self,
@@ -213,26 +198,11 @@ class KVBranchClient(ClientCore, Closing):
     def get_branch(self, session_id: str, branch_id: str) -> contract.BranchInfo:
         return self._run(self._flows.get_branch(session_id, branch_id))
 
-    def fork_branch(
-        self,
-        session_id: str,
-        *,
-        parent: str = contract.DEFAULT_BRANCH,
-        branch_id: str | None = None,
-        token_offset: int | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-    ) -> contract.BranchInfo:
-        """Server-side fork of ``parent``: after ``token_offset`` tokens, or where
-        ``messages`` (rendered with the chat template) end, or at its end."""
-        return self._run(
-            self._flows.fork_branch(
-                session_id,
-                parent=parent,
-                branch_id=branch_id,
-                token_offset=token_offset,
-                messages=messages,
-            )
-        )
+    def fork_branch(self, session_id: str, **fork: Unpack[ForkArgs]) -> contract.BranchInfo:
+        """Server-side fork of ``parent`` (default ``main``) as ``branch_id`` (server-made when
+        omitted): after ``token_offset`` tokens, or where ``messages`` (rendered with the chat
+        template) end, or at its end (see :class:`~sdk._common.ForkArgs`)."""
+        return self._run(self._flows.fork_branch(session_id, **fork))
 
     def delete_branch(self, session_id: str, branch_id: str) -> contract.DeleteResult:
         return self._run(self._flows.delete_branch(session_id, branch_id))
@@ -254,7 +224,7 @@ class KVBranchClient(ClientCore, Closing):
         return self._run(self._flows.stats())
 
 
-class ChatStream(StreamState, Closing):
+class ChatStream(StreamState[Iterator[bytes]], Closing):
     """An open streamed answer. Iterate it for :class:`ChatChunk`\\ s (content deltas,
     tool-call deltas, finish reason, and last the usage chunk with the kvbranch split).
 
@@ -263,20 +233,6 @@ class ChatStream(StreamState, Closing):
     :class:`~sdk.errors.StreamInterruptedError` and is not retried. Use it as a context
     manager, or call :meth:`close`, when not reading it to the end.
     """
-
-    def __init__(
-        self,
-        response: httpx.Response,
-        chunks: Iterator[bytes],
-        first: bytes,
-        *,
-        start: float,
-        on_complete: Callback | None = None,
-    ) -> None:
-        super().__init__(start=start, on_complete=on_complete)
-        self._response = response
-        self._chunks = chunks
-        self._first = first
 
     def final(self) -> ChatResult:
         """Read the rest of the stream; the whole answer."""

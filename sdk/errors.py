@@ -35,10 +35,9 @@ __all__ = [
     "ConflictError",
     "RateLimitError",
     "ServerError",
-    "parse_retry_after",
-    "error_from_response",
-    "error_from_transport",
 ]
+"""The error classes (``sdk`` re-exports exactly these); the helpers below
+(``parse_retry_after``, ``error_from_response``, ``error_from_transport``) are the sdk's own."""
 
 
 class KVBranchError(Exception):

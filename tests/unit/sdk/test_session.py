@@ -278,3 +278,11 @@ def test_session_flow_and_recovery(fake, client):
     assert child.messages[:3] == main.messages[:3] and answer.text == "echo 4: three"
     assert session.recoveries == 1 and prefetch is not None and info.pinned
     assert "a-1" not in fake.sessions
+
+
+def test_unknown_session_and_fork_keywords_are_type_errors(fake, client):
+    with pytest.raises(TypeError, match="pin_ttl"):
+        client.session(pin_ttl=30)
+    with pytest.raises(TypeError, match="offset"):
+        client.fork_branch("s", offset=3)
+    assert not [p for p in fake.paths() if p.startswith("POST /v1/kvbranch/sessions")]

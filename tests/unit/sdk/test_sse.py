@@ -112,5 +112,5 @@ def test_fields_without_data_dispatch_nothing():
 def test_a_long_line_in_many_small_chunks():
     value = "x" * 100_000
     raw = f"data: {value}\r\n\r\n".encode()
-    pieces = [raw[i:i + 7] for i in range(0, len(raw), 7)]
+    pieces = [raw[i : i + 7] for i in range(0, len(raw), 7)]
     assert list(iter_sse(pieces)) == [ServerSentEvent(data=value)]

@@ -68,18 +68,19 @@ def test_error_event_raises_the_servers_error():
     assert info.value.status_code == 500
 
 
+def streaming(driver, body: bytes):
+    """A stream of a client whose server answers every request with ``body`` (SSE)."""
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, headers=SSE, content=body))
+    client = driver.client("http://x", transport=transport, retry=NO_RETRY, model="m")
+    return client.chat_stream(MESSAGES)
+
+
 def test_error_event_mid_stream_raises_after_the_chunks_before_it(driver):
     body = (
         b'data: {"choices":[{"index":0,"delta":{"content":"par"}}]}\n\n'
         b'data: {"error":{"message":"engine died","type":"X","code":500}}\n\n'
     )
-    client = driver.client(
-        "http://x",
-        transport=httpx.MockTransport(lambda r: httpx.Response(200, headers=SSE, content=body)),
-        retry=NO_RETRY,
-        model="m",
-    )
-    stream = client.chat_stream(MESSAGES)
+    stream = streaming(driver, body)
     seen = []
     with pytest.raises(ServerError, match="engine died"):
         for chunk in stream:
@@ -93,13 +94,7 @@ def test_done_ends_the_stream_and_events_after_it_are_ignored(driver):
         b"data: [DONE]\n\n"
         b'data: {"choices":[{"index":0,"delta":{"content":"late"}}]}\n\n'
     )
-    client = driver.client(
-        "http://x",
-        transport=httpx.MockTransport(lambda r: httpx.Response(200, headers=SSE, content=body)),
-        retry=NO_RETRY,
-        model="m",
-    )
-    stream = client.chat_stream(MESSAGES)
+    stream = streaming(driver, body)
     assert [c.content for c in stream] == ["a"]
     assert stream.result.text == "a" and stream.text == "a"
 
