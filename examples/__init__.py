@@ -1,0 +1,1 @@
+"""Runnable examples (importable so the integration tests can run their building blocks)."""
