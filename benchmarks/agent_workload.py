@@ -236,9 +236,7 @@ class Runner:
                 **common.session_fields(sid, lane),
             }
             try:
-                res = await common.stream_request(
-                    self.client, f"{self.base}/v1/chat/completions", body
-                )
+                res = await common.stream_chat(self.client, self.base, body)
             except Exception as exc:  # noqa: BLE001 - record and end this lane
                 self.errors.append(f"{sid}/{lane} turn {t}: {exc}")
                 self.log(f"[{self.name}] ERROR {sid}/{lane} turn {t}: {exc}")

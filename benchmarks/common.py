@@ -31,6 +31,8 @@ from benchmarks.textgen import random_token_ids  # noqa: E402
 from sdk.sse import aiter_sse  # noqa: E402
 from server.contract import (  # noqa: E402
     BRANCH_XARG,
+    CHAT_COMPLETIONS_PATH,
+    COMPLETIONS_PATH,
     RESPONSE_FIELD,
     SESSIONS_PATH,
     STATS_PATH,
@@ -128,8 +130,8 @@ def start_server(
     """Start ``python -m server`` with the shared core reservation. The generous readiness wait
     is for shared machines: a start took over 10 minutes at a load average of 80 on 2 cores."""
     env = {} if reserved_cpus is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
-    shown = " ".join(f"{k}={v}" for k, v in env.items())
-    print(f"[{name}] starting server: {shown} python -m server {' '.join(args)}", flush=True)
+    shown = " ".join([*(f"{k}={v}" for k, v in env.items()), "python -m server", *args])
+    print(f"[{name}] starting server: {shown}", flush=True)
     t0 = time.monotonic()
     server = ServerProcess(args, name=name, env=env, ready_timeout=ready_timeout).start()
     print(
@@ -293,7 +295,7 @@ async def stream_request(
     carries content (non-empty ``delta.content`` / ``text``); usage and the ``kvbranch`` split
     come from the final usage chunk."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
-    chat = url.endswith("/chat/completions")
+    chat = url.endswith(CHAT_COMPLETIONS_PATH)
     started = time.time()
     t0 = time.perf_counter()
     ttft = None
@@ -337,6 +339,11 @@ async def stream_request(
     return _finish(result, split)
 
 
+async def stream_chat(client: httpx.AsyncClient, base_url: str, body: dict) -> StreamResult:
+    """:func:`stream_request` on the server's chat completions route."""
+    return await stream_request(client, f"{base_url}{CHAT_COMPLETIONS_PATH}", body)
+
+
 async def cold_prefill_ttft(
     client: httpx.AsyncClient, base_url: str, rng: random.Random, n_tokens: int
 ) -> StreamResult:
@@ -349,7 +356,7 @@ async def cold_prefill_ttft(
         "temperature": 0.0,
         "ignore_eos": True,
     }
-    return await stream_request(client, f"{base_url}/v1/completions", body)
+    return await stream_request(client, f"{base_url}{COMPLETIONS_PATH}", body)
 
 
 # --- kvbranch routes -----------------------------------------------------------------------------

@@ -85,9 +85,7 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
                         "max_tokens": args.gen_tokens,
                         **common.session_fields(session),
                     }
-                    res = await common.stream_request(
-                        client, f"{server.url}/v1/chat/completions", body
-                    )
+                    res = await common.stream_chat(client, server.url, body)
                     turns.append(
                         {
                             "conversation": conv,

@@ -88,7 +88,7 @@ async def run_config(
                     "temperature": 0.0,
                     **common.session_fields(session, DEFAULT_BRANCH),
                 }
-                res = await common.stream_request(client, f"{base}/v1/chat/completions", body)
+                res = await common.stream_chat(client, base, body)
                 new_tokens = res.prompt_tokens - prev_prompt
                 prev_prompt = res.prompt_tokens
                 messages.append({"role": "assistant", "content": res.content})

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from benchmarks import common
-from server.contract import BRANCH_XARG, RESPONSE_FIELD
+from server.contract import BRANCH_XARG, CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, RESPONSE_FIELD
 
 
 def _sse(chunks: list[dict]) -> bytes:
@@ -57,7 +57,7 @@ def test_chat_stream_with_the_kvbranch_split() -> None:
         {"choices": [], "usage": usage, RESPONSE_FIELD: split},
     ]
     seen: list[dict] = []
-    res = _run(chunks, "/v1/chat/completions", seen)
+    res = _run(chunks, CHAT_COMPLETIONS_PATH, seen)
     assert res.content == "Paris"
     assert (res.prompt_tokens, res.completion_tokens, res.cached_tokens) == (300, 2, 256)
     assert (res.device_hit_tokens, res.host_hit_tokens, res.recomputed_tokens) == (128, 128, 44)
@@ -65,7 +65,8 @@ def test_chat_stream_with_the_kvbranch_split() -> None:
     assert 0 < res.ttft_s <= res.total_s
     sent = seen[0]
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
-    assert sent["session_id"] == "s1" and sent["vllm_xargs"] == {BRANCH_XARG: "alt"}
+    assert sent[common.SESSION_FIELD] == "s1"
+    assert sent[common.XARGS_FIELD] == {BRANCH_XARG: "alt"}
 
 
 def test_text_completion_on_plain_vllm_counts_cached_tokens_as_device_hits() -> None:
@@ -75,7 +76,7 @@ def test_text_completion_on_plain_vllm_counts_cached_tokens_as_device_hits() -> 
         "prompt_tokens_details": {"cached_tokens": 128},
     }
     chunks = [{"choices": [{"text": "x"}]}, {"choices": [], "usage": usage}]
-    res = _run(chunks, "/v1/completions", [])
+    res = _run(chunks, COMPLETIONS_PATH, [])
     assert res.content == "x" and res.split is None
     assert (res.device_hit_tokens, res.host_hit_tokens, res.recomputed_tokens) == (128, 0, 72)
 
@@ -86,7 +87,7 @@ def test_an_error_status_raises_with_the_server_message() -> None:
 
     async def go() -> None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            await common.stream_request(client, "http://x/v1/chat/completions", {})
+            await common.stream_chat(client, "http://x", {})
 
     with pytest.raises(RuntimeError, match="HTTP 400.*bad session id"):
         asyncio.run(go())
