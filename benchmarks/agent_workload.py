@@ -28,6 +28,9 @@ by source (device cache / host store / recomputed, from the server's accounting)
 tokens per second, peak summed RSS of the server's process group; ratios against plain vLLM.
 Raw data and the workload go to benchmarks/out/; a TTFT-vs-turn plot to
 benchmarks/agent_workload_<profile>.png; a section is appended to benchmarks/RESULTS.md.
+
+Over 400 lines on purpose: the workload, its runner and the command line read as one script;
+the summary, plot and report are in :mod:`benchmarks.agent_report`.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common, reporting  # noqa: E402
-from benchmarks.reporting import median, percentile, ratio  # noqa: E402
+from benchmarks.agent_report import plot, report, summarize  # noqa: E402
 from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
 from server.contract import DEFAULT_BRANCH  # noqa: E402
 
@@ -350,218 +353,6 @@ async def run_config(
         "mem_method": mem.method,
         "omp": binding,
     }
-
-
-# --- summary -------------------------------------------------------------------------------------
-def summarize(res: dict) -> dict:
-    recs = res["records"]
-    by_turn: dict[int, list[float]] = {}
-    for r in recs:
-        by_turn.setdefault(r["turn"], []).append(r["ttft_s"])
-    late = [r["ttft_s"] for r in recs if r["turn"] >= 5]
-    tokens = {
-        k: sum(r[f"{k}_tokens"] for r in recs)
-        for k in ("prompt", "device_hit", "host_hit", "recomputed", "completion")
-    }
-    rec_ok = [
-        r["recomputed_tokens"] <= r["new_tokens"] + common.BLOCK_TOKENS
-        for r in recs
-        if r["turn"] >= 2
-    ]
-    return {
-        "ttft_by_turn": {
-            t: (percentile(v, 50), percentile(v, 95), len(v)) for t, v in sorted(by_turn.items())
-        },
-        "ttft_p50_late": median(late),
-        "ttft_p95_late": percentile(late, 95),
-        "ttft_p50_all": median([r["ttft_s"] for r in recs]),
-        "jct": {j["session"]: j["jct_s"] for j in res["jct"]},
-        "jct_mean": sum(j["jct_s"] for j in res["jct"]) / max(len(res["jct"]), 1),
-        "tokens": tokens,
-        "out_tps": tokens["completion"] / res["wall_s"] if res["wall_s"] else float("nan"),
-        "recompute_ok": (sum(rec_ok), len(rec_ok)),
-        "requests": len(recs),
-    }
-
-
-def plot(results: dict[str, dict], sums: dict[str, dict], path: Path, title: str) -> bool:
-    plt = reporting.pyplot()
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for i, name in enumerate(results):
-        turns = list(sums[name]["ttft_by_turn"])
-        p50 = [sums[name]["ttft_by_turn"][t][0] for t in turns]
-        p95 = [sums[name]["ttft_by_turn"][t][1] for t in turns]
-        color = f"C{i}"
-        ax.plot(turns, p50, marker="o", color=color, label=f"{name} p50")
-        ax.plot(turns, p95, linestyle="--", color=color, alpha=0.5, label=f"{name} p95")
-    reporting.save_plot(fig, ax, path, "turn index", "TTFT (s)", title)
-    return True
-
-
-def report(
-    args: argparse.Namespace,
-    workload: dict,
-    results: dict[str, dict],
-    sums: dict[str, dict],
-    info: dict,
-    elapsed: float,
-    png: Path | None,
-    raw: Path,
-    wl_path: Path,
-) -> str:
-    p = workload["params"]
-    # Ratios are against the first configuration of the run (plain vLLM unless --configs says
-    # otherwise, e.g. "pd,pd-kvbranch": upstream P/D against kvbranch P/D).
-    base_name = next(iter(results))
-    base = sums.get(base_name)
-    lines = [
-        *reporting.run_header(f"agent_workload ({args.profile})", info, elapsed),
-        f"- Workload: {p['sessions']} concurrent sessions x {p['turns']} turns, shared "
-        f"system prompt {workload.get('system_tokens_actual', p['system_tokens'])} tokens "
-        f"with {p['tools']} tool schemas, "
-        f"~{p['obs_tokens']} observation tokens per turn, {args.gen_tokens} greedy output "
-        f"tokens per turn, tool pauses {p['pause_min']}-{p['pause_max']} s, "
-        + (
-            f"fork at turn {workload['fork_turn']} into {p['branches']} alternatives, "
-            if workload["fork_turn"]
-            else "no fork, "
-        )
-        + f"seed {p['seed']}; device KV {args.kv_cache_gib} GiB "
-        f"(~{int(args.kv_cache_gib * 23000)} tokens), host store {args.host_store_gib} GiB, "
-        f"max-model-len {args.max_model_len}; streaming, TTFT at first content token",
-        *reporting.conditions_md(
-            [r["extra"].get("load1", 0.0) for res in results.values() for r in res["records"]],
-            args.reserved_cpus,
-            {n: r.get("omp") for n, r in results.items()},
-        ),
-        f"- Workload file: `{wl_path.relative_to(reporting.ROOT)}`, raw data: "
-        f"`{raw.relative_to(reporting.ROOT)}` (not committed)",
-    ]
-    if png:
-        lines.append(f"- Plot: `{png.name}`")
-    lines.append("")
-    names = list(results)
-    turns = sorted({t for s in sums.values() for t in s["ttft_by_turn"]})
-    header = ["turn", "n"] + [f"{n} p50 / p95 s" for n in names]
-    if base and len(names) > 1:
-        header += [f"{base_name}/{n} p50" for n in names if n != base_name]
-    rows = []
-    for t in turns:
-        row = [t, max(s["ttft_by_turn"].get(t, (0, 0, 0))[2] for s in sums.values())]
-        for n in names:
-            v = sums[n]["ttft_by_turn"].get(t)
-            row.append(f"{v[0]:.2f} / {v[1]:.2f}" if v else "-")
-        if base and len(names) > 1:
-            for n in names:
-                if n == base_name:
-                    continue
-                a, b = base["ttft_by_turn"].get(t), sums[n]["ttft_by_turn"].get(t)
-                row.append(ratio(a[0], b[0]) if a and b else "-")
-        rows.append(row)
-    lines.append("TTFT per turn index (all sessions and branches):\n")
-    lines.append(reporting.md_table(header, rows))
-    header = [
-        "config",
-        "TTFT p50 turns>=5 s",
-        "p95 turns>=5 s",
-        "mean JCT s",
-        "wall s",
-        "out tok/s",
-        "prompt tok",
-        "device",
-        "host",
-        "recomputed",
-        "peak server RSS GiB",
-        "requests",
-        "errors",
-    ]
-    rows = []
-    for n in names:
-        s, r = sums[n], results[n]
-        tk = s["tokens"]
-        rows.append(
-            [
-                n,
-                s["ttft_p50_late"],
-                s["ttft_p95_late"],
-                s["jct_mean"],
-                r["wall_s"],
-                s["out_tps"],
-                tk["prompt"],
-                tk["device_hit"],
-                tk["host_hit"],
-                tk["recomputed"],
-                f"{r['peak_rss_bytes'] / (1 << 30):.2f}",
-                s["requests"],
-                len(r["errors"]),
-            ]
-        )
-    lines.append(
-        "Per configuration (prompt tokens by source from the server's accounting; "
-        "peak RSS summed over the server's process group via "
-        f"{results[names[0]]['mem_method']}):\n"
-    )
-    lines.append(reporting.md_table(header, rows))
-    jhead = ["session"] + [f"{n} JCT s" for n in names]
-    jrows = [
-        [sid] + [sums[n]["jct"].get(sid, float("nan")) for n in names]
-        for sid in sums[names[0]]["jct"]
-    ]
-    lines.append("Job completion time per session:\n")
-    lines.append(reporting.md_table(jhead, jrows))
-    if base:
-        for n in names:
-            if n == base_name:
-                continue
-            s = sums[n]
-            plain_rss = results[base_name]["peak_rss_bytes"]
-            r_late = base["ttft_p50_late"] / s["ttft_p50_late"] if s["ttft_p50_late"] else 0
-            lines.append(
-                f"- Ratios {base_name}/{n}: TTFT p50 turns>=5 {r_late:.2f}x, TTFT p95 turns>=5 "
-                f"{ratio(base['ttft_p95_late'], s['ttft_p95_late'])}, mean JCT "
-                f"{ratio(base['jct_mean'], s['jct_mean'])}, recomputed prompt tokens "
-                f"{ratio(base['tokens']['recomputed'], s['tokens']['recomputed'])}; "
-                f"{n}/{base_name} output tok/s {ratio(s['out_tps'], base['out_tps'])}, peak "
-                f"RSS {ratio(results[n]['peak_rss_bytes'], plain_rss)}"
-            )
-            lines.append(
-                f"- Target (memory-pressure profile) kvbranch p50 TTFT at turns >= 5 at "
-                f"least 3.3x lower than plain: {'MET' if r_late >= 3.3 else 'NOT MET'} "
-                f"({r_late:.2f}x, profile {args.profile})"
-            )
-            ok, tot = s["recompute_ok"]
-            lines.append(
-                f"- Target recomputed prompt tokens <= new tokens + one block per turn "
-                f"({n}, turns >= 2): {'MET' if ok == tot else 'NOT MET'} ({ok}/{tot} "
-                "requests)"
-            )
-    for n in names:
-        r = results[n]
-        if r["kvbranch"]:
-            st = r.get("stats")
-            pf = r["prefetches"]
-            lat = median([x["latency_s"] for x in pf])
-            lines.append(
-                f"- {n}: {len(pf)} prefetch calls (median route latency {lat * 1000:.0f} "
-                f"ms, statuses {sorted({x['status'] for x in pf})}), {len(r['forks'])} "
-                f"forks (statuses {sorted({x['status'] for x in r['forks']})}); server: "
-                + (common.describe_stats(st) if st else "no stats")
-            )
-        if r["errors"]:
-            lines.append(f"- {n} errors: {r['errors'][:5]}")
-    if len(names) > 1:
-        outs = {
-            n: {(x["session"], x["branch"], x["turn"]): x["content"] for x in results[n]["records"]}
-            for n in names
-        }
-        keys = set.intersection(*(set(o) for o in outs.values()))
-        same = sum(1 for k in keys if len({outs[n][k] for n in names}) == 1)
-        lines.append(
-            f"- Greedy outputs identical across configurations: {same}/{len(keys)} requests"
-        )
-    return "\n".join(lines) + "\n"
 
 
 #: Workload options (``None`` defaults: the profile's value): flag, type, help.
