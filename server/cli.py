@@ -41,6 +41,7 @@ from server.settings import (
     PD_CONNECTOR_MODULE,
     PLUGIN_NAME,
     LaunchError,
+    api_keys,
     build_parser,
 )
 
@@ -106,8 +107,9 @@ def kv_bytes_per_token(model_path: str, cuda: bool) -> int | None:
         config = json.loads((Path(model_path) / "config.json").read_text())
         layers = int(config["num_hidden_layers"])
         heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or config["hidden_size"] //
-                       config["num_attention_heads"])
+        head_dim = int(
+            config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        )
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
     dtype_bytes = 2 if cuda else 4  # float32 on CPU (see plan_launch), 16-bit on CUDA
@@ -124,48 +126,13 @@ def check_kv_fits(model_path: str, kv_cache_gib: float, max_model_len: int, cuda
         raise LaunchError(
             f"--kv-cache-gib {kv_cache_gib:g} holds about {capacity} tokens, less than "
             f"--max-model-len {max_model_len}: raise --kv-cache-gib to at least {need:.2f} "
-            f"or lower --max-model-len")
+            f"or lower --max-model-len"
+        )
 
 
-def passthrough_api_keys(passthrough: list[str]) -> list[str] | None:
-    """The keys an ``--api-key`` after ``--`` gives vLLM (its flag takes a list and the last
-    one wins; vLLM also spells it ``--api_key``), or ``None`` when there is none."""
-    keys: list[str] | None = None
-    i = 0
-    while i < len(passthrough):
-        name, eq, value = passthrough[i].partition("=")
-        i += 1
-        if name not in ("--api-key", "--api_key"):
-            continue
-        if eq:
-            keys = [value]
-            continue
-        keys = []
-        while i < len(passthrough) and not passthrough[i].startswith("-"):
-            keys.append(passthrough[i])
-            i += 1
-    return keys
-
-
-def api_keys(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
-    """The keys vLLM will enforce (its rule: ``--api-key`` wins over ``VLLM_API_KEY``).
-    Refuses the setups where vLLM would silently drop keys the user gave."""
-    ours = args.api_key or []
-    theirs = passthrough_api_keys(passthrough)
-    env_key = os.environ.get("VLLM_API_KEY")
-    if ours and theirs is not None:
-        raise LaunchError("API keys given both before and after '--' (vLLM would keep only "
-                          "the ones after it): give them once, e.g. repeat --api-key before "
-                          "'--'")
-    given = ours or theirs
-    if given and env_key:
-        raise LaunchError("VLLM_API_KEY is set and --api-key is given (vLLM would ignore "
-                          "VLLM_API_KEY): unset VLLM_API_KEY or drop --api-key")
-    return [k for k in (given or [env_key]) if k]
-
-
-def plan_launch(args: argparse.Namespace, passthrough: list[str],
-                cuda: bool | None = None) -> LaunchPlan:
+def plan_launch(
+    args: argparse.Namespace, passthrough: list[str], cuda: bool | None = None
+) -> LaunchPlan:
     """Turn our flags into vLLM's argv. Pure apart from model resolution (testable)."""
     model_path = resolve_model(args.model)  # first: a bad --model fails before importing torch
     keys = api_keys(args, passthrough)
@@ -174,15 +141,24 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
     if "--max-model-len" not in passthrough:
         check_kv_fits(model_path, args.kv_cache_gib, args.max_model_len, cuda)
     argv = [
-        "--model", model_path,
-        "--served-model-name", served,
-        "--host", args.host,
-        "--port", str(args.port),
-        "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * GIB)),
-        "--max-model-len", str(args.max_model_len),
+        "--model",
+        model_path,
+        "--served-model-name",
+        served,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--kv-cache-memory-bytes",
+        str(int(args.kv_cache_gib * GIB)),
+        "--max-model-len",
+        str(args.max_model_len),
         "--enable-prompt-tokens-details",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--uvicorn-log-level", "warning" if args.log_level == "info" else args.log_level,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--uvicorn-log-level",
+        "warning" if args.log_level == "info" else args.log_level,
     ]
     if not cuda:
         # Measured on these CPUs: bf16 gives garbled output on AVX2, and torch.compile warm-up
@@ -201,8 +177,12 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
         extra = {
             "host_store_bytes": int(args.host_store_gib * GIB),
             "pin_budget_bytes": int(
-                (args.pin_budget_gib if args.pin_budget_gib is not None
-                 else args.host_store_gib / 2) * GIB
+                (
+                    args.pin_budget_gib
+                    if args.pin_budget_gib is not None
+                    else args.host_store_gib / 2
+                )
+                * GIB
             ),
             "pin_ttl_s": args.pin_ttl_s,
             "control_socket": control_socket,
@@ -210,8 +190,13 @@ def plan_launch(args: argparse.Namespace, passthrough: list[str],
             "tenants": bool(keys),
             "max_sessions_per_tenant": args.max_sessions_per_tenant,
             "max_branches_per_session": args.max_branches_per_session,
-            "tenant_pin_share": (args.tenant_pin_share if args.tenant_pin_share is not None
-                                 else 0.5 if len(keys) >= 2 else 1.0),
+            "tenant_pin_share": (
+                args.tenant_pin_share
+                if args.tenant_pin_share is not None
+                else 0.5
+                if len(keys) >= 2
+                else 1.0
+            ),
             "session_idle_ttl_s": args.session_idle_ttl_s,
         }
         kv_transfer_config = {
@@ -258,8 +243,12 @@ def pd_transfer_config(args: argparse.Namespace, kvbranch: dict | None) -> dict:
         # A pull of one block took 1.5-6 ms here; recomputing even 30 tokens costs more.
         "kv_recompute_threshold": 0,
     }
-    nixl = {"kv_connector": NIXL_CONNECTOR_CLASS, "kv_connector_module_path": PD_CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_connector_extra_config": nixl_extra}
+    nixl = {
+        "kv_connector": NIXL_CONNECTOR_CLASS,
+        "kv_connector_module_path": PD_CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": nixl_extra,
+    }
     if kvbranch is None:
         # Upstream's transport alone, with only the CPU fixes (NIXL's progress thread off, the
         # forward thread's cores kept): a fair baseline, not one that fights over a core.
@@ -291,7 +280,7 @@ def pd_environment(args: argparse.Namespace) -> dict[str, str]:
 def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
         cut = argv.index("--")
-        return argv[:cut], argv[cut + 1:]
+        return argv[:cut], argv[cut + 1 :]
     return argv, []
 
 
@@ -328,8 +317,9 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     tee = StdoutTee(on_line)
     stop = threading.Event()
     if not getattr(vllm_args, "uds", None):
-        watch_listening(vllm_args.host or "", vllm_args.port,
-                        lambda: phases.say(f"ready: {url}"), stop)
+        watch_listening(
+            vllm_args.host or "", vllm_args.port, lambda: phases.say(f"ready: {url}"), stop
+        )
     try:
         uvloop.run(run_server(vllm_args))
     finally:
@@ -352,9 +342,11 @@ def main(argv: list[str] | None = None) -> int:
             from server.router.launch import run_disagg, run_router
 
             if api_keys(args, passthrough) and not args.api_key:
-                raise LaunchError("with --disagg or --role router give the API keys with "
-                                  "--api-key before '--' (the router needs them too), not "
-                                  "after '--' or in VLLM_API_KEY")
+                raise LaunchError(
+                    "with --disagg or --role router give the API keys with "
+                    "--api-key before '--' (the router needs them too), not "
+                    "after '--' or in VLLM_API_KEY"
+                )
 
             if args.disagg:
                 run_disagg(args, ours, passthrough)

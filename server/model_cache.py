@@ -91,8 +91,7 @@ def _check_safetensors_header(path: Path) -> None:
     try:
         header = json.loads(raw_header)
         end = max(
-            (int(meta["data_offsets"][1]) for key, meta in header.items()
-             if key != "__metadata__"),
+            (int(meta["data_offsets"][1]) for key, meta in header.items() if key != "__metadata__"),
             default=0,
         )
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
@@ -130,8 +129,8 @@ def validate(folder: Path, *, deep: bool = True) -> dict:
         raise ModelCacheError(f"{folder}: manifest version {manifest.get('version')!r} is stale")
     files: dict[str, dict] = manifest.get("files", {})
     if not isinstance(files, dict) or not all(
-            isinstance(meta, dict) and "size" in meta and "sha256" in meta
-            for meta in files.values()):
+        isinstance(meta, dict) and "size" in meta and "sha256" in meta for meta in files.values()
+    ):
         raise ModelCacheError(f"{folder}: unreadable manifest: malformed 'files'")
     for name in REQUIRED_FILES:
         if name not in files:
@@ -161,8 +160,11 @@ def validate(folder: Path, *, deep: bool = True) -> dict:
 
 
 def _progress(step: int, total: int, text: str, started: float) -> None:
-    print(f"[kvbranch model {step}/{total}] {text} ({time.monotonic() - started:.1f}s)",
-          file=sys.stderr, flush=True)
+    print(
+        f"[kvbranch model {step}/{total}] {text} ({time.monotonic() - started:.1f}s)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def convert(gguf: Path, target: Path) -> None:
@@ -205,8 +207,10 @@ def convert(gguf: Path, target: Path) -> None:
         if path.is_file()
     }
     (staging / MANIFEST).write_text(
-        json.dumps({"version": MANIFEST_VERSION, "model": MODEL_NAME,
-                    "source": GGUF_FILE, "files": files}, indent=2)
+        json.dumps(
+            {"version": MANIFEST_VERSION, "model": MODEL_NAME, "source": GGUF_FILE, "files": files},
+            indent=2,
+        )
     )
     validate(staging, deep=False)
     shutil.rmtree(target, ignore_errors=True)
@@ -236,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Location: ${ENV_MODEL_DIR}, else ${ENV_CACHE_HOME}/models/{MODEL_NAME}, "
         f"else ~/.cache/kvbranch/models/{MODEL_NAME}.",
     )
-    parser.add_argument("action", choices=["prepare", "path", "verify"], nargs="?",
-                        default="prepare")
+    parser.add_argument(
+        "action", choices=["prepare", "path", "verify"], nargs="?", default="prepare"
+    )
     args = parser.parse_args(argv)
     try:
         if args.action == "path":

@@ -108,8 +108,11 @@ def start_reaper(grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> subprocess.Popen 
     if not sys.platform.startswith("linux"):
         return None
     code = "import sys; from server.process import reap; reap(int(sys.argv[1]), float(sys.argv[2]))"
-    return subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(grace_s)],
-                            cwd=ROOT, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(os.getpid()), str(grace_s)],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def reap(parent: int, grace_s: float) -> None:
@@ -158,8 +161,15 @@ class ServerProcess:
     """``with ServerProcess([...]) as server: server.url`` — waits for readiness (timeout),
     and on exit stops the whole process group (API server, engine core, workers)."""
 
-    def __init__(self, args: list[str], *, name: str = "server", port: int | None = None,
-                 ready_timeout: float = 600.0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        name: str = "server",
+        port: int | None = None,
+        ready_timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.args = args
         self.name = name
         self.port = port or free_port()
@@ -173,12 +183,12 @@ class ServerProcess:
         if "--api-key" in args:
             self.api_key = args[args.index("--api-key") + 1]
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> ServerProcess:
         self.launch()
         self.wait_ready()
         return self
 
-    def launch(self) -> "ServerProcess":
+    def launch(self) -> ServerProcess:
         """Start the process without waiting (start several, then ``wait_ready`` each)."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1", **self.extra_env)
         env[ENV_PARENT_PID] = str(os.getpid())  # the child stops when we die (issue 13)
@@ -189,7 +199,12 @@ class ServerProcess:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server", "--port", str(self.port), *self.args],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return self
 
     def headers(self) -> dict[str, str]:
@@ -202,8 +217,10 @@ class ServerProcess:
         assert self.proc is not None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}; "
-                                   f"log:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} server exited with {self.proc.returncode}; "
+                    f"log:\n{self.log_tail()}"
+                )
             try:
                 r = httpx.get(f"{self.url}/v1/models", headers=self.headers(), timeout=2.0)
                 if r.status_code == 200:
@@ -212,8 +229,9 @@ class ServerProcess:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise RuntimeError(f"{self.name} server not ready after {self.ready_timeout}s; "
-                           f"log:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"{self.name} server not ready after {self.ready_timeout}s; log:\n{self.log_tail()}"
+        )
 
     def log_tail(self, n: int = 60) -> str:
         try:
@@ -253,7 +271,7 @@ class ServerProcess:
         self.stop()
         self.start()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,5 +1,6 @@
 """The launcher's settings: its flags (``build_parser``), the environment it hands vLLM and the
-plugin (``ENV_*``), the connector classes it configures, and :class:`LaunchError`.
+plugin (``ENV_*``), the connector classes it configures, which API keys are in force
+(:func:`api_keys`), and :class:`LaunchError`.
 
 Its own module so that what the launcher sets and what the plugin and the router read meet
 here, not in the launcher: :mod:`server.plugin` reads ``ENV_*`` without importing
@@ -10,6 +11,7 @@ instead of from each other. Standard library only.
 from __future__ import annotations
 
 import argparse
+import os
 
 PLUGIN_NAME = "kvbranch"
 CONNECTOR_CLASS = "KVBranchConnector"
@@ -95,57 +97,112 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Any other vLLM argument: put it after a literal '--', e.g. "
         "'python -m server -- --max-num-seqs 8'. It is passed to vLLM unchanged.",
     )
-    parser.add_argument("--model", default=None,
-                        help="model folder or name (default: the embedded SmolLM2-135M-"
-                        "Instruct, converted on first use; see KVBRANCH_MODEL_DIR)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model folder or name (default: the embedded SmolLM2-135M-"
+        "Instruct, converted on first use; see KVBRANCH_MODEL_DIR)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s)")
     parser.add_argument("--port", type=_port, default=8000, help="port (default %(default)s)")
-    parser.add_argument("--kv-cache-gib", type=_positive_float, default=1.0,
-                        help="device KV cache size in GiB, fractions allowed "
-                        "(default %(default)s; 1 GiB is about 23k tokens of the embedded model)")
-    parser.add_argument("--block-size", type=_block_size, default=None,
-                        help="KV block size in tokens (default: the attention backend's; "
-                        "128 on CPU)")
-    parser.add_argument("--host-store-gib", type=_non_negative_float, default=2.0,
-                        help="host-memory KV block store size in GiB (default %(default)s)")
-    parser.add_argument("--pin-budget-gib", type=_non_negative_float, default=None,
-                        help="part of the host store that pins may hold (default: half)")
-    parser.add_argument("--pin-ttl-s", type=_positive_float, default=300.0,
-                        help="default pin lease of a session's branches, renewed on each use "
-                        "(default %(default)s)")
-    parser.add_argument("--max-model-len", type=int, default=8192,
-                        help="context length (default %(default)s)")
-    parser.add_argument("--api-key", action="append", default=None,
-                        help="require this bearer key (repeat for several keys)")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error", "critical"],
-                        help="log level (default %(default)s)")
-    parser.add_argument("--no-connector", action="store_true",
-                        help="plain vLLM without the kvbranch connector (the baseline used by "
-                        "tests and benchmarks); the kvbranch routes report it as not loaded")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model name clients send (default: the model folder's name)")
-    parser.add_argument("--shutdown-grace-s", type=_non_negative_float, default=5.0,
-                        help="on SIGTERM, in-flight requests get this long before everything "
-                        "stops (the router and --disagg; an instance whose launcher died); "
-                        "vLLM itself aborts in-flight requests at once (default %(default)s)")
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=_positive_float,
+        default=1.0,
+        help="device KV cache size in GiB, fractions allowed "
+        "(default %(default)s; 1 GiB is about 23k tokens of the embedded model)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=_block_size,
+        default=None,
+        help="KV block size in tokens (default: the attention backend's; 128 on CPU)",
+    )
+    parser.add_argument(
+        "--host-store-gib",
+        type=_non_negative_float,
+        default=2.0,
+        help="host-memory KV block store size in GiB (default %(default)s)",
+    )
+    parser.add_argument(
+        "--pin-budget-gib",
+        type=_non_negative_float,
+        default=None,
+        help="part of the host store that pins may hold (default: half)",
+    )
+    parser.add_argument(
+        "--pin-ttl-s",
+        type=_positive_float,
+        default=300.0,
+        help="default pin lease of a session's branches, renewed on each use (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=8192, help="context length (default %(default)s)"
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require this bearer key (repeat for several keys)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log level (default %(default)s)",
+    )
+    parser.add_argument(
+        "--no-connector",
+        action="store_true",
+        help="plain vLLM without the kvbranch connector (the baseline used by "
+        "tests and benchmarks); the kvbranch routes report it as not loaded",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients send (default: the model folder's name)",
+    )
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=_non_negative_float,
+        default=5.0,
+        help="on SIGTERM, in-flight requests get this long before everything "
+        "stops (the router and --disagg; an instance whose launcher died); "
+        "vLLM itself aborts in-flight requests at once (default %(default)s)",
+    )
     tenants = parser.add_argument_group(
         "tenants",
         "With API keys (--api-key, keys after '--', or VLLM_API_KEY) every key is a tenant with "
-        "its own session ids, cache salt and quotas. See README 'Tenants and security'.")
-    tenants.add_argument("--max-sessions-per-tenant", type=_positive_int, default=1000,
-                         help="sessions one key (or, without keys, the server) may hold; "
-                         "creating more gets 429 (default %(default)s)")
-    tenants.add_argument("--max-branches-per-session", type=_positive_int, default=256,
-                         help="branches one session may hold; more get 409 "
-                         "(default %(default)s)")
-    tenants.add_argument("--tenant-pin-share", type=_share, default=None, metavar="FRACTION",
-                         help="part of the pin budget one key's pins may hold, in (0, 1]; "
-                         "beyond it the key's own oldest pins degrade (default: 0.5 with two "
-                         "or more keys, else 1)")
-    tenants.add_argument("--session-idle-ttl-s", type=_positive_float, default=6 * 3600.0,
-                         help="a session unused this long is deleted with its pins "
-                         "(default %(default)s = 6 h)")
+        "its own session ids, cache salt and quotas. See README 'Tenants and security'.",
+    )
+    tenants.add_argument(
+        "--max-sessions-per-tenant",
+        type=_positive_int,
+        default=1000,
+        help="sessions one key (or, without keys, the server) may hold; "
+        "creating more gets 429 (default %(default)s)",
+    )
+    tenants.add_argument(
+        "--max-branches-per-session",
+        type=_positive_int,
+        default=256,
+        help="branches one session may hold; more get 409 (default %(default)s)",
+    )
+    tenants.add_argument(
+        "--tenant-pin-share",
+        type=_share,
+        default=None,
+        metavar="FRACTION",
+        help="part of the pin budget one key's pins may hold, in (0, 1]; "
+        "beyond it the key's own oldest pins degrade (default: 0.5 with two "
+        "or more keys, else 1)",
+    )
+    tenants.add_argument(
+        "--session-idle-ttl-s",
+        type=_positive_float,
+        default=6 * 3600.0,
+        help="a session unused this long is deleted with its pins (default %(default)s = 6 h)",
+    )
     pd = parser.add_argument_group(
         "prefill/decode disaggregation",
         "P and D are vLLM instances whose KV moves over NIXL (UCX); D keeps each session's "
@@ -153,27 +210,97 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill to P and decode to D. P and D act only on transfer handles sealed with the "
         "cluster secret: set KVBRANCH_CLUSTER_SECRET to the same value on every instance "
         "(--disagg makes one; instances on one machine otherwise share a private per-user "
-        "file). See README 'Prefill/decode disaggregation'.")
-    pd.add_argument("--disagg", action="store_true",
-                    help="start a prefill instance, a decode instance (each on its own CPU "
-                    "cores) and the router on --port: a one-machine P/D cluster")
-    pd.add_argument("--role", choices=ROLES, default="single",
-                    help="what this process is (default %(default)s)")
-    pd.add_argument("--prefill", action="append", default=None, metavar="URL",
-                    help="router: a prefill instance's URL (repeat for several)")
-    pd.add_argument("--decode", action="append", default=None, metavar="URL",
-                    help="router: a decode instance's URL (repeat for several)")
-    pd.add_argument("--nixl-port", type=_port, default=None,
-                    help="prefill/decode: NIXL side-channel port (default: --port + 10000)")
-    pd.add_argument("--cpu-cores", default=None, metavar="LIST",
-                    help="CPU platform: cores this instance computes on, e.g. '0' or '2-3' "
-                    "(vLLM's VLLM_CPU_OMP_THREADS_BIND; default: vLLM's own choice)")
-    pd.add_argument("--pd-hold-ttl-s", type=_positive_float, default=30.0,
-                    help="how long D holds a finished turn's KV for P to pull (the engine "
-                    "keeps stepping while it holds); the router stops offering it 5 s "
-                    "earlier; D releases its oldest unclaimed holds sooner when new work "
-                    "needs the blocks (default %(default)s)")
-    pd.add_argument("--no-bidirectional", action="store_true",
-                    help="P/D without the D->P pull (the baseline: P recomputes what its own "
-                    "caches lack)")
+        "file). See README 'Prefill/decode disaggregation'.",
+    )
+    pd.add_argument(
+        "--disagg",
+        action="store_true",
+        help="start a prefill instance, a decode instance (each on its own CPU "
+        "cores) and the router on --port: a one-machine P/D cluster",
+    )
+    pd.add_argument(
+        "--role", choices=ROLES, default="single", help="what this process is (default %(default)s)"
+    )
+    pd.add_argument(
+        "--prefill",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="router: a prefill instance's URL (repeat for several)",
+    )
+    pd.add_argument(
+        "--decode",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="router: a decode instance's URL (repeat for several)",
+    )
+    pd.add_argument(
+        "--nixl-port",
+        type=_port,
+        default=None,
+        help="prefill/decode: NIXL side-channel port (default: --port + 10000)",
+    )
+    pd.add_argument(
+        "--cpu-cores",
+        default=None,
+        metavar="LIST",
+        help="CPU platform: cores this instance computes on, e.g. '0' or '2-3' "
+        "(vLLM's VLLM_CPU_OMP_THREADS_BIND; default: vLLM's own choice)",
+    )
+    pd.add_argument(
+        "--pd-hold-ttl-s",
+        type=_positive_float,
+        default=30.0,
+        help="how long D holds a finished turn's KV for P to pull (the engine "
+        "keeps stepping while it holds); the router stops offering it 5 s "
+        "earlier; D releases its oldest unclaimed holds sooner when new work "
+        "needs the blocks (default %(default)s)",
+    )
+    pd.add_argument(
+        "--no-bidirectional",
+        action="store_true",
+        help="P/D without the D->P pull (the baseline: P recomputes what its own caches lack)",
+    )
     return parser
+
+
+def passthrough_api_keys(passthrough: list[str]) -> list[str] | None:
+    """The keys an ``--api-key`` after ``--`` gives vLLM (its flag takes a list and the last
+    one wins; vLLM also spells it ``--api_key``), or ``None`` when there is none."""
+    keys: list[str] | None = None
+    i = 0
+    while i < len(passthrough):
+        name, eq, value = passthrough[i].partition("=")
+        i += 1
+        if name not in ("--api-key", "--api_key"):
+            continue
+        if eq:
+            keys = [value]
+            continue
+        keys = []
+        while i < len(passthrough) and not passthrough[i].startswith("-"):
+            keys.append(passthrough[i])
+            i += 1
+    return keys
+
+
+def api_keys(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
+    """The keys vLLM will enforce (its rule: ``--api-key`` wins over ``VLLM_API_KEY``).
+    Refuses the setups where vLLM would silently drop keys the user gave."""
+    ours = args.api_key or []
+    theirs = passthrough_api_keys(passthrough)
+    env_key = os.environ.get("VLLM_API_KEY")
+    if ours and theirs is not None:
+        raise LaunchError(
+            "API keys given both before and after '--' (vLLM would keep only "
+            "the ones after it): give them once, e.g. repeat --api-key before "
+            "'--'"
+        )
+    given = ours or theirs
+    if given and env_key:
+        raise LaunchError(
+            "VLLM_API_KEY is set and --api-key is given (vLLM would ignore "
+            "VLLM_API_KEY): unset VLLM_API_KEY or drop --api-key"
+        )
+    return [k for k in (given or [env_key]) if k]

@@ -33,9 +33,9 @@ class KVBranchCollector:
         up = GaugeMetricFamily("kvbranch_connector_up", "1 when the connector answers")
         up.add_metric([], 1)
         yield up
-        tokens = CounterMetricFamily("kvbranch_prompt_tokens",
-                                     "Prompt tokens by where their KV came from",
-                                     labels=["source"])
+        tokens = CounterMetricFamily(
+            "kvbranch_prompt_tokens", "Prompt tokens by where their KV came from", labels=["source"]
+        )
         for source, value in stats["hits_tokens"].items():
             tokens.add_metric([source], value)
         yield tokens
@@ -44,20 +44,28 @@ class KVBranchCollector:
             ("kvbranch_prefetches", "Prefetch requests run", stats["prefetches"]),
             ("kvbranch_store_evictions", "Host store LRU evictions", store["evictions"]),
             ("kvbranch_store_saved_blocks", "Blocks copied device to host", store["saved_blocks"]),
-            ("kvbranch_store_loaded_blocks", "Blocks copied host to device",
-             store["loaded_blocks"]),
-            ("kvbranch_pins_degraded", "Leases demoted to LRU by the pin budget",
-             stats["pins_degraded"]),
-            ("kvbranch_pins_refused", "Explicit pins refused (over budget)",
-             stats["pins_refused"]),
+            (
+                "kvbranch_store_loaded_blocks",
+                "Blocks copied host to device",
+                store["loaded_blocks"],
+            ),
+            (
+                "kvbranch_pins_degraded",
+                "Leases demoted to LRU by the pin budget",
+                stats["pins_degraded"],
+            ),
+            ("kvbranch_pins_refused", "Explicit pins refused (over budget)", stats["pins_refused"]),
         ]:
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
         for name, doc, value in [
             ("kvbranch_store_used_bytes", "Host store bytes in use", store["used_bytes"]),
-            ("kvbranch_store_capacity_bytes", "Host store capacity",
-             store["capacity_blocks"] * store["block_bytes"]),
+            (
+                "kvbranch_store_capacity_bytes",
+                "Host store capacity",
+                store["capacity_blocks"] * store["block_bytes"],
+            ),
             ("kvbranch_pinned_bytes", "Bytes held by pins", store["pinned_bytes"]),
             ("kvbranch_pin_budget_bytes", "Pin budget", store["pin_budget_bytes"]),
             ("kvbranch_sessions", "Live sessions", stats.get("num_sessions", 0)),
@@ -81,20 +89,31 @@ def _pd_metrics(pd: dict | None):
         family.add_metric([], pd.get(key, 0))
         yield family
     for name, doc, key in [
-        ("kvbranch_pd_holds_released", "Holds released early because new work needed the "
-                                       "blocks", "holds_released_for_new_work"),
-        ("kvbranch_pd_stalled_steps", "Steps where a waiting request could not get device "
-                                      "blocks while holds existed", "stalled_steps"),
+        (
+            "kvbranch_pd_holds_released",
+            "Holds released early because new work needed the blocks",
+            "holds_released_for_new_work",
+        ),
+        (
+            "kvbranch_pd_stalled_steps",
+            "Steps where a waiting request could not get device blocks while holds existed",
+            "stalled_steps",
+        ),
         ("kvbranch_pd_claims", "Holds claimed for a pull", "claims"),
-        ("kvbranch_pd_claims_refused", "Claims refused (hold released, expired or used)",
-         "claims_refused"),
+        (
+            "kvbranch_pd_claims_refused",
+            "Claims refused (hold released, expired or used)",
+            "claims_refused",
+        ),
     ]:
         family = CounterMetricFamily(name, doc)
         family.add_metric([], pd.get(key, 0))
         yield family
-    declined = CounterMetricFamily("kvbranch_pd_handles_declined",
-                                   "Peer transfer handles declined (the prompt recomputed)",
-                                   labels=["reason"])
+    declined = CounterMetricFamily(
+        "kvbranch_pd_handles_declined",
+        "Peer transfer handles declined (the prompt recomputed)",
+        labels=["reason"],
+    )
     for reason, value in (pd.get("handles_declined") or {}).items():
         declined.add_metric([reason], value)
     yield declined

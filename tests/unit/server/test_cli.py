@@ -76,43 +76,80 @@ def test_help_lists_flags(capsys):
         parse("--help")
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--model", "--host", "--port", "--kv-cache-gib", "--block-size", "--api-key",
-                 "--log-level", "--host-store-gib", "--pin-budget-gib", "--pin-ttl-s",
-                 "--no-connector", "--served-model-name"):
+    for flag in (
+        "--model",
+        "--host",
+        "--port",
+        "--kv-cache-gib",
+        "--block-size",
+        "--api-key",
+        "--log-level",
+        "--host-store-gib",
+        "--pin-budget-gib",
+        "--pin-ttl-s",
+        "--no-connector",
+        "--served-model-name",
+    ):
         assert flag in text
     assert "'--'" in text  # the passthrough convention is explained
 
 
 def test_parser_values():
-    args = parse("--model", "m", "--host", "0.0.0.0", "--port", "9001", "--kv-cache-gib", "0.5",
-                 "--block-size", "16", "--host-store-gib", "0", "--pin-budget-gib", "0.25",
-                 "--pin-ttl-s", "1.5", "--api-key", "k1", "--api-key", "k2",
-                 "--log-level", "debug", "--no-connector", "--served-model-name", "x")
+    args = parse(
+        "--model",
+        "m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9001",
+        "--kv-cache-gib",
+        "0.5",
+        "--block-size",
+        "16",
+        "--host-store-gib",
+        "0",
+        "--pin-budget-gib",
+        "0.25",
+        "--pin-ttl-s",
+        "1.5",
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+        "--log-level",
+        "debug",
+        "--no-connector",
+        "--served-model-name",
+        "x",
+    )
     assert args.port == 9001 and args.kv_cache_gib == 0.5 and args.block_size == 16
     assert args.host_store_gib == 0.0 and args.pin_budget_gib == 0.25 and args.pin_ttl_s == 1.5
     assert args.api_key == ["k1", "k2"]
     assert args.log_level == "debug" and args.no_connector and args.served_model_name == "x"
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--kv-cache-gib", "abc"], "not a number"),
-    (["--kv-cache-gib", "0"], "greater than 0"),
-    (["--kv-cache-gib", "-1"], "greater than 0"),
-    (["--kv-cache-gib", "nan"], "greater than 0"),
-    (["--port", "0"], "1-65535"),
-    (["--port", "65536"], "1-65535"),
-    (["--port", "http"], "not a port number"),
-    (["--block-size", "3"], "power of two"),
-    (["--block-size", "0"], "power of two"),
-    (["--block-size", "-16"], "power of two"),
-    (["--block-size", "1.5"], "not an integer"),
-    (["--host-store-gib", "-0.5"], "must not be negative"),
-    (["--pin-budget-gib", "x"], "not a number"),
-    (["--pin-ttl-s", "0"], "greater than 0"),
-    (["--log-level", "verbose"], "invalid choice"),
-    (["--max-model-len", "many"], "invalid int"),
-    (["--bogus"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--kv-cache-gib", "abc"], "not a number"),
+        (["--kv-cache-gib", "0"], "greater than 0"),
+        (["--kv-cache-gib", "-1"], "greater than 0"),
+        (["--kv-cache-gib", "nan"], "greater than 0"),
+        (["--port", "0"], "1-65535"),
+        (["--port", "65536"], "1-65535"),
+        (["--port", "http"], "not a port number"),
+        (["--block-size", "3"], "power of two"),
+        (["--block-size", "0"], "power of two"),
+        (["--block-size", "-16"], "power of two"),
+        (["--block-size", "1.5"], "not an integer"),
+        (["--host-store-gib", "-0.5"], "must not be negative"),
+        (["--pin-budget-gib", "x"], "not a number"),
+        (["--pin-ttl-s", "0"], "greater than 0"),
+        (["--log-level", "verbose"], "invalid choice"),
+        (["--max-model-len", "many"], "invalid int"),
+        (["--bogus"], "unrecognized arguments"),
+    ],
+)
 def test_bad_values_rejected(capsys, argv, needle):
     with pytest.raises(SystemExit) as exc:
         parse(*argv)
@@ -125,7 +162,9 @@ def test_bad_values_rejected(capsys, argv, needle):
 def test_split_passthrough():
     assert split_passthrough(["--port", "1"]) == (["--port", "1"], [])
     assert split_passthrough(["--port", "1", "--", "--seed", "3", "--", "x"]) == (
-        ["--port", "1"], ["--seed", "3", "--", "x"])
+        ["--port", "1"],
+        ["--seed", "3", "--", "x"],
+    )
     assert split_passthrough(["--"]) == ([], [])
 
 
@@ -158,7 +197,8 @@ def test_resolve_file_is_not_a_folder(tmp_path):
 def test_resolve_hub_name_passes_through(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == (
-        "HuggingFaceTB/SmolLM2-135M-Instruct")
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
 
 
 def test_resolve_default_uses_embedded_model(monkeypatch, model_dir):
@@ -231,12 +271,13 @@ def test_plan_no_connector(model_dir):
 def test_plan_passthrough_appended_unchanged(model_dir):
     extra = ["--max-num-seqs", "8", "--seed", "1", "--weird=a b"]
     plan = plan_launch(parse("--model", str(model_dir)), list(extra), cuda=False)
-    assert plan.vllm_argv[-len(extra):] == extra
+    assert plan.vllm_argv[-len(extra) :] == extra
 
 
 def test_plan_api_keys(model_dir):
-    plan = plan_launch(parse("--model", str(model_dir), "--api-key", "k1", "--api-key", "k2"),
-                       [], cuda=False)
+    plan = plan_launch(
+        parse("--model", str(model_dir), "--api-key", "k1", "--api-key", "k2"), [], cuda=False
+    )
     assert plan.env[ENV_API_KEYS] == "k1,k2"
     # vLLM's own parser must see both keys (repeating its flag would keep only the last)
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -247,9 +288,26 @@ def test_plan_api_keys(model_dir):
 
 
 def test_plan_options_flow_through(model_dir):
-    args = parse("--model", str(model_dir), "--block-size", "32", "--host-store-gib", "4",
-                 "--pin-budget-gib", "0.5", "--pin-ttl-s", "12", "--served-model-name", "alias",
-                 "--log-level", "warning", "--max-model-len", "2048", "--host", "0.0.0.0")
+    args = parse(
+        "--model",
+        str(model_dir),
+        "--block-size",
+        "32",
+        "--host-store-gib",
+        "4",
+        "--pin-budget-gib",
+        "0.5",
+        "--pin-ttl-s",
+        "12",
+        "--served-model-name",
+        "alias",
+        "--log-level",
+        "warning",
+        "--max-model-len",
+        "2048",
+        "--host",
+        "0.0.0.0",
+    )
     plan = plan_launch(args, [], cuda=False)
     argv = plan.vllm_argv
     assert flag_value(argv, "--block-size") == "32"
@@ -322,7 +380,9 @@ def test_main_hands_plan_to_run(model_dir, monkeypatch):
     seen = []
     monkeypatch.setattr(cli, "run", seen.append)
     monkeypatch.setattr(cli, "_has_cuda", lambda: False)
-    assert cli.main(["--model", str(model_dir), "--port", str(free_port()), "--", "--seed", "7"]) == 0
+    assert (
+        cli.main(["--model", str(model_dir), "--port", str(free_port()), "--", "--seed", "7"]) == 0
+    )
     assert len(seen) == 1
     assert seen[0].vllm_argv[-2:] == ["--seed", "7"]
 
@@ -331,8 +391,14 @@ def test_main_hands_plan_to_run(model_dir, monkeypatch):
 def run_server(*argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("VLLM_PLUGINS", None)
-    return subprocess.run([sys.executable, "-m", "server", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "server", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
@@ -371,9 +437,16 @@ def test_kv_cache_too_small_for_max_model_len_is_one_clear_error(tmp_path):
     """The embedded model's shape: 30 layers, 3 KV heads of 64 → 46,080 bytes/token in fp32."""
     from server.cli import check_kv_fits, kv_bytes_per_token
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "hidden_size": 576}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 30,
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "hidden_size": 576,
+            }
+        )
+    )
     assert kv_bytes_per_token(str(tmp_path), cuda=False) == 46080
     check_kv_fits(str(tmp_path), 0.5, 8192, cuda=False)  # 11.6k tokens: fits
     with pytest.raises(LaunchError, match="raise --kv-cache-gib to at least 0.35"):
@@ -386,8 +459,9 @@ def test_vllm_keeps_aborting_at_once_on_sigterm(model_dir):
     """vLLM 0.32's drain (--shutdown-timeout N) force-kills the engine core after N s but then
     waits for the HTTP stream it left hanging forever (measured: an instance stuck after
     "shutting down FastAPI HTTP server"); so the grace is the router's, not vLLM's."""
-    plan = plan_launch(parse("--model", str(model_dir), "--shutdown-grace-s", "2.5"), [],
-                       cuda=False)
+    plan = plan_launch(
+        parse("--model", str(model_dir), "--shutdown-grace-s", "2.5"), [], cuda=False
+    )
     assert "--shutdown-timeout" not in plan.vllm_argv
     assert plan.shutdown_grace_s == 2.5  # the reaper's grace for vLLM's children
 
@@ -406,8 +480,18 @@ def test_the_router_cancels_hanging_requests_after_the_grace(monkeypatch):
 
     seen: dict = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
-    run_router(parse("--role", "router", "--prefill", "http://p:1", "--decode", "http://d:2",
-                     "--shutdown-grace-s", "2"))
+    run_router(
+        parse(
+            "--role",
+            "router",
+            "--prefill",
+            "http://p:1",
+            "--decode",
+            "http://d:2",
+            "--shutdown-grace-s",
+            "2",
+        )
+    )
     assert seen["timeout_graceful_shutdown"] == 2.0
 
 

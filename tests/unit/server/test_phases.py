@@ -32,9 +32,12 @@ LOG = [
 def test_each_phase_once_in_order():
     tracker = PhaseTracker()
     seen = [p for p in map(tracker.phase_of, LOG) if p is not None]
-    assert seen == ["starting the engine core", "loading weights",
-                    "weights loaded; profiling memory and sizing the KV cache",
-                    "engine up; starting the HTTP server"]
+    assert seen == [
+        "starting the engine core",
+        "loading weights",
+        "weights loaded; profiling memory and sizing the KV cache",
+        "engine up; starting the HTTP server",
+    ]
 
 
 def test_a_phase_that_never_logs_is_skipped_not_waited_for():
@@ -68,11 +71,12 @@ def test_the_tee_forwards_every_byte_and_sees_children_lines():
         print("after close", flush=True)
         print("phases:", [p for p in seen if p], file=sys.stderr)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr.decode()
-    assert proc.stdout == (b"first line, from the launcher\nx Starting to load model y\n"
-                           b"no newline\n" + b"z" * 200000 + b"\nafter close\n")
+    assert proc.stdout == (
+        b"first line, from the launcher\nx Starting to load model y\n"
+        b"no newline\n" + b"z" * 200000 + b"\nafter close\n"
+    )
     assert b"phases: ['loading weights']" in proc.stderr
 
 

@@ -21,8 +21,13 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 def _spawn(code: str) -> tuple[subprocess.Popen, int]:
     """Start ``code``; it prints one pid (a process it started) on its first line."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     line = proc.stdout.readline()
     assert line.strip().isdigit(), f"no pid from the child: {line!r}"
     return proc, int(line)

@@ -11,20 +11,23 @@ import pytest
 from server.plugin.guard import KVBranchGuard, id_problem
 
 
-@pytest.mark.parametrize("payload, session_header, branch_header, param", [
-    ({"session_id": "s-1", "vllm_xargs": {"kvbranch_branch": "b.2"}}, None, None, None),
-    ({}, None, None, None),
-    ({"session_id": ""}, "", "", None),                       # empty = none, as in vLLM
-    ({"session_id": 5}, None, None, None),                    # vLLM's own model refuses it
-    ({"session_id": "../x"}, None, None, "session_id"),
-    ({"session_id": "x" * 129}, None, None, "session_id"),
-    ({}, "a b", None, "X-Session-ID"),
-    ({"vllm_xargs": {"session_id": "😀"}}, None, None, "vllm_xargs.session_id"),
-    ({"vllm_xargs": {"kvbranch_branch": 7}}, None, None, "vllm_xargs.kvbranch_branch"),
-    ({"vllm_xargs": {"kvbranch_branch": {"a": 1}}}, None, None, "vllm_xargs.kvbranch_branch"),
-    ({}, None, "../main", "X-KVBranch-Branch"),
-    ({"vllm_xargs": "junk"}, None, None, None),                # vLLM refuses it itself
-])
+@pytest.mark.parametrize(
+    "payload, session_header, branch_header, param",
+    [
+        ({"session_id": "s-1", "vllm_xargs": {"kvbranch_branch": "b.2"}}, None, None, None),
+        ({}, None, None, None),
+        ({"session_id": ""}, "", "", None),  # empty = none, as in vLLM
+        ({"session_id": 5}, None, None, None),  # vLLM's own model refuses it
+        ({"session_id": "../x"}, None, None, "session_id"),
+        ({"session_id": "x" * 129}, None, None, "session_id"),
+        ({}, "a b", None, "X-Session-ID"),
+        ({"vllm_xargs": {"session_id": "😀"}}, None, None, "vllm_xargs.session_id"),
+        ({"vllm_xargs": {"kvbranch_branch": 7}}, None, None, "vllm_xargs.kvbranch_branch"),
+        ({"vllm_xargs": {"kvbranch_branch": {"a": 1}}}, None, None, "vllm_xargs.kvbranch_branch"),
+        ({}, None, "../main", "X-KVBranch-Branch"),
+        ({"vllm_xargs": "junk"}, None, None, None),  # vLLM refuses it itself
+    ],
+)
 def test_id_problem(payload, session_header, branch_header, param):
     problem = id_problem(payload, session_header, branch_header)
     assert (problem[0] if problem else None) == param
@@ -35,8 +38,10 @@ def test_id_problem(payload, session_header, branch_header, param):
 def _run(guard: KVBranchGuard, path: str, chunks: list[bytes], headers=()):
     sent: list[dict] = []
     reached: list[bytes] = []
-    queue = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
-             for i, c in enumerate(chunks)]
+    queue = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+        for i, c in enumerate(chunks)
+    ]
 
     async def receive():
         return queue.pop(0)
@@ -61,8 +66,9 @@ def test_oversized_bodies_get_413_and_are_drained():
     sent, reached, left = _run(guard, "/v1/kvbranch/sessions", [b"123456", b"789012", b"3"])
     assert sent[0]["status"] == 413 and not reached and not left
     assert "larger than 10" in json.loads(sent[1]["body"])["error"]["message"]
-    sent, reached, left = _run(guard, "/v1/chat/completions", [b"x" * 5],
-                               headers=[(b"content-length", b"50")])
+    sent, reached, left = _run(
+        guard, "/v1/chat/completions", [b"x" * 5], headers=[(b"content-length", b"50")]
+    )
     assert sent[0]["status"] == 413 and not reached
 
 
@@ -82,15 +88,24 @@ def test_bad_chat_session_id_is_400_before_the_app():
     assert json.loads(sent[1]["body"])["error"]["param"] == "session_id"
 
 
-@pytest.mark.parametrize("path, payload, param", [
-    ("/inference/v1/generate", {"sampling_params": {"extra_args": {"kvbranch_branch": "a b"}}},
-     "sampling_params.extra_args.kvbranch_branch"),
-    ("/inference/v1/generate", {"sampling_params": {"extra_args": {"session_id": "../x"}}},
-     "sampling_params.extra_args.session_id"),
-    ("/v1/responses", {"session_id": "a/b"}, "session_id"),
-    ("/v1/messages", {"vllm_xargs": {"kvbranch_branch": "../m"}}, "vllm_xargs.kvbranch_branch"),
-    ("/v1/systemone", {"vllm_xargs": {"kvbranch_branch": "../m"}}, None),  # takes no xargs
-])
+@pytest.mark.parametrize(
+    "path, payload, param",
+    [
+        (
+            "/inference/v1/generate",
+            {"sampling_params": {"extra_args": {"kvbranch_branch": "a b"}}},
+            "sampling_params.extra_args.kvbranch_branch",
+        ),
+        (
+            "/inference/v1/generate",
+            {"sampling_params": {"extra_args": {"session_id": "../x"}}},
+            "sampling_params.extra_args.session_id",
+        ),
+        ("/v1/responses", {"session_id": "a/b"}, "session_id"),
+        ("/v1/messages", {"vllm_xargs": {"kvbranch_branch": "../m"}}, "vllm_xargs.kvbranch_branch"),
+        ("/v1/systemone", {"vllm_xargs": {"kvbranch_branch": "../m"}}, None),  # takes no xargs
+    ],
+)
 def test_id_problem_on_other_generating_routes(path, payload, param):
     problem = id_problem(payload, None, None, path)
     assert (problem[0] if problem else None) == param

@@ -13,8 +13,14 @@ from server.contract import BRANCH_HEADER, RESPONSE_FIELD
 from server.plugin.middleware import KVBranchMiddleware, add_split_to_event, rewrite_request
 from server.plugin.tenancy import ENV_API_KEYS, owner_of
 
-SPLIT = {"session_id": "s", "branch_id": "main", "prompt_tokens": 10,
-         "device_hit_tokens": 4, "host_hit_tokens": 4, "recomputed_tokens": 2}
+SPLIT = {
+    "session_id": "s",
+    "branch_id": "main",
+    "prompt_tokens": 10,
+    "device_hit_tokens": 4,
+    "host_hit_tokens": 4,
+    "recomputed_tokens": 2,
+}
 
 
 # --- rewrite_request --------------------------------------------------------------------------
@@ -39,8 +45,9 @@ def test_branch_header_used_when_absent():
 
 
 def test_branch_header_does_not_override_body():
-    out = rewrite_request({"vllm_xargs": {BRANCH_XARG: "body"}}, tag="t",
-                          branch_header="header", owner=None)
+    out = rewrite_request(
+        {"vllm_xargs": {BRANCH_XARG: "body"}}, tag="t", branch_header="header", owner=None
+    )
     assert out["vllm_xargs"][BRANCH_XARG] == "body"
 
 
@@ -114,16 +121,19 @@ def test_event_with_usage_gets_split():
     assert chunk["id"] == "x"
 
 
-@pytest.mark.parametrize("event", [
-    _event({"choices": [{"delta": {"content": "hi"}}], "usage": None}),
-    _event({"choices": [{"delta": {"content": '"usage"'}}]}),
-    _event({"usage": {}}),
-    b"data: [DONE]",
-    b"event: ping",
-    b": comment \"usage\"",
-    b'data: {"usage": {"prompt_tokens": 1}',  # malformed JSON
-    b'data: ["usage"]',
-])
+@pytest.mark.parametrize(
+    "event",
+    [
+        _event({"choices": [{"delta": {"content": "hi"}}], "usage": None}),
+        _event({"choices": [{"delta": {"content": '"usage"'}}]}),
+        _event({"usage": {}}),
+        b"data: [DONE]",
+        b"event: ping",
+        b': comment "usage"',
+        b'data: {"usage": {"prompt_tokens": 1}',  # malformed JSON
+        b'data: ["usage"]',
+    ],
+)
 def test_events_left_alone(event):
     assert add_split_to_event(event, SPLIT) == event
 
@@ -154,8 +164,9 @@ def fake_app_state(control) -> SimpleNamespace:
 class FakeApp:
     """Reads the whole request, then sends ``response`` messages."""
 
-    def __init__(self, status: int, content_type: bytes, chunks: list[bytes],
-                 extra_headers=()) -> None:
+    def __init__(
+        self, status: int, content_type: bytes, chunks: list[bytes], extra_headers=()
+    ) -> None:
         self.status = status
         self.content_type = content_type
         self.chunks = chunks
@@ -175,23 +186,42 @@ class FakeApp:
             headers.append((b"content-length", str(sum(map(len, self.chunks))).encode()))
         await send({"type": "http.response.start", "status": self.status, "headers": headers})
         for i, chunk in enumerate(self.chunks):
-            await send({"type": "http.response.body", "body": chunk,
-                        "more_body": i < len(self.chunks) - 1})
+            await send(
+                {"type": "http.response.body", "body": chunk, "more_body": i < len(self.chunks) - 1}
+            )
 
 
-def run_asgi(app, *, path="/v1/chat/completions", method="POST", body=b"{}", headers=(),
-             control=None, app_obj="default", body_parts: int = 1):
-    scope = {"type": "http", "method": method, "path": path,
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode())] + list(headers)}
+def run_asgi(
+    app,
+    *,
+    path="/v1/chat/completions",
+    method="POST",
+    body=b"{}",
+    headers=(),
+    control=None,
+    app_obj="default",
+    body_parts: int = 1,
+):
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        + list(headers),
+    }
     if app_obj == "default":
         scope["app"] = fake_app_state(control)
     elif app_obj is not None:
         scope["app"] = app_obj
     step = max(1, -(-len(body) // body_parts))
-    parts = [body[i:i + step] for i in range(0, len(body), step)] or [b""]
-    incoming = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
-                for i, p in enumerate(parts)]
+    parts = [body[i : i + step] for i in range(0, len(body), step)] or [b""]
+    incoming = [
+        {"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
+        for i, p in enumerate(parts)
+    ]
     sent: list[dict] = []
 
     async def receive():
@@ -220,21 +250,29 @@ def start_headers(sent: list[dict]) -> dict:
 def split_bytes(data: bytes, sizes) -> list[bytes]:
     out, i = [], 0
     for size in sizes:
-        out.append(data[i:i + size])
+        out.append(data[i : i + size])
         i += size
     out.append(data[i:])
     return out
 
 
 def test_json_response_gets_split_and_content_length():
-    payload = {"id": "c1", "choices": [{"message": {"content": "hi"}}],
-               "usage": {"prompt_tokens": 10, "completion_tokens": 1}}
+    payload = {
+        "id": "c1",
+        "choices": [{"message": {"content": "hi"}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 1},
+    }
     raw = json.dumps(payload).encode()
     app = FakeApp(200, b"application/json", split_bytes(raw, [5, 17, 3]))
     control = FakeControl()
     request = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    sent = run_asgi(app, body=json.dumps(request).encode(), control=control, body_parts=3,
-                    headers=[(BRANCH_HEADER.lower().encode(), b"feat")])
+    sent = run_asgi(
+        app,
+        body=json.dumps(request).encode(),
+        control=control,
+        body_parts=3,
+        headers=[(BRANCH_HEADER.lower().encode(), b"feat")],
+    )
     # request side: the app saw the rewritten body, with a matching content-length
     seen = json.loads(app.body)
     tag = seen["vllm_xargs"][TAG_XARG]
@@ -268,8 +306,12 @@ def test_each_request_gets_a_fresh_tag():
 def test_owner_salts_request_when_keys_configured(monkeypatch):
     monkeypatch.setenv(ENV_API_KEYS, "secret")
     app = FakeApp(200, b"application/json", [b'{"usage": {}}'])
-    run_asgi(app, body=b'{"vllm_xargs": {"kvbranch_owner": "t_forged"}}',
-             headers=[(b"authorization", b"Bearer secret")], control=FakeControl())
+    run_asgi(
+        app,
+        body=b'{"vllm_xargs": {"kvbranch_owner": "t_forged"}}',
+        headers=[(b"authorization", b"Bearer secret")],
+        control=FakeControl(),
+    )
     seen = json.loads(app.body)
     owner = owner_of("Bearer secret")
     assert seen["vllm_xargs"][OWNER_XARG] == owner
@@ -338,9 +380,10 @@ def test_sse_trailing_partial_event_is_flushed():
     assert response_body(sent) == stream
 
 
-@pytest.mark.parametrize("status, ctype", [(400, b"application/json"),
-                                           (500, b"application/json"),
-                                           (404, b"text/event-stream")])
+@pytest.mark.parametrize(
+    "status, ctype",
+    [(400, b"application/json"), (500, b"application/json"), (404, b"text/event-stream")],
+)
 def test_non_200_passes_unchanged(status, ctype):
     raw = b'{"error": {"message": "bad"}, "usage": {"prompt_tokens": 1}}'
     app = FakeApp(status, ctype, [raw[:9], raw[9:]])
@@ -368,9 +411,14 @@ def test_no_split_available_leaves_response_intact():
     assert response_body(sent) == raw
 
 
-@pytest.mark.parametrize("app_obj", [None, SimpleNamespace(state=SimpleNamespace()),
-                                     SimpleNamespace(state=SimpleNamespace(
-                                         kvbranch=SimpleNamespace(control=None)))])
+@pytest.mark.parametrize(
+    "app_obj",
+    [
+        None,
+        SimpleNamespace(state=SimpleNamespace()),
+        SimpleNamespace(state=SimpleNamespace(kvbranch=SimpleNamespace(control=None))),
+    ],
+)
 def test_no_plugin_state_leaves_response_intact(app_obj):
     raw = b'{"usage": {"prompt_tokens": 1}}'
     app = FakeApp(200, b"application/json", [raw])
@@ -378,9 +426,15 @@ def test_no_plugin_state_leaves_response_intact(app_obj):
     assert response_body(sent) == raw
 
 
-@pytest.mark.parametrize("path, method", [("/v1/models", "GET"), ("/v1/chat/completions", "GET"),
-                                          ("/kvbranch/v1/sessions", "POST"),
-                                          ("/v1/embeddings", "POST")])
+@pytest.mark.parametrize(
+    "path, method",
+    [
+        ("/v1/models", "GET"),
+        ("/v1/chat/completions", "GET"),
+        ("/kvbranch/v1/sessions", "POST"),
+        ("/v1/embeddings", "POST"),
+    ],
+)
 def test_other_routes_pass_through(path, method):
     body = b'{"vllm_xargs": {"kvbranch_tag": "client"}}'
     raw = b'{"usage": {"prompt_tokens": 1}}'

@@ -40,9 +40,17 @@ def keys(monkeypatch):
 def test_vllm_0_32_generating_routes_are_all_covered():
     """Every POST route of the installed vLLM that reaches the engine's generate() is in
     GENERATE_PATHS or UNSALTABLE_PATHS (a vLLM upgrade that adds one fails here)."""
-    expected = {"/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch",
-                "/v1/responses", "/v1/messages", "/inference/v1/generate", "/invocations",
-                "/v1/systemone", "/generative_scoring"}
+    expected = {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/chat/completions/batch",
+        "/v1/responses",
+        "/v1/messages",
+        "/inference/v1/generate",
+        "/invocations",
+        "/v1/systemone",
+        "/generative_scoring",
+    }
     assert set(GENERATE_PATHS) == expected
     assert set(COMPLETION_PATHS) <= set(GENERATE_PATHS)
     assert "/cohere/v2/chat" in UNSALTABLE_PATHS
@@ -74,8 +82,13 @@ def test_without_keys_the_client_salt_is_untouched():
 # --- item 6: every route ------------------------------------------------------------------------
 def _body(path: str) -> dict:
     if path == NESTED_XARGS_PATH:
-        return {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1, "extra_args": {
-            k: "forged" for k in INTERNAL_XARGS} | {"keep": 1}}}
+        return {
+            "token_ids": [1, 2],
+            "sampling_params": {
+                "max_tokens": 1,
+                "extra_args": {k: "forged" for k in INTERNAL_XARGS} | {"keep": 1},
+            },
+        }
     if path in ("/v1/systemone", "/generative_scoring"):
         return {"query": "q"}
     return {"messages": [], "vllm_xargs": {k: "forged" for k in INTERNAL_XARGS} | {"keep": 1}}
@@ -90,8 +103,7 @@ def _xargs(path: str, payload: dict) -> dict | None:
 @pytest.mark.parametrize("path", GENERATE_PATHS)
 def test_every_route_is_salted_stripped_and_stamped(path):
     owner = tenant_id(KEY_A)
-    out = rewrite_request(_body(path), tag="real", branch_header="feat", owner=owner,
-                          path=path)
+    out = rewrite_request(_body(path), tag="real", branch_header="feat", owner=owner, path=path)
     assert out["cache_salt"] == owner
     xargs = _xargs(path, out)
     if path in ("/v1/systemone", "/generative_scoring"):
@@ -121,8 +133,13 @@ class _App:
             self.body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"{}"})
 
 
@@ -130,9 +147,16 @@ def _post(path: str, payload: dict, headers=(), app_args=None):
     inner = _App()
     stack = KVBranchGuard(KVBranchMiddleware(inner))
     body = json.dumps(payload).encode()
-    scope = {"type": "http", "method": "POST", "path": path,
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode())] + list(headers)}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        + list(headers),
+    }
     if app_args is not None:
         scope["app"] = SimpleNamespace(state=SimpleNamespace(args=app_args))
     sent: list[dict] = []
@@ -180,24 +204,29 @@ def test_unsaltable_route_passes_without_keys(monkeypatch):
 def test_bad_ids_are_refused_on_every_route(keys, path):
     status, reply, seen = _post(path, _body(path), _auth(KEY_A) + [(b"x-session-id", b"../x")])
     assert status == 400 and seen is None and reply["error"]["param"] == "X-Session-ID"
-    status, reply, _ = _post(path, _body(path),
-                             _auth(KEY_A) + [(b"x-kvbranch-branch", b"a b")])
+    status, reply, _ = _post(path, _body(path), _auth(KEY_A) + [(b"x-kvbranch-branch", b"a b")])
     assert status == 400 and reply["error"]["param"] == "X-KVBranch-Branch"
 
 
 @pytest.mark.parametrize("salt", ["", "a/b", "x" * 129, 5, ["s"]])
 def test_bad_client_salt_is_refused_with_keys(keys, salt):
     """A salt vLLM would refuse must not become a valid one by being combined."""
-    status, reply, seen = _post("/v1/chat/completions", {"messages": [], "cache_salt": salt},
-                                _auth(KEY_A))
+    status, reply, seen = _post(
+        "/v1/chat/completions", {"messages": [], "cache_salt": salt}, _auth(KEY_A)
+    )
     assert status == 400 and seen is None and reply["error"]["param"] == "cache_salt"
 
 
 def test_root_path_is_removed_before_matching(keys):
     inner = _App()
     stack = KVBranchGuard(KVBranchMiddleware(inner))
-    scope = {"type": "http", "method": "POST", "path": "/api/invocations", "root_path": "/api",
-             "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/api/invocations",
+        "root_path": "/api",
+        "headers": [],
+    }
     sent: list[dict] = []
     queue = [{"type": "http.request", "body": b"{}", "more_body": False}]
 
