@@ -53,7 +53,6 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
-from integrations.langchain import structured
 from integrations.langchain.langgraph import (
     BRANCH_KEY,
     SESSION_KEY,
@@ -63,6 +62,12 @@ from integrations.langchain.langgraph import (
     resolve_ref,
 )
 from integrations.langchain.messages import final_chunk, to_chat_result, to_chunk, to_wire_messages
+from integrations.langchain.structured import (
+    ToolLike,
+    bind_tools_to,
+    openai_tool_choice,
+    structured_runnable,
+)
 from sdk import AsyncKVBranchClient, BranchInfo, KVBranchClient, PrefetchResult, RetryPolicy
 from sdk.conversation import BranchRef, ClientSet, Conversation, coerce_id
 
@@ -286,7 +291,7 @@ class ChatKVBranch(BaseChatModel):
         choice = kwargs.pop("tool_choice", None)
         if tools:
             params["tools"] = tools
-            params["tool_choice"] = structured.tool_choice(choice, tools)
+            params["tool_choice"] = openai_tool_choice(choice, tools)
         if stream and not self.stream_usage:
             extra["stream_options"] = {"include_usage": False}
         kwargs.pop("stream", None)
@@ -349,7 +354,7 @@ class ChatKVBranch(BaseChatModel):
     # --- tools and structured output -------------------------------------------------------
     def bind_tools(
         self,
-        tools: Sequence[structured.ToolLike],
+        tools: Sequence[ToolLike],
         *,
         tool_choice: dict[str, Any] | str | bool | None = None,
         strict: bool | None = None,
@@ -359,7 +364,7 @@ class ChatKVBranch(BaseChatModel):
         """Bind tools (OpenAI tool schemas; pydantic classes, TypedDicts, functions and
         ``BaseTool``\\ s are converted). ``tool_choice``: ``"auto"``, ``"none"``,
         ``"any"``/``"required"``/``True``, a tool name, or an OpenAI tool_choice dict."""
-        return structured.bind_tools(
+        return bind_tools_to(
             self,
             tools,
             choice=tool_choice,
@@ -383,7 +388,7 @@ class ChatKVBranch(BaseChatModel):
         prompt)."""
         if kwargs:
             raise ValueError(f"unsupported arguments: {sorted(kwargs)}")
-        return structured.with_structured_output(
+        return structured_runnable(
             self, schema, method=method, include_raw=include_raw, strict=strict
         )
 

@@ -20,13 +20,13 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-__all__ = ["ToolLike", "tool_choice", "bind_tools", "with_structured_output"]
+__all__ = ["ToolLike", "openai_tool_choice", "bind_tools_to", "structured_runnable"]
 
 ToolLike = dict[str, Any] | type | Callable[..., Any] | BaseTool
 Method = Literal["json_schema", "function_calling", "json_mode"]
 
 
-def tool_choice(choice: Any, tools: Sequence[dict[str, Any]]) -> Any:
+def openai_tool_choice(choice: Any, tools: Sequence[dict[str, Any]]) -> Any:
     """LangChain's tool_choice spellings -> OpenAI's."""
     if choice is None or isinstance(choice, dict):
         return choice
@@ -44,7 +44,7 @@ def tool_choice(choice: Any, tools: Sequence[dict[str, Any]]) -> Any:
     raise ValueError(f"unsupported tool_choice {choice!r}")
 
 
-def bind_tools(
+def bind_tools_to(
     model: BaseChatModel,
     tools: Sequence[ToolLike],
     *,
@@ -56,7 +56,7 @@ def bind_tools(
     """``model`` bound to OpenAI tool schemas (``choice`` checked now, not at the first call)."""
     formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
     if choice is not None:
-        tool_choice(choice, formatted)
+        openai_tool_choice(choice, formatted)
         kwargs["tool_choice"] = choice
     if parallel_tool_calls is not None:
         kwargs["parallel_tool_calls"] = parallel_tool_calls
@@ -76,7 +76,7 @@ def _json_schema_format(schema: Any, strict: bool | None) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": json_schema}
 
 
-def with_structured_output(
+def structured_runnable(
     model: BaseChatModel,
     schema: dict[str, Any] | type | None,
     *,
@@ -95,7 +95,7 @@ def with_structured_output(
     if method == "function_calling":
         assert schema is not None
         tool_name = convert_to_openai_tool(schema)["function"]["name"]
-        llm = bind_tools(
+        llm = bind_tools_to(
             model,
             [schema],
             choice=tool_name,
