@@ -48,6 +48,14 @@ DEFAULT_BRANCH = "main"
 RESPONSE_FIELD = "kvbranch"
 #: vLLM's field for KV-transfer params (P/D); a streaming response carries it in its usage chunk.
 TRANSFER_PARAMS_FIELD = "kv_transfer_params"
+#: vLLM's own request/response fields kvbranch reads or sets (OpenAI-compatible bodies).
+SESSION_FIELD = "session_id"
+XARGS_FIELD = "vllm_xargs"
+CACHE_SALT_FIELD = "cache_salt"
+USAGE_FIELD = "usage"
+#: ``/inference/v1/generate`` (:data:`NESTED_XARGS_PATH`): ``sampling_params.extra_args``.
+SAMPLING_PARAMS_FIELD = "sampling_params"
+EXTRA_ARGS_FIELD = "extra_args"
 #: P/D: the field of a hold-claim answer (and of the transfer params the router passes to P)
 #: that carries D's sealed claim (:class:`HoldClaim`).
 CLAIM_FIELD = "kvbranch_claim"
@@ -82,6 +90,8 @@ GENERATE_PATHS = COMPLETION_PATHS + (
 #: Generating routes whose body has no ``cache_salt`` (vLLM's Cohere API, when enabled): they
 #: cannot be salted per tenant, so a server with keys refuses them.
 UNSALTABLE_PATHS = ("/cohere/v2/chat",)
+#: Generating routes whose bodies take no extension args from clients (only a salt is set).
+NO_XARGS_PATHS = ("/v1/systemone", "/generative_scoring")
 #: The route whose ``SamplingParams.extra_args`` arrive as ``sampling_params.extra_args``
 #: (token in, token out); elsewhere they arrive as ``vllm_xargs``.
 NESTED_XARGS_PATH = "/inference/v1/generate"
