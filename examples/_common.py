@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from sdk import KVBranchError
+from sdk import KVBranchClient, KVBranchError
 
 BASE_URL_ENV = "KVBRANCH_BASE_URL"
 
@@ -60,6 +60,28 @@ def server_url(base_url: str | None, name: str = "example") -> Iterator[str]:
     with ServerProcess(["--kv-cache-gib", "0.5"], name=name, port=port) as server:
         print(f" ready in {time.monotonic() - started:.0f}s (log: {server.log_path})")
         yield server.url
+
+
+def model_args(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+    """Keyword arguments for the examples' models and clients (``ChatKVBranch``,
+    ``KVBranchLLM``): the command line's server, key, model and token limit; greedy."""
+    return {
+        "base_url": base_url,
+        "api_key": args.api_key,
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+    }
+
+
+@contextmanager
+def sdk_client(args: argparse.Namespace, name: str) -> Iterator[KVBranchClient]:
+    """A :class:`sdk.KVBranchClient` on ``--base-url`` (or a server started for the run)."""
+    with (
+        server_url(args.base_url, name) as base_url,
+        KVBranchClient(base_url, api_key=args.api_key, model=args.model) as client,
+    ):
+        yield client
 
 
 def run(main: Callable[[], int | None]) -> None:

@@ -9,13 +9,11 @@ to first token and where each prompt's tokens came from, then stop the server.
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from examples._common import example_parser, run, server_url, split_line  # noqa: E402
-from sdk import KVBranchClient  # noqa: E402
+from examples._common import example_parser, run, sdk_client, split_line  # noqa: E402
 
 SYSTEM = (
     "You are a travel agent's assistant. Answer briefly and factually. You can look things up "
@@ -43,11 +41,7 @@ def turn(branch, label: str, text: str, max_tokens: int):
 
 def main() -> int:
     args = example_parser(__doc__, max_tokens=24).parse_args()
-    with ExitStack() as stack:
-        base_url = stack.enter_context(server_url(args.base_url, "demo"))
-        client = stack.enter_context(
-            KVBranchClient(base_url, api_key=args.api_key, model=args.model)
-        )
+    with sdk_client(args, "demo") as client:
         session = client.session(system=SYSTEM)
         main_branch = session.main
         turn(main_branch, "turn 1", "What is the capital of France?", args.max_tokens)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 
-from examples._common import example_parser, run, server_url, split_line  # noqa: E402
+from examples._common import example_parser, model_args, run, server_url, split_line  # noqa: E402
 from integrations.langchain import ChatKVBranch  # noqa: E402
 
 SYSTEM = (
@@ -86,14 +86,7 @@ def tool_turn(llm: ChatKVBranch, history: list, city: str, label: str) -> AIMess
 def main() -> int:
     args = example_parser(__doc__, max_tokens=40).parse_args()
     with server_url(args.base_url, "langchain") as base_url:
-        llm = ChatKVBranch(
-            base_url=base_url,
-            model=args.model,
-            api_key=args.api_key,
-            temperature=0,
-            max_tokens=args.max_tokens,
-            auto_session=True,
-        )
+        llm = ChatKVBranch(**model_args(args, base_url), auto_session=True)
         print(f"session {llm.session_id} on {base_url}")
         history: list = [
             SystemMessage(SYSTEM),

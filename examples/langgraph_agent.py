@@ -35,7 +35,7 @@ from langchain_core.tools import tool  # noqa: E402
 from langgraph.checkpoint.memory import InMemorySaver  # noqa: E402
 from langgraph.prebuilt import create_react_agent  # noqa: E402
 
-from examples._common import example_parser, run, server_url, split_line  # noqa: E402
+from examples._common import example_parser, model_args, run, server_url, split_line  # noqa: E402
 from integrations.langchain import ChatKVBranch  # noqa: E402
 
 WEATHER = {
@@ -126,13 +126,7 @@ def ask(graph: Any, config: dict[str, Any], question: str) -> list[BaseMessage]:
 def main() -> int:
     args = example_parser(__doc__, max_tokens=48).parse_args()
     with server_url(args.base_url, "langgraph") as base_url:
-        llm = ChatKVBranch(
-            base_url=base_url,
-            api_key=args.api_key,
-            model=args.model,
-            temperature=0,
-            max_tokens=args.max_tokens,
-        )
+        llm = ChatKVBranch(**model_args(args, base_url))
         graph = build_agent(llm)
         thread_id = f"langgraph-{secrets.token_hex(4)}"
         thread = {"configurable": {"thread_id": thread_id}}

@@ -44,6 +44,7 @@ from llama_index.core.tools import FunctionTool, ToolMetadata  # noqa: E402
 from examples._common import (  # noqa: E402
     REACT_ANSWER_REGEX,
     example_parser,
+    model_args,
     react_action_regex,
     run,
     server_url,
@@ -171,13 +172,7 @@ def function_agent(
 
 
 async def run_agents(base_url: str, args: Any) -> None:
-    common = {
-        "base_url": base_url,
-        "api_key": args.api_key,
-        "model": args.model,
-        "max_tokens": args.max_tokens,
-        "temperature": 0,
-    }
+    common = model_args(args, base_url)
     tools = [strict_tool(get_weather)]
 
     print("--- ReActAgent")

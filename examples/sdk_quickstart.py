@@ -11,13 +11,11 @@ Against a plain OpenAI-compatible server the same code runs client-side only (on
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from examples._common import example_parser, run, server_url, split_line  # noqa: E402
-from sdk import KVBranchClient  # noqa: E402
+from examples._common import example_parser, run, sdk_client, split_line  # noqa: E402
 
 SYSTEM = (
     "You are a concise travel assistant. Answer in one or two short sentences. "
@@ -31,11 +29,7 @@ def splits(result) -> str:
 
 def main() -> int:
     args = example_parser(__doc__, max_tokens=32).parse_args()
-    with ExitStack() as stack:
-        base_url = stack.enter_context(server_url(args.base_url, "quickstart"))
-        client = stack.enter_context(
-            KVBranchClient(base_url, api_key=args.api_key, model=args.model)
-        )
+    with sdk_client(args, "quickstart") as client:
         session = client.session(system=SYSTEM)
         main_branch = session.main
         print(f"session {session.session_id} (kvbranch: {client.kvbranch_available()})")
