@@ -9,7 +9,10 @@ Rules:
   hash names one exact token prefix in one salt domain;
 * each slot also keeps its block's token ids, and a hit must match them: a wrong hit would be a
   wrong answer, so we pay a tuple compare to make it impossible;
-* pinned hashes (refcounted by branches) are never evicted; everything else is LRU.
+* pinned hashes (refcounted by branches) are never evicted; everything else is LRU;
+* a slot may also hold a request's *tail* (a partial block, see ``tails.py``): keyed by its
+  tail key like a block by its hash (so pins, LRU and eviction treat it the same), and filed
+  under its parent key so that :meth:`match_tail` finds every tail that may continue a prefix.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+#: Tails filed under one parent (forks that diverge inside one block); more are not saved.
+MAX_TAILS_PER_PARENT = 64
 
 
 @dataclass
@@ -26,6 +32,9 @@ class IndexCounters:
     evictions: int = 0
     save_skipped_full: int = 0
     token_mismatches: int = 0
+    saved_tails: int = 0
+    loaded_tails: int = 0
+    tail_tokens_loaded: int = 0
 
 
 class HostBlockIndex:
@@ -43,6 +52,9 @@ class HostBlockIndex:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._pinned_slots: set[int] = set()
         self._pin_counts: dict[bytes, int] = {}
+        # Tails: parent key -> {tail key: None}, and each tail slot's parent key.
+        self._tails_of: dict[bytes, dict[bytes, None]] = {}
+        self._parent_of: dict[int, bytes] = {}
         self.counters = IndexCounters()
 
     # --- queries -----------------------------------------------------------------------------
@@ -84,12 +96,29 @@ class HostBlockIndex:
             slot = self._slot_of.get(block_hashes[k])
             if slot is None:
                 break
-            expected = tuple(token_ids[k * block_size:(k + 1) * block_size])
+            expected = tuple(token_ids[k * block_size : (k + 1) * block_size])
             if self._tokens_of[slot] != expected:
                 self.counters.token_mismatches += 1
                 break
             slots.append(slot)
         return slots
+
+    def match_tail(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """The stored tail under ``parent`` sharing the longest token prefix with ``tokens``
+        (the prompt's tokens after the parent, already capped by the caller): ``(slot,
+        matched tokens)``, or None when no tail matches even one token."""
+        best: tuple[int, int] | None = None
+        for key in self._tails_of.get(parent, ()):
+            slot = self._slot_of[key]
+            stored = self._tokens_of[slot] or ()
+            n = 0
+            for x, y in zip(stored, tokens, strict=False):
+                if x != y:
+                    break
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (slot, n)
+        return best
 
     # --- updates -----------------------------------------------------------------------------
     def touch(self, block_hash: bytes) -> None:
@@ -97,8 +126,13 @@ class HostBlockIndex:
         if slot is not None and slot in self._lru:
             self._lru.move_to_end(slot)
 
-    def allocate(self, block_hash: bytes, tokens: Sequence[int],
-                 protected: set[int] | None = None) -> int | None:
+    def touch_slot(self, slot: int) -> None:
+        if slot in self._lru:
+            self._lru.move_to_end(slot)
+
+    def allocate(
+        self, block_hash: bytes, tokens: Sequence[int], protected: set[int] | None = None
+    ) -> int | None:
         """Reserve a slot for a new block; ``None`` when the hash is already stored or when
         every slot is pinned (the block is then simply not saved). ``protected`` slots (read
         by loads planned in the same step) are not evicted."""
@@ -117,6 +151,21 @@ class HostBlockIndex:
         else:
             self._lru[slot] = None
         self.counters.saved_blocks += 1
+        return slot
+
+    def allocate_tail(
+        self, key: bytes, parent: bytes, tokens: Sequence[int], protected: set[int] | None = None
+    ) -> int | None:
+        """Reserve a slot for a tail (see :meth:`allocate`); also None when its parent already
+        has :data:`MAX_TAILS_PER_PARENT` tails."""
+        if key not in self._slot_of and len(self._tails_of.get(parent, ())) >= MAX_TAILS_PER_PARENT:
+            return None
+        slot = self.allocate(key, tokens, protected)
+        if slot is not None:
+            self.counters.saved_blocks -= 1  # counted as a tail, not a block
+            self.counters.saved_tails += 1
+            self._tails_of.setdefault(parent, {})[key] = None
+            self._parent_of[slot] = parent
         return slot
 
     def _take_slot(self, protected: set[int]) -> int | None:
@@ -138,6 +187,12 @@ class HostBlockIndex:
         self._tokens_of[slot] = None
         self._lru.pop(slot, None)
         self._pinned_slots.discard(slot)
+        parent = self._parent_of.pop(slot, None)
+        if parent is not None:
+            siblings = self._tails_of[parent]
+            del siblings[block_hash]
+            if not siblings:
+                del self._tails_of[parent]
 
     def pin(self, block_hash: bytes) -> None:
         count = self._pin_counts.get(block_hash, 0)

@@ -68,8 +68,10 @@ def check_private_dir(folder: str) -> None:
     if stat.S_IMODE(info.st_mode) & 0o077:
         problems.append(f"mode {stat.S_IMODE(info.st_mode):o}, not 700")
     if problems:
-        raise PermissionError(f"control socket directory {folder!r} is not private: "
-                              f"{'; '.join(problems)} (use a fresh tempfile.mkdtemp())")
+        raise PermissionError(
+            f"control socket directory {folder!r} is not private: "
+            f"{'; '.join(problems)} (use a fresh tempfile.mkdtemp())"
+        )
 
 
 class ControlServer:
@@ -100,8 +102,9 @@ class ControlServer:
 
         self._server = _Server(path, _RequestHandler)
         os.chmod(path, 0o600)
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="kvbranch-control", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="kvbranch-control", daemon=True
+        )
         self._thread.start()
         logger.info("kvbranch control socket at %s", path)
 
@@ -160,7 +163,8 @@ class AsyncControlClient:
     async def call(self, op: str, **args: Any) -> Any:
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(self.path, limit=MAX_LINE), self.timeout)
+                asyncio.open_unix_connection(self.path, limit=MAX_LINE), self.timeout
+            )
         except (OSError, asyncio.TimeoutError) as exc:
             raise ControlError(503, f"kvbranch connector not reachable: {exc}") from None
         try:

@@ -74,7 +74,7 @@ class HostKVPool:
                 # Slot-major: a block of a [2, blocks, ...] cache is not contiguous, and a copy
                 # into a non-contiguous pinned view goes through a pageable temporary (a
                 # synchronous memcpy). One contiguous host block per slot avoids that.
-                shape = [num_slots] + shape[:dim] + shape[dim + 1:]
+                shape = [num_slots] + shape[:dim] + shape[dim + 1 :]
                 self.host_dims[name] = 0
             else:
                 shape[dim] = num_slots
@@ -110,7 +110,7 @@ class HostKVPool:
         with torch.cuda.stream(self._stream):
             for name, dev in self.device_caches.items():
                 dim, host = self.block_dims[name], self.host_caches[name]
-                for block, slot in zip(block_ids, slots):
+                for block, slot in zip(block_ids, slots, strict=True):
                     host[slot].copy_(dev.select(dim, block), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -141,7 +141,7 @@ class HostKVPool:
         with torch.cuda.stream(self._stream):
             for name, dev in self.device_caches.items():
                 dim, host = self.block_dims[name], self.host_caches[name]
-                for slot, block in zip(slots, block_ids):
+                for slot, block in zip(slots, block_ids, strict=True):
                     dev.select(dim, block).copy_(host[slot], non_blocking=True)
         # The forward that reads these blocks runs on the compute stream right after.
         compute.wait_stream(self._stream)

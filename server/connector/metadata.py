@@ -18,3 +18,6 @@ class KVBranchMetadata(KVConnectorMetadata):
     #: A peer connector (NIXL, in P/D) writes KV blocks this step outside any CUDA stream: the
     #: worker waits on the host for its pending save before the step touches KV.
     host_fence: bool = False
+    #: Finished requests whose blocks vLLM keeps until their tail is copied out (the copy is
+    #: among this step's saves, or got no slot): reported back through ``get_finished``.
+    finished_saves: list[str] = field(default_factory=list)

@@ -1,6 +1,7 @@
-"""Scheduler-side planning: which prompt blocks load from the host store, which computed blocks
-save to it, where each request's prompt tokens came from, and the session bookkeeping that
-follows a finished request.
+"""Scheduler-side planning: which prompt blocks (and which stored tail, ``tails.py``) load from
+the host store, which computed blocks and finished tails save to it — held as pending loads
+and saves and handed to the worker as each step's :class:`KVBranchMetadata` — where each
+request's prompt tokens came from, and the session bookkeeping that follows a finished request.
 
 Kept free of vLLM types beyond duck typing (``request.block_hashes``, ``all_token_ids``,
 ``session_id``, ``sampling_params.extra_args``, ``cache_salt``, ``num_prompt_tokens``) so that
@@ -9,16 +10,23 @@ unit tests can drive it with small fakes and the real engine drives it unchanged
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from server.connector.block_index import HostBlockIndex
+from server.connector.metadata import KVBranchMetadata
 from server.connector.sessions import DEFAULT_BRANCH, RegistryError, SessionRegistry
+from server.connector.tails import TailSpec, finished_tail, identity_of, parent_key
+
 # One home for the extension-arg names (the middleware strips the internal ones from clients).
-from server.contract import BRANCH_XARG, OWNER_XARG, PREFETCH_XARG, TAG_XARG  # noqa: F401
+from server.contract import BRANCH_XARG, OWNER_XARG, PIN_TTL_XARG, PREFETCH_XARG, TAG_XARG  # noqa: F401
+
+logger = logging.getLogger("kvbranch.planner")
 
 SPLIT_HISTORY = 10_000
 PARAMS_HISTORY = 256  # transfer params carry token ids: keep few (a router fetches at once)
@@ -37,6 +45,9 @@ class RequestPlan:
     remote_state: str | None = None
     load_slots: list[int] | None = None
     load_start_block: int = 0
+    #: A tail (partial block) offered after the full blocks: its slot and matched tokens.
+    tail_slot: int | None = None
+    tail_tokens: int = 0
     next_save_block: int = 0
     recorded: bool = False
     split: dict | None = None
@@ -46,6 +57,12 @@ def _extra_args(request: Any) -> dict:
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None) if params is not None else None
     return extra if isinstance(extra, dict) else {}
+
+
+def _pin_ttl(extra: dict) -> float | None:
+    """The pin lease a client's retention hint asked for (server-set, see dialects.py)."""
+    value = extra.get(PIN_TTL_XARG)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 class Planner:
@@ -66,6 +83,11 @@ class Planner:
         self.foreign_loads = False
         self.prefetches = 0
         self.prefetches_skipped = 0
+        #: Tails of finished requests waiting to be copied out: (request id, device block,
+        #: tail). The request's blocks stay allocated until the worker reports the copy done.
+        self.pending_tail_saves: list[tuple[str, int, TailSpec]] = []
+        #: (host slot, device block) loads planned since the last step's metadata.
+        self.pending_loads: list[tuple[int, int]] = []
 
     # --- vLLM scheduler hooks ----------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -73,12 +95,14 @@ class Planner:
             self.plans[request.request_id] = RequestPlan(request)
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Host-store hits right after the device hit. Never the whole prompt: vLLM must
-        compute at least one token, so the last prompt token is always left out."""
+        """Host-store hits right after the device hit: consecutive full blocks, then the
+        stored tail that continues them token for token (see ``tails.py``). Never the whole
+        prompt: vLLM must compute at least one token, so the last prompt token is left out."""
         with self.lock:
             bs = self.block_size
             start = num_computed_tokens // bs
-            loadable = (request.num_prompt_tokens - 1) // bs - start
+            limit = request.num_prompt_tokens - 1  # tokens that may come from outside
+            loadable = limit // bs - start
             # Record the device hit even when nothing is left to load: it is part of the split.
             plan = self.plans.setdefault(request.request_id, RequestPlan(request))
             if plan.remote_state == "loading":
@@ -88,15 +112,35 @@ class Planner:
             plan.device_hit_tokens = num_computed_tokens
             plan.load_slots = None
             plan.load_start_block = start
-            if loadable <= 0 or self.index.num_slots == 0:
+            plan.tail_slot, plan.tail_tokens = None, 0
+            if limit - start * bs <= 0 or self.index.num_slots == 0:
                 return 0
-            slots = self.index.match(request.block_hashes, request.all_token_ids, bs,
-                                     start, loadable)
+            slots = (
+                self.index.match(request.block_hashes, request.all_token_ids, bs, start, loadable)
+                if loadable > 0
+                else []
+            )
             plan.load_slots = slots
-            return len(slots) * bs
+            end = start + len(slots)
+            self._match_tail(plan, request, end, limit)
+            return len(slots) * bs + plan.tail_tokens
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int,
-                    meta_loads: list[tuple[int, int]]) -> None:
+    def _match_tail(self, plan: RequestPlan, request: Any, block: int, limit: int) -> None:
+        """Offer the stored tail that continues the prompt's first ``block`` full blocks."""
+        identity = identity_of(request)
+        start = block * self.block_size
+        if identity is None or limit <= start or block > len(request.block_hashes):
+            return
+        parent = parent_key(request.block_hashes, block, identity)
+        found = self.index.match_tail(
+            parent, request.all_token_ids[start : min(limit, start + self.block_size)]
+        )
+        if found is not None:
+            plan.tail_slot, plan.tail_tokens = found
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """Queue the loads of what :meth:`num_new_matched_tokens` offered, into the blocks vLLM
+        allocated (they go out with the step's metadata, :meth:`build_meta`)."""
         with self.lock:
             plan = self.plans.setdefault(request.request_id, RequestPlan(request))
             if plan.remote_state == "noted":
@@ -110,15 +154,37 @@ class Planner:
                 # that failed to load (invalid_block_ids), so the rest is recomputed.
                 self._settle_remote(plan, request.num_computed_tokens - plan.device_hit_tokens)
             n_blocks = num_external_tokens // self.block_size
+            tail = num_external_tokens - n_blocks * self.block_size
+            start = plan.load_start_block
             if n_blocks and plan.load_slots:
-                start = plan.load_start_block
                 for i in range(n_blocks):
                     slot = plan.load_slots[i]
-                    meta_loads.append((slot, block_ids[start + i]))
+                    self.pending_loads.append((slot, block_ids[start + i]))
                     self.index.touch(request.block_hashes[start + i])
                 self.index.counters.loaded_blocks += n_blocks
-            plan.host_hit_tokens = n_blocks * self.block_size
+            if tail:
+                # A partial block past the full ones: a prefix of the next stored full block,
+                # or of the tail this planner matched (both exact: KV is causal).
+                slot = None
+                if n_blocks < len(plan.load_slots or ()):
+                    slot = plan.load_slots[n_blocks]
+                elif plan.tail_slot is not None and tail <= plan.tail_tokens:
+                    slot = plan.tail_slot
+                    self.index.counters.loaded_tails += 1
+                    self.index.counters.tail_tokens_loaded += tail
+                if slot is not None and start + n_blocks < len(block_ids):
+                    self.pending_loads.append((slot, block_ids[start + n_blocks]))
+                    self.index.touch_slot(slot)
+                else:  # never offered: vLLM passes back the connector's own count
+                    logger.error(
+                        "kvbranch: %d external tokens for request %s past what was offered",
+                        num_external_tokens,
+                        request.request_id,
+                    )
+                    tail = 0
+            plan.host_hit_tokens = n_blocks * self.block_size + tail
             plan.load_slots = None
+            plan.tail_slot, plan.tail_tokens = None, 0
             if not plan.recorded:
                 self._record_split(plan)
 
@@ -153,12 +219,37 @@ class Planner:
             while len(self.transfer_params) > PARAMS_HISTORY:
                 self.transfer_params.popitem(last=False)
 
-    def plan_saves(self, scheduled: dict[str, int], resolve_block_ids,
-                   protected: set[int]) -> list[tuple[int, int]]:
+    def build_meta(
+        self, scheduled: dict[str, int], resolve_block_ids: Callable[[str], Any]
+    ) -> KVBranchMetadata:
+        """This step's copies for the worker: the loads planned at allocation (before the
+        forward), then the saves of blocks that become full and of finished requests' tails
+        (after it). No save reuses a slot a load or another save of this step touches."""
+        meta = KVBranchMetadata(host_fence=self.take_foreign_loads())
+        with self.lock:
+            loads, self.pending_loads = self.pending_loads, []
+        for slot, block in loads:
+            meta.load_slots.append(slot)
+            meta.load_blocks.append(block)
+        saves = self.plan_saves(scheduled, resolve_block_ids, protected=set(meta.load_slots))
+        tail_saves, meta.finished_saves = self.plan_tail_saves(
+            set(meta.load_slots) | {slot for _, slot in saves}
+        )
+        for block, slot in saves + tail_saves:
+            meta.save_blocks.append(block)
+            meta.save_slots.append(slot)
+        return meta
+
+    def plan_saves(
+        self, scheduled: dict[str, int], resolve_block_ids, protected: set[int]
+    ) -> list[tuple[int, int]]:
         """(device block, host slot) copies for every block that becomes full this step."""
         saves: list[tuple[int, int]] = []
         if self.index.num_slots == 0:
             return saves
+        # Slots written this step are not evicted for another write in the same step either:
+        # two copies into one slot in one batch would race.
+        protected = set(protected)
         with self.lock:
             bs = self.block_size
             for req_id, n_scheduled in scheduled.items():
@@ -184,16 +275,22 @@ class Planner:
                         block_ids = groups[0]
                     if k >= len(block_ids):
                         break
-                    slot = self.index.allocate(block_hash, tokens[k * bs:(k + 1) * bs],
-                                               protected)
+                    slot = self.index.allocate(block_hash, tokens[k * bs : (k + 1) * bs], protected)
                     if slot is not None:
                         saves.append((block_ids[k], slot))
+                        protected.add(slot)
                 plan.next_save_block = full
         return saves
 
     def request_finished(self, request: Any) -> dict | None:
-        """Forget the request; update its branch (lease renewal, tokens for prefetch/fork).
-        Returns the prompt-source split, also put into ``kv_transfer_params``."""
+        """:meth:`finish` without block ids (no tail is kept): the prompt-source split."""
+        return self.finish(request, None)[0]
+
+    def finish(self, request: Any, block_ids: Sequence[int] | None) -> tuple[dict | None, bool]:
+        """Forget the request; update its branch (lease renewal, tokens for prefetch/fork);
+        plan the copy of its tail. Returns the prompt-source split (also put into
+        ``kv_transfer_params``) and whether vLLM must keep the request's blocks until the
+        worker reports the tail copied (``get_finished``)."""
         with self.lock:
             plan = self.plans.pop(request.request_id, None)
             extra = _extra_args(request)
@@ -203,6 +300,7 @@ class Planner:
                 split = plan.split if plan.recorded else None
             else:
                 split = self.splits.get(str(extra[TAG_XARG])) if extra.get(TAG_XARG) else None
+            tail = finished_tail(request, self.block_size) if self.index.num_slots else None
             session_id = getattr(request, "session_id", None)
             if session_id and not extra.get(PREFETCH_XARG):
                 branch_id = str(extra.get(BRANCH_XARG) or DEFAULT_BRANCH)
@@ -211,14 +309,44 @@ class Planner:
                     # back, so a block it completes has a hash but no computed KV.
                     computed = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
                     self.registry.observe_request(
-                        session_id, branch_id, request.all_token_ids,
-                        request.block_hashes[:computed // self.block_size],
-                        getattr(request, "cache_salt", None), owner=extra.get(OWNER_XARG),
-                        arrived_at=plan.arrived_at if plan is not None else None)
+                        session_id,
+                        branch_id,
+                        request.all_token_ids,
+                        request.block_hashes[: computed // self.block_size],
+                        getattr(request, "cache_salt", None),
+                        owner=extra.get(OWNER_XARG),
+                        arrived_at=plan.arrived_at if plan is not None else None,
+                        tail=(tail.key, tail.start) if tail is not None else None,
+                        pin_ttl_s=_pin_ttl(extra),
+                    )
                 except RegistryError:
                     pass  # e.g. another tenant's session id: serve the request, keep no state
             self.registry.expire()
-            return split
+            delay = False
+            if tail is not None and block_ids is not None and tail.block < len(block_ids):
+                if tail.key in self.index:
+                    self.index.touch(tail.key)  # the same tail is stored: nothing to copy
+                else:
+                    self.pending_tail_saves.append(
+                        (request.request_id, block_ids[tail.block], tail)
+                    )
+                    delay = True
+            return split, delay
+
+    def plan_tail_saves(self, protected: set[int]) -> tuple[list[tuple[int, int]], list[str]]:
+        """(device block, host slot) copies of the finished requests' tails, and the ids of
+        those requests: the worker reports them done after the copy (also when a tail got no
+        slot), which frees their blocks."""
+        saves: list[tuple[int, int]] = []
+        done: list[str] = []
+        with self.lock:
+            pending, self.pending_tail_saves = self.pending_tail_saves, []
+            for request_id, block, tail in pending:
+                slot = self.index.allocate_tail(tail.key, tail.parent, tail.tokens, protected)
+                if slot is not None:
+                    saves.append((block, slot))
+                done.append(request_id)
+        return saves, done
 
     # --- accounting --------------------------------------------------------------------------
     def _record_split(self, plan: RequestPlan) -> dict:
@@ -230,8 +358,11 @@ class Planner:
         host = min(plan.host_hit_tokens, prompt - device - remote)
         split = {
             "session_id": getattr(request, "session_id", None),
-            "branch_id": (str(extra.get(BRANCH_XARG) or DEFAULT_BRANCH)
-                          if getattr(request, "session_id", None) else None),
+            "branch_id": (
+                str(extra.get(BRANCH_XARG) or DEFAULT_BRANCH)
+                if getattr(request, "session_id", None)
+                else None
+            ),
             "prompt_tokens": prompt,
             "device_hit_tokens": device,
             "host_hit_tokens": host,

@@ -9,105 +9,37 @@ uses that id (no existence probe, no squatting). Quotas per tenant: sessions (42
 per session (409), and a share of the pin budget (pins beyond it degrade the tenant's own
 oldest leases; an explicit pin larger than the share is refused with 409).
 
-Pin policy (documented in the README): pins are *leases*. Using a branch renews its lease. The
-pin budget is a cap on the distinct blocks all pins hold; when a new or growing pin does not fit,
-the oldest other leases are demoted to plain LRU retention ("degraded") until it fits. Only an
-explicit pin of a branch that alone exceeds the whole budget (or its tenant's share) is refused
-(HTTP 409). A chat request never fails because of a pin: its automatic pin degrades instead.
-
-Expiry runs under the scheduler's lock after every request, so it never walks all branches:
-lease deadlines sit in a heap (stale entries are skipped and compacted away), sessions in an
-ordered dict by last use (idle ones are popped from its front).
+Pins (TTL leases in a byte budget, per-tenant shares, the lease heap) live in ``leases.py``;
+the nouns (sessions, branches, errors) in ``branches.py``, re-exported here. Idle sessions
+expire from the front of an ordered dict by last use, so expiry never walks all sessions.
 
 Pure logic over :class:`HostBlockIndex`; the clock is injectable so tests need no sleeping.
 """
 
 from __future__ import annotations
 
-import heapq
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from server.connector.block_index import HostBlockIndex
+from server.connector.branches import (  # noqa: F401 - re-exported: the registry's API
+    DEFAULT_BRANCH,
+    DEFAULT_IDLE_TTL_S,
+    DEFAULT_MAX_BRANCHES_PER_SESSION,
+    DEFAULT_MAX_SESSIONS_PER_TENANT,
+    Branch,
+    Conflict,
+    KeyRequired,
+    NotFound,
+    QuotaExceeded,
+    RegistryError,
+    Session,
+    SessionKey,
+    new_id,
+)
+from server.connector.leases import PinLeases
 from server.contract import ALREADY_EXISTS  # the router converges retries on this wording
-
-DEFAULT_BRANCH = "main"
-DEFAULT_MAX_SESSIONS_PER_TENANT = 1000
-DEFAULT_MAX_BRANCHES_PER_SESSION = 256
-DEFAULT_IDLE_TTL_S = 6 * 3600.0
-
-#: (owner, session id): the registry's key of a session.
-SessionKey = tuple[str | None, str]
-_LeaseKey = tuple[str | None, str, str]  # (owner, session id, branch id)
-
-
-class RegistryError(Exception):
-    status = 400
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class NotFound(RegistryError):
-    status = 404
-
-
-class Conflict(RegistryError):
-    status = 409
-
-
-class QuotaExceeded(RegistryError):
-    status = 429
-
-
-class KeyRequired(RegistryError):
-    status = 401
-
-
-def new_id(prefix: str) -> str:
-    """Unguessable ids: 128 random bits."""
-    return f"{prefix}_{secrets.token_urlsafe(16)}"
-
-
-@dataclass
-class Branch:
-    session_id: str
-    branch_id: str
-    parent: str | None = None
-    fork_offset_tokens: int | None = None
-    token_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    pinned_hashes: list[bytes] = field(default_factory=list)
-    pin_expires_at: float | None = None
-    pin_ttl_s: float | None = None
-    pinned_at: float = 0.0
-    degraded: bool = False
-    cache_salt: str | None = None
-    requests: int = 0
-    owner: str | None = None
-
-    @property
-    def pinned(self) -> bool:
-        return self.pin_expires_at is not None and not self.degraded
-
-    @property
-    def lease_key(self) -> _LeaseKey:
-        return (self.owner, self.session_id, self.branch_id)
-
-
-@dataclass
-class Session:
-    session_id: str
-    created_at: float
-    auto_pin: bool
-    pin_ttl_s: float
-    owner: str | None = None
-    branches: dict[str, Branch] = field(default_factory=dict)
-    last_used: float = 0.0
 
 
 class SessionRegistry:
@@ -131,13 +63,17 @@ class SessionRegistry:
         self.index = index
         self.block_size = block_size
         self.block_bytes = max(block_bytes, 1)
-        self.pin_budget_blocks = min(pin_budget_bytes // self.block_bytes, index.num_slots)
-        self.pin_budget_bytes = self.pin_budget_blocks * self.block_bytes
+        self.leases = PinLeases(
+            index,
+            block_bytes=block_bytes,
+            pin_budget_bytes=pin_budget_bytes,
+            tenant_pin_share=tenant_pin_share,
+            clock=clock,
+        )
         self.default_ttl_s = default_ttl_s
         self.max_sessions = max_sessions
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.max_branches_per_session = max_branches_per_session
-        self.tenant_pin_share = tenant_pin_share
         self.idle_ttl_s = idle_ttl_s
         #: With API keys every request has an owner; one without (a route kvbranch does not
         #: know) must not make a session that no key can reach.
@@ -150,27 +86,32 @@ class SessionRegistry:
         # When each recently deleted session went away: a request that was already running
         # at that moment must not bring the session (and its pins) back when it finishes.
         self.deleted_at: OrderedDict[SessionKey, float] = OrderedDict()
-        # Lease deadlines: (expires_at, seq, lease key) in a heap; _deadline holds the live
-        # one of each branch, so an entry that disagrees with it is stale and skipped.
-        self._heap: list[tuple[float, int, _LeaseKey]] = []
-        self._deadline: dict[_LeaseKey, float] = {}
-        self._seq = 0
-        # Branches that hold pins, oldest pin first: globally and per tenant.
-        self._leases: OrderedDict[_LeaseKey, Branch] = OrderedDict()
-        self._tenant_leases: dict[str | None, OrderedDict[_LeaseKey, Branch]] = {}
-        # Per tenant: hash -> how many of its branches pin it (its share of the budget).
-        self._tenant_pins: dict[str | None, dict[bytes, int]] = {}
-        self.pins_degraded = 0
-        self.pins_refused = 0
         self.sessions_expired = 0
+
+    # --- pin budget (leases.py) --------------------------------------------------------------
+    @property
+    def pin_budget_blocks(self) -> int:
+        return self.leases.pin_budget_blocks
+
+    @property
+    def pin_budget_bytes(self) -> int:
+        return self.leases.pin_budget_bytes
+
+    @property
+    def pins_degraded(self) -> int:
+        return self.leases.pins_degraded
+
+    @property
+    def pins_refused(self) -> int:
+        return self.leases.pins_refused
+
+    def lease_heap_size(self) -> int:
+        return self.leases.heap_size()
 
     # --- tenants -----------------------------------------------------------------------------
     def tenant_pin_blocks(self, owner: str | None) -> int:
         """Blocks one tenant's pins may hold (the whole budget on a server without keys)."""
-        if owner is None or self.tenant_pin_share >= 1.0:
-            return self.pin_budget_blocks
-        return min(self.pin_budget_blocks,
-                   max(1, int(self.pin_budget_blocks * self.tenant_pin_share)))
+        return self.leases.tenant_pin_blocks(owner)
 
     def sessions_of(self, owner: str | None) -> list[Session]:
         return list(self._by_owner.get(owner, {}).values())
@@ -180,8 +121,14 @@ class SessionRegistry:
             raise KeyRequired("this server has API keys: sessions need one")
 
     # --- sessions ----------------------------------------------------------------------------
-    def create_session(self, session_id: str | None = None, *, auto_pin: bool = True,
-                       pin_ttl_s: float | None = None, owner: str | None = None) -> Session:
+    def create_session(
+        self,
+        session_id: str | None = None,
+        *,
+        auto_pin: bool = True,
+        pin_ttl_s: float | None = None,
+        owner: str | None = None,
+    ) -> Session:
         self._check_owner(owner)
         session_id = session_id or new_id("sess")
         if (owner, session_id) in self.sessions:
@@ -191,13 +138,21 @@ class SessionRegistry:
             raise QuotaExceeded(
                 f"session quota reached: this key has {len(mine)} sessions (the limit, "
                 f"--max-sessions-per-tenant); delete some, or wait until idle ones expire "
-                f"({self.idle_ttl_s:g} s without use)")
+                f"({self.idle_ttl_s:g} s without use)"
+            )
         if len(self.sessions) >= self.max_sessions:
-            raise Conflict(f"too many sessions on this server ({self.max_sessions}); "
-                           f"delete some first")
+            raise Conflict(
+                f"too many sessions on this server ({self.max_sessions}); delete some first"
+            )
         now = self.clock()
-        session = Session(session_id, self.wall_clock(), auto_pin,
-                          pin_ttl_s or self.default_ttl_s, owner, last_used=now)
+        session = Session(
+            session_id,
+            self.wall_clock(),
+            auto_pin,
+            pin_ttl_s or self.default_ttl_s,
+            owner,
+            last_used=now,
+        )
         session.branches[DEFAULT_BRANCH] = Branch(session_id, DEFAULT_BRANCH, owner=owner)
         self.sessions[(owner, session_id)] = session
         self._by_owner.setdefault(owner, {})[session_id] = session
@@ -232,8 +187,7 @@ class SessionRegistry:
     def _remove_session(self, session: Session) -> int:
         released = 0
         for branch in session.branches.values():
-            released += self._unpin_all(branch)
-            self._deadline.pop(branch.lease_key, None)
+            released += self.leases.release(branch)
         key = (session.owner, session.session_id)
         del self.sessions[key]
         mine = self._by_owner.get(session.owner)
@@ -249,11 +203,19 @@ class SessionRegistry:
             raise Conflict(
                 f"branch quota reached: session {session.session_id!r} has "
                 f"{len(session.branches)} branches (the limit, --max-branches-per-session); "
-                f"delete some first")
+                f"delete some first"
+            )
 
-    def fork(self, session_id: str, parent_id: str, new_branch_id: str | None = None, *,
-             token_offset: int | None = None, token_prefix: Sequence[int] | None = None,
-             owner: str | None = None) -> Branch:
+    def fork(
+        self,
+        session_id: str,
+        parent_id: str,
+        new_branch_id: str | None = None,
+        *,
+        token_offset: int | None = None,
+        token_prefix: Sequence[int] | None = None,
+        owner: str | None = None,
+    ) -> Branch:
         """New branch sharing ``parent``'s first ``token_offset`` tokens (or the longest
         common prefix with ``token_prefix``). Copies nothing: the new branch refers to the
         same block hashes, and pinning it only adds references."""
@@ -265,7 +227,7 @@ class SessionRegistry:
         self._check_branch_quota(session)
         if token_prefix is not None:
             offset = 0
-            for mine, theirs in zip(parent.token_ids, token_prefix):
+            for mine, theirs in zip(parent.token_ids, token_prefix, strict=False):
                 if mine != theirs:
                     break
                 offset += 1
@@ -273,174 +235,59 @@ class SessionRegistry:
             if token_offset > len(parent.token_ids):
                 raise RegistryError(
                     f"token_offset {token_offset} is past the end of branch {parent_id!r} "
-                    f"({len(parent.token_ids)} tokens)")
+                    f"({len(parent.token_ids)} tokens)"
+                )
             offset = token_offset
         else:
             offset = len(parent.token_ids)
         full_blocks = offset // self.block_size
+        # The parent's tail covers the fork's partial block when the fork point lies past its
+        # start (a load uses only the prefix the next prompt repeats, so a shorter fork works).
+        keeps_tail = parent.tail_key is not None and offset > parent.tail_start
         branch = Branch(
-            session_id, branch_id, parent=parent_id, fork_offset_tokens=offset,
+            session_id,
+            branch_id,
+            parent=parent_id,
+            fork_offset_tokens=offset,
             token_ids=parent.token_ids[:offset],
             block_hashes=parent.block_hashes[:full_blocks],
-            cache_salt=parent.cache_salt, owner=owner,
+            cache_salt=parent.cache_salt,
+            owner=owner,
+            tail_key=parent.tail_key if keeps_tail else None,
+            tail_start=parent.tail_start if keeps_tail else 0,
         )
         session.branches[branch_id] = branch
         if session.auto_pin or parent.pinned:
-            self._pin_branch(branch, parent.pin_ttl_s or session.pin_ttl_s, explicit=False)
+            self.leases.pin(branch, parent.pin_ttl_s or session.pin_ttl_s, explicit=False)
         return branch
 
     def delete_branch(self, session_id: str, branch_id: str, owner: str | None = None) -> int:
         session = self.get_session(session_id, owner)
         branch = self.get_branch(session_id, branch_id, owner)
-        released = self._unpin_all(branch)
-        self._deadline.pop(branch.lease_key, None)
+        released = self.leases.release(branch)
         del session.branches[branch_id]
         return released
 
     # --- pins --------------------------------------------------------------------------------
-    def pin(self, session_id: str, branch_id: str, ttl_s: float,
-            owner: str | None = None) -> Branch:
+    def pin(
+        self, session_id: str, branch_id: str, ttl_s: float, owner: str | None = None
+    ) -> Branch:
         branch = self.get_branch(session_id, branch_id, owner)
-        self._pin_branch(branch, ttl_s, explicit=True)
+        self.leases.pin(branch, ttl_s, explicit=True)
         return branch
 
     def unpin(self, session_id: str, branch_id: str, owner: str | None = None) -> Branch:
         branch = self.get_branch(session_id, branch_id, owner)
-        self._unpin_all(branch)
-        self._deadline.pop(branch.lease_key, None)
+        self.leases.release(branch)
         branch.pin_expires_at = None
         branch.degraded = False
         return branch
-
-    def _pin_branch(self, branch: Branch, ttl_s: float, *, explicit: bool) -> None:
-        owner = branch.owner
-        wanted = list(dict.fromkeys(branch.block_hashes))
-        already = set(branch.pinned_hashes)
-        new = [h for h in wanted if h not in already]
-        tenant = self._tenant_pins.setdefault(owner, {})
-        tenant_cap = self.tenant_pin_blocks(owner)
-
-        def extra_global() -> int:
-            return sum(1 for h in new if self.index.pin_count(h) == 0)
-
-        def extra_tenant() -> int:
-            return sum(1 for h in new if h not in tenant)
-
-        too_big = None
-        if len(wanted) > self.pin_budget_blocks:
-            too_big = f"more than the whole pin budget of {self.pin_budget_bytes} bytes"
-        elif len(wanted) > tenant_cap:
-            too_big = (f"more than this key's share of the pin budget "
-                       f"({tenant_cap * self.block_bytes} bytes, --tenant-pin-share)")
-        if too_big is not None:
-            if explicit:
-                self.pins_refused += 1
-                raise Conflict(
-                    f"pin refused: branch {branch.branch_id!r} holds {len(wanted)} blocks "
-                    f"({len(wanted) * self.block_bytes} bytes), {too_big}")
-            self._degrade(branch)
-            return
-        if tenant_cap < self.pin_budget_blocks:  # the tenant's own oldest leases go first
-            self._make_room(self._tenant_leases.get(owner), branch,
-                            lambda: len(tenant) + extra_tenant() > tenant_cap)
-        self._make_room(self._leases, branch,
-                        lambda: self.index.pinned_hashes + extra_global() > self.pin_budget_blocks)
-        if (self.index.pinned_hashes + extra_global() > self.pin_budget_blocks
-                or len(tenant) + extra_tenant() > tenant_cap):
-            # Could not free enough (all other pins share blocks with this one).
-            if explicit:
-                self.pins_refused += 1
-                raise Conflict("pin refused: the pin budget is full")
-            self._degrade(branch)
-            return
-        for h in new:
-            self.index.pin(h)
-            tenant[h] = tenant.get(h, 0) + 1
-        wanted_set = set(wanted)
-        for h in branch.pinned_hashes:
-            if h not in wanted_set:
-                self._unpin_hash(owner, h)
-        branch.pinned_hashes = wanted
-        now = self.clock()
-        branch.pin_ttl_s = ttl_s
-        branch.pin_expires_at = now + ttl_s
-        branch.pinned_at = now
-        branch.degraded = False
-        self._set_deadline(branch)
-        key = branch.lease_key
-        self._leases[key] = branch
-        self._leases.move_to_end(key)
-        mine = self._tenant_leases.setdefault(owner, OrderedDict())
-        mine[key] = branch
-        mine.move_to_end(key)
-
-    def _make_room(self, leases: OrderedDict[_LeaseKey, Branch] | None, keep: Branch,
-                   over: Callable[[], bool]) -> None:
-        """Demote the oldest leases of ``leases`` (other than ``keep``) while ``over()``."""
-        while leases and over():
-            victim = next((b for b in leases.values() if b is not keep), None)
-            if victim is None:
-                return
-            self._degrade(victim)
-
-    def _degrade(self, branch: Branch) -> None:
-        self._unpin_all(branch)
-        if not branch.degraded:  # count transitions: a branch that stays degraded counts once
-            branch.degraded = True
-            self.pins_degraded += 1
-
-    def _unpin_hash(self, owner: str | None, block_hash: bytes) -> bool:
-        tenant = self._tenant_pins.get(owner)
-        if tenant is not None and block_hash in tenant:
-            if tenant[block_hash] <= 1:
-                del tenant[block_hash]
-            else:
-                tenant[block_hash] -= 1
-        return self.index.unpin(block_hash)
-
-    def _unpin_all(self, branch: Branch) -> int:
-        released = sum(1 for h in branch.pinned_hashes if self._unpin_hash(branch.owner, h))
-        branch.pinned_hashes = []
-        key = branch.lease_key
-        self._leases.pop(key, None)
-        mine = self._tenant_leases.get(branch.owner)
-        if mine is not None:
-            mine.pop(key, None)
-            if not mine:
-                del self._tenant_leases[branch.owner]
-        return released
-
-    def _set_deadline(self, branch: Branch) -> None:
-        assert branch.pin_expires_at is not None
-        key = branch.lease_key
-        self._deadline[key] = branch.pin_expires_at
-        self._seq += 1
-        heapq.heappush(self._heap, (branch.pin_expires_at, self._seq, key))
-        if len(self._heap) > 2 * len(self._deadline) + 64:  # renewals left stale entries
-            self._heap = [(at, i, k) for i, (k, at) in enumerate(self._deadline.items())]
-            heapq.heapify(self._heap)
-
-    def lease_heap_size(self) -> int:
-        return len(self._heap)
 
     def expire(self) -> int:
         """Release every lease whose TTL ran out, and delete sessions idle for longer than
         ``idle_ttl_s``; returns how many leases expired. Touches only what is due."""
         now = self.clock()
-        expired = 0
-        while self._heap and self._heap[0][0] <= now:
-            at, _, key = heapq.heappop(self._heap)
-            if self._deadline.get(key) != at:
-                continue  # renewed, unpinned or deleted since
-            del self._deadline[key]
-            session = self.sessions.get((key[0], key[1]))
-            branch = session.branches.get(key[2]) if session is not None else None
-            if branch is None:
-                continue
-            self._unpin_all(branch)
-            branch.pin_expires_at = None
-            branch.degraded = False
-            expired += 1
+        expired = self.leases.expire(now)
         if self.idle_ttl_s > 0:
             while self.sessions:
                 session = next(iter(self.sessions.values()))
@@ -451,10 +298,18 @@ class SessionRegistry:
         return expired
 
     # --- requests ----------------------------------------------------------------------------
-    def observe_request(self, session_id: str, branch_id: str, token_ids: Sequence[int],
-                        block_hashes: Sequence[bytes], cache_salt: str | None,
-                        owner: str | None = None, arrived_at: float | None = None
-                        ) -> Branch | None:
+    def observe_request(
+        self,
+        session_id: str,
+        branch_id: str,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        cache_salt: str | None,
+        owner: str | None = None,
+        arrived_at: float | None = None,
+        tail: tuple[bytes, int] | None = None,
+        pin_ttl_s: float | None = None,
+    ) -> Branch | None:
         """A request of this branch finished: remember its tokens (for prefetch and forks)
         and renew the branch's lease over its new blocks. Unknown sessions are created —
         except one deleted after this request arrived (returns None then)."""
@@ -474,11 +329,14 @@ class SessionRegistry:
             session.branches[branch_id] = branch
         branch.token_ids = list(token_ids)
         branch.block_hashes = list(block_hashes)
+        branch.tail_key, branch.tail_start = tail if tail is not None else (None, 0)
         branch.cache_salt = cache_salt
         branch.requests += 1
-        ttl = branch.pin_ttl_s or session.pin_ttl_s
-        if branch.pin_expires_at is not None or session.auto_pin:
-            self._pin_branch(branch, ttl, explicit=False)
+        # A client's retention hint (server/plugin/dialects.py) sets the lease; like any
+        # automatic pin it degrades when the budget is full, it never fails the request.
+        ttl = pin_ttl_s or branch.pin_ttl_s or session.pin_ttl_s
+        if pin_ttl_s or branch.pin_expires_at is not None or session.auto_pin:
+            self.leases.pin(branch, ttl, explicit=False)
         return branch
 
     # --- reporting ---------------------------------------------------------------------------
@@ -491,11 +349,12 @@ class SessionRegistry:
             "fork_offset_tokens": branch.fork_offset_tokens,
             "num_tokens": len(branch.token_ids),
             "pinned": branch.pinned,
-            "pin_expires_in_s": (round(branch.pin_expires_at - now, 3)
-                                 if branch.pin_expires_at is not None else None),
+            "pin_expires_in_s": (
+                round(branch.pin_expires_at - now, 3) if branch.pin_expires_at is not None else None
+            ),
             "pinned_blocks": len(branch.pinned_hashes),
             "pinned_bytes": len(branch.pinned_hashes) * self.block_bytes,
-            "stored_blocks": sum(1 for h in branch.block_hashes if h in self.index),
+            "stored_blocks": sum(1 for h in branch.wanted_pins() if h in self.index),
             "degraded": branch.degraded,
             "requests": branch.requests,
         }

@@ -29,7 +29,7 @@ class KVBranchTransferStats(KVConnectorStats):
         self.data[f"{direction}_seconds"].append(seconds)
         self.data[f"{direction}_blocks"] += blocks
 
-    def aggregate(self, other: KVConnectorStats) -> "KVBranchTransferStats":
+    def aggregate(self, other: KVConnectorStats) -> KVBranchTransferStats:
         for key in ("load_seconds", "save_seconds"):
             self.data[key].extend(other.data.get(key, []))
         for key in ("load_blocks", "save_blocks"):
@@ -49,13 +49,18 @@ class KVBranchTransferStats(KVConnectorStats):
 
 
 class KVBranchPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         histogram = self._histogram_cls(
             name="kvbranch_host_copy_seconds",
             documentation="Time of one step's block copies between the KV cache and the "
-                          "kvbranch host store",
+            "kvbranch host store",
             labelnames=labelnames + ["direction"],
             buckets=BUCKETS,
         )

@@ -38,6 +38,7 @@ SECRET = b"s" * 32
 @dataclass
 class FakeRequest:
     """The engine request's fields the checks read (duck-typed like vLLM's ``Request``)."""
+
     prompt_token_ids: list[int]
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str | None = None
@@ -52,7 +53,7 @@ def _hashes(tokens: list[int], salt: str | None = None) -> list[bytes]:
 
     out, parent = [], (salt or "").encode()
     for i in range(len(tokens) // BS):
-        parent = hashlib.sha256(parent + repr(tokens[i * BS:(i + 1) * BS]).encode()).digest()
+        parent = hashlib.sha256(parent + repr(tokens[i * BS : (i + 1) * BS]).encode()).digest()
         out.append(parent)
     return out
 
@@ -60,9 +61,13 @@ def _hashes(tokens: list[int], salt: str | None = None) -> list[bytes]:
 def _handle(held: list[int], salt: str | None = None, n_blocks: int | None = None) -> dict:
     req = FakeRequest(held, _hashes(held, salt), cache_salt=salt)
     blocks = n_blocks if n_blocks is not None else -(-len(held) // BS)
-    return {"remote_num_tokens": len(held), TOKENS_FIELD: held,
-            HASHES_FIELD: [h.hex() for h in req.block_hashes],
-            IDENTITY_FIELD: identity_of(req), "remote_block_ids": [list(range(100, 100 + blocks))]}
+    return {
+        "remote_num_tokens": len(held),
+        TOKENS_FIELD: held,
+        HASHES_FIELD: [h.hex() for h in req.block_hashes],
+        IDENTITY_FIELD: identity_of(req),
+        "remote_block_ids": [list(range(100, 100 + blocks))],
+    }
 
 
 def _prompt(tokens: list[int], salt: str | None = None) -> FakeRequest:
@@ -70,7 +75,7 @@ def _prompt(tokens: list[int], salt: str | None = None) -> FakeRequest:
 
 
 def test_a_diverging_history_pulls_only_the_common_prefix():
-    held = list(range(1, 15))                       # 14 tokens: blocks 100..103
+    held = list(range(1, 15))  # 14 tokens: blocks 100..103
     prompt = list(range(1, 10)) + [99, 98, 97, 96]  # differs from token 9 on
     assert pullable_tokens(_handle(held), _prompt(prompt), BS) == 9
 
@@ -83,8 +88,9 @@ def test_the_block_list_is_cut_to_the_verified_prefix_not_end_aligned():
     assert trim_block_ids([[100, 101, 102, 103]], 16, BS) == [[100, 101, 102, 103]]
 
 
-@pytest.mark.parametrize("ids", [[[1, 2], [3, 4]], [1, 2, 3], "1,2", [["1", 2]], [[-1, 2]],
-                                 [[True, 2]], None, [[1]]])
+@pytest.mark.parametrize(
+    "ids", [[[1, 2], [3, 4]], [1, 2, 3], "1,2", [["1", 2]], [[-1, 2]], [[True, 2]], None, [[1]]]
+)
 def test_block_lists_of_another_shape_pull_nothing(ids):
     # two groups (hybrid models), flat, strings, negative ids, too short for the tokens
     assert trim_block_ids(ids, 8, BS) is None
@@ -97,10 +103,10 @@ def test_a_regeneration_shorter_than_what_d_holds_pulls_its_prefix():
 
 def test_another_cache_salt_pulls_nothing_even_with_equal_tokens():
     held = list(range(1, 15))
-    assert pullable_tokens(_handle(held, salt="tenant-a"), _prompt(held + [5], "tenant-b"),
-                           BS) == 0
-    assert pullable_tokens(_handle(held, salt="tenant-a"), _prompt(held + [5], "tenant-a"),
-                           BS) == 14
+    assert pullable_tokens(_handle(held, salt="tenant-a"), _prompt(held + [5], "tenant-b"), BS) == 0
+    assert (
+        pullable_tokens(_handle(held, salt="tenant-a"), _prompt(held + [5], "tenant-a"), BS) == 14
+    )
 
 
 def test_a_block_hash_that_disagrees_pulls_nothing():
@@ -137,17 +143,31 @@ def test_seal_covers_every_field_that_names_memory():
     seal(handle, SECRET)
     assert is_sealed(handle, SECRET)
     assert not is_sealed(handle, b"other secret")
-    for key, value in (("remote_block_ids", [[0, 1, 2, 3]]), ("remote_host", "10.0.0.9"),
-                       ("remote_num_tokens", 999), (TOKENS_FIELD, [7] * 14),
-                       (EXPIRES_FIELD, time.time() + 9999)):
+    for key, value in (
+        ("remote_block_ids", [[0, 1, 2, 3]]),
+        ("remote_host", "10.0.0.9"),
+        ("remote_num_tokens", 999),
+        (TOKENS_FIELD, [7] * 14),
+        (EXPIRES_FIELD, time.time() + 9999),
+    ):
         forged = dict(handle, **{key: value})
         assert not is_sealed(forged, SECRET), key
     # the router flips these between legs; they stay outside the seal
     assert is_sealed(dict(handle, do_remote_decode=True, do_remote_prefill=False), SECRET)
 
 
-@pytest.mark.parametrize("params", [None, [], "x", {}, {MAC_FIELD: 5}, {MAC_FIELD: "ab"},
-                                    {MAC_FIELD: "ab", "remote_block_ids": {1, 2}}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        None,
+        [],
+        "x",
+        {},
+        {MAC_FIELD: 5},
+        {MAC_FIELD: "ab"},
+        {MAC_FIELD: "ab", "remote_block_ids": {1, 2}},
+    ],
+)
 def test_seal_check_never_raises(params):
     assert is_sealed(params, SECRET) is False
 
@@ -159,16 +179,14 @@ def test_expiry_is_checked_on_the_wall_clock():
 
 
 def test_claims_are_bound_to_their_handle_and_deadline():
-    handle = seal(dict(_handle(list(range(1, 15))), **{EXPIRES_FIELD: time.time() + 60}),
-                  SECRET)
+    handle = seal(dict(_handle(list(range(1, 15))), **{EXPIRES_FIELD: time.time() + 60}), SECRET)
     handle[CLAIM_FIELD] = make_claim(handle, time.time() + 30, SECRET)
     assert claim_valid(handle, SECRET, margin_s=6)
-    assert not claim_valid(handle, SECRET, margin_s=31)      # too close to its end
+    assert not claim_valid(handle, SECRET, margin_s=31)  # too close to its end
     other = seal(dict(handle, remote_request_id="other"), SECRET)
-    assert not claim_valid(other, SECRET, margin_s=6)        # claim of another handle
-    stretched = dict(handle, **{CLAIM_FIELD: dict(handle[CLAIM_FIELD],
-                                                  until=time.time() + 999)})
-    assert not claim_valid(stretched, SECRET, margin_s=6)    # forged deadline
+    assert not claim_valid(other, SECRET, margin_s=6)  # claim of another handle
+    stretched = dict(handle, **{CLAIM_FIELD: dict(handle[CLAIM_FIELD], until=time.time() + 999)})
+    assert not claim_valid(stretched, SECRET, margin_s=6)  # forged deadline
     assert not claim_valid({MAC_FIELD: "x", CLAIM_FIELD: "y"}, SECRET, margin_s=0)
 
 
@@ -186,10 +204,10 @@ def test_holds_release_oldest_unclaimed_first_and_claims_block_release():
     for i, blocks in enumerate((3, 2, 4)):
         reg.add(Hold(f"r{i}", f"h{i}", blocks))
     assert reg.claim("r0", "h0", time.time() + 100) is not None
-    assert reg.claim("r0", "h0", time.time() + 100) is None      # once
-    assert reg.claim("r1", "wrong", time.time() + 100) is None   # another handle
-    assert reg.release_oldest(3) == ["r1", "r2"]                 # r0 is claimed: kept
-    assert reg.claim("r1", "h1", time.time() + 100) is None      # released: no claim
+    assert reg.claim("r0", "h0", time.time() + 100) is None  # once
+    assert reg.claim("r1", "wrong", time.time() + 100) is None  # another handle
+    assert reg.release_oldest(3) == ["r1", "r2"]  # r0 is claimed: kept
+    assert reg.claim("r1", "h1", time.time() + 100) is None  # released: no claim
     assert reg.held_blocks() == 3 and reg.released_for_pressure == 2
     reg.done("r1")
     assert len(reg) == 2

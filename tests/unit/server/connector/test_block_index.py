@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from server.connector.block_index import HostBlockIndex
@@ -318,21 +320,19 @@ def test_slots_stay_consistent_under_churn():
 def test_stats_pinned_bytes_and_pinned_blocks_count_the_same_blocks():
     """A pin taken before its block is stored (a branch's last block, a block the store had
     no room for) holds budget but no host memory: both numbers count stored pinned blocks."""
-    from server.connector.connector import KVBranchConnector
+    from server.connector.control_ops import stats_of
     from server.connector.planner import Planner
     from server.connector.sessions import SessionRegistry
 
     index = HostBlockIndex(4)
-    registry = SessionRegistry(index, block_size=BS, block_bytes=10, pin_budget_bytes=40,
-                               default_ttl_s=60.0)
-    conn = KVBranchConnector.__new__(KVBranchConnector)
-    conn.planner = Planner(index, registry, BS)
-    conn.block_bytes = 10
-    conn.extra_stats = {}
+    registry = SessionRegistry(
+        index, block_size=BS, block_bytes=10, pin_budget_bytes=40, default_ttl_s=60.0
+    )
+    side = SimpleNamespace(planner=Planner(index, registry, BS), block_bytes=10, extra_stats={})
     fill(index, [1])
     index.pin(h(1))
     index.pin(h(2))  # pinned, never stored
-    store = conn._stats(None)["store"]
+    store = stats_of(side, None)["store"]
     assert store["pinned_blocks"] == 1
     assert store["pinned_bytes"] == store["pinned_blocks"] * store["block_bytes"] == 10
     assert store["pin_budget_used_bytes"] == 20  # what the budget is charged: both pins

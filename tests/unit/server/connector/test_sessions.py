@@ -32,9 +32,16 @@ class FakeClock:
 def make(num_slots: int = 20, budget_blocks: int = 6, ttl: float = 60.0, **kw):
     clock = FakeClock()
     index = HostBlockIndex(num_slots)
-    reg = SessionRegistry(index, block_size=BS, block_bytes=BLOCK_BYTES,
-                          pin_budget_bytes=budget_blocks * BLOCK_BYTES, default_ttl_s=ttl,
-                          clock=clock, wall_clock=lambda: 12345.0, **kw)
+    reg = SessionRegistry(
+        index,
+        block_size=BS,
+        block_bytes=BLOCK_BYTES,
+        pin_budget_bytes=budget_blocks * BLOCK_BYTES,
+        default_ttl_s=ttl,
+        clock=clock,
+        wall_clock=lambda: 12345.0,
+        **kw,
+    )
     return reg, index, clock
 
 
@@ -43,7 +50,7 @@ def conv(tag: str, n_blocks: int, extra_tokens: int = 0, base: list[int] | None 
     tokens = list(base or [])
     start = len(tokens)
     tokens += [hash((tag, i)) % 50_000 for i in range(start, n_blocks * BS + extra_tokens)]
-    hashes = [f"{tuple(tokens[:(k + 1) * BS])}".encode() for k in range(len(tokens) // BS)]
+    hashes = [f"{tuple(tokens[: (k + 1) * BS])}".encode() for k in range(len(tokens) // BS)]
     return tokens, hashes
 
 
@@ -385,8 +392,14 @@ def test_session_ttl_used_for_new_branches():
 # --- budget -----------------------------------------------------------------------------------
 def test_budget_is_capped_by_slots():
     clock = FakeClock()
-    reg = SessionRegistry(HostBlockIndex(5), block_size=BS, block_bytes=BLOCK_BYTES,
-                          pin_budget_bytes=10_000, default_ttl_s=1, clock=clock)
+    reg = SessionRegistry(
+        HostBlockIndex(5),
+        block_size=BS,
+        block_bytes=BLOCK_BYTES,
+        pin_budget_bytes=10_000,
+        default_ttl_s=1,
+        clock=clock,
+    )
     assert reg.pin_budget_blocks == 5
     assert reg.pin_budget_bytes == 5 * BLOCK_BYTES
 
@@ -554,7 +567,7 @@ def test_branch_info_and_session_info():
     reg, index, clock = make()
     tokens, hashes = conv("a", 3, extra_tokens=1)
     index.allocate(hashes[0], tokens[:BS])
-    index.allocate(hashes[1], tokens[BS:2 * BS])
+    index.allocate(hashes[1], tokens[BS : 2 * BS])
     branch = observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
     info = reg.branch_info(branch)
     assert info == {
@@ -583,19 +596,29 @@ def test_request_running_at_delete_does_not_resurrect_the_session():
     from server.connector.sessions import SessionRegistry
 
     now = [100.0]
-    registry = SessionRegistry(HostBlockIndex(16), block_size=4, block_bytes=1,
-                               pin_budget_bytes=8, default_ttl_s=60, clock=lambda: now[0])
+    registry = SessionRegistry(
+        HostBlockIndex(16),
+        block_size=4,
+        block_bytes=1,
+        pin_budget_bytes=8,
+        default_ttl_s=60,
+        clock=lambda: now[0],
+    )
     registry.create_session("s")
     arrived = now[0]
     now[0] += 1
     registry.delete_session("s")
     now[0] += 1
-    assert registry.observe_request("s", "main", [1, 2, 3, 4], [b"h"], None,
-                                    arrived_at=arrived) is None
+    assert (
+        registry.observe_request("s", "main", [1, 2, 3, 4], [b"h"], None, arrived_at=arrived)
+        is None
+    )
     assert (None, "s") not in registry.sessions
     # a request that arrives after the delete starts a fresh session
-    assert registry.observe_request("s", "main", [1, 2, 3, 4], [b"h"], None,
-                                    arrived_at=now[0]) is not None
+    assert (
+        registry.observe_request("s", "main", [1, 2, 3, 4], [b"h"], None, arrived_at=now[0])
+        is not None
+    )
     assert registry.sessions[(None, "s")].branches["main"].pinned
 
 
@@ -614,14 +637,16 @@ def _same_error(call_a, call_b) -> None:
 def test_another_tenants_id_looks_like_an_id_nobody_made():
     reg, _, _ = make()
     reg.create_session("theirs", owner="t_a")
-    for op in (lambda sid: reg.get_session(sid, "t_b"),
-               lambda sid: reg.get_branch(sid, DEFAULT_BRANCH, "t_b"),
-               lambda sid: reg.fork(sid, DEFAULT_BRANCH, owner="t_b"),
-               lambda sid: reg.pin(sid, DEFAULT_BRANCH, 5.0, "t_b"),
-               lambda sid: reg.unpin(sid, DEFAULT_BRANCH, "t_b"),
-               lambda sid: reg.delete_branch(sid, DEFAULT_BRANCH, "t_b"),
-               lambda sid: reg.delete_session(sid, "t_b")):
-        _same_error(lambda: op("theirs"), lambda: op("nobody"))
+    for op in (
+        lambda sid: reg.get_session(sid, "t_b"),
+        lambda sid: reg.get_branch(sid, DEFAULT_BRANCH, "t_b"),
+        lambda sid: reg.fork(sid, DEFAULT_BRANCH, owner="t_b"),
+        lambda sid: reg.pin(sid, DEFAULT_BRANCH, 5.0, "t_b"),
+        lambda sid: reg.unpin(sid, DEFAULT_BRANCH, "t_b"),
+        lambda sid: reg.delete_branch(sid, DEFAULT_BRANCH, "t_b"),
+        lambda sid: reg.delete_session(sid, "t_b"),
+    ):
+        _same_error(lambda op=op: op("theirs"), lambda op=op: op("nobody"))
     assert reg.get_session("theirs", "t_a").branches[DEFAULT_BRANCH].pin_expires_at is None
 
 
@@ -655,8 +680,10 @@ def test_branches_per_session_quota_is_409():
     reg.create_session("s", owner="t_a")
     reg.fork("s", DEFAULT_BRANCH, "b1", owner="t_a")
     observe(reg, "s", "b2", *conv("x", 1), owner="t_a")
-    for make_one in (lambda: reg.fork("s", DEFAULT_BRANCH, "b3", owner="t_a"),
-                     lambda: observe(reg, "s", "b3", *conv("y", 1), owner="t_a")):
+    for make_one in (
+        lambda: reg.fork("s", DEFAULT_BRANCH, "b3", owner="t_a"),
+        lambda: observe(reg, "s", "b3", *conv("y", 1), owner="t_a"),
+    ):
         with pytest.raises(Conflict) as exc:
             make_one()
         assert exc.value.status == 409 and "3 branches" in exc.value.message

@@ -30,30 +30,49 @@ class FakeRequest:
     session_id: str | None = None
     cache_salt: str | None = None
     sampling_params: SimpleNamespace = field(
-        default_factory=lambda: SimpleNamespace(extra_args=None))
+        default_factory=lambda: SimpleNamespace(extra_args=None)
+    )
 
 
-def make_request(rid: str, n_tokens: int, *, seed: str = "p", session_id=None,
-                 extra: dict | None = None, cache_salt=None) -> FakeRequest:
+def make_request(
+    rid: str,
+    n_tokens: int,
+    *,
+    seed: str = "p",
+    session_id=None,
+    extra: dict | None = None,
+    cache_salt=None,
+) -> FakeRequest:
     tokens = [hash((seed, i)) % 30_000 for i in range(n_tokens)]
-    hashes = [repr(tokens[:(k + 1) * BS]).encode() for k in range(n_tokens // BS)]
-    return FakeRequest(rid, tokens, n_tokens, hashes, session_id=session_id,
-                       cache_salt=cache_salt,
-                       sampling_params=SimpleNamespace(extra_args=extra))
+    hashes = [repr(tokens[: (k + 1) * BS]).encode() for k in range(n_tokens // BS)]
+    return FakeRequest(
+        rid,
+        tokens,
+        n_tokens,
+        hashes,
+        session_id=session_id,
+        cache_salt=cache_salt,
+        sampling_params=SimpleNamespace(extra_args=extra),
+    )
 
 
 def make_planner(num_slots: int = 32, budget_blocks: int = 16):
     index = HostBlockIndex(num_slots)
-    registry = SessionRegistry(index, block_size=BS, block_bytes=1,
-                               pin_budget_bytes=budget_blocks, default_ttl_s=60.0,
-                               clock=lambda: 0.0)
+    registry = SessionRegistry(
+        index,
+        block_size=BS,
+        block_bytes=1,
+        pin_budget_bytes=budget_blocks,
+        default_ttl_s=60.0,
+        clock=lambda: 0.0,
+    )
     return Planner(index, registry, BS), index, registry
 
 
 def store(index: HostBlockIndex, req: FakeRequest, blocks) -> dict[int, int]:
     slots = {}
     for k in blocks:
-        slots[k] = index.allocate(req.block_hashes[k], req.all_token_ids[k * BS:(k + 1) * BS])
+        slots[k] = index.allocate(req.block_hashes[k], req.all_token_ids[k * BS : (k + 1) * BS])
         assert slots[k] is not None
     return slots
 
@@ -63,8 +82,9 @@ def check_split(split: dict, prompt: int, device: int, host: int) -> None:
     assert split["device_hit_tokens"] == device
     assert split["host_hit_tokens"] == host
     assert split["recomputed_tokens"] == prompt - device - host
-    assert (split["device_hit_tokens"] + split["host_hit_tokens"]
-            + split["recomputed_tokens"]) == prompt
+    assert (
+        split["device_hit_tokens"] + split["host_hit_tokens"] + split["recomputed_tokens"]
+    ) == prompt
 
 
 # --- num_new_matched_tokens -------------------------------------------------------------------
@@ -149,7 +169,8 @@ def test_after_alloc_emits_loads_and_records_split():
     assert matched == 12
     device_blocks = [50, 51, 52, 53, 54, 55]
     loads: list[tuple[int, int]] = []
-    planner.after_alloc(req, device_blocks, matched, loads)
+    planner.after_alloc(req, device_blocks, matched)
+    loads.extend(planner.pending_loads)
     assert loads == [(slots[1], 51), (slots[2], 52), (slots[3], 53)]
     assert index.counters.loaded_blocks == 3
     assert planner.plans["r"].recorded
@@ -166,7 +187,8 @@ def test_after_alloc_with_fewer_external_tokens_loads_fewer():
     planner.on_new_request(req)
     assert planner.num_new_matched_tokens(req, 0) == 16
     loads: list[tuple[int, int]] = []
-    planner.after_alloc(req, [9, 8, 7, 6, 5], 8, loads)
+    planner.after_alloc(req, [9, 8, 7, 6, 5], 8)
+    loads.extend(planner.pending_loads)
     assert loads == [(slots[0], 9), (slots[1], 8)]
     assert planner.hits_tokens == {"device": 0, "host": 8, "remote": 0, "recomputed": 9}
 
@@ -177,7 +199,8 @@ def test_after_alloc_without_external_tokens():
     planner.on_new_request(req)
     assert planner.num_new_matched_tokens(req, 0) == 0
     loads: list[tuple[int, int]] = []
-    planner.after_alloc(req, [1, 2, 3], 0, loads)
+    planner.after_alloc(req, [1, 2, 3], 0)
+    loads.extend(planner.pending_loads)
     assert loads == []
     assert index.counters.loaded_blocks == 0
     assert planner.hits_tokens == {"device": 0, "host": 0, "remote": 0, "recomputed": 10}
@@ -191,7 +214,7 @@ def test_after_alloc_touches_loaded_blocks():
     store(index, other, [0, 1])  # LRU: r0, o0, o1
     planner.on_new_request(req)
     assert planner.num_new_matched_tokens(req, 0) == 4
-    planner.after_alloc(req, [7, 8, 9], 4, [])
+    planner.after_alloc(req, [7, 8, 9], 4)
     index.allocate(b"new", [0] * BS)
     assert req.block_hashes[0] in index  # touched by the load, so o0 went instead
     assert other.block_hashes[0] not in index
@@ -202,8 +225,8 @@ def test_split_recorded_once():
     req = make_request("r", 10)
     planner.on_new_request(req)
     planner.num_new_matched_tokens(req, 0)
-    planner.after_alloc(req, [1, 2, 3], 0, [])
-    planner.after_alloc(req, [1, 2, 3], 0, [])  # e.g. a second allocation after preemption
+    planner.after_alloc(req, [1, 2, 3], 0)
+    planner.after_alloc(req, [1, 2, 3], 0)  # e.g. a second allocation after preemption
     assert planner.requests == 1
     planner.request_finished(req)
     assert planner.requests == 1
@@ -285,11 +308,16 @@ def test_plan_saves_multiple_requests():
 # --- request_finished -------------------------------------------------------------------------
 def test_request_finished_updates_branch_and_returns_split():
     planner, index, registry = make_planner()
-    req = make_request("r", 10, session_id="s1", cache_salt="salt",
-                       extra={BRANCH_XARG: "b1", TAG_XARG: "tag-1", OWNER_XARG: "t_o"})
+    req = make_request(
+        "r",
+        10,
+        session_id="s1",
+        cache_salt="salt",
+        extra={BRANCH_XARG: "b1", TAG_XARG: "tag-1", OWNER_XARG: "t_o"},
+    )
     planner.on_new_request(req)
     planner.num_new_matched_tokens(req, 0)
-    planner.after_alloc(req, [1, 2, 3], 0, [])
+    planner.after_alloc(req, [1, 2, 3], 0)
     assert planner.split_for("tag-1")["prompt_tokens"] == 10
     req.num_computed_tokens = len(req.all_token_ids)  # a finished request computed its prompt
     split = planner.request_finished(req)
@@ -302,7 +330,8 @@ def test_request_finished_updates_branch_and_returns_split():
     assert branch.cache_salt == "salt"
     assert branch.requests == 1
     assert branch.pinned
-    assert index.pinned_hashes == 2
+    assert index.pinned_hashes == 3  # two full blocks and the tail (token 8; 9 has no KV)
+    assert branch.tail_key is not None and branch.tail_start == 8
 
 
 def test_request_finished_without_alloc_updates_branch_but_counts_nothing():
@@ -318,7 +347,7 @@ def test_request_without_session_keeps_no_state():
     planner, _, registry = make_planner()
     req = make_request("r", 9, extra={TAG_XARG: "t"})
     planner.on_new_request(req)
-    planner.after_alloc(req, [1, 2, 3], 0, [])
+    planner.after_alloc(req, [1, 2, 3], 0)
     split = planner.request_finished(req)
     assert split["session_id"] is None and split["branch_id"] is None
     assert registry.sessions == {}
@@ -331,7 +360,7 @@ def test_full_split_device_host_recomputed_sums_to_prompt():
     planner.on_new_request(req)
     matched = planner.num_new_matched_tokens(req, 8)
     assert matched == 12
-    planner.after_alloc(req, list(range(8)), matched, [])
+    planner.after_alloc(req, list(range(8)), matched)
     split = planner.request_finished(req)
     check_split(split, 30, 8, 12)
     assert planner.split_for("t") == split
@@ -342,7 +371,7 @@ def test_request_finished_for_other_tenants_session_is_served():
     registry.create_session("s", owner="t_a")
     req = make_request("r", 9, session_id="s", extra={OWNER_XARG: "t_b"})
     planner.on_new_request(req)
-    planner.after_alloc(req, [], 0, [])
+    planner.after_alloc(req, [], 0)
     split = planner.request_finished(req)
     check_split(split, 9, 0, 0)
     assert registry.get_branch("s", DEFAULT_BRANCH, "t_a").requests == 0
@@ -350,12 +379,11 @@ def test_request_finished_for_other_tenants_session_is_served():
 
 def test_prefetch_not_counted_and_no_branch_update():
     planner, index, registry = make_planner()
-    req = make_request("p", 13, session_id="s",
-                       extra={PREFETCH_XARG: True, TAG_XARG: "pt"})
+    req = make_request("p", 13, session_id="s", extra={PREFETCH_XARG: True, TAG_XARG: "pt"})
     store(index, req, [0, 1])
     planner.on_new_request(req)
     matched = planner.num_new_matched_tokens(req, 0)
-    planner.after_alloc(req, [1, 2, 3, 4], matched, [])
+    planner.after_alloc(req, [1, 2, 3, 4], matched)
     split = planner.request_finished(req)
     check_split(split, 13, 0, 8)
     assert planner.prefetches == 1
@@ -377,8 +405,14 @@ def test_prefetch_does_not_touch_existing_branch():
 def test_request_finished_expires_leases():
     clock = [0.0]
     index = HostBlockIndex(8)
-    registry = SessionRegistry(index, block_size=BS, block_bytes=1, pin_budget_bytes=8,
-                               default_ttl_s=5.0, clock=lambda: clock[0])
+    registry = SessionRegistry(
+        index,
+        block_size=BS,
+        block_bytes=1,
+        pin_budget_bytes=8,
+        default_ttl_s=5.0,
+        clock=lambda: clock[0],
+    )
     planner = Planner(index, registry, BS)
     a = make_request("a", 8, session_id="A")
     planner.on_new_request(a)
@@ -397,13 +431,13 @@ def test_non_dict_extra_args_are_ignored():
     req = make_request("r", 9, session_id="s")
     req.sampling_params = SimpleNamespace(extra_args=["not", "a", "dict"])
     planner.on_new_request(req)
-    planner.after_alloc(req, [], 0, [])
+    planner.after_alloc(req, [], 0)
     split = planner.request_finished(req)
     assert split["branch_id"] == DEFAULT_BRANCH
     req2 = make_request("r2", 9)
     req2.sampling_params = None
     planner.on_new_request(req2)
-    planner.after_alloc(req2, [], 0, [])
+    planner.after_alloc(req2, [], 0)
     assert planner.request_finished(req2)["prompt_tokens"] == 9
     assert registry.get_branch("s", DEFAULT_BRANCH).requests == 1
 
@@ -424,7 +458,7 @@ def test_split_sums_for_various_lengths(n_tokens):
     matched = planner.num_new_matched_tokens(req, 0)
     assert matched < n_tokens
     assert matched % BS == 0
-    planner.after_alloc(req, list(range(10)), matched, [])
+    planner.after_alloc(req, list(range(10)), matched)
     split = planner.request_finished(req)
     check_split(split, n_tokens, 0, matched)
     assert split["recomputed_tokens"] >= 1
@@ -437,7 +471,7 @@ def test_untagged_request_still_returns_split_after_alloc():
     store(index, req, [0, 1])
     planner.on_new_request(req)
     matched = planner.num_new_matched_tokens(req, 0)
-    planner.after_alloc(req, [1, 2, 3, 4], matched, [])
+    planner.after_alloc(req, [1, 2, 3, 4], matched)
     split = planner.request_finished(req)
     check_split(split, 13, 0, 8)
     assert planner.splits == {}  # untagged splits are not kept in the history
@@ -450,7 +484,7 @@ def test_device_hit_recorded_when_nothing_is_left_to_load():
     store(index, req, range(3))
     planner.on_new_request(req)
     assert planner.num_new_matched_tokens(req, 12) == 0
-    planner.after_alloc(req, [], 0, [])
+    planner.after_alloc(req, [], 0)
     check_split(planner.request_finished(req), 14, 12, 0)
     assert planner.hits_tokens == {"device": 12, "host": 0, "remote": 0, "recomputed": 2}
 
@@ -460,7 +494,7 @@ def test_device_hit_recorded_without_host_store():
     req = make_request("r", 20)
     planner.on_new_request(req)
     assert planner.num_new_matched_tokens(req, 8) == 0
-    planner.after_alloc(req, [], 0, [])
+    planner.after_alloc(req, [], 0)
     check_split(planner.request_finished(req), 20, 8, 0)
 
 
@@ -474,7 +508,8 @@ def test_stale_load_plan_is_not_reused():
     # not allocated this step (e.g. no room); next step the device holds the whole prefix
     assert planner.num_new_matched_tokens(req, 12) == 0
     loads: list[tuple[int, int]] = []
-    planner.after_alloc(req, [], 0, loads)
+    planner.after_alloc(req, [], 0)
+    loads.extend(planner.pending_loads)
     assert loads == []
     check_split(planner.request_finished(req), 13, 12, 0)
 
@@ -483,7 +518,7 @@ def test_tagged_split_found_after_plan_is_gone():
     planner, _, _ = make_planner()
     req = make_request("r", 9, extra={TAG_XARG: "t9"})
     planner.on_new_request(req)
-    planner.after_alloc(req, [], 0, [])
+    planner.after_alloc(req, [], 0)
     first = planner.request_finished(req)
     assert planner.request_finished(req) == first  # plan forgotten: found by its tag
     assert planner.requests == 1
@@ -499,7 +534,9 @@ def test_block_completed_by_the_last_sampled_token_is_not_pinned():
     planner.request_finished(req)
     branch = registry.get_branch("s1", "main")
     assert branch.block_hashes == req.block_hashes[:1]
-    assert index.pinned_hashes == 1
+    assert index.pin_count(req.block_hashes[1]) == 0
+    # block 0 and the tail: tokens 4..6, whose KV exists (the tail of tails.py)
+    assert index.pinned_hashes == 2 and branch.tail_start == 4
 
 
 # --- accounting: remote pulls count only once they landed (issue 13 item 10) ------------------
@@ -509,7 +546,7 @@ def _start_remote_pull(planner, req, device_hit: int, remote: int) -> None:
     planner.on_new_request(req)
     planner.num_new_matched_tokens(req, device_hit)
     planner.note_remote_hit(req, remote)
-    planner.after_alloc(req, [], 0, [])
+    planner.after_alloc(req, [], 0)
 
 
 def test_remote_hit_counts_after_the_load_landed():
@@ -518,7 +555,7 @@ def test_remote_hit_counts_after_the_load_landed():
     _start_remote_pull(planner, req, 4, 16)
     assert planner.requests == 0  # still loading: nothing to report yet
     req.num_computed_tokens = 20  # vLLM after the async load: device 4 + remote 16
-    planner.after_alloc(req, [], 0, [])
+    planner.after_alloc(req, [], 0)
     assert planner.requests == 1
     assert planner.hits_tokens == {"device": 4, "host": 0, "remote": 16, "recomputed": 2}
     assert planner.remote_failed_tokens == 0
@@ -532,7 +569,7 @@ def test_failed_remote_pull_is_recomputed_and_reported():
     _start_remote_pull(planner, req, 0, 16)
     req.num_computed_tokens = 0
     planner.num_new_matched_tokens(req, 0)  # asked again: the pull failed
-    planner.after_alloc(req, [], 0, [])
+    planner.after_alloc(req, [], 0)
     assert planner.requests == 1
     assert planner.hits_tokens == {"device": 0, "host": 0, "remote": 0, "recomputed": 22}
     assert planner.remote_failed_tokens == 16
@@ -544,7 +581,7 @@ def test_partly_failed_remote_pull_counts_only_the_valid_prefix():
     req = make_request("r", 22)
     _start_remote_pull(planner, req, 4, 16)
     req.num_computed_tokens = 12  # device 4 + the first 2 pulled blocks
-    planner.after_alloc(req, [], 0, [])
+    planner.after_alloc(req, [], 0)
     assert planner.hits_tokens == {"device": 4, "host": 0, "remote": 8, "recomputed": 10}
     assert planner.remote_failed_tokens == 8
 
@@ -575,7 +612,7 @@ def test_pins_degraded_counts_transitions_not_checks():
     for i in range(3):
         req = make_request(f"r{i}", 17, session_id="s1")  # 4 full blocks > budget of 2
         planner.on_new_request(req)
-        planner.after_alloc(req, [], 0, [])
+        planner.after_alloc(req, [], 0)
         req.num_computed_tokens = 16
         planner.request_finished(req)
     assert registry.get_branch("s1", DEFAULT_BRANCH).degraded

@@ -61,7 +61,10 @@ def raw_exchange(path: str, payload: bytes) -> dict:
 # --- sync client ------------------------------------------------------------------------------
 def test_call_sync_round_trip(server):
     assert call_sync(server.path, "echo", a=1, b=[1, 2], c={"d": "é"}) == {
-        "a": 1, "b": [1, 2], "c": {"d": "é"}}
+        "a": 1,
+        "b": [1, 2],
+        "c": {"d": "é"},
+    }
     assert call_sync(server.path, "none") is None
 
 
@@ -149,8 +152,9 @@ def test_several_requests_on_one_connection(server):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(5)
         sock.connect(server.path)
-        sock.sendall(b'{"op": "echo", "i": 1}\n{"op": "missing", "id": "z"}\n'
-                     b'{"op": "echo", "i": 3}\n')
+        sock.sendall(
+            b'{"op": "echo", "i": 1}\n{"op": "missing", "id": "z"}\n{"op": "echo", "i": 3}\n'
+        )
         data = b""
         while data.count(b"\n") < 3:
             chunk = sock.recv(65536)
@@ -241,6 +245,7 @@ def test_async_client_connection_closed_without_reply_is_503(tmp_path):
     thread = threading.Thread(target=serve_once, daemon=True)
     thread.start()
     try:
+
         async def main():
             with pytest.raises(ControlError) as exc:
                 await AsyncControlClient(path, timeout=2.0).call("echo")

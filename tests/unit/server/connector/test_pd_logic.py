@@ -60,8 +60,18 @@ def test_index_drops_by_session_and_instance_and_scopes_snapshots_by_tenant():
 
 
 def test_instance_argv_removes_cluster_flags_only():
-    argv = ["--disagg", "--port", "9000", "--kv-cache-gib", "0.5", "--role=router",
-            "--cpu-cores", "0", "--api-key", "k"]
+    argv = [
+        "--disagg",
+        "--port",
+        "9000",
+        "--kv-cache-gib",
+        "0.5",
+        "--role=router",
+        "--cpu-cores",
+        "0",
+        "--api-key",
+        "k",
+    ]
     assert instance_argv(argv) == ["--kv-cache-gib", "0.5", "--api-key", "k"]
 
 
@@ -102,8 +112,6 @@ def test_pd_environment_ports_and_loopback_transport(monkeypatch):
 def test_router_ttl_stays_below_the_decode_hold():
     assert router_ttl(_args("--pd-hold-ttl-s", "30")) == 25
     assert router_ttl(_args("--pd-hold-ttl-s", "4")) == 2
-
-
 
 
 def test_a_late_answer_from_an_older_turn_never_replaces_a_newer_entry():

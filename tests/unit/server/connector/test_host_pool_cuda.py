@@ -16,7 +16,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cuda_copy_check.py"
+_SCRIPT = Path(__file__).resolve().parents[4] / "benchmarks" / "cuda_copy_check.py"
 _spec = importlib.util.spec_from_file_location("cuda_copy_check", _SCRIPT)
 assert _spec is not None and _spec.loader is not None
 checks = importlib.util.module_from_spec(_spec)
@@ -30,8 +30,13 @@ def test_cuda_copy_path(name: str, layout: str) -> None:
 
 
 def test_timing_rows_are_sane() -> None:
-    rows = checks.time_copies("kv_first", layers=2, block_size=16, heads=2, head_dim=64,
-                              sizes=[1, 4], repeats=1)
+    rows = checks.time_copies(
+        "kv_first", layers=2, block_size=16, heads=2, head_dim=64, sizes=[1, 4], repeats=1
+    )
     assert {(r["direction"], r["blocks"]) for r in rows} == {
-        ("save", 1), ("load", 1), ("save", 4), ("load", 4)}
+        ("save", 1),
+        ("load", 1),
+        ("save", 4),
+        ("load", 4),
+    }
     assert all(r["total_ms"] > 0 and r["bytes"] > 0 for r in rows)

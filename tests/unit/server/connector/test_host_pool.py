@@ -104,8 +104,11 @@ def test_save_does_not_modify_device_and_load_does_not_modify_host(make, dim):
 
 
 def test_dtype_preserved_bitwise():
-    cache = (torch.arange(NUM_BLOCKS * HEADS * BLOCK * 2 * HEAD, dtype=torch.float32)
-             .reshape(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD).to(torch.bfloat16))
+    cache = (
+        torch.arange(NUM_BLOCKS * HEADS * BLOCK * 2 * HEAD, dtype=torch.float32)
+        .reshape(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+        .to(torch.bfloat16)
+    )
     pool = HostKVPool({"l": cache}, NUM_BLOCKS, NUM_SLOTS)
     assert pool.host_caches["l"].dtype == torch.bfloat16
     saved = cache[2].clone()

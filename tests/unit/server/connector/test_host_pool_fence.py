@@ -27,7 +27,7 @@ from server.connector.connector import KVBranchConnector
 from server.connector.metadata import KVBranchMetadata
 from server.connector.planner import Planner
 from server.connector.sessions import SessionRegistry
-from server.connector.stats import KVBranchTransferStats
+from server.connector.worker_side import KVBranchWorker
 
 
 class RecordingPool:
@@ -50,8 +50,8 @@ class RecordingPool:
 
 def worker(log: list[str]) -> KVBranchConnector:
     conn = KVBranchConnector.__new__(KVBranchConnector)  # worker state only; no vLLM config
-    conn.pool = RecordingPool(log)
-    conn._transfer_stats = KVBranchTransferStats()
+    conn.worker_side = KVBranchWorker(1, 1, pool=RecordingPool(log))
+    conn.scheduler_side = None
     conn._connector_metadata = None
     return conn
 
@@ -59,28 +59,28 @@ def worker(log: list[str]) -> KVBranchConnector:
 def v1_step(conn, meta, log, sync_loads: bool) -> None:
     """vLLM 0.32 gpu_model_runner.execute_model + kv_connector_model_runner_mixin."""
     conn.handle_preemptions(meta)
-    log.append("zero new blocks")            # _update_states: new_block_ids_to_zero
-    conn.bind_connector_metadata(meta)       # _get_kv_connector_output
+    log.append("zero new blocks")  # _update_states: new_block_ids_to_zero
+    conn.bind_connector_metadata(meta)  # _get_kv_connector_output
     if sync_loads:
         conn.start_load_kv(None)
     log.append("forward")
     if not sync_loads:
-        conn.start_load_kv(None)             # after the forward: has_sync_kv_loads is False
+        conn.start_load_kv(None)  # after the forward: has_sync_kv_loads is False
     conn.wait_for_save()
     conn.clear_connector_metadata()
 
 
 def v2_step(conn, meta, log, sync_loads: bool) -> None:
     """vLLM 0.32 gpu/model_runner.execute_model + gpu/kv_connector.ActiveKVConnector."""
-    log.append("zero new blocks")            # update_requests, before any connector hook
-    conn.handle_preemptions(meta)            # pre_forward
+    log.append("zero new blocks")  # update_requests, before any connector hook
+    conn.handle_preemptions(meta)  # pre_forward
     conn.bind_connector_metadata(meta)
     if sync_loads:
         conn.start_load_kv(None)
-    log.append("peer pull starts")           # NIXL's start_load_kv (first child of the PD pair)
+    log.append("peer pull starts")  # NIXL's start_load_kv (first child of the PD pair)
     log.append("forward")
     if not sync_loads:
-        conn.start_load_kv(None)             # post_forward
+        conn.start_load_kv(None)  # post_forward
     conn.wait_for_save()
     conn.clear_connector_metadata()
 
@@ -103,8 +103,11 @@ def test_peer_pull_step_waits_for_the_pending_save_first(step, sync_loads):
     log.clear()
     step(conn, KVBranchMetadata(host_fence=True), log, sync_loads)
     assert "fence" in log
-    first_write = min(log.index(x) for x in ("zero new blocks", "peer pull starts", "forward")
-                      if x in log and not (step is v2_step and x == "zero new blocks"))
+    first_write = min(
+        log.index(x)
+        for x in ("zero new blocks", "peer pull starts", "forward")
+        if x in log and not (step is v2_step and x == "zero new blocks")
+    )
     assert log.index("fence") < first_write, log
 
 
@@ -129,18 +132,46 @@ def test_steps_without_peer_writes_do_not_wait_on_the_host():
 
 def test_scheduler_flags_a_step_with_a_peer_pull():
     index = HostBlockIndex(8)
-    registry = SessionRegistry(index, block_size=4, block_bytes=1, pin_budget_bytes=4,
-                               default_ttl_s=60.0)
-    conn = KVBranchConnector.__new__(KVBranchConnector)
-    conn.planner = Planner(index, registry, 4)
-    conn.enabled = True
-    conn._pending_loads = []
-    conn._kv_cache_manager = SimpleNamespace(get_block_ids=lambda request_id: [])
-    request = SimpleNamespace(request_id="r", num_prompt_tokens=9, block_hashes=[],
-                              all_token_ids=list(range(9)), num_computed_tokens=0,
-                              sampling_params=None)
-    out = SimpleNamespace(num_scheduled_tokens={}, kv_connector_block_state=None)
-    assert not conn.build_connector_meta(out).host_fence
-    conn.planner.note_remote_hit(request, 8)
-    assert conn.build_connector_meta(out).host_fence
-    assert not conn.build_connector_meta(out).host_fence  # one step only
+    registry = SessionRegistry(
+        index, block_size=4, block_bytes=1, pin_budget_bytes=4, default_ttl_s=60.0
+    )
+    planner = Planner(index, registry, 4)
+    request = SimpleNamespace(
+        request_id="r",
+        num_prompt_tokens=9,
+        block_hashes=[],
+        all_token_ids=list(range(9)),
+        num_computed_tokens=0,
+        sampling_params=None,
+    )
+
+    def resolve(request_id):
+        return []
+
+    assert not planner.build_meta({}, resolve).host_fence
+    planner.note_remote_hit(request, 8)
+    assert planner.build_meta({}, resolve).host_fence
+    assert not planner.build_meta({}, resolve).host_fence  # one step only
+
+
+def test_finished_tail_copies_are_reported_after_the_save_and_only_once():
+    """A finished request's blocks are kept until its tail copy ran (issue 14 item 1): the
+    worker reports it in the same step's ``get_finished``, after ``wait_for_save``."""
+    log: list[str] = []
+    conn = worker(log)
+    meta = KVBranchMetadata(save_blocks=[3], save_slots=[0], finished_saves=["r1"])
+    conn.bind_connector_metadata(meta)
+    assert conn.get_finished(set()) == (None, None)  # nothing copied yet
+    conn.wait_for_save()
+    assert log == ["save [3]"]
+    assert conn.get_finished({"r1"}) == ({"r1"}, None)
+    assert conn.get_finished(set()) == (None, None)
+
+
+def test_finished_requests_are_reported_even_without_a_host_pool():
+    """No pool (store off on this worker): the blocks must still be released."""
+    conn = worker([])
+    conn.worker_side.pool = None
+    conn.bind_connector_metadata(KVBranchMetadata(finished_saves=["r1"]))
+    conn.wait_for_save()
+    assert conn.get_finished({"r1"}) == ({"r1"}, None)

@@ -1,0 +1,179 @@
+"""The control socket's operations (what the HTTP routes ask the scheduler side), as a table:
+op name -> handler. Each handler reads its fields from the request dict and answers with plain
+JSON data; a :class:`~server.connector.sessions.RegistryError` or a missing field becomes a
+4xx in :meth:`KVBranchScheduler.handle_control`, which runs these under the planner's lock.
+
+Ops a composing connector adds (P/D: ``claim_hold``) live in the scheduler side's
+``extra_ops`` and run outside that lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from server.connector.scheduler_side import KVBranchScheduler
+
+#: (scheduler side, request, owner) -> JSON-able result.
+OpHandler = Callable[["KVBranchScheduler", dict, "str | None"], Any]
+
+
+def _info(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    return {
+        "block_size": side.block_size,
+        "block_bytes": side.block_bytes,
+        "num_slots": side.num_slots,
+        "enabled": side.enabled,
+        "store_capacity_bytes": side.num_slots * side.block_bytes,
+        "pin_budget_bytes": side.planner.registry.pin_budget_bytes,
+        "platform": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+
+
+def _create_session(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    reg = side.planner.registry
+    session = reg.create_session(
+        req.get("session_id"),
+        auto_pin=bool(req.get("auto_pin", True)),
+        pin_ttl_s=req.get("pin_ttl_s"),
+        owner=owner,
+    )
+    return reg.session_info(session)
+
+
+def _get_session(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    reg = side.planner.registry
+    return reg.session_info(reg.get_session(req["session_id"], owner))
+
+
+def _delete_session(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    return {
+        "deleted": req["session_id"],
+        "released_blocks": side.planner.registry.delete_session(req["session_id"], owner),
+    }
+
+
+def _list_branches(side: KVBranchScheduler, req: dict, owner: str | None) -> list:
+    reg = side.planner.registry
+    session = reg.get_session(req["session_id"], owner)
+    return [reg.branch_info(b) for b in session.branches.values()]
+
+
+def _get_branch(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    reg = side.planner.registry
+    return reg.branch_info(reg.get_branch(req["session_id"], req["branch_id"], owner))
+
+
+def _fork(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    reg = side.planner.registry
+    branch = reg.fork(
+        req["session_id"],
+        req.get("parent") or "main",
+        req.get("branch_id"),
+        token_offset=req.get("token_offset"),
+        token_prefix=req.get("token_prefix"),
+        owner=owner,
+    )
+    return reg.branch_info(branch)
+
+
+def _delete_branch(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    released = side.planner.registry.delete_branch(req["session_id"], req["branch_id"], owner)
+    return {"deleted": req["branch_id"], "released_blocks": released}
+
+
+def _pin(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    reg = side.planner.registry
+    return reg.branch_info(reg.pin(req["session_id"], req["branch_id"], float(req["ttl_s"]), owner))
+
+
+def _unpin(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    reg = side.planner.registry
+    return reg.branch_info(reg.unpin(req["session_id"], req["branch_id"], owner))
+
+
+def _prefetch_plan(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    branch = side.planner.registry.get_branch(req["session_id"], req["branch_id"], owner)
+    resident = side.device_resident(branch.block_hashes)
+    if resident:
+        side.planner.prefetches_skipped += 1
+    return {
+        "token_ids": list(branch.token_ids),
+        "cache_salt": branch.cache_salt,
+        "device_resident": resident,
+    }
+
+
+def _split(side: KVBranchScheduler, req: dict, owner: str | None) -> dict | None:
+    return side.planner.split_for(str(req.get("tag", "")))
+
+
+def _stats(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    return stats_of(side, owner, all_owners=bool(req.get("all_owners")))
+
+
+def _reset_store(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+    return {"dropped_blocks": side.planner.index.clear()}
+
+
+OPS: dict[str, OpHandler] = {
+    "info": _info,
+    "create_session": _create_session,
+    "get_session": _get_session,
+    "delete_session": _delete_session,
+    "list_branches": _list_branches,
+    "get_branch": _get_branch,
+    "fork": _fork,
+    "delete_branch": _delete_branch,
+    "pin": _pin,
+    "unpin": _unpin,
+    "prefetch_plan": _prefetch_plan,
+    "split": _split,
+    "stats": _stats,
+    "reset_store": _reset_store,
+}
+
+
+def stats_of(side: KVBranchScheduler, owner: str | None, all_owners: bool = False) -> dict:
+    """``GET /v1/kvbranch/stats``: the store, the prompt-source totals, the caller's sessions
+    (none with ``all_owners``: the admin view) and what composing connectors add."""
+    planner = side.planner
+    index, reg = planner.index, planner.registry
+    counters = index.counters
+    sessions = [] if all_owners else [reg.session_info(s) for s in reg.sessions_of(owner)]
+    return {
+        "store": {
+            "capacity_blocks": index.num_slots,
+            "used_blocks": index.used_slots,
+            "pinned_blocks": index.pinned_stored_slots,
+            "block_bytes": side.block_bytes,
+            "used_bytes": index.used_slots * side.block_bytes,
+            "pin_budget_bytes": reg.pin_budget_bytes,
+            # The same blocks as pinned_blocks: pinned and stored in host memory.
+            "pinned_bytes": index.pinned_stored_slots * side.block_bytes,
+            # What the pin budget is charged: also pins on blocks not stored (yet).
+            "pin_budget_used_bytes": index.pinned_hashes * side.block_bytes,
+            "evictions": counters.evictions,
+            "saved_blocks": counters.saved_blocks,
+            "loaded_blocks": counters.loaded_blocks,
+            # Token-exact reuse (tails.py): partial blocks kept and loaded.
+            "saved_tails": counters.saved_tails,
+            "loaded_tails": counters.loaded_tails,
+            "tail_tokens_loaded": counters.tail_tokens_loaded,
+        },
+        "hits_tokens": dict(planner.hits_tokens),
+        "requests": planner.requests,
+        "remote_failed_tokens": planner.remote_failed_tokens,
+        "pins_degraded": reg.pins_degraded,
+        "pins_refused": reg.pins_refused,
+        "prefetches": planner.prefetches,
+        "prefetches_skipped": planner.prefetches_skipped,
+        "num_sessions": len(reg.sessions),
+        "sessions": sessions,
+        "time": time.time(),
+        **{name: section() for name, section in side.extra_stats.items()},
+    }

@@ -1,0 +1,158 @@
+"""The connector's scheduler role: the host block index and the session registry behind a
+:class:`Planner`, and the control socket the HTTP routes talk to.
+
+The planner answers vLLM's scheduler hooks (matched tokens, allocations, finished requests)
+and builds each step's :class:`KVBranchMetadata`; this object adds what is not planning:
+settings from ``kv_connector_extra_config``, the control socket and its op table
+(``control_ops.py``), the device-residency probe behind prefetch, and store resets.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from server.connector.block_index import HostBlockIndex
+from server.connector.control import ControlError, ControlServer, engine_socket_path
+from server.connector.control_ops import OPS
+from server.connector.metadata import KVBranchMetadata
+from server.connector.planner import Planner
+from server.connector.sessions import (
+    DEFAULT_IDLE_TTL_S,
+    DEFAULT_MAX_BRANCHES_PER_SESSION,
+    DEFAULT_MAX_SESSIONS_PER_TENANT,
+    RegistryError,
+    SessionRegistry,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+logger = logging.getLogger("kvbranch.connector")
+
+
+class KVBranchScheduler:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        block_bytes: int,
+        num_slots: int,
+        enabled: bool,
+        extra: dict[str, Any],
+        store_bytes: int,
+        engine_index: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self.num_slots = num_slots
+        self.enabled = enabled
+        #: Control ops and stats sections contributed by a composing connector (P/D: holds).
+        self.extra_ops: dict[str, Any] = {}
+        self.extra_stats: dict[str, Any] = {}
+        #: vLLM's KV cache manager (bound by the facade): the device-residency probe.
+        self.kv_cache_manager: Any = None
+        index = HostBlockIndex(num_slots)
+        registry = SessionRegistry(
+            index,
+            block_size=block_size,
+            block_bytes=max(block_bytes, 1),
+            pin_budget_bytes=int(extra.get("pin_budget_bytes", store_bytes // 2)),
+            default_ttl_s=float(extra.get("pin_ttl_s", 300.0)),
+            # Tenants (the launcher's flags; the registry's defaults otherwise).
+            max_sessions_per_tenant=int(
+                extra.get("max_sessions_per_tenant", DEFAULT_MAX_SESSIONS_PER_TENANT)
+            ),
+            max_branches_per_session=int(
+                extra.get("max_branches_per_session", DEFAULT_MAX_BRANCHES_PER_SESSION)
+            ),
+            tenant_pin_share=float(extra.get("tenant_pin_share", 1.0)),
+            idle_ttl_s=float(extra.get("session_idle_ttl_s", DEFAULT_IDLE_TTL_S)),
+            require_owner=bool(extra.get("tenants", False)),
+        )
+        self.planner = Planner(index, registry, block_size)
+        self.control: ControlServer | None = None
+        path = extra.get("control_socket")
+        if path:
+            # One socket per engine core; the directory must be private (ControlServer
+            # refuses to bind otherwise: the socket serves session ops to whoever connects).
+            self.control = ControlServer(
+                engine_socket_path(path, engine_index), self.handle_control
+            )
+        logger.info(
+            "kvbranch connector (scheduler): block_size=%d block_bytes=%d "
+            "host slots=%d (%.2f GiB) pin budget=%d bytes",
+            block_size,
+            block_bytes,
+            num_slots,
+            num_slots * block_bytes / (1 << 30),
+            registry.pin_budget_bytes,
+        )
+
+    # --- vLLM scheduler hooks ----------------------------------------------------------------
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        if not self.enabled:
+            return 0
+        return self.planner.num_new_matched_tokens(request, num_computed_tokens)
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KVBranchMetadata:
+        if not self.enabled:
+            return KVBranchMetadata()
+        block_state = scheduler_output.kv_connector_block_state
+        resolve = (
+            block_state.get_block_ids
+            if block_state is not None
+            else self.kv_cache_manager.get_block_ids
+        )
+        return self.planner.build_meta(scheduler_output.num_scheduled_tokens, resolve)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        # Blocks stay allocated while the tail is copied out (one step; see tails.py).
+        split, delay = self.planner.finish(request, block_ids if self.enabled else None)
+        return delay, ({"kvbranch": split} if split else None)
+
+    def reset_cache(self) -> bool:
+        """``POST /reset_prefix_cache?reset_external=true``: forget every unpinned block."""
+        with self.planner.lock:
+            self.planner.index.clear()
+        return True
+
+    def shutdown(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
+    # --- control socket ------------------------------------------------------------------------
+    def handle_control(self, req: dict) -> Any:
+        op = req["op"]
+        handler = OPS.get(op)
+        if handler is not None:
+            planner = self.planner
+            with planner.lock:
+                planner.registry.expire()
+                try:
+                    return handler(self, req, req.get("owner"))
+                except RegistryError as exc:
+                    raise ControlError(exc.status, exc.message) from None
+                except KeyError as exc:
+                    raise ControlError(400, f"missing field {exc.args[0]!r}") from None
+        extra = self.extra_ops.get(op)
+        if extra is not None:
+            return extra(req)
+        raise ControlError(400, f"unknown control op {op!r}")
+
+    def device_resident(self, block_hashes: list[bytes]) -> bool:
+        """Whether every full block of a branch is still in vLLM's device prefix cache.
+
+        Then a prefetch would only bring the partial last block (which the next turn loads
+        from the host store anyway) and take an engine step from other sessions, so it is
+        skipped. Read from the control thread without the scheduler's lock: a stale answer
+        only costs one unneeded or one missing prefetch, never a wrong result."""
+        manager = self.kv_cache_manager
+        if manager is None or not block_hashes:
+            return False
+        pool = manager.block_pool
+        try:
+            return all(pool.get_cached_block(h, [0]) is not None for h in block_hashes)
+        except Exception:  # noqa: BLE001 - a heuristic: on any doubt, prefetch
+            return False
