@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 PLUGIN_NAME = "kvbranch"
 CONNECTOR_CLASS = "KVBranchConnector"
@@ -27,65 +29,41 @@ ROLES = ("single", "prefill", "decode", "router")
 GIB = 1 << 30
 
 
+N = TypeVar("N", int, float)
+
+
 class LaunchError(RuntimeError):
     """A launch problem the user can fix; printed as one line, exit status 2."""
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
-    return value
+def _value(
+    convert: Callable[[str], N], noun: str, *rules: tuple[Callable[[N], bool], str]
+) -> Callable[[str], N]:
+    """An argparse type: ``convert`` the text (else "is not ``noun``"), then each rule in
+    turn (else the rule's message)."""
+
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        for holds, message in rules:
+            if not holds(value):
+                raise argparse.ArgumentTypeError(f"{text!r} {message}")
+        return value
+
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"{text!r} is not in 1-65535")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
-    return value
-
-
-def _share(text: str) -> float:
-    value = _positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at most 1")
-    return value
-
-
-def _block_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0 or value & (value - 1):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a power of two")
-    return value
+_POSITIVE = (lambda v: v > 0, "must be greater than 0")
+_positive_float = _value(float, "a number", _POSITIVE)
+_non_negative_float = _value(float, "a number", (lambda v: not v < 0, "must not be negative"))
+_port = _value(int, "a port number", (lambda v: 0 < v < 65536, "is not in 1-65535"))
+_positive_int = _value(int, "an integer", _POSITIVE)
+_share = _value(float, "a number", _POSITIVE, (lambda v: v <= 1, "must be at most 1"))
+_block_size = _value(
+    int, "an integer", (lambda v: v > 0 and not v & (v - 1), "must be a power of two")
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

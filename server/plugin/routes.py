@@ -134,18 +134,6 @@ async def create_session(request: Request, body: CreateSessionRequest = NewSessi
     return _answer(SessionInfo, result, 201)
 
 
-@router.get("/sessions/{session_id}", response_model=SessionInfo)
-@_routed
-async def get_session(request: Request, session_id: str = SessionId) -> Response:
-    return _answer(SessionInfo, await _call(request, "get_session", session_id=session_id))
-
-
-@router.delete("/sessions/{session_id}", response_model=DeleteResult)
-@_routed
-async def delete_session(request: Request, session_id: str = SessionId) -> Response:
-    return _answer(DeleteResult, await _call(request, "delete_session", session_id=session_id))
-
-
 @router.get("/sessions/{session_id}/branches", response_model=list[BranchInfo])
 @_routed
 async def list_branches(request: Request, session_id: str = SessionId) -> Response:
@@ -199,24 +187,6 @@ async def _render(request: Request, messages: list[dict[str, Any]]) -> list[int]
         return error_response(400, f"messages could not be rendered with the chat template: {exc}")
 
 
-@router.get("/sessions/{session_id}/branches/{branch_id}", response_model=BranchInfo)
-@_routed
-async def get_branch(
-    request: Request, session_id: str = SessionId, branch_id: str = BranchId
-) -> Response:
-    result = await _call(request, "get_branch", session_id=session_id, branch_id=branch_id)
-    return _answer(BranchInfo, result)
-
-
-@router.delete("/sessions/{session_id}/branches/{branch_id}", response_model=DeleteResult)
-@_routed
-async def delete_branch(
-    request: Request, session_id: str = SessionId, branch_id: str = BranchId
-) -> Response:
-    result = await _call(request, "delete_branch", session_id=session_id, branch_id=branch_id)
-    return _answer(DeleteResult, result)
-
-
 @router.post("/sessions/{session_id}/branches/{branch_id}/pin", response_model=BranchInfo)
 @_routed
 async def pin_branch(
@@ -225,15 +195,6 @@ async def pin_branch(
     result = await _call(
         request, "pin", session_id=session_id, branch_id=branch_id, ttl_s=body.ttl_s
     )
-    return _answer(BranchInfo, result)
-
-
-@router.delete("/sessions/{session_id}/branches/{branch_id}/pin", response_model=BranchInfo)
-@_routed
-async def unpin_branch(
-    request: Request, session_id: str = SessionId, branch_id: str = BranchId
-) -> Response:
-    result = await _call(request, "unpin", session_id=session_id, branch_id=branch_id)
     return _answer(BranchInfo, result)
 
 
@@ -267,3 +228,37 @@ async def prefetch_branch(
         "num_tokens": len(tokens),
     }
     return _answer(PrefetchResult, result, 202)
+
+
+# --- the routes that are one control op answered by one model ------------------------------
+def _session_op(op: str, model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
+    async def handler(request: Request, session_id: str = SessionId) -> Response:
+        return _answer(model, await _call(request, op, session_id=session_id))
+
+    return _routed(handler)
+
+
+def _branch_op(op: str, model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
+    async def handler(
+        request: Request, session_id: str = SessionId, branch_id: str = BranchId
+    ) -> Response:
+        result = await _call(request, op, session_id=session_id, branch_id=branch_id)
+        return _answer(model, result)
+
+    return _routed(handler)
+
+
+_SESSION = "/sessions/{session_id}"
+_BRANCH = _SESSION + "/branches/{branch_id}"
+_SIMPLE_ROUTES: tuple[tuple[str, str, str, type[BaseModel]], ...] = (
+    ("GET", _SESSION, "get_session", SessionInfo),
+    ("DELETE", _SESSION, "delete_session", DeleteResult),
+    ("GET", _BRANCH, "get_branch", BranchInfo),
+    ("DELETE", _BRANCH, "delete_branch", DeleteResult),
+    ("DELETE", _BRANCH + "/pin", "unpin", BranchInfo),
+)
+for _method, _path, _op, _model in _SIMPLE_ROUTES:
+    _make = _branch_op if "{branch_id}" in _path else _session_op
+    router.add_api_route(
+        _path, _make(_op, _model), methods=[_method], response_model=_model, name=_op
+    )
