@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sdk import DEFAULT_BRANCH, AsyncKVBranchClient, ChatResult, KVBranchClient
+from server.contract import check_id
 
 __all__ = [
     "BranchRef",
@@ -38,6 +39,7 @@ Flow = Generator[Op, Any, T]
 """An operation written once: yields client calls, is sent their results (or has their errors
 thrown in), returns a ``T``."""
 
+# the characters of server.contract's ID_PATTERN (check_id has the last word)
 _ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
 
 
@@ -50,7 +52,7 @@ def coerce_id(value: Any, prefix: str = "") -> str | None:
     text = "".join(c if c in _ID_OK else "-" for c in prefix + str(value))
     if not text[0].isalnum():
         text = "x" + text
-    return text[:128]
+    return check_id(text[:128])
 
 
 @dataclass(frozen=True)
