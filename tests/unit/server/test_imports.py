@@ -100,6 +100,19 @@ def test_the_graph_has_the_known_edges():
     assert "server.settings" in graph["server.cli"]
 
 
+def test_layers_import_downwards_only():
+    """The plugin reads the launcher's settings, not the launcher; the router builds its errors,
+    tenants and stream rewrites without the plugin (or vLLM's engine)."""
+    graph = import_graph()
+    for name, imports in graph.items():
+        if name.startswith("server.plugin"):
+            assert "server.cli" not in imports, name
+        if name.startswith("server.router"):
+            assert not {m for m in imports if m.startswith("server.plugin")}, name
+        if name.startswith("server.contract"):
+            assert imports <= {"server.contract.wire", "server.contract.models"}, name
+
+
 def test_no_import_cycles_in_server():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
