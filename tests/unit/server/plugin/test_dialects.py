@@ -1,0 +1,470 @@
+"""Cache-hint dialects (server/plugin/dialects.py): request → session / pin, Anthropic usage.
+Pure logic; the real clients against the real server are in tests/integration/test_dialects.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from server.contract import (
+    INTERNAL_XARGS,
+    MAX_TTL_S,
+    PIN_TTL_XARG,
+    check_id,
+)
+from server.plugin import dialects
+from server.plugin.guard import KVBranchGuard
+from server.plugin.middleware import rewrite_request
+
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+
+
+def chat(**extra) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def anthropic(**extra) -> dict:
+    body = {
+        "model": "m",
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": "You are terse."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+    }
+    body.update(extra)
+    return body
+
+
+# --- OpenAI ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", dialects.OPENAI_PATHS)
+def test_prompt_cache_key_becomes_the_session(path):
+    payload = chat(prompt_cache_key="user-42")
+    hints = dialects.apply(payload, path)
+    assert payload["session_id"] == "user-42" == hints.session_id
+    assert PIN_TTL_XARG not in payload.get("vllm_xargs", {})
+
+
+def test_a_key_that_is_not_an_id_gets_a_stable_digest_session():
+    a, b = (
+        chat(prompt_cache_key="alice@example.com/agent 1"),
+        chat(prompt_cache_key="alice@example.com/agent 1"),
+    )
+    dialects.apply(a, CHAT)
+    dialects.apply(b, CHAT)
+    assert a["session_id"] == b["session_id"]
+    assert a["session_id"].startswith("pck-")
+    check_id(a["session_id"])
+    other = chat(prompt_cache_key="alice@example.com/agent 2")
+    dialects.apply(other, CHAT)
+    assert other["session_id"] != a["session_id"]
+
+
+@pytest.mark.parametrize("where", ["body", "header", "xargs"])
+def test_an_explicit_session_wins_over_the_key(where):
+    payload = chat(prompt_cache_key="k1")
+    header = None
+    if where == "body":
+        payload["session_id"] = "mine"
+    elif where == "header":
+        header = "mine"
+    else:
+        payload["vllm_xargs"] = {"session_id": "mine"}
+    hints = dialects.apply(payload, CHAT, header)
+    assert hints.session_id is None
+    assert payload.get("session_id") in (None, "mine")
+
+
+@pytest.mark.parametrize(
+    "value, seconds",
+    [
+        ("24h", 24 * 3600.0),
+        ("30m", 1800.0),
+        ("90s", 90.0),
+        ("in_memory", None),
+        ("in-memory", None),
+        ("IN_MEMORY", None),
+        (None, None),
+    ],
+)
+def test_retention_becomes_the_pin_lease(value, seconds):
+    payload = chat(prompt_cache_key="k", prompt_cache_retention=value)
+    hints = dialects.apply(payload, CHAT)
+    assert hints.pin_ttl_s == seconds
+    assert payload.get("vllm_xargs", {}).get(PIN_TTL_XARG) == seconds
+
+
+def test_cache_options_ttl_and_the_longer_of_two_hints():
+    payload = chat(prompt_cache_options={"mode": "implicit", "ttl": "30m"})
+    assert dialects.apply(payload, CHAT).pin_ttl_s == 1800.0
+    payload = chat(prompt_cache_options={"ttl": "30m"}, prompt_cache_retention="24h")
+    assert dialects.apply(payload, CHAT).pin_ttl_s == MAX_TTL_S
+
+
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("prompt_cache_retention", "forever", "prompt_cache_retention"),
+        ("prompt_cache_retention", "25h", "prompt_cache_retention"),
+        ("prompt_cache_retention", "0m", "prompt_cache_retention"),
+        ("prompt_cache_retention", 3600, "prompt_cache_retention"),
+        ("prompt_cache_key", 42, "prompt_cache_key"),
+        ("prompt_cache_key", "x" * 2000, "prompt_cache_key"),
+        ("prompt_cache_options", "30m", "prompt_cache_options"),
+        ("prompt_cache_options", {"ttl": "a week"}, "prompt_cache_options.ttl"),
+        ("prompt_cache_options", {"mode": "sometimes"}, "prompt_cache_options.mode"),
+    ],
+)
+def test_bad_openai_hints_are_named(field, value, param):
+    found = dialects.problem(chat(**{field: value}), CHAT)
+    assert found is not None and found[0] == param
+    assert param in found[1]
+    assert dialects.apply(chat(**{field: value}), CHAT).session_id is None
+
+
+def test_other_routes_are_untouched():
+    payload = chat(prompt_cache_key="k", prompt_cache_retention="forever")
+    before = json.loads(json.dumps(payload))
+    assert dialects.problem(payload, "/v1/chat/completions/batch") is None
+    dialects.apply(payload, "/inference/v1/generate")
+    assert payload == before
+
+
+def test_a_client_cannot_set_the_pin_xarg_itself():
+    assert PIN_TTL_XARG in INTERNAL_XARGS
+    payload = chat(vllm_xargs={PIN_TTL_XARG: 86400})
+    payload = rewrite_request(payload, tag="t", branch_header=None, owner=None)
+    dialects.apply(payload, CHAT)
+    assert PIN_TTL_XARG not in payload["vllm_xargs"]
+
+
+# --- Anthropic -------------------------------------------------------------------------------
+def test_no_breakpoint_no_hints():
+    payload = anthropic()
+    hints = dialects.apply(payload, MESSAGES)
+    assert hints.session_id is None and hints.pin_ttl_s is None and hints.usage is None
+    assert "vllm_xargs" not in payload
+
+
+def test_breakpoint_gives_a_session_in_xargs_and_a_pin():
+    payload = anthropic()
+    payload["messages"][0]["content"][0]["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+    hints = dialects.apply(payload, MESSAGES)
+    assert "session_id" not in payload  # /v1/messages has no such field: vllm_xargs carries it
+    assert payload["vllm_xargs"]["session_id"] == hints.session_id
+    assert hints.session_id.startswith("cc-")
+    check_id(hints.session_id)
+    assert payload["vllm_xargs"][PIN_TTL_XARG] == 3600.0
+    assert hints.usage is not None and hints.usage.prefix_request is None  # whole prompt
+
+
+def test_the_session_follows_the_prefix_up_to_the_last_breakpoint():
+    def with_system_breakpoint(question: str, ttl: str | None = None) -> str:
+        payload = anthropic()
+        control = {"type": "ephemeral", **({"ttl": ttl} if ttl else {})}
+        payload["system"][0]["cache_control"] = control
+        payload["messages"][0]["content"][0]["text"] = question
+        return dialects.apply(payload, MESSAGES).session_id
+
+    # the same system prefix: the same session, whatever comes after it or its ttl
+    assert (
+        with_system_breakpoint("a")
+        == with_system_breakpoint("b")
+        == with_system_breakpoint("a", "1h")
+    )
+    other = anthropic(
+        system=[{"type": "text", "text": "Other.", "cache_control": {"type": "ephemeral"}}]
+    )
+    assert dialects.apply(other, MESSAGES).session_id != with_system_breakpoint("a")
+    salted = anthropic(cache_salt="s1")
+    salted["system"][0]["cache_control"] = {"type": "ephemeral"}
+    assert dialects.apply(salted, MESSAGES).session_id != with_system_breakpoint("a")
+
+
+def test_an_earlier_breakpoint_keeps_the_prefix_to_count():
+    payload = anthropic()
+    payload["system"][0]["cache_control"] = {"type": "ephemeral"}
+    hints = dialects.apply(payload, MESSAGES)
+    assert hints.pin_ttl_s == 300.0
+    assert hints.usage.prefix_request == {"system": payload["system"], "messages": []}
+    payload = anthropic(
+        tools=[
+            {"name": "a", "input_schema": {}},
+            {"name": "b", "input_schema": {}, "cache_control": {"type": "ephemeral"}},
+            {"name": "c", "input_schema": {}},
+        ]
+    )
+    assert dialects.apply(payload, MESSAGES).usage.prefix_request == {
+        "tools": payload["tools"][:2],
+        "messages": [],
+    }
+    payload = anthropic(
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "1", "cache_control": {"type": "ephemeral"}},
+                    {"type": "text", "text": "2"},
+                ],
+            },
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "3"},
+        ]
+    )
+    cut = dialects.apply(payload, MESSAGES).usage.prefix_request
+    assert cut["messages"] == [{"role": "user", "content": [payload["messages"][0]["content"][0]]}]
+
+
+def test_request_level_cache_control_marks_the_whole_prompt():
+    payload = anthropic(cache_control={"type": "ephemeral"})
+    hints = dialects.apply(payload, MESSAGES)
+    assert hints.pin_ttl_s == 300.0 and hints.usage.prefix_request is None
+
+
+def test_an_explicit_session_header_wins_for_messages():
+    payload = anthropic(cache_control={"type": "ephemeral", "ttl": "1h"})
+    hints = dialects.apply(payload, MESSAGES, "conv-1")
+    assert hints.session_id is None
+    assert "session_id" not in payload["vllm_xargs"]
+    assert payload["vllm_xargs"][PIN_TTL_XARG] == 3600.0
+
+
+@pytest.mark.parametrize(
+    "control, param",
+    [
+        ({"type": "persistent"}, "messages[0].content[0].cache_control"),
+        ("ephemeral", "messages[0].content[0].cache_control"),
+        ({"type": "ephemeral", "ttl": "2h"}, "messages[0].content[0].cache_control.ttl"),
+    ],
+)
+def test_bad_cache_control_is_named(control, param):
+    payload = anthropic()
+    payload["messages"][0]["content"][0]["cache_control"] = control
+    found = dialects.problem(payload, MESSAGES)
+    assert found is not None and found[0] == param
+    bad_top = dialects.problem(anthropic(cache_control={"type": "ephemeral", "ttl": 5}), MESSAGES)
+    assert bad_top is not None and bad_top[0] == "cache_control.ttl"
+
+
+# --- Anthropic usage -------------------------------------------------------------------------
+def vllm_usage(prompt: int, read: int, created: int, output: int = 5) -> dict:
+    return {
+        "input_tokens": prompt - read - created,
+        "output_tokens": output,
+        "cache_read_input_tokens": read,
+        "cache_creation_input_tokens": created,
+    }
+
+
+def split(prompt: int, device: int, host: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "device_hit_tokens": device,
+        "host_hit_tokens": host,
+        "remote_hit_tokens": 0,
+        "recomputed_tokens": prompt - device - host,
+    }
+
+
+def total(usage: dict) -> int:
+    return (
+        usage["input_tokens"]
+        + usage["cache_read_input_tokens"]
+        + usage["cache_creation_input_tokens"]
+    )
+
+
+def test_usage_whole_prompt_breakpoint():
+    # turn 1: nothing cached, 256 of 300 tokens written (full blocks)
+    out = dialects.anthropic_usage(
+        vllm_usage(300, 0, 256), prefix_tokens=None, split=split(300, 0, 0), ttl_s=300.0
+    )
+    assert (
+        out["cache_read_input_tokens"],
+        out["cache_creation_input_tokens"],
+        out["input_tokens"],
+    ) == (0, 256, 44)
+    assert out["cache_creation"] == {
+        "ephemeral_5m_input_tokens": 256,
+        "ephemeral_1h_input_tokens": 0,
+    }
+    # turn 2: read from device + host store
+    out = dialects.anthropic_usage(
+        vllm_usage(420, 256, 128), prefix_tokens=None, split=split(420, 128, 128), ttl_s=3600.0
+    )
+    assert (out["cache_read_input_tokens"], out["cache_creation_input_tokens"]) == (256, 128)
+    assert out["cache_creation"]["ephemeral_1h_input_tokens"] == 128
+    assert total(out) == 420 and out["output_tokens"] == 5
+
+
+def test_usage_earlier_breakpoint_writes_only_its_prefix():
+    out = dialects.anthropic_usage(
+        vllm_usage(1000, 0, 896), prefix_tokens=300, split=None, ttl_s=300.0
+    )
+    assert out["cache_creation_input_tokens"] == 300
+    assert out["input_tokens"] == 700 and total(out) == 1000
+    # the prefix already read: nothing written at it
+    out = dialects.anthropic_usage(
+        vllm_usage(1000, 512, 384), prefix_tokens=300, split=None, ttl_s=300.0
+    )
+    assert out["cache_creation_input_tokens"] == 0 and out["cache_read_input_tokens"] == 512
+    # only full blocks are written: the prefix is cut to them
+    out = dialects.anthropic_usage(
+        vllm_usage(1000, 0, 896), prefix_tokens=300, split=None, ttl_s=300.0, block_size=128
+    )
+    assert out["cache_creation_input_tokens"] == 256 and out["input_tokens"] == 744
+
+
+def test_usage_without_vllm_cache_fields_uses_the_split():
+    out = dialects.anthropic_usage(
+        {"input_tokens": 300, "output_tokens": 1},
+        prefix_tokens=None,
+        split=split(300, 128, 0),
+        ttl_s=300.0,
+    )
+    assert out["cache_read_input_tokens"] == 128
+    assert out["cache_creation_input_tokens"] == 172 and out["input_tokens"] == 0
+
+
+def test_rewrite_json_and_sse_events():
+    usage = dialects.AnthropicUsage(ttl_s=300.0)
+    body = {"type": "message", "usage": vllm_usage(300, 0, 256)}
+    assert asyncio.run(usage.rewrite(body, split(300, 0, 0), None))
+    assert body["usage"]["cache_creation_input_tokens"] == 256
+    start = {"type": "message_start", "message": {"usage": vllm_usage(300, 128, 128)}}
+    event = b"event: message_start\ndata: " + json.dumps(start).encode()
+    out = asyncio.run(usage.rewrite_event(event, split(300, 128, 0), None))
+    head, data = out.split(b"\n", 1)
+    assert head == b"event: message_start"
+    message = json.loads(data[len(b"data: ") :])["message"]
+    assert message["usage"]["cache_read_input_tokens"] == 128
+    assert "cache_creation" in message["usage"]
+    ping = b'event: ping\ndata: {"type": "ping"}'
+    assert asyncio.run(usage.rewrite_event(ping, None, None)) == ping
+
+
+def test_prefix_count_failure_falls_back_to_the_whole_prompt():
+    class Handler:
+        async def count_tokens(self, request):
+            raise RuntimeError("template needs a message")
+
+    class State:
+        anthropic_serving_messages = Handler()
+
+    usage = dialects.AnthropicUsage(ttl_s=300.0, prefix_request={"messages": []}, model="m")
+    assert asyncio.run(usage.prefix_tokens(State())) is None
+
+
+# --- the guard answers bad hints with a 400 naming the field ---------------------------------
+def _through_guard(path: str, payload: dict) -> tuple[int, dict | None]:
+    reached = {}
+
+    async def app(scope, receive, send):
+        reached["yes"] = True
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    sent: list[dict] = []
+    body = json.dumps(payload).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [(b"content-type", b"application/json")],
+    }
+    asyncio.run(KVBranchGuard(app)(scope, receive, send))
+    status = sent[0]["status"]
+    return status, (None if reached else json.loads(sent[1]["body"]))
+
+
+def test_guard_refuses_bad_hints_with_400():
+    status, error = _through_guard(CHAT, chat(prompt_cache_retention="forever"))
+    assert status == 400 and error["error"]["param"] == "prompt_cache_retention"
+    assert "in_memory" in error["error"]["message"]
+    bad = anthropic()
+    bad["system"][0]["cache_control"] = {"type": "ephemeral", "ttl": "10m"}
+    status, error = _through_guard(MESSAGES, bad)
+    assert status == 400 and error["error"]["param"] == "system[0].cache_control.ttl"
+    status, error = _through_guard(CHAT, chat(prompt_cache_key="ok", prompt_cache_retention="24h"))
+    assert status == 200 and error is None
+
+
+# --- the pin lease reaches the session registry (planner → observe_request) ------------------
+BS = 4
+
+
+def make_planner(budget_blocks: int = 16):
+    from server.connector.block_index import HostBlockIndex
+    from server.connector.planner import Planner
+    from server.connector.sessions import SessionRegistry
+
+    index = HostBlockIndex(32)
+    registry = SessionRegistry(
+        index,
+        block_size=BS,
+        block_bytes=1,
+        pin_budget_bytes=budget_blocks,
+        default_ttl_s=60.0,
+        clock=lambda: 0.0,
+    )
+    return Planner(index, registry, BS), index, registry
+
+
+def make_request(
+    rid: str, n_tokens: int, *, seed: str = "p", session_id=None, extra: dict | None = None
+):
+    from types import SimpleNamespace
+
+    tokens = [hash((seed, i)) % 30_000 for i in range(n_tokens)]
+    return SimpleNamespace(
+        request_id=rid,
+        all_token_ids=tokens,
+        num_prompt_tokens=n_tokens,
+        block_hashes=[repr(tokens[: (k + 1) * BS]).encode() for k in range(n_tokens // BS)],
+        num_computed_tokens=0,
+        session_id=session_id,
+        cache_salt=None,
+        sampling_params=SimpleNamespace(extra_args=extra),
+    )
+
+
+def test_pin_hint_sets_the_branch_lease_and_degrades_when_too_big():
+    planner, _, registry = make_planner(budget_blocks=4)
+    req = make_request("r1", 3 * BS + 1, session_id="pck-x", extra={PIN_TTL_XARG: 3600.0})
+    req.num_computed_tokens = 3 * BS + 1
+    planner.on_new_request(req)
+    planner.request_finished(req)
+    branch = registry.get_branch("pck-x", "main")
+    assert branch.pinned and branch.pin_ttl_s == 3600.0 and len(branch.pinned_hashes) == 3
+    # the lease stays with the branch: a later request without a hint renews it as 1 h
+    again = make_request("r2", 3 * BS + 1, session_id="pck-x")
+    again.num_computed_tokens = 3 * BS + 1
+    planner.on_new_request(again)
+    planner.request_finished(again)
+    assert registry.get_branch("pck-x", "main").pin_ttl_s == 3600.0
+    # a branch larger than the whole budget: the hint degrades, the request is served
+    big = make_request(
+        "r3", 6 * BS + 1, seed="big", session_id="pck-big", extra={PIN_TTL_XARG: 86400.0}
+    )
+    big.num_computed_tokens = 6 * BS + 1
+    planner.on_new_request(big)
+    planner.request_finished(big)
+    assert registry.get_branch("pck-big", "main").degraded
+
+
+def test_pin_hint_pins_a_session_without_auto_pin():
+    planner, _, registry = make_planner()
+    registry.create_session("quiet", auto_pin=False)
+    req = make_request("r", 2 * BS + 1, session_id="quiet", extra={PIN_TTL_XARG: 1800.0})
+    req.num_computed_tokens = 2 * BS + 1
+    planner.on_new_request(req)
+    planner.request_finished(req)
+    assert registry.get_branch("quiet", "main").pin_ttl_s == 1800.0
