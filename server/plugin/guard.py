@@ -18,7 +18,9 @@ vLLM's own key check, where it applies, runs before it).
 * **Client salt**: with keys, a ``cache_salt`` vLLM would refuse gets vLLM's 400 here, since
   the middleware turns any client salt into a valid tenant salt.
 
-Errors use the contract's shape: ``{"error": {"message", "type", "param", "code"}}``.
+Errors use the contract's shape (:func:`server.errors.send_error`): ``{"error": {"message",
+"type", "param", "code"}}``. The body it reads is kept for the middleware inside it
+(:func:`server.plugin.request.read_body`), so a request's body is read once.
 """
 
 from __future__ import annotations
@@ -30,44 +32,62 @@ from server.contract import (
     API_PREFIX,
     BRANCH_HEADER,
     BRANCH_XARG,
+    CACHE_SALT_FIELD,
+    EXTRA_ARGS_FIELD,
     GENERATE_PATHS,
     MAX_BODY_BYTES,
     NESTED_XARGS_PATH,
+    SAMPLING_PARAMS_FIELD,
+    SESSION_FIELD,
     SESSION_HEADER,
+    SESSION_XARG,
     UNSALTABLE_PATHS,
+    XARGS_FIELD,
     check_cache_salt,
     check_id,
 )
-from server.plugin.middleware import header, route_path, xargs_of
+from server.errors import send_error
+from server.plugin import dialects
+from server.plugin.middleware import xargs_of
+from server.plugin.request import drain, header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
 
 
 def _guarded(path: str) -> bool:
-    return (path in GENERATE_PATHS or path in UNSALTABLE_PATHS or path == API_PREFIX
-            or path.startswith(API_PREFIX + "/"))
+    return (
+        path in GENERATE_PATHS
+        or path in UNSALTABLE_PATHS
+        or path == API_PREFIX
+        or path.startswith(API_PREFIX + "/")
+    )
 
 
-def id_problem(payload: dict, session_header: str | None,
-               branch_header: str | None, path: str = GENERATE_PATHS[0]
-               ) -> tuple[str, str] | None:
+def id_problem(
+    payload: dict,
+    session_header: str | None,
+    branch_header: str | None,
+    path: str = GENERATE_PATHS[0],
+) -> tuple[str, str] | None:
     """(param, message) for the first malformed session/branch id of a generating request, or
     None. Empty or absent ids mean "none" (as in vLLM and the planner). Pure, for tests."""
     xargs = xargs_of(payload, path)
     xargs = xargs if isinstance(xargs, dict) else {}
-    where = "sampling_params.extra_args" if path == NESTED_XARGS_PATH else "vllm_xargs"
+    where = (
+        f"{SAMPLING_PARAMS_FIELD}.{EXTRA_ARGS_FIELD}" if path == NESTED_XARGS_PATH else XARGS_FIELD
+    )
     candidates = [
-        ("session_id", payload.get("session_id")),
+        (SESSION_FIELD, payload.get(SESSION_FIELD)),
         (SESSION_HEADER, session_header),
-        (f"{where}.session_id", xargs.get("session_id")),
+        (f"{where}.{SESSION_XARG}", xargs.get(SESSION_XARG)),
         (f"{where}.{BRANCH_XARG}", xargs.get(BRANCH_XARG)),
         (BRANCH_HEADER, branch_header),
     ]
     for param, value in candidates:
         if value is None or value == "":
             continue
-        if param == "session_id" and not isinstance(value, str):
+        if param == SESSION_FIELD and not isinstance(value, str):
             continue  # vLLM's own request model rejects it with its message
-        if param == f"{where}.session_id" and not isinstance(value, str):
+        if param == f"{where}.{SESSION_XARG}" and not isinstance(value, str):
             continue  # vLLM ignores a non-string one
         try:
             check_id(value, param)
@@ -76,32 +96,16 @@ def id_problem(payload: dict, session_header: str | None,
     return None
 
 
-def _error_response(status: int, message: str, param: str | None) -> tuple[dict, bytes]:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-            413: "RequestTooLargeError"}.get(status, "Error")
-    body = json.dumps({"error": {"message": message, "type": kind, "param": param,
-                                 "code": status}}).encode()
-    start = {"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode())]}
-    return start, body
-
-
 class KVBranchGuard:
     def __init__(self, app: Any, max_body: int = MAX_BODY_BYTES) -> None:
         self.app = app
         self.max_body = max_body
 
     async def _reply(self, send: Any, status: int, message: str, param: str | None) -> None:
-        start, body = _error_response(status, message, param)
-        await send(start)
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await send_error(send, status, message, param)
 
     async def _drain(self, receive: Any) -> None:
-        while True:
-            message = await receive()
-            if message["type"] != "http.request" or not message.get("more_body"):
-                return
+        await drain(receive)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = route_path(scope) if scope["type"] == "http" else ""
@@ -114,13 +118,23 @@ class KVBranchGuard:
         if keys and generating:
             if owner_of(header(scope, "authorization"), app_args) is None:
                 await self._drain(receive)
-                await self._reply(send, 401, "this server requires an API key: send "
-                                  "'Authorization: Bearer <key>' with one of its keys", None)
+                await self._reply(
+                    send,
+                    401,
+                    "this server requires an API key: send "
+                    "'Authorization: Bearer <key>' with one of its keys",
+                    None,
+                )
                 return
             if path in UNSALTABLE_PATHS:
                 await self._drain(receive)
-                await self._reply(send, 403, f"{path} is not served with API keys: its "
-                                  "requests cannot carry a per-tenant cache_salt", None)
+                await self._reply(
+                    send,
+                    403,
+                    f"{path} is not served with API keys: its "
+                    "requests cannot carry a per-tenant cache_salt",
+                    None,
+                )
                 return
         too_big = f"request body larger than {self.max_body} bytes"
         length = header(scope, "content-length")
@@ -128,23 +142,16 @@ class KVBranchGuard:
             await self._drain(receive)
             await self._reply(send, 413, too_big, None)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # client gone
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                if message.get("more_body"):
-                    await self._drain(receive)
-                await self._reply(send, 413, too_big, None)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        # Read once for every layer of ours (the middleware gets it from the scope).
+        request_body, receive = await read_body(scope, receive, self.max_body)
+        if request_body.disconnected:  # client gone
+            return
+        if request_body.over_limit:
+            if request_body.more:
+                await self._drain(receive)
+            await self._reply(send, 413, too_big, None)
+            return
+        body = request_body.data
 
         if path in GENERATE_PATHS:
             try:
@@ -152,24 +159,18 @@ class KVBranchGuard:
             except ValueError:
                 payload = None  # vLLM answers malformed JSON itself
             if isinstance(payload, dict):
-                problem = id_problem(payload, header(scope, SESSION_HEADER),
-                                     header(scope, BRANCH_HEADER), path)
+                problem = id_problem(
+                    payload, header(scope, SESSION_HEADER), header(scope, BRANCH_HEADER), path
+                )
+                if problem is None:  # cache hints (prompt_cache_*, cache_control): dialects.py
+                    problem = dialects.problem(payload, path)
                 if problem is None and keys:
                     try:
-                        check_cache_salt(payload.get("cache_salt"))
+                        check_cache_salt(payload.get(CACHE_SALT_FIELD))
                     except ValueError as exc:
-                        problem = ("cache_salt", str(exc))
+                        problem = (CACHE_SALT_FIELD, str(exc))
                 if problem is not None:
                     await self._reply(send, 400, problem[1], problem[0])
                     return
 
-        sent = False
-
-        async def replay() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, receive, send)

@@ -13,6 +13,10 @@ clients, so only their salt is set.
 On the way out it adds the top-level ``kvbranch`` object (:class:`PromptSourceSplit`) to the
 JSON body, or to the usage chunk of a stream — vLLM returns ``kv_transfer_params`` only on
 non-streaming responses, so a side channel is the only way a streaming client learns it.
+
+The request body is the one the guard already read (:func:`server.plugin.request.read_body`:
+read once per request); stream events are cut and re-encoded by :mod:`server.sse`, as the
+P/D router's relay does.
 """
 
 from __future__ import annotations
@@ -25,31 +29,41 @@ from typing import Any
 from server.contract import (
     BRANCH_HEADER,
     BRANCH_XARG,
+    CACHE_SALT_FIELD,
     COMPLETION_PATHS,
+    EXTRA_ARGS_FIELD,
     GENERATE_PATHS,
     INTERNAL_XARGS,
     MAX_BODY_BYTES,
     NESTED_XARGS_PATH,
+    NO_XARGS_PATHS,
     OWNER_XARG,
     RESPONSE_FIELD,
+    SAMPLING_PARAMS_FIELD,
     TAG_XARG,
     TRANSFER_PARAMS_FIELD,
+    USAGE_FIELD,
+    XARGS_FIELD,
 )
+from server.plugin import dialects
+from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
+from server.sse import EVENT_END, EventSplitter, encode_event, json_event
+
+__all__ = [
+    "KVBranchMiddleware",
+    "add_split_to_event",
+    "attach_split",
+    "header",
+    "rewrite_request",
+    "route_path",
+    "xargs_of",
+]
 
 logger = logging.getLogger("kvbranch.middleware")
 
-
-
-#: Generating routes whose bodies take no extension args from clients (nothing to strip).
-_NO_XARGS_PATHS = ("/v1/systemone", "/generative_scoring")
-
-
-def route_path(scope: dict) -> str:
-    """The request path without the app's ``root_path``, as vLLM's key check matches it."""
-    path = scope.get("path", "")
-    root = scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+_NO_XARGS_PATHS = NO_XARGS_PATHS  # nothing to strip there
+_USAGE_MARKER = f'"{USAGE_FIELD}"'.encode()
 
 
 def xargs_of(payload: dict, path: str) -> Any:
@@ -57,18 +71,9 @@ def xargs_of(payload: dict, path: str) -> Any:
     if path in _NO_XARGS_PATHS:
         return None
     if path == NESTED_XARGS_PATH:
-        params = payload.get("sampling_params")
-        return params.get("extra_args") if isinstance(params, dict) else None
-    return payload.get("vllm_xargs")
-
-
-def header(scope: dict, name: str) -> str | None:
-    """An ASGI request header by case-insensitive name."""
-    key = name.lower().encode()
-    for k, v in scope.get("headers", []):
-        if k.lower() == key:
-            return v.decode("latin-1")
-    return None
+        params = payload.get(SAMPLING_PARAMS_FIELD)
+        return params.get(EXTRA_ARGS_FIELD) if isinstance(params, dict) else None
+    return payload.get(XARGS_FIELD)
 
 
 def attach_split(target: dict, split: dict) -> None:
@@ -81,11 +86,17 @@ def attach_split(target: dict, split: dict) -> None:
     target[RESPONSE_FIELD] = split
 
 
-def rewrite_request(payload: dict, *, tag: str, branch_header: str | None,
-                    owner: str | None, path: str = COMPLETION_PATHS[0]) -> dict:
+def rewrite_request(
+    payload: dict,
+    *,
+    tag: str,
+    branch_header: str | None,
+    owner: str | None,
+    path: str = COMPLETION_PATHS[0],
+) -> dict:
     """Strip internal fields, add ours (tag, branch, owner) and the tenant salt. Pure."""
     if owner:
-        payload["cache_salt"] = tenant_salt(owner, payload.get("cache_salt"))
+        payload[CACHE_SALT_FIELD] = tenant_salt(owner, payload.get(CACHE_SALT_FIELD))
     if path in _NO_XARGS_PATHS:
         return payload
     xargs = xargs_of(payload, path)
@@ -100,27 +111,24 @@ def rewrite_request(payload: dict, *, tag: str, branch_header: str | None,
     if owner:
         xargs[OWNER_XARG] = owner
     if path == NESTED_XARGS_PATH:
-        params = payload.get("sampling_params")
+        params = payload.get(SAMPLING_PARAMS_FIELD)
         if isinstance(params, dict):
-            params["extra_args"] = xargs
+            params[EXTRA_ARGS_FIELD] = xargs
         # else: vLLM refuses the body (sampling_params is required) with its own message
     else:
-        payload["vllm_xargs"] = xargs
+        payload[XARGS_FIELD] = xargs
     return payload
 
 
 def add_split_to_event(event: bytes, split: dict | None) -> bytes:
     """Put ``split`` into an SSE ``data:`` event that carries a non-null ``usage``."""
-    if split is None or not event.startswith(b"data: {") or b'"usage"' not in event:
+    if split is None:
         return event
-    try:
-        chunk = json.loads(event[len(b"data: "):])
-    except ValueError:
-        return event
-    if not isinstance(chunk, dict) or not chunk.get("usage"):
+    chunk = json_event(event, _USAGE_MARKER)
+    if chunk is None or not chunk.get(USAGE_FIELD):
         return event
     attach_split(chunk, split)
-    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+    return encode_event(chunk)
 
 
 class KVBranchMiddleware:
@@ -132,27 +140,28 @@ class KVBranchMiddleware:
         if scope.get("method") != "POST" or path not in GENERATE_PATHS:
             await self.app(scope, receive, send)
             return
-        body = b""
-        more = False  # True when we stopped buffering a body larger than MAX_BODY_BYTES
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                more = False  # client gone: nothing more will come
-                break
-            body += message.get("body", b"")
-            more = bool(message.get("more_body"))
-            if len(body) > MAX_BODY_BYTES or not more:
-                break
+        # Read once (the guard outside us usually did already); past MAX_BODY_BYTES reading
+        # stops and the body is forwarded whole, untouched.
+        request_body, receive = await read_body(scope, receive, MAX_BODY_BYTES)
+        body = request_body.data
         tag = f"kvb-{uuid.uuid4().hex}"
         try:
-            payload = None if more else json.loads(body)
+            payload = None if request_body.more else json.loads(body)
         except ValueError:
             payload = None
+        usage_rewrite = None  # cache-hint dialects (dialects.py): session, pin, usage
         if isinstance(payload, dict):
             payload = rewrite_request(
-                payload, tag=tag, branch_header=header(scope, BRANCH_HEADER),
-                owner=owner_of(header(scope, "authorization"), app_args_of(scope)), path=path)
-            body = json.dumps(payload).encode()
+                payload,
+                tag=tag,
+                branch_header=header(scope, BRANCH_HEADER),
+                owner=owner_of(header(scope, "authorization"), app_args_of(scope)),
+                path=path,
+            )
+            usage_rewrite = dialects.apply(
+                payload, path, header(scope, dialects.SESSION_HEADER)
+            ).usage
+            body = request_body.data = json.dumps(payload).encode()
             if path in _NO_XARGS_PATHS:
                 tag = ""  # it could not be carried: no split to look up
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
@@ -161,26 +170,20 @@ class KVBranchMiddleware:
         else:
             tag = ""
 
-        sent = False
-
-        async def replay() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": more}
-            return await receive()
-
         state = _ResponseRewriter(scope, send, tag)
-        await self.app(scope, replay, state.send)
+        state.usage_rewrite = usage_rewrite
+        await self.app(scope, receive, state.send)
 
 
 class _ResponseRewriter:
     def __init__(self, scope: dict, send: Any, tag: str) -> None:
         self._send = send
         self._tag = tag
+        self.usage_rewrite: Any = None  # a dialect's usage (dialects.AnthropicUsage)
         self._start: dict | None = None
         self._mode = "pass"
-        self._buffer = b""
+        self._buffer = b""  # a JSON body until it is whole
+        self._events = EventSplitter()  # a stream's events
         self._split: dict | None = None
         self._split_fetched = False
         self._app_state = scope.get("app").state if scope.get("app") is not None else None
@@ -215,37 +218,45 @@ class _ResponseRewriter:
             await self._send(message)
             return
         more = message.get("more_body", False)
-        self._buffer += message.get("body", b"")
         if self._mode == "json":
+            self._buffer += message.get("body", b"")
             if more:
                 return
             await self._flush_json()
             return
-        out = []
-        while b"\n\n" in self._buffer:
-            event, self._buffer = self._buffer.split(b"\n\n", 1)
-            if b'"usage"' in event:
+        events = []
+        for event in self._events.feed(message.get("body", b"")):
+            if _USAGE_MARKER in event:
                 event = add_split_to_event(event, await self._fetch_split())
-            out.append(event + b"\n\n")
-        if not more and self._buffer:
-            out.append(self._buffer)
-            self._buffer = b""
-        await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": more})
+                if self.usage_rewrite is not None:
+                    event = await self.usage_rewrite.rewrite_event(
+                        event, await self._fetch_split(), self._app_state
+                    )
+            events.append(event)
+        out = b"".join(event + EVENT_END for event in events)
+        if not more:
+            out += self._events.rest()
+        await self._send({"type": "http.response.body", "body": out, "more_body": more})
 
     async def _flush_json(self) -> None:
         body = self._buffer
         try:
             payload = json.loads(body)
-            if isinstance(payload, dict) and "usage" in payload:
+            if isinstance(payload, dict) and USAGE_FIELD in payload:
                 split = await self._fetch_split()
                 if split is not None:
                     attach_split(payload, split)
                     body = json.dumps(payload).encode()
+                if self.usage_rewrite is not None and await self.usage_rewrite.rewrite(
+                    payload, split, self._app_state
+                ):
+                    body = json.dumps(payload).encode()
         except ValueError:
             pass
         assert self._start is not None
-        headers = [(k, v) for k, v in self._start.get("headers", [])
-                   if k.lower() != b"content-length"]
+        headers = [
+            (k, v) for k, v in self._start.get("headers", []) if k.lower() != b"content-length"
+        ]
         headers.append((b"content-length", str(len(body)).encode()))
         await self._send(dict(self._start, headers=headers))
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
