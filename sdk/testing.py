@@ -19,12 +19,21 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from sdk._fake_chat import (
+    EventStream,
+    FakeToolCall,
+    Reply,
+    default_reply,
+    raiser,
+    responder,
+    stream_chunks,
+    tokens,
+)
 from server.contract import (
     API_PREFIX,
     BRANCH_XARG,
@@ -50,38 +59,7 @@ from server.contract import (
     error_body,
 )
 
-__all__ = ["FakeKVBranchServer", "Reply", "FakeToolCall"]
-
-
-@dataclass
-class FakeToolCall:
-    name: str
-    arguments: str
-    id: str = "call_0"
-
-
-@dataclass
-class Reply:
-    content: str = ""
-    tool_calls: list[FakeToolCall] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-def default_reply(messages: list[dict[str, Any]]) -> Reply:
-    """``"echo <n>: <last user text>"``, n = number of messages: deterministic."""
-    last = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
-    return Reply(content=f"echo {len(messages)}: {last}")
-
-
-def _tokens(messages: list[dict[str, Any]]) -> list[str]:
-    """A stand-in tokenization: one token per word of each rendered message."""
-    out: list[str] = []
-    for m in messages:
-        out.append(f"<{m.get('role')}>")
-        out.extend(str(m.get("content") or "").split())
-        for tc in m.get("tool_calls") or []:
-            out.append(json.dumps(tc, sort_keys=True))
-    return out
+__all__ = ["FakeKVBranchServer", "Reply", "FakeToolCall", "default_reply"]
 
 
 class FakeKVBranchServer:
@@ -120,14 +98,14 @@ class FakeKVBranchServer:
         kvbranch error format) or raise this exception (e.g. ``httpx.ConnectError``)."""
         for _ in range(times):
             if isinstance(status_or_exc, Exception):
-                self._failures.append(_raiser(status_or_exc))
+                self._failures.append(raiser(status_or_exc))
             else:
                 payload = (
                     body
                     if body is not None
                     else error_body(status_or_exc, f"injected {status_or_exc}")
                 )
-                self._failures.append(_responder(status_or_exc, payload, headers))
+                self._failures.append(responder(status_or_exc, payload, headers))
 
     def break_next_stream(self, after_events: int) -> None:
         """The next streamed answer sends ``after_events`` events, then the connection
@@ -233,18 +211,7 @@ class FakeKVBranchServer:
         ).model_dump(mode="json")
 
     def _stats(self) -> dict[str, Any]:
-        store = StoreStats(
-            capacity_blocks=0,
-            used_blocks=0,
-            pinned_blocks=0,
-            block_bytes=0,
-            used_bytes=0,
-            pin_budget_bytes=0,
-            pinned_bytes=0,
-            evictions=0,
-            saved_blocks=0,
-            loaded_blocks=0,
-        )
+        store = StoreStats(**dict.fromkeys(StoreStats.model_fields, 0))
         sessions = [
             SessionInfo.model_validate(self._session_info(s)) for s in self.sessions.values()
         ]
@@ -300,7 +267,7 @@ class FakeKVBranchServer:
             if bid in branches:
                 return self._error(409, f"branch {bid!r} already exists")
             if fork.messages is not None:
-                prefix = _tokens(fork.messages)
+                prefix = tokens(fork.messages)
                 offset = 0
                 for a, b in zip(parent["tokens"], prefix, strict=False):
                     if a != b:
@@ -354,7 +321,7 @@ class FakeKVBranchServer:
         if max_tokens is not None and len(words) > max_tokens:
             words, finish = words[:max_tokens], "length"
         content = " ".join(words)
-        prompt = _tokens(messages)
+        prompt = tokens(messages)
         split = None
         sid = body.get("session_id")
         cached = 0
@@ -368,7 +335,7 @@ class FakeKVBranchServer:
                 cached += 1
             cached = min(cached, len(prompt) - 1)
             answer = {"role": "assistant", "content": content}
-            branch["tokens"] = prompt + _tokens([answer])[1:]
+            branch["tokens"] = prompt + tokens([answer])[1:]
             branch["requests"] += 1
             split = PromptSourceSplit(
                 session_id=sid,
@@ -391,11 +358,21 @@ class FakeKVBranchServer:
         cid = f"chatcmpl-fake{next(self._ids)}"
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = self._events(
-                cid, content, reply.tool_calls, finish, usage if include_usage else None, split
+            chunks = stream_chunks(
+                cid,
+                self.model,
+                content,
+                reply.tool_calls,
+                finish,
+                usage if include_usage else None,
+                split,
+                self.stream_piece,
             )
+            break_after, self._break_after = self._break_after, None
             return httpx.Response(
-                200, headers={"content-type": "text/event-stream"}, stream=_EventStream(events)
+                200,
+                headers={"content-type": "text/event-stream"},
+                stream=EventStream(chunks, break_after),
             )
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reply.tool_calls:
@@ -417,104 +394,3 @@ class FakeKVBranchServer:
         if split is not None:
             data[RESPONSE_FIELD] = split
         return httpx.Response(200, json=data)
-
-    def _events(
-        self,
-        cid: str,
-        content: str,
-        tool_calls: list[FakeToolCall],
-        finish: str,
-        usage: dict[str, Any] | None,
-        split: dict[str, Any] | None,
-    ) -> Iterator[bytes]:
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-            }
-
-        events: list[dict[str, Any]] = [chunk({"role": "assistant", "content": ""})]
-        n = self.stream_piece
-        for i in range(0, len(content), n):
-            events.append(chunk({"content": content[i : i + n]}))
-        for index, tc in enumerate(tool_calls):
-            events.append(
-                chunk(
-                    {
-                        "tool_calls": [
-                            {
-                                "index": index,
-                                "id": tc.id,
-                                "type": "function",
-                                "function": {"name": tc.name, "arguments": ""},
-                            }
-                        ]
-                    }
-                )
-            )
-            for i in range(0, len(tc.arguments), n):
-                events.append(
-                    chunk(
-                        {
-                            "tool_calls": [
-                                {"index": index, "function": {"arguments": tc.arguments[i : i + n]}}
-                            ]
-                        }
-                    )
-                )
-        events.append(chunk({}, finish))
-        if usage is not None:
-            last = {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "model": self.model,
-                "choices": [],
-                "usage": usage,
-            }
-            if split is not None:
-                last[RESPONSE_FIELD] = split
-            events.append(last)
-        break_after, self._break_after = self._break_after, None
-
-        def gen() -> Iterator[bytes]:
-            for i, event in enumerate(events):
-                if break_after is not None and i >= break_after:
-                    raise httpx.ReadError("connection reset by peer (injected)")
-                yield b"data: " + json.dumps(event).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-
-        return gen()
-
-
-def _raiser(exc: Exception) -> Callable[[httpx.Request], httpx.Response]:
-    def fail(request: httpx.Request) -> httpx.Response:
-        raise exc
-
-    return fail
-
-
-def _responder(
-    status: int, payload: Any, headers: dict[str, str] | None
-) -> Callable[[httpx.Request], httpx.Response]:
-    def fail(request: httpx.Request) -> httpx.Response:
-        if isinstance(payload, (bytes, str)):
-            return httpx.Response(status, content=payload, headers=headers)
-        return httpx.Response(status, json=payload, headers=headers)
-
-    return fail
-
-
-class _EventStream(httpx.SyncByteStream, httpx.AsyncByteStream):
-    """A response body readable by the sync and the async client."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._chunks = chunks
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self._chunks
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for chunk in self._chunks:
-            yield chunk
