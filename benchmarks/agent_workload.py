@@ -442,7 +442,7 @@ def main() -> int:
             "summary": sums,
         },
     )
-    png: Path | None = reporting.BENCH_DIR / f"agent_workload_{args.profile}.png"
+    png: Path | None = reporting.plot_path(f"agent_workload_{args.profile}.png", args.no_results)
     p = workload["params"]
     if not plot(
         results,

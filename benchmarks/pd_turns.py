@@ -219,7 +219,7 @@ async def main_async(args: argparse.Namespace) -> int:
     info = info_job.result()
     out = reporting.raw_path("pd_turns")
     reporting.write_json(out, {"args": vars(args), "machine": info, "results": results})
-    plot(results, args.turns, reporting.BENCH_DIR / "pd_turns.png")
+    plot(results, args.turns, reporting.plot_path("pd_turns.png", args.no_results))
     reporting.publish(report(results, args, info, elapsed), args.no_results)
     log(f"raw data: {out}")
     return 0

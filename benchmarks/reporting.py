@@ -194,6 +194,7 @@ def save_plot(
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     import matplotlib.pyplot as plt
 
@@ -208,6 +209,12 @@ def _jsonable(value: Any) -> Any:
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=_jsonable))
+
+
+def plot_path(name: str, no_results: bool) -> Path:
+    """Where a run's plot goes: beside RESULTS.md (committed), or under ``out/`` for a run that
+    is not recorded (``--no-results``), so that a trial never replaces a recorded plot."""
+    return (OUT_DIR if no_results else BENCH_DIR) / name
 
 
 def raw_path(name: str) -> Path:

@@ -325,7 +325,7 @@ def main() -> int:
     reporting.write_json(
         raw, {"args": vars(args), "machine": info, "workload": workload, "results": results}
     )
-    png: Path | None = reporting.BENCH_DIR / "turn_ttft.png"
+    png: Path | None = reporting.plot_path("turn_ttft.png", args.no_results)
     if not plot(results, png):
         png = None
     reporting.publish(report(args, results, info, elapsed, png, raw), args.no_results)
