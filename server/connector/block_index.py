@@ -131,11 +131,17 @@ class HostBlockIndex:
             self._lru.move_to_end(slot)
 
     def allocate(
-        self, block_hash: bytes, tokens: Sequence[int], protected: set[int] | None = None
+        self,
+        block_hash: bytes,
+        tokens: Sequence[int],
+        protected: set[int] | None = None,
+        parent: bytes | None = None,
     ) -> int | None:
         """Reserve a slot for a new block; ``None`` when the hash is already stored or when
         every slot is pinned (the block is then simply not saved). ``protected`` slots (read
-        by loads planned in the same step) are not evicted."""
+        by loads planned in the same step) are not evicted. With ``parent`` (its tail parent
+        key), the block is also filed for :meth:`match_tail`: a prompt that ends inside it (a
+        regeneration, an edited reply) can load the prefix it repeats."""
         if block_hash in self._slot_of:
             self.touch(block_hash)
             return None
@@ -151,7 +157,15 @@ class HostBlockIndex:
         else:
             self._lru[slot] = None
         self.counters.saved_blocks += 1
+        if parent is not None:
+            self._file_under(parent, block_hash, slot)
         return slot
+
+    def _file_under(self, parent: bytes, key: bytes, slot: int) -> None:
+        siblings = self._tails_of.setdefault(parent, {})
+        if len(siblings) < MAX_TAILS_PER_PARENT:
+            siblings[key] = None
+            self._parent_of[slot] = parent
 
     def allocate_tail(
         self, key: bytes, parent: bytes, tokens: Sequence[int], protected: set[int] | None = None
@@ -164,8 +178,7 @@ class HostBlockIndex:
         if slot is not None:
             self.counters.saved_blocks -= 1  # counted as a tail, not a block
             self.counters.saved_tails += 1
-            self._tails_of.setdefault(parent, {})[key] = None
-            self._parent_of[slot] = parent
+            self._file_under(parent, key, slot)
         return slot
 
     def _take_slot(self, protected: set[int]) -> int | None:
@@ -190,7 +203,7 @@ class HostBlockIndex:
         parent = self._parent_of.pop(slot, None)
         if parent is not None:
             siblings = self._tails_of[parent]
-            del siblings[block_hash]
+            siblings.pop(block_hash, None)
             if not siblings:
                 del self._tails_of[parent]
 

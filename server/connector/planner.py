@@ -136,7 +136,9 @@ class Planner:
             parent, request.all_token_ids[start : min(limit, start + self.block_size)]
         )
         if found is not None:
-            plan.tail_slot, plan.tail_tokens = found
+            # Below a whole block: a stored full block under this parent whose tokens the
+            # prompt repeats entirely would have matched by its hash already.
+            plan.tail_slot, plan.tail_tokens = found[0], min(found[1], self.block_size - 1)
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """Queue the loads of what :meth:`num_new_matched_tokens` offered, into the blocks vLLM
@@ -263,6 +265,7 @@ class Planner:
                     continue
                 block_ids = None
                 tokens = request.all_token_ids
+                identity = identity_of(request)
                 for k in range(plan.next_save_block, full):
                     block_hash = request.block_hashes[k]
                     if block_hash in self.index:
@@ -275,7 +278,16 @@ class Planner:
                         block_ids = groups[0]
                     if k >= len(block_ids):
                         break
-                    slot = self.index.allocate(block_hash, tokens[k * bs : (k + 1) * bs], protected)
+                    # Filed under its tail parent too: a later prompt ending inside it loads
+                    # the prefix it repeats (tails.py).
+                    parent = (
+                        parent_key(request.block_hashes, k, identity)
+                        if identity is not None
+                        else None
+                    )
+                    slot = self.index.allocate(
+                        block_hash, tokens[k * bs : (k + 1) * bs], protected, parent=parent
+                    )
                     if slot is not None:
                         saves.append((block_ids[k], slot))
                         protected.add(slot)

@@ -326,3 +326,24 @@ def test_deleting_the_branch_releases_its_tail_pin():
     tail = registry.get_branch("s", "main").tail_key
     registry.delete_session("s")
     assert index.pin_count(tail) == 0
+
+
+def test_a_prompt_ending_inside_a_stored_full_block_loads_the_prefix_it_repeats():
+    """A regeneration after a reply that crossed a block boundary: the prompt's partial block
+    lies inside a block that was saved full; its prefix is exact (KV is causal)."""
+    planner, index, _ = make_planner()
+    seq = HISTORY + [50, 51, 52, 53]  # blocks [1-4] [5-8] [9 10 50 51] [52 53]
+    req = FakeRequest("r1", seq, 10, num_computed_tokens=13)
+    planner.on_new_request(req)
+    saves = planner.plan_saves({"r1": 0}, lambda rid: [[100, 101, 102, 103]], set())
+    assert len(saves) == 3
+    regen, matched = new_prompt(planner, "r2", HISTORY)  # the same prompt again
+    assert matched == 9  # two full blocks and token 9; token 10 is computed
+    planner.after_alloc(regen, [200, 201, 202], matched)
+    assert planner.pending_loads[-1] == (index.slot_of(req.block_hashes[2]), 202)
+    # an edited reply: only the repeated prefix of the full block loads
+    _, matched = new_prompt(planner, "r3", HISTORY + [50, 99, 98], device_hit=8)
+    assert matched == 3
+    # never a whole block through this path
+    _, matched = new_prompt(planner, "r4", HISTORY + [50, 51, 77], device_hit=8)
+    assert matched == 4
