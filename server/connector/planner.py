@@ -3,6 +3,9 @@ the host store, which computed blocks and finished tails save to it — held as 
 and saves and handed to the worker as each step's :class:`KVBranchMetadata` — where each
 request's prompt tokens came from, and the session bookkeeping that follows a finished request.
 
+One module (about 400 lines) on purpose: a request's plan (what it loads, saves and is counted
+as) is shared by every step above, under one lock; splitting it would spread one state machine.
+
 Kept free of vLLM types beyond duck typing (``request.block_hashes``, ``all_token_ids``,
 ``session_id``, ``sampling_params.extra_args``, ``cache_salt``, ``num_prompt_tokens``) so that
 unit tests can drive it with small fakes and the real engine drives it unchanged.
