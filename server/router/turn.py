@@ -384,17 +384,12 @@ class _Turn:
             raise _transport_failure(exc) from None
         self.record(inst, resp.status_code)
         if resp.status_code != 200:
-            content = await resp.aread()
+            await resp.aread()
             await resp.aclose()
             inst.inflight -= 1
             if resp.status_code >= 500:
                 raise _Fallback(f"HTTP {resp.status_code}")
-            return Response(
-                content,
-                status_code=resp.status_code,
-                media_type=resp.headers.get("content-type"),
-                headers=out_headers,
-            )
+            return relay.passthrough(resp, out_headers)  # the client's own error, as D said it
 
         def done() -> None:
             inst.inflight -= 1

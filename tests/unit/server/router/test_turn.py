@@ -336,3 +336,14 @@ def test_min_tokens_does_not_turn_the_prefill_leg_into_a_400():
     assert r.status_code == 200 and r.headers[ROUTE] == "pd", r.text
     assert fakes.bodies(P)[0]["min_tokens"] == 1
     assert fakes.bodies(D)[0]["min_tokens"] == 5 and fakes.bodies(D)[0]["max_tokens"] == 20
+
+
+def test_a_streamed_turn_ds_own_4xx_comes_back_as_is():
+    fakes = PD()
+    d = fakes.answer[D]
+    fakes.answer[D] = lambda r: (
+        json_reply(400, {"error": {"message": "bad logit_bias"}}) if r.url.path == CHAT else d(r)
+    )
+    r = _turn(make_router(fakes), stream=True)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "bad logit_bias"
+    assert r.headers[ROUTE] == "pd"
