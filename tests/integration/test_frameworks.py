@@ -27,7 +27,12 @@ import pytest
 pytest.importorskip("langgraph")
 pytest.importorskip("llama_index.core")
 
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage  # noqa: E402
+from langchain_core.messages import (  # noqa: E402
+    AIMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.utils.function_calling import convert_to_openai_tool  # noqa: E402
 from langgraph.checkpoint.memory import InMemorySaver  # noqa: E402
 from llama_index.core.memory import Memory  # noqa: E402
@@ -241,7 +246,9 @@ def test_langchain_strict_tool_call(kvbranch_server):
     call = langchain_agent.tool_turn(llm, history, "Geneva", "tool")
     assert not call.invalid_tool_calls and len(call.tool_calls) == 1
     jsonschema.validate(call.tool_calls[0]["args"], schema)
-    assert isinstance(history[-3], HumanMessage)
+    assert [type(m) for m in history[1:]] == [HumanMessage, AIMessage, ToolMessage, AIMessage]
+    city = call.tool_calls[0]["args"]["city"]
+    assert history[3].content == langchain_agent.WEATHER[city]  # the call the model wrote ran
     answer = history[-1]
     assert str(answer.content).strip() and not answer.tool_calls
     assert reused_tokens(answer.response_metadata["kvbranch"]) >= shared_prefix(
