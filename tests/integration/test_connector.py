@@ -178,8 +178,9 @@ def test_fork_shares_parent_blocks(kvbranch_server):
         # deleting the fork releases only what the parent does not hold
         deleted = c.delete("/v1/kvbranch/sessions/fork-s/branches/plan-b").json()
     own_tokens = response["usage"]["prompt_tokens"] - parent["num_tokens"] + 8
-    assert used_after - used_before <= own_tokens // BLOCK + 1
-    assert deleted["released_blocks"] <= own_tokens // BLOCK + 1
+    # its own full blocks, plus its tail: the partial last block kept for token-exact reuse
+    assert used_after - used_before <= own_tokens // BLOCK + 2
+    assert deleted["released_blocks"] <= own_tokens // BLOCK + 2
     assert _branch(kvbranch_server, "fork-s")["pinned_blocks"] == parent["pinned_blocks"]
 
 
@@ -200,7 +201,9 @@ def test_prefetch_warms_the_device_cache(kvbranch_server):
                  {"role": "user", "content": OBSERVATIONS[0]}]
     second = chat(kvbranch_server, messages, session="pf-s", max_tokens=8)
     assert second["kvbranch"]["device_hit_tokens"] >= BLOCK
-    assert second["kvbranch"]["host_hit_tokens"] == 0
+    # every full block came from the device; only the stored tail (the partial last block,
+    # which the device prefix cache never keeps) from the host store
+    assert second["kvbranch"]["host_hit_tokens"] < BLOCK
 
 
 def test_deleting_a_session_drops_its_pins(kvbranch_server):
