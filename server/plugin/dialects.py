@@ -21,8 +21,12 @@ Users arrive with the clients they already have; those already speak a cache-hin
   in), so a request that repeats that prefix lands in the same session. Usage is rewritten the
   way Anthropic clients read it: ``cache_read_input_tokens`` = prompt tokens served from cache
   (device + host store + peer), ``cache_creation_input_tokens`` = tokens of the breakpoint
-  prefix this request computed and wrote (never more than vLLM's own count of written
-  tokens), ``input_tokens`` = the rest, with the creation split by ttl in ``cache_creation``.
+  prefix this request computed (kvbranch keeps them: device cache, host store, tails; an
+  earlier breakpoint's prefix counts in full blocks only), ``input_tokens`` = the rest (for a
+  breakpoint on the last block: none, as with Anthropic), with the creation split by ttl in
+  ``cache_creation``. The numbers depend only on the request and its split, so a stream's
+  ``message_start`` and ``message_delta`` agree (vLLM's own ``created_cache_tokens`` changes
+  while a request runs, so it is not used).
 
 An explicit session always wins over a derived one. A hint the server cannot use (a wrong type,
 an unknown retention or ttl) is a 400 naming the field: :func:`problem` (the guard calls it).
@@ -414,8 +418,6 @@ def anthropic_usage(
     if prefix_tokens is not None and block_size:
         prefix -= prefix % block_size
     written = max(0, prefix - read)
-    if created0 is not None:
-        written = min(written, int(created0))  # only full blocks are written
     out = dict(usage)
     out["cache_read_input_tokens"] = read
     out["cache_creation_input_tokens"] = written

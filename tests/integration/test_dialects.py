@@ -84,6 +84,7 @@ def test_openai_prompt_cache_key_and_retention_reuse_turn_one(kvbranch_server, p
     assert all(split_of(r)["session_id"] == "oa-agent-1" for r in responses)
     turn2 = responses[1]
     cached = turn2.usage.prompt_tokens_details.cached_tokens
+    print(f"[dialects] openai turn 2: prompt {turn2.usage.prompt_tokens}, cached {cached}")
     assert cached >= 2 * BLOCK  # vLLM's own number
     assert cached == split_of(turn2)["host_hit_tokens"]  # all of it from the host store
     info = branch(kvbranch_server, "oa-agent-1")
@@ -258,9 +259,12 @@ def test_anthropic_system_breakpoint_pins_and_reports_cache_usage(kvbranch_serve
     session = split_of(first)["session_id"]
     assert session.startswith("cc-") and split_of(second)["session_id"] == session
     u1, u2 = first.usage, second.usage
+    print(f"[dialects] anthropic system breakpoint: turn 1 {u1.to_dict()}; turn 2 {u2.to_dict()}")
     assert _usage_total(u1) == split_of(first)["prompt_tokens"]
     assert _usage_total(u2) == split_of(second)["prompt_tokens"]
-    assert u1.cache_read_input_tokens == 0
+    # (at most a partial block: the opening words all test system prompts share can come back
+    # as a stored tail of another test's prompt)
+    assert u1.cache_read_input_tokens < BLOCK
     assert u1.cache_creation_input_tokens >= 2 * BLOCK  # the system prefix, in full blocks
     assert u1.cache_creation.ephemeral_1h_input_tokens == u1.cache_creation_input_tokens
     # the question after the breakpoint is input, not written cache
@@ -315,6 +319,9 @@ def test_anthropic_loop_with_session_header_and_stream(kvbranch_server, plain_se
         == plain.messages.create(**kwargs, messages=list(history)).content[0].text
     )
     usage = final.usage
+    print(f"[dialects] anthropic loop, streamed turn 2: {usage.to_dict()}")
+    # message_start's numbers (the ttl split) and message_delta's agree
+    assert usage.cache_creation.ephemeral_5m_input_tokens == usage.cache_creation_input_tokens
     assert usage.cache_read_input_tokens >= 2 * BLOCK
     assert usage.cache_creation_input_tokens is not None
     info = branch(kvbranch_server, "anth-loop-1")

@@ -276,7 +276,8 @@ def total(usage: dict) -> int:
 
 
 def test_usage_whole_prompt_breakpoint():
-    # turn 1: nothing cached, 256 of 300 tokens written (full blocks)
+    # turn 1: nothing cached; the breakpoint is on the last block, so all of it is written
+    # and nothing is plain input (as with Anthropic), whatever vLLM's mid-run count says
     out = dialects.anthropic_usage(
         vllm_usage(300, 0, 256), prefix_tokens=None, split=split(300, 0, 0), ttl_s=300.0
     )
@@ -284,17 +285,17 @@ def test_usage_whole_prompt_breakpoint():
         out["cache_read_input_tokens"],
         out["cache_creation_input_tokens"],
         out["input_tokens"],
-    ) == (0, 256, 44)
+    ) == (0, 300, 0)
     assert out["cache_creation"] == {
-        "ephemeral_5m_input_tokens": 256,
+        "ephemeral_5m_input_tokens": 300,
         "ephemeral_1h_input_tokens": 0,
     }
     # turn 2: read from device + host store
     out = dialects.anthropic_usage(
         vllm_usage(420, 256, 128), prefix_tokens=None, split=split(420, 128, 128), ttl_s=3600.0
     )
-    assert (out["cache_read_input_tokens"], out["cache_creation_input_tokens"]) == (256, 128)
-    assert out["cache_creation"]["ephemeral_1h_input_tokens"] == 128
+    assert (out["cache_read_input_tokens"], out["cache_creation_input_tokens"]) == (256, 164)
+    assert out["cache_creation"]["ephemeral_1h_input_tokens"] == 164
     assert total(out) == 420 and out["output_tokens"] == 5
 
 
@@ -327,11 +328,26 @@ def test_usage_without_vllm_cache_fields_uses_the_split():
     assert out["cache_creation_input_tokens"] == 172 and out["input_tokens"] == 0
 
 
+def test_stream_start_and_delta_agree_when_vllm_counts_change():
+    """vLLM's created_cache_tokens differs between a stream's first and last usage; the
+    rewritten numbers depend on the request and its split only."""
+    usage = dialects.AnthropicUsage(ttl_s=300.0)
+    start = {"type": "message_start", "message": {"usage": vllm_usage(678, 636, 42, 1)}}
+    delta = {"type": "message_delta", "usage": vllm_usage(678, 636, 4, 12)}
+    both = split(678, 0, 636)
+    asyncio.run(usage.rewrite(start, both, None))
+    asyncio.run(usage.rewrite(delta, both, None))
+    first, last = start["message"]["usage"], delta["usage"]
+    for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+        assert first[key] == last[key]
+    assert first["cache_creation"] == last["cache_creation"]
+
+
 def test_rewrite_json_and_sse_events():
     usage = dialects.AnthropicUsage(ttl_s=300.0)
     body = {"type": "message", "usage": vllm_usage(300, 0, 256)}
     assert asyncio.run(usage.rewrite(body, split(300, 0, 0), None))
-    assert body["usage"]["cache_creation_input_tokens"] == 256
+    assert body["usage"]["cache_creation_input_tokens"] == 300
     start = {"type": "message_start", "message": {"usage": vllm_usage(300, 128, 128)}}
     event = b"event: message_start\ndata: " + json.dumps(start).encode()
     out = asyncio.run(usage.rewrite_event(event, split(300, 128, 0), None))
