@@ -11,18 +11,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from server.connector.scheduler_side import KVBranchScheduler
+from server.connector.planner import Planner
+
+
+class OpContext(Protocol):
+    """What the handlers read: the scheduler side (a protocol, so that this table and
+    ``scheduler_side.py`` do not import each other)."""
+
+    block_size: int
+    block_bytes: int
+    num_slots: int
+    enabled: bool
+    planner: Planner
+    extra_stats: dict[str, Any]
+
+    def device_resident(self, block_hashes: list[bytes]) -> bool: ...
+
 
 #: (scheduler side, request, owner) -> JSON-able result.
-OpHandler = Callable[["KVBranchScheduler", dict, "str | None"], Any]
+OpHandler = Callable[[OpContext, dict, "str | None"], Any]
 
 
-def _info(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _info(side: OpContext, req: dict, owner: str | None) -> dict:
     return {
         "block_size": side.block_size,
         "block_bytes": side.block_bytes,
@@ -34,7 +48,7 @@ def _info(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
     }
 
 
-def _create_session(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _create_session(side: OpContext, req: dict, owner: str | None) -> dict:
     reg = side.planner.registry
     session = reg.create_session(
         req.get("session_id"),
@@ -45,30 +59,30 @@ def _create_session(side: KVBranchScheduler, req: dict, owner: str | None) -> di
     return reg.session_info(session)
 
 
-def _get_session(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _get_session(side: OpContext, req: dict, owner: str | None) -> dict:
     reg = side.planner.registry
     return reg.session_info(reg.get_session(req["session_id"], owner))
 
 
-def _delete_session(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _delete_session(side: OpContext, req: dict, owner: str | None) -> dict:
     return {
         "deleted": req["session_id"],
         "released_blocks": side.planner.registry.delete_session(req["session_id"], owner),
     }
 
 
-def _list_branches(side: KVBranchScheduler, req: dict, owner: str | None) -> list:
+def _list_branches(side: OpContext, req: dict, owner: str | None) -> list:
     reg = side.planner.registry
     session = reg.get_session(req["session_id"], owner)
     return [reg.branch_info(b) for b in session.branches.values()]
 
 
-def _get_branch(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _get_branch(side: OpContext, req: dict, owner: str | None) -> dict:
     reg = side.planner.registry
     return reg.branch_info(reg.get_branch(req["session_id"], req["branch_id"], owner))
 
 
-def _fork(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _fork(side: OpContext, req: dict, owner: str | None) -> dict:
     reg = side.planner.registry
     branch = reg.fork(
         req["session_id"],
@@ -81,22 +95,22 @@ def _fork(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
     return reg.branch_info(branch)
 
 
-def _delete_branch(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _delete_branch(side: OpContext, req: dict, owner: str | None) -> dict:
     released = side.planner.registry.delete_branch(req["session_id"], req["branch_id"], owner)
     return {"deleted": req["branch_id"], "released_blocks": released}
 
 
-def _pin(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _pin(side: OpContext, req: dict, owner: str | None) -> dict:
     reg = side.planner.registry
     return reg.branch_info(reg.pin(req["session_id"], req["branch_id"], float(req["ttl_s"]), owner))
 
 
-def _unpin(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _unpin(side: OpContext, req: dict, owner: str | None) -> dict:
     reg = side.planner.registry
     return reg.branch_info(reg.unpin(req["session_id"], req["branch_id"], owner))
 
 
-def _prefetch_plan(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _prefetch_plan(side: OpContext, req: dict, owner: str | None) -> dict:
     branch = side.planner.registry.get_branch(req["session_id"], req["branch_id"], owner)
     resident = side.device_resident(branch.block_hashes)
     if resident:
@@ -108,15 +122,15 @@ def _prefetch_plan(side: KVBranchScheduler, req: dict, owner: str | None) -> dic
     }
 
 
-def _split(side: KVBranchScheduler, req: dict, owner: str | None) -> dict | None:
+def _split(side: OpContext, req: dict, owner: str | None) -> dict | None:
     return side.planner.split_for(str(req.get("tag", "")))
 
 
-def _stats(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _stats(side: OpContext, req: dict, owner: str | None) -> dict:
     return stats_of(side, owner, all_owners=bool(req.get("all_owners")))
 
 
-def _reset_store(side: KVBranchScheduler, req: dict, owner: str | None) -> dict:
+def _reset_store(side: OpContext, req: dict, owner: str | None) -> dict:
     return {"dropped_blocks": side.planner.index.clear()}
 
 
@@ -138,7 +152,7 @@ OPS: dict[str, OpHandler] = {
 }
 
 
-def stats_of(side: KVBranchScheduler, owner: str | None, all_owners: bool = False) -> dict:
+def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> dict:
     """``GET /v1/kvbranch/stats``: the store, the prompt-source totals, the caller's sessions
     (none with ``all_owners``: the admin view) and what composing connectors add."""
     planner = side.planner
