@@ -47,8 +47,9 @@ MAX_TOKENS = 48
 
 
 def tagged(system: str) -> str:
-    """``system`` behind a tag no other prompt has: the first call of a conversation starts
-    cold, and whatever later calls reuse was cached by this conversation."""
+    """``system`` behind a tag no other prompt has: the first call of a conversation finds
+    no whole block cached (only the few template tokens before the tag may match a stored
+    tail), and whatever later calls reuse was cached by this conversation."""
     return f"Conversation {uuid.uuid4().hex}. " + system
 
 
@@ -99,9 +100,7 @@ def test_langgraph_react_agent_thread_reuse_and_time_travel(kvbranch_server):
     first_call, first_answer = check_lg_turn(
         langgraph_agent.ask(graph, thread, "What is the weather in Paris today?"), schema
     )
-    assert (
-        lg_split(first_call)["device_hit_tokens"] + lg_split(first_call)["host_hit_tokens"] == 0
-    )  # a cold start: nothing of this conversation was cached
+    assert reused_tokens(lg_split(first_call)) < BLOCK  # cold: no block of it was cached
     for message in (first_call, first_answer):
         meta = message.response_metadata
         assert (meta["session_id"], meta["branch_id"]) == (thread_id, "main")
@@ -201,7 +200,7 @@ async def test_llamaindex_function_agent_memory_reuse_and_fork(kvbranch_server):
 
     first = await llamaindex_agent.turn(agent, mem, "What is the weather in Paris?")
     check_li_turn(first, schemas)
-    assert reused_tokens(first.splits[0]) == 0  # cold start
+    assert reused_tokens(first.splits[0]) < BLOCK  # cold: no block of it was cached
     second = await llamaindex_agent.turn(agent, mem, "What is the weather in Oslo?")
     check_li_turn(second, schemas)
     assert [m.role.value for m in await mem.aget_all()][:1] == ["user"]
