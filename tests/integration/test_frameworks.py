@@ -80,16 +80,20 @@ def check_lg_turn(new: list, schema: dict) -> tuple[AIMessage, AIMessage]:
     return call, answer
 
 
-def test_langgraph_react_agent_thread_reuse_and_time_travel(kvbranch_server):
-    server = kvbranch_server
-    llm = ChatKVBranch(
+def lc_model(server, **kwargs) -> ChatKVBranch:
+    return ChatKVBranch(
         base_url=server.url,
         api_key=server.api_key,
         model=server.model,
         temperature=0,
         max_tokens=MAX_TOKENS,
         timeout=300,
+        **kwargs,
     )
+
+
+def test_langgraph_react_agent_thread_reuse_and_time_travel(kvbranch_server):
+    llm = lc_model(kvbranch_server)
     graph = langgraph_agent.build_agent(
         llm, system=tagged(langgraph_agent.SYSTEM), checkpointer=InMemorySaver()
     )
@@ -230,16 +234,7 @@ async def test_llamaindex_function_agent_memory_reuse_and_fork(kvbranch_server):
 
 
 def test_langchain_strict_tool_call(kvbranch_server):
-    server = kvbranch_server
-    llm = ChatKVBranch(
-        base_url=server.url,
-        api_key=server.api_key,
-        model=server.model,
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        timeout=300,
-        auto_session=True,
-    )
+    llm = lc_model(kvbranch_server, auto_session=True)
     schema = convert_to_openai_tool(langchain_agent.get_weather)["function"]["parameters"]
     history: list = [SystemMessage(tagged(langchain_agent.SYSTEM))]
     call = langchain_agent.tool_turn(llm, history, "Geneva", "tool")
