@@ -15,8 +15,16 @@ import pytest
 
 from tests.server_process import ServerProcess
 
-KVBRANCH_ARGS = ["--kv-cache-gib", "0.5", "--host-store-gib", "0.25", "--pin-budget-gib", "0.05",
-                 "--max-model-len", "4096"]
+KVBRANCH_ARGS = [
+    "--kv-cache-gib",
+    "0.5",
+    "--host-store-gib",
+    "0.25",
+    "--pin-budget-gib",
+    "0.05",
+    "--max-model-len",
+    "4096",
+]
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +35,9 @@ def kvbranch_server():
 
 @pytest.fixture(scope="session")
 def plain_server():
-    with ServerProcess(["--kv-cache-gib", "0.5", "--max-model-len", "4096", "--no-connector"],
-                       name="plain") as server:
+    with ServerProcess(
+        ["--kv-cache-gib", "0.5", "--max-model-len", "4096", "--no-connector"], name="plain"
+    ) as server:
         yield server
 
 

@@ -72,15 +72,40 @@ logger = logging.getLogger("kvbranch.pd")
 
 IDLE_STEP_SLEEP_S = 0.005
 #: NIXL's own keys and ours, the only ones a router needs to carry from D to P.
-NIXL_PARAM_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_block_ids",
-                   "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-                   "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
-                   "remote_blocks_expiry_time", "transfer_mode", MAC_FIELD, EXPIRES_FIELD,
-                   TOKENS_FIELD, HASHES_FIELD, IDENTITY_FIELD, CLAIM_FIELD)
+NIXL_PARAM_KEYS = (
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "transfer_mode",
+    MAC_FIELD,
+    EXPIRES_FIELD,
+    TOKENS_FIELD,
+    HASHES_FIELD,
+    IDENTITY_FIELD,
+    CLAIM_FIELD,
+)
 #: Fields that name a peer's memory: dropped from a handle this instance will not honour.
-REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
-                 "remote_port", "remote_num_tokens", "remote_blocks_expiry_time",
-                 TOKENS_FIELD, HASHES_FIELD, CLAIM_FIELD)
+REMOTE_FIELDS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    TOKENS_FIELD,
+    HASHES_FIELD,
+    CLAIM_FIELD,
+)
 #: A pull starts only while the claim has at least this much time left (the read itself
 #: takes milliseconds; upstream's worker checks D's deadline again right before reading).
 CLAIM_MARGIN_S = 6.0
@@ -146,8 +171,12 @@ def pullable_tokens(params: dict[str, Any], request: Any, block_size: int) -> in
     if full:
         theirs = params.get(HASHES_FIELD)
         ours = block_hashes_hex(request, full)
-        if (not isinstance(theirs, list) or len(theirs) < full or len(ours) < full
-                or theirs[full - 1] != ours[full - 1]):
+        if (
+            not isinstance(theirs, list)
+            or len(theirs) < full
+            or len(ours) < full
+            or theirs[full - 1] != ours[full - 1]
+        ):
             return 0
     return n
 
@@ -173,6 +202,7 @@ def trim_block_ids(block_ids: Any, num_tokens: int, block_size: int) -> list[lis
 @dataclass
 class Hold:
     """D's blocks kept after a turn for P's next pull: a lease that yields to new work."""
+
     request_id: str
     handle: str
     num_blocks: int
@@ -223,8 +253,9 @@ class HoldRegistry:
             for hold in self._holds.values():
                 if freed >= need_blocks:
                     break
-                if hold.releasing or (hold.claimed_until and hold.claimed_until
-                                      + CLAIM_MARGIN_S > now):
+                if hold.releasing or (
+                    hold.claimed_until and hold.claimed_until + CLAIM_MARGIN_S > now
+                ):
                     continue
                 hold.releasing = True
                 out.append(hold.request_id)
@@ -270,8 +301,9 @@ class VerifiedNixlConnector(NixlConnector):
     """Upstream ``NixlConnector`` with verified, claimed, single-use handles and CPU-friendly
     threading (see the module docstring and :mod:`server.connector.transfer_auth`)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: "KVConnectorRole",
-                 kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         patched = False
@@ -287,8 +319,10 @@ class VerifiedNixlConnector(NixlConnector):
                 nixl_base_worker.nixl_agent_config = original
             if affinity is not None and os.sched_getaffinity(0) != affinity:
                 os.sched_setaffinity(0, affinity)
-                logger.info("kvbranch: kept the forward thread on cores %s (NIXL re-pinned it)",
-                            sorted(affinity))
+                logger.info(
+                    "kvbranch: kept the forward thread on cores %s (NIXL re-pinned it)",
+                    sorted(affinity),
+                )
         self.block_size = vllm_config.cache_config.block_size
         self.secret = load_cluster_secret()
         self.consumed = ConsumedHandles()
@@ -297,11 +331,15 @@ class VerifiedNixlConnector(NixlConnector):
         self.declined: dict[str, int] = {}
 
     # --- P: pulling D's blocks; D: reading P's blocks ---------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if isinstance(params, dict) and params.get("remote_block_ids") \
-                and not params.get("_remote_blocks_processed"):
+        if (
+            isinstance(params, dict)
+            and params.get("remote_block_ids")
+            and not params.get("_remote_blocks_processed")
+        ):
             if params.get("do_remote_decode"):
                 self._check_pull(request, params)
             elif params.get("do_remote_prefill") and "kvbranch_verified" not in params:
@@ -310,10 +348,13 @@ class VerifiedNixlConnector(NixlConnector):
                 self._check_prefill_handle(request, params)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def _decline(self, request: "Request", params: dict[str, Any], why: str) -> None:
+    def _decline(self, request: Request, params: dict[str, Any], why: str) -> None:
         self.declined[why] = self.declined.get(why, 0) + 1
-        logger.info("kvbranch: request %s declines the peer's transfer handle (%s): "
-                    "recomputing", request.request_id, DECLINE_REASONS.get(why, why))
+        logger.info(
+            "kvbranch: request %s declines the peer's transfer handle (%s): recomputing",
+            request.request_id,
+            DECLINE_REASONS.get(why, why),
+        )
         _strip(params)
 
     def _verify(self, params: dict[str, Any]) -> str | None:
@@ -324,19 +365,21 @@ class VerifiedNixlConnector(NixlConnector):
             return "expired"
         return None
 
-    def _consume_or_decline(self, request: "Request", params: dict[str, Any],
-                            why: str | None) -> bool:
+    def _consume_or_decline(
+        self, request: Request, params: dict[str, Any], why: str | None
+    ) -> bool:
         """The last check of both directions: a handle that passed every other one is used
         now (a replay is declined). False when the handle was declined."""
-        if why is None and not self.consumed.consume(params[MAC_FIELD],
-                                                     float(params[EXPIRES_FIELD])):
+        if why is None and not self.consumed.consume(
+            params[MAC_FIELD], float(params[EXPIRES_FIELD])
+        ):
             why = "reused"
         if why is not None:
             self._decline(request, params, why)
             return False
         return True
 
-    def _check_pull(self, request: "Request", params: dict[str, Any]) -> None:
+    def _check_pull(self, request: Request, params: dict[str, Any]) -> None:
         """P, before pulling D's blocks: every check, every time the scheduler asks (a request
         that waits for blocks may see its claim run out)."""
         if "kvbranch_verified" in params:
@@ -350,8 +393,9 @@ class VerifiedNixlConnector(NixlConnector):
             return
         held = params.get("remote_num_tokens")
         pull = pullable_tokens(params, request, self.block_size)
-        trimmed = trim_block_ids(params.get("remote_block_ids"), pull, self.block_size) \
-            if pull else None
+        trimmed = (
+            trim_block_ids(params.get("remote_block_ids"), pull, self.block_size) if pull else None
+        )
         if not pull or trimmed is None:
             pull = 0  # D frees its blocks on P's notification (upstream's full-hit path)
         else:
@@ -361,16 +405,21 @@ class VerifiedNixlConnector(NixlConnector):
             # NIXL's worker declines a read that would start after D's deadline: make that
             # deadline the claim's, which is when D may release the hold for new work.
             current = params.get("remote_blocks_expiry_time")
-            params["remote_blocks_expiry_time"] = (min(current, claim_perf)
-                                                   if isinstance(current, (int, float))
-                                                   else claim_perf)
+            params["remote_blocks_expiry_time"] = (
+                min(current, claim_perf) if isinstance(current, (int, float)) else claim_perf
+            )
         params["remote_num_tokens"] = pull
         _mark_verified(params, pull)
         if isinstance(held, int) and pull < held and pull < len(request.prompt_token_ids or []) - 1:
-            logger.info("kvbranch: request %s pulls %d of the %d tokens the peer holds "
-                        "(tokens or identity differ after that)", request.request_id, pull, held)
+            logger.info(
+                "kvbranch: request %s pulls %d of the %d tokens the peer holds "
+                "(tokens or identity differ after that)",
+                request.request_id,
+                pull,
+                held,
+            )
 
-    def _check_prefill_handle(self, request: "Request", params: dict[str, Any]) -> None:
+    def _check_prefill_handle(self, request: Request, params: dict[str, Any]) -> None:
         """D, before reading P's blocks for its prompt: sealed, fresh, unused, and P's blocks
         encode exactly this prompt with this identity."""
         why = self._verify(params)
@@ -380,34 +429,44 @@ class VerifiedNixlConnector(NixlConnector):
             prompt = list(request.prompt_token_ids or [])
             held = params.get("remote_num_tokens")
             tokens = params.get(TOKENS_FIELD)
-            if (not isinstance(held, int) or not isinstance(tokens, list) or held > len(prompt)
-                    or tokens[:held] != prompt[:held]):
+            if (
+                not isinstance(held, int)
+                or not isinstance(tokens, list)
+                or held > len(prompt)
+                or tokens[:held] != prompt[:held]
+            ):
                 why = "tokens"
         if self._consume_or_decline(request, params, why):
             _mark_verified(params, params.get("remote_num_tokens"))
 
     # --- issuing handles ------------------------------------------------------------------
-    def request_finished(self, request: "Request",
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         with self._hold_only_for_sessions(request):
             delay, params = super().request_finished(request, block_ids)
         return delay, self._issue(request, delay, params)
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         with self._hold_only_for_sessions(request):
             delay, params = super().request_finished_all_groups(request, block_ids)
         return delay, self._issue(request, delay, params)
 
     @contextlib.contextmanager
-    def _hold_only_for_sessions(self, request: "Request") -> Iterator[None]:
+    def _hold_only_for_sessions(self, request: Request) -> Iterator[None]:
         """D holds a finished request's blocks (and keeps its engine stepping, pitfall 7) only
         for a request in a session: nobody will ever pull a session-less request's KV."""
         sched = self.connector_scheduler
         params = request.kv_transfer_params
-        skip = (sched is not None and sched.is_bidirectional_kv_xfer_enabled and bool(params)
-                and not params.get("do_remote_decode")
-                and not getattr(request, "session_id", None))
+        skip = (
+            sched is not None
+            and sched.is_bidirectional_kv_xfer_enabled
+            and bool(params)
+            and not params.get("do_remote_decode")
+            and not getattr(request, "session_id", None)
+        )
         if skip:
             sched.is_bidirectional_kv_xfer_enabled = False  # the scheduler is single-threaded
         try:
@@ -416,8 +475,9 @@ class VerifiedNixlConnector(NixlConnector):
             if skip:
                 sched.is_bidirectional_kv_xfer_enabled = True
 
-    def _issue(self, request: "Request", delay: bool,
-               params: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _issue(
+        self, request: Request, delay: bool, params: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
         """Seal the handle this instance gives out: the tokens and block hashes its blocks
         encode, the request's identity, an expiry; D also registers the hold."""
         if not params or not delay or not params.get("remote_block_ids"):
@@ -428,14 +488,16 @@ class VerifiedNixlConnector(NixlConnector):
         params[IDENTITY_FIELD] = identity_of(request)
         is_d = bool(params.get("do_remote_decode"))
         sched = self.connector_scheduler
-        lease = (self.hold_ttl_s if is_d
-                 else float(getattr(sched, "_kv_lease_duration", 60) or 60))
+        lease = self.hold_ttl_s if is_d else float(getattr(sched, "_kv_lease_duration", 60) or 60)
         params[EXPIRES_FIELD] = round(time.time() + lease - EXPIRY_MARGIN_S, 3)
         seal(params, self.secret)
         if is_d:
             groups = params["remote_block_ids"]
-            blocks = sum(len(g) for g in groups if isinstance(g, list)) \
-                if groups and isinstance(groups[0], list) else len(groups)
+            blocks = (
+                sum(len(g) for g in groups if isinstance(g, list))
+                if groups and isinstance(groups[0], list)
+                else len(groups)
+            )
             self.holds.add(Hold(request.request_id, params[MAC_FIELD], blocks))
         return params
 
@@ -447,8 +509,9 @@ class VerifiedNixlConnector(NixlConnector):
             raise ControlError(400, "handle: not a transfer handle issued by this cluster")
         if transfer_expired(handle):
             raise ControlError(410, "handle expired: the hold has ended")
-        until = self.holds.claim(str(handle.get("remote_request_id")), handle[MAC_FIELD],
-                                 float(handle[EXPIRES_FIELD]))
+        until = self.holds.claim(
+            str(handle.get("remote_request_id")), handle[MAC_FIELD], float(handle[EXPIRES_FIELD])
+        )
         if until is None:
             raise ControlError(410, "hold released, unknown or already claimed: recompute")
         return {CLAIM_FIELD: make_claim(handle, until, self.secret)}
@@ -465,8 +528,11 @@ class VerifiedNixlConnector(NixlConnector):
             for request_id in ids:
                 # The worker rebases the deadline onto its clock and reaps it as expired.
                 sched._reqs_need_send[request_id] = past
-            logger.warning("kvbranch: released %d held conversation(s) for new work (device "
-                           "KV full); their next turn recomputes or uses the host store", len(ids))
+            logger.warning(
+                "kvbranch: released %d held conversation(s) for new work (device "
+                "KV full); their next turn recomputes or uses the host store",
+                len(ids),
+            )
         return len(ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -479,16 +545,21 @@ class KVBranchPDConnector(MultiConnector):
     """``MultiConnector([VerifiedNixlConnector, KVBranchConnector])`` with shared accounting,
     the router's claim op, and holds that yield to new work."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: "KVConnectorRole",
-                 kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self._nixl_index = next((i for i, c in enumerate(self._connectors)
-                                 if isinstance(c, NixlConnector)), None)
-        self._kvbranch = next((c for c in self._connectors
-                               if isinstance(c, KVBranchConnector)), None)
+        self._nixl_index = next(
+            (i for i, c in enumerate(self._connectors) if isinstance(c, NixlConnector)), None
+        )
+        self._kvbranch = next(
+            (c for c in self._connectors if isinstance(c, KVBranchConnector)), None
+        )
         if self._nixl_index is None or self._kvbranch is None:
-            raise ValueError("KVBranchPDConnector needs a NixlConnector and a "
-                             "KVBranchConnector among its connectors")
+            raise ValueError(
+                "KVBranchPDConnector needs a NixlConnector and a "
+                "KVBranchConnector among its connectors"
+            )
         self._nixl = self._connectors[self._nixl_index]
         self.block_size = vllm_config.cache_config.block_size
         #: Requests the scheduler looked at this step and has not (yet) allocated.
@@ -506,18 +577,23 @@ class KVBranchPDConnector(MultiConnector):
     def _pd_stats(self) -> dict[str, Any]:
         nixl = self._nixl
         holds = nixl.holds
-        return {"holds": len(holds), "held_blocks": holds.held_blocks(),
-                "holds_released_for_new_work": holds.released_for_pressure,
-                "claims": holds.claims, "claims_refused": holds.claims_refused,
-                "stalled_steps": self.stalled_steps,
-                "handles_declined": dict(nixl.declined)}
+        return {
+            "holds": len(holds),
+            "held_blocks": holds.held_blocks(),
+            "holds_released_for_new_work": holds.released_for_pressure,
+            "claims": holds.claims,
+            "claims_refused": holds.claims_refused,
+            "stalled_steps": self.stalled_steps,
+            "handles_declined": dict(nixl.declined),
+        }
 
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         self._waiting[request.request_id] = request
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> Any:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         self._yield_holds_to_waiting_work()
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing to compute, yet the engine keeps stepping: D while it holds a turn's
@@ -535,30 +611,40 @@ class KVBranchPDConnector(MultiConnector):
         waiting, self._waiting = self._waiting, {}
         manager = self._kv_cache_manager
         nixl = self._nixl
-        if not waiting or manager is None or not isinstance(nixl, VerifiedNixlConnector) \
-                or not len(nixl.holds):
+        if (
+            not waiting
+            or manager is None
+            or not isinstance(nixl, VerifiedNixlConnector)
+            or not len(nixl.holds)
+        ):
             return
         free = manager.block_pool.get_num_free_blocks()
         need = 0
         for request in waiting.values():
-            need += -(-max(request.num_tokens - request.num_computed_tokens, 1)
-                      // self.block_size) + 1
+            need += (
+                -(-max(request.num_tokens - request.num_computed_tokens, 1) // self.block_size) + 1
+            )
         if need <= free:
             return  # not held back by KV (token budget, max-num-seqs): holds stay
         self.stalled_steps += 1
         nixl.release_holds(need - free)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._waiting.pop(request.request_id, None)
         planner = self._kvbranch.planner
-        if (planner is not None and num_external_tokens
-                and self._requests_to_connector.get(request.request_id) == self._nixl_index):
+        if (
+            planner is not None
+            and num_external_tokens
+            and self._requests_to_connector.get(request.request_id) == self._nixl_index
+        ):
             planner.note_remote_hit(request, num_external_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def request_finished(self, request: "Request",
-                         blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, blocks: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._waiting.pop(request.request_id, None)
         delay, params = super().request_finished(request, blocks)
         planner = self._kvbranch.planner
@@ -572,9 +658,11 @@ class KVBranchPDConnector(MultiConnector):
 def _register_by_name() -> None:
     """MultiConnector rebuilds its children's stats in the API server by *registered name*
     (``KVConnectorFactory.get_connector_class_by_name``), which module-path connectors lack."""
-    for name, module in (("VerifiedNixlConnector", __name__),
-                         ("KVBranchConnector", "server.connector.connector"),
-                         ("KVBranchPDConnector", __name__)):
+    for name, module in (
+        ("VerifiedNixlConnector", __name__),
+        ("KVBranchConnector", "server.connector.connector"),
+        ("KVBranchPDConnector", __name__),
+    ):
         if name not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(name, module, name)
 

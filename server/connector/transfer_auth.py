@@ -55,10 +55,23 @@ IDENTITY_FIELD = "kvbranch_identity"
 CLAIM_FIELD = "kvbranch_claim"
 
 #: What the seal covers: everything that decides which memory is read and what it means.
-SEALED_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
-                 "remote_port", "remote_num_tokens", "remote_blocks_expiry_time", "tp_size",
-                 "dcp_size", "pp_size", "transfer_mode", TOKENS_FIELD, HASHES_FIELD,
-                 IDENTITY_FIELD, EXPIRES_FIELD)
+SEALED_FIELDS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "transfer_mode",
+    TOKENS_FIELD,
+    HASHES_FIELD,
+    IDENTITY_FIELD,
+    EXPIRES_FIELD,
+)
 
 
 def load_cluster_secret() -> bytes:
@@ -87,14 +100,19 @@ def load_cluster_secret() -> bytes:
                 return text.encode()
             time.sleep(0.02)
     except OSError as exc:
-        logger.warning("kvbranch: no cluster secret (%s); set %s on every P/D instance. "
-                       "Transfer handles from peers will be declined.", exc, ENV_CLUSTER_SECRET)
+        logger.warning(
+            "kvbranch: no cluster secret (%s); set %s on every P/D instance. "
+            "Transfer handles from peers will be declined.",
+            exc,
+            ENV_CLUSTER_SECRET,
+        )
     return secrets.token_bytes(32)  # this process only: nothing from a peer verifies
 
 
 def _canonical(params: dict[str, Any], fields: tuple[str, ...]) -> bytes:
-    return json.dumps({k: params.get(k) for k in fields}, sort_keys=True,
-                      separators=(",", ":"), default=str).encode()
+    return json.dumps(
+        {k: params.get(k) for k in fields}, sort_keys=True, separators=(",", ":"), default=str
+    ).encode()
 
 
 def _mac(secret: bytes, payload: bytes) -> str:
@@ -138,8 +156,9 @@ def make_claim(params: dict[str, Any], until_wall: float, secret: bytes) -> dict
     return dict(body, mac=_mac(secret, json.dumps(body, sort_keys=True).encode()))
 
 
-def claim_valid(params: dict[str, Any], secret: bytes, margin_s: float,
-                now: float | None = None) -> bool:
+def claim_valid(
+    params: dict[str, Any], secret: bytes, margin_s: float, now: float | None = None
+) -> bool:
     """A sealed claim for exactly this handle whose deadline is more than ``margin_s`` away."""
     claim = params.get(CLAIM_FIELD)
     if not isinstance(claim, dict):
@@ -147,8 +166,7 @@ def claim_valid(params: dict[str, Any], secret: bytes, margin_s: float,
     until, mac = claim.get("until"), claim.get("mac")
     if not isinstance(until, (int, float)) or isinstance(until, bool) or not isinstance(mac, str):
         return False
-    body = {"handle": params.get(MAC_FIELD), "until": until,
-            "until_perf": claim.get("until_perf")}
+    body = {"handle": params.get(MAC_FIELD), "until": until, "until_perf": claim.get("until_perf")}
     try:
         expected = _mac(secret, json.dumps(body, sort_keys=True).encode())
     except (TypeError, ValueError):
@@ -170,8 +188,9 @@ class ConsumedHandles:
         """True the first time ``handle`` is seen (and records it), False on a replay."""
         now = time.time()
         with self._lock:
-            while self._seen and (len(self._seen) >= self.capacity
-                                  or next(iter(self._seen.values())) < now):
+            while self._seen and (
+                len(self._seen) >= self.capacity or next(iter(self._seen.values())) < now
+            ):
                 self._seen.popitem(last=False)
             if handle in self._seen:
                 return False

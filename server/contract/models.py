@@ -262,6 +262,11 @@ class StoreStats(BaseModel):
     evictions: int
     saved_blocks: int
     loaded_blocks: int
+    saved_tails: int = Field(
+        default=0, description="Partial last blocks kept for token-exact reuse."
+    )
+    loaded_tails: int = Field(default=0, description="Stored tails loaded into a new prompt.")
+    tail_tokens_loaded: int = Field(default=0, description="Prompt tokens those tail loads served.")
 
 
 class Stats(BaseModel):

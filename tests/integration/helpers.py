@@ -16,8 +16,13 @@ def client(server) -> httpx.Client:
 
 
 def chat(server, messages, *, session=None, branch=None, max_tokens=12, **extra) -> dict:
-    body = {"model": server.model, "messages": messages, "temperature": 0,
-            "max_tokens": max_tokens, **extra}
+    body = {
+        "model": server.model,
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        **extra,
+    }
     if session:
         body["session_id"] = session
     if branch:
@@ -44,13 +49,37 @@ def reset_device_cache(server) -> None:
 
 def system_prompt(words: int = 450, seed: int = 0) -> str:
     rnd = random.Random(seed)
-    vocab = ["agent", "tool", "branch", "cache", "result", "query", "plan", "step", "value",
-             "check", "record", "index", "weather", "city", "price", "order", "status"]
+    vocab = [
+        "agent",
+        "tool",
+        "branch",
+        "cache",
+        "result",
+        "query",
+        "plan",
+        "step",
+        "value",
+        "check",
+        "record",
+        "index",
+        "weather",
+        "city",
+        "price",
+        "order",
+        "status",
+    ]
     return "You are a careful assistant. Context: " + " ".join(
-        f"{rnd.choice(vocab)}{rnd.randint(0, 99)}" for _ in range(words))
+        f"{rnd.choice(vocab)}{rnd.randint(0, 99)}" for _ in range(words)
+    )
 
 
 def filler(i: int, words: int = 300) -> list[dict]:
     rnd = random.Random(1000 + i)
-    return [{"role": "user", "content": f"Document {i}: " + " ".join(
-        str(rnd.randint(0, 10**6)) for _ in range(words)) + " Summarize."}]
+    return [
+        {
+            "role": "user",
+            "content": f"Document {i}: "
+            + " ".join(str(rnd.randint(0, 10**6)) for _ in range(words))
+            + " Summarize.",
+        }
+    ]

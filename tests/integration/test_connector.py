@@ -41,12 +41,14 @@ def _conversation_turns(server, session, *, branch=None, reset_between=False, ba
 
 
 def test_greedy_outputs_identical_to_plain_vllm_with_forks_and_store_only(
-        kvbranch_server, plain_server):
+    kvbranch_server, plain_server
+):
     """Token-for-token equality with plain vLLM, also when the device prefix cache was dropped
     before every turn so that every reused token came from the host store."""
     reset_device_cache(kvbranch_server)
-    texts, responses, history = _conversation_turns(kvbranch_server, "eq-session",
-                                                    reset_between=True)
+    texts, responses, history = _conversation_turns(
+        kvbranch_server, "eq-session", reset_between=True
+    )
     plain_texts, _, _ = _conversation_turns(plain_server, None)
     assert texts == plain_texts
     # turns 2 and 3 reused history through the host store only
@@ -54,14 +56,17 @@ def test_greedy_outputs_identical_to_plain_vllm_with_forks_and_store_only(
         split = response["kvbranch"]
         assert split["device_hit_tokens"] == 0
         assert split["host_hit_tokens"] >= BLOCK
-        assert response["usage"]["prompt_tokens_details"]["cached_tokens"] == \
-            split["host_hit_tokens"]
+        assert (
+            response["usage"]["prompt_tokens_details"]["cached_tokens"] == split["host_hit_tokens"]
+        )
 
     # fork at the second user message, continue differently on both servers
     fork_point = history[:4]  # system, user0, assistant0, user1
     with client(kvbranch_server) as c:
-        r = c.post("/v1/kvbranch/sessions/eq-session/branches",
-                   json={"parent": "main", "branch_id": "alt", "messages": fork_point[:3]})
+        r = c.post(
+            "/v1/kvbranch/sessions/eq-session/branches",
+            json={"parent": "main", "branch_id": "alt", "messages": fork_point[:3]},
+        )
         assert r.status_code == 201, r.text
         assert r.json()["fork_offset_tokens"] > 0
     alt = fork_point[:3] + [{"role": "user", "content": "Instead, book a train. Which one?"}]
@@ -74,8 +79,10 @@ def test_greedy_outputs_identical_to_plain_vllm_with_forks_and_store_only(
 
 
 def test_next_turn_recomputes_only_new_tokens_after_device_loss(kvbranch_server):
-    messages = [{"role": "system", "content": system_prompt(seed=7)},
-                {"role": "user", "content": "Step 0. " + OBSERVATIONS[0]}]
+    messages = [
+        {"role": "system", "content": system_prompt(seed=7)},
+        {"role": "user", "content": "Step 0. " + OBSERVATIONS[0]},
+    ]
     first = chat(kvbranch_server, messages, session="effect", max_tokens=16)
     known = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
     messages.append({"role": "assistant", "content": text_of(first)})
@@ -99,14 +106,28 @@ def _branch(server, session, branch="main"):
 
 def test_pinned_branch_survives_pressure_that_evicts_unpinned(kvbranch_server):
     with client(kvbranch_server) as c:
-        assert c.post("/v1/kvbranch/sessions",
-                      json={"session_id": "pinned-s", "pin_ttl_s": 600}).status_code == 201
-        assert c.post("/v1/kvbranch/sessions",
-                      json={"session_id": "loose-s", "auto_pin": False}).status_code == 201
+        assert (
+            c.post(
+                "/v1/kvbranch/sessions", json={"session_id": "pinned-s", "pin_ttl_s": 600}
+            ).status_code
+            == 201
+        )
+        assert (
+            c.post(
+                "/v1/kvbranch/sessions", json={"session_id": "loose-s", "auto_pin": False}
+            ).status_code
+            == 201
+        )
     for session, seed in (("pinned-s", 11), ("loose-s", 12)):
-        chat(kvbranch_server, [{"role": "system", "content": system_prompt(words=300, seed=seed)},
-                               {"role": "user", "content": "Hello"}], session=session,
-             max_tokens=4)
+        chat(
+            kvbranch_server,
+            [
+                {"role": "system", "content": system_prompt(words=300, seed=seed)},
+                {"role": "user", "content": "Hello"},
+            ],
+            session=session,
+            max_tokens=4,
+        )
     pinned, loose = _branch(kvbranch_server, "pinned-s"), _branch(kvbranch_server, "loose-s")
     assert pinned["pinned"] and pinned["pinned_blocks"] >= 2
     assert not loose["pinned"] and loose["stored_blocks"] >= 2
@@ -118,15 +139,26 @@ def test_pinned_branch_survives_pressure_that_evicts_unpinned(kvbranch_server):
         stats = c.get("/v1/kvbranch/stats").json()
     assert stats["store"]["evictions"] > 0
     assert pinned["stored_blocks"] == pinned["pinned_blocks"]  # all of it survived
-    assert loose["stored_blocks"] == 0                           # evicted
+    assert loose["stored_blocks"] == 0  # evicted
 
 
 def test_pin_ttl_expiry_releases_the_pin(kvbranch_server):
     with client(kvbranch_server) as c:
-        assert c.post("/v1/kvbranch/sessions",
-                      json={"session_id": "ttl-s", "pin_ttl_s": 2}).status_code == 201
-    chat(kvbranch_server, [{"role": "system", "content": system_prompt(words=250, seed=21)},
-                           {"role": "user", "content": "Hi"}], session="ttl-s", max_tokens=2)
+        assert (
+            c.post(
+                "/v1/kvbranch/sessions", json={"session_id": "ttl-s", "pin_ttl_s": 2}
+            ).status_code
+            == 201
+        )
+    chat(
+        kvbranch_server,
+        [
+            {"role": "system", "content": system_prompt(words=250, seed=21)},
+            {"role": "user", "content": "Hi"},
+        ],
+        session="ttl-s",
+        max_tokens=2,
+    )
     branch = _branch(kvbranch_server, "ttl-s")
     assert branch["pinned"] and branch["pinned_blocks"] > 0
     time.sleep(2.5)
@@ -137,8 +169,10 @@ def test_pin_ttl_expiry_releases_the_pin(kvbranch_server):
 def test_pin_budget_is_enforced(kvbranch_server):
     """A branch larger than the whole pin budget (9 blocks): an explicit pin is refused with
     409; its automatic pin degrades and the chat request itself succeeds."""
-    long_prompt = [{"role": "system", "content": system_prompt(words=500, seed=31)},
-                   {"role": "user", "content": "Hi"}]
+    long_prompt = [
+        {"role": "system", "content": system_prompt(words=500, seed=31)},
+        {"role": "user", "content": "Hi"},
+    ]
     response = chat(kvbranch_server, long_prompt, session="big-s", max_tokens=2)
     assert response["usage"]["prompt_tokens"] > 10 * BLOCK
     branch = _branch(kvbranch_server, "big-s")
@@ -153,14 +187,17 @@ def test_pin_budget_is_enforced(kvbranch_server):
 
 
 def test_fork_shares_parent_blocks(kvbranch_server):
-    base = [{"role": "system", "content": system_prompt(words=250, seed=41)},
-            {"role": "user", "content": "Plan a trip."}]
+    base = [
+        {"role": "system", "content": system_prompt(words=250, seed=41)},
+        {"role": "user", "content": "Plan a trip."},
+    ]
     first = chat(kvbranch_server, base, session="fork-s", max_tokens=8)
     parent = _branch(kvbranch_server, "fork-s")
     with client(kvbranch_server) as c:
         session_before = c.get("/v1/kvbranch/sessions/fork-s").json()
-        r = c.post("/v1/kvbranch/sessions/fork-s/branches",
-                   json={"parent": "main", "branch_id": "plan-b"})
+        r = c.post(
+            "/v1/kvbranch/sessions/fork-s/branches", json={"parent": "main", "branch_id": "plan-b"}
+        )
         assert r.status_code == 201
         fork = r.json()
         session_after = c.get("/v1/kvbranch/sessions/fork-s").json()
@@ -170,8 +207,10 @@ def test_fork_shares_parent_blocks(kvbranch_server):
     assert session_after["pinned_bytes"] == session_before["pinned_bytes"]
     with client(kvbranch_server) as c:
         used_before = c.get("/v1/kvbranch/stats").json()["store"]["used_blocks"]
-    alt = base + [{"role": "assistant", "content": text_of(first)},
-                  {"role": "user", "content": "Make it cheaper."}]
+    alt = base + [
+        {"role": "assistant", "content": text_of(first)},
+        {"role": "user", "content": "Make it cheaper."},
+    ]
     response = chat(kvbranch_server, alt, session="fork-s", branch="plan-b", max_tokens=8)
     with client(kvbranch_server) as c:
         used_after = c.get("/v1/kvbranch/stats").json()["store"]["used_blocks"]
@@ -185,8 +224,10 @@ def test_fork_shares_parent_blocks(kvbranch_server):
 
 
 def test_prefetch_warms_the_device_cache(kvbranch_server):
-    messages = [{"role": "system", "content": system_prompt(words=300, seed=51)},
-                {"role": "user", "content": "Look up the weather."}]
+    messages = [
+        {"role": "system", "content": system_prompt(words=300, seed=51)},
+        {"role": "user", "content": "Look up the weather."},
+    ]
     first = chat(kvbranch_server, messages, session="pf-s", max_tokens=8)
     reset_device_cache(kvbranch_server)
     with client(kvbranch_server) as c:
@@ -197,8 +238,10 @@ def test_prefetch_warms_the_device_cache(kvbranch_server):
         while c.get("/v1/kvbranch/stats").json()["prefetches"] == before:
             assert time.monotonic() < deadline, "prefetch never ran"
             time.sleep(0.2)
-    messages += [{"role": "assistant", "content": text_of(first)},
-                 {"role": "user", "content": OBSERVATIONS[0]}]
+    messages += [
+        {"role": "assistant", "content": text_of(first)},
+        {"role": "user", "content": OBSERVATIONS[0]},
+    ]
     second = chat(kvbranch_server, messages, session="pf-s", max_tokens=8)
     assert second["kvbranch"]["device_hit_tokens"] >= BLOCK
     # every full block came from the device; only the stored tail (the partial last block,
@@ -207,8 +250,15 @@ def test_prefetch_warms_the_device_cache(kvbranch_server):
 
 
 def test_deleting_a_session_drops_its_pins(kvbranch_server):
-    chat(kvbranch_server, [{"role": "system", "content": system_prompt(words=200, seed=61)},
-                           {"role": "user", "content": "Hi"}], session="del-s", max_tokens=2)
+    chat(
+        kvbranch_server,
+        [
+            {"role": "system", "content": system_prompt(words=200, seed=61)},
+            {"role": "user", "content": "Hi"},
+        ],
+        session="del-s",
+        max_tokens=2,
+    )
     assert _branch(kvbranch_server, "del-s")["pinned_blocks"] > 0
     with client(kvbranch_server) as c:
         r = c.delete("/v1/kvbranch/sessions/del-s")
@@ -231,8 +281,13 @@ BAD_REQUESTS = [
     ("post", "/v1/kvbranch/sessions/bad-s/branches", {"parent": "nope"}, 404, "nope"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches", {"token_offset": -3}, 400, "token_offset"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches", {"token_offset": 10**9}, 400, "past the end"),
-    ("post", "/v1/kvbranch/sessions/bad-s/branches",
-     {"token_offset": 1, "messages": [{"role": "user", "content": "x"}]}, 400, "either"),
+    (
+        "post",
+        "/v1/kvbranch/sessions/bad-s/branches",
+        {"token_offset": 1, "messages": [{"role": "user", "content": "x"}]},
+        400,
+        "either",
+    ),
     ("post", "/v1/kvbranch/sessions/bad-s/branches", {"branch_id": "main"}, 409, "exists"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches/main/pin", {}, 400, "ttl_s"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches/main/pin", {"ttl_s": "soon"}, 400, "ttl_s"),
@@ -244,8 +299,11 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("method,path,body,status,needle", BAD_REQUESTS,
-                         ids=[f"{m} {p[:48]} {s}" for m, p, _, s, _ in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "method,path,body,status,needle",
+    BAD_REQUESTS,
+    ids=[f"{m} {p[:48]} {s}" for m, p, _, s, _ in BAD_REQUESTS],
+)
 def test_bad_input_gets_a_clear_4xx(kvbranch_server, method, path, body, status, needle):
     with client(kvbranch_server) as c:
         if c.get("/v1/kvbranch/sessions/bad-s").status_code == 404:

@@ -80,18 +80,32 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbra
     server = kvbranch_server
     sid = f"abort-{secrets.token_hex(6)}"
     with client(server) as c:
-        assert c.post("/v1/kvbranch/sessions",
-                      json={"session_id": sid, "pin_ttl_s": 600}).status_code == 201
+        assert (
+            c.post("/v1/kvbranch/sessions", json={"session_id": sid, "pin_ttl_s": 600}).status_code
+            == 201
+        )
     pinned_before = _stats(server)["store"]["pinned_blocks"]
-    messages = [{"role": "system", "content": system_prompt(words=300, seed=41)},
-                {"role": "user", "content": "Write a very long story about a cache."}]
+    messages = [
+        {"role": "system", "content": system_prompt(words=300, seed=41)},
+        {"role": "user", "content": "Write a very long story about a cache."},
+    ]
     max_tokens = 3000
-    body = {"model": server.model, "messages": messages, "temperature": 0,
-            "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "session_id": sid}
+    body = {
+        "model": server.model,
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "session_id": sid,
+    }
 
     chunks = 0
-    with httpx.Client(base_url=server.url, headers=server.headers(),
-                      timeout=httpx.Timeout(HANG_GUARD_S, connect=10.0)) as c:
+    with httpx.Client(
+        base_url=server.url,
+        headers=server.headers(),
+        timeout=httpx.Timeout(HANG_GUARD_S, connect=10.0),
+    ) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
@@ -104,6 +118,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbra
 
     # the engine aborted it: nothing runs any more ...
     _wait_for("vllm:num_requests_running back to 0", lambda: _requests_running(server) == 0)
+
     # ... and the connector's planner saw it finish (request_finished is what updates the
     # branch: its request count and its token sequence)
     def finished_once():
@@ -120,8 +135,9 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbra
     assert pinned_after - pinned_before <= branch["pinned_blocks"]
 
     # the server still serves, the session too
-    again = chat(server, messages[:1] + [{"role": "user", "content": "Say ok."}], session=sid,
-                 max_tokens=4)
+    again = chat(
+        server, messages[:1] + [{"role": "user", "content": "Say ok."}], session=sid, max_tokens=4
+    )
     assert again["kvbranch"]["session_id"] == sid
     assert _branch(server, sid)["requests"] == 2
 
@@ -135,8 +151,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbra
 
 
 # --- b. host store full ----------------------------------------------------------------------
-def test_full_host_store_evicts_unpinned_first_and_answers_stay_greedy_identical(
-        kvbranch_server):
+def test_full_host_store_evicts_unpinned_first_and_answers_stay_greedy_identical(kvbranch_server):
     """tests/integration/test_connector.py already checks evictions and that a pinned branch
     survives while an unpinned one is evicted; this adds the answers: after the overflow, the
     pinned branch's next request is served from the host store and gives the same greedy
@@ -144,10 +159,14 @@ def test_full_host_store_evicts_unpinned_first_and_answers_stay_greedy_identical
     server = kvbranch_server
     sid = f"full-{secrets.token_hex(6)}"
     with client(server) as c:
-        assert c.post("/v1/kvbranch/sessions",
-                      json={"session_id": sid, "pin_ttl_s": 600}).status_code == 201
-    messages = [{"role": "system", "content": system_prompt(words=300, seed=4242)},
-                {"role": "user", "content": "Which tool should run first? Answer briefly."}]
+        assert (
+            c.post("/v1/kvbranch/sessions", json={"session_id": sid, "pin_ttl_s": 600}).status_code
+            == 201
+        )
+    messages = [
+        {"role": "system", "content": system_prompt(words=300, seed=4242)},
+        {"role": "user", "content": "Which tool should run first? Answer briefly."},
+    ]
     reference = chat(server, messages, max_tokens=16)  # no session, never-seen prompt
     assert reference["kvbranch"]["recomputed_tokens"] == reference["usage"]["prompt_tokens"]
     chat(server, messages, session=sid, max_tokens=16)
@@ -214,41 +233,68 @@ class OverloadProxy:
             self.chat_attempts += 1
             if self.failures:
                 status, retry_after = self.failures.pop(0)
-                payload = json.dumps({"error": {"message": "overloaded, retry later",
-                                                "type": "Overloaded", "code": status}}).encode()
-                await send({"type": "http.response.start", "status": status,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"retry-after", retry_after.encode())]})
+                payload = json.dumps(
+                    {
+                        "error": {
+                            "message": "overloaded, retry later",
+                            "type": "Overloaded",
+                            "code": status,
+                        }
+                    }
+                ).encode()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": status,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"retry-after", retry_after.encode()),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": payload})
                 return
         self.forwarded += 1
-        headers = {k.decode(): v.decode() for k, v in scope["headers"]
-                   if k.lower() not in (b"host", b"content-length")}
+        headers = {
+            k.decode(): v.decode()
+            for k, v in scope["headers"]
+            if k.lower() not in (b"host", b"content-length")
+        }
         url = self.upstream + scope["path"]
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode()
         async with httpx.AsyncClient(timeout=HANG_GUARD_S) as upstream:
-            async with upstream.stream(scope["method"], url, content=body,
-                                       headers=headers) as r:
-                await send({"type": "http.response.start", "status": r.status_code,
-                            "headers": [(k.encode(), v.encode()) for k, v in r.headers.items()
-                                        if k.lower() not in ("content-length",
-                                                             "transfer-encoding")]})
+            async with upstream.stream(scope["method"], url, content=body, headers=headers) as r:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": r.status_code,
+                        "headers": [
+                            (k.encode(), v.encode())
+                            for k, v in r.headers.items()
+                            if k.lower() not in ("content-length", "transfer-encoding")
+                        ],
+                    }
+                )
                 async for piece in r.aiter_raw():
-                    await send({"type": "http.response.body", "body": piece,
-                                "more_body": True})
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
                 await send({"type": "http.response.body", "body": b""})
 
-    def __enter__(self) -> "OverloadProxy":
+    def __enter__(self) -> OverloadProxy:
         import uvicorn
 
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                interface="asgi3", lifespan="on")
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            interface="asgi3",
+            lifespan="on",
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
-        _wait_for("overload proxy up", lambda: self._server.started, timeout_s=30,
-                  every_s=0.05)
+        _wait_for("overload proxy up", lambda: self._server.started, timeout_s=30, every_s=0.05)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -258,7 +304,8 @@ class OverloadProxy:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_sdk_backs_off_on_429_and_503_with_retry_after_then_gets_the_real_answer(
-        kvbranch_server, stream):
+    kvbranch_server, stream
+):
     messages = [{"role": "user", "content": "Name the capital of Italy in one word."}]
     direct = text_of(chat(kvbranch_server, messages, max_tokens=12))
     waits: list[float] = []
@@ -269,8 +316,9 @@ def test_sdk_backs_off_on_429_and_503_with_retry_after_then_gets_the_real_answer
 
     retry = RetryPolicy(max_attempts=4, max_total_s=60, sleep=sleep)
     with OverloadProxy(kvbranch_server.url, [(429, "1"), (503, "2")]) as proxy:
-        with KVBranchClient(proxy.url, api_key=kvbranch_server.api_key, retry=retry,
-                            timeout=HANG_GUARD_S) as sdk:
+        with KVBranchClient(
+            proxy.url, api_key=kvbranch_server.api_key, retry=retry, timeout=HANG_GUARD_S
+        ) as sdk:
             if stream:
                 answer = sdk.chat_stream(messages, max_tokens=12, temperature=0)
                 for _ in answer:
@@ -278,6 +326,6 @@ def test_sdk_backs_off_on_429_and_503_with_retry_after_then_gets_the_real_answer
                 text = answer.result.text
             else:
                 text = sdk.chat(messages, max_tokens=12, temperature=0).text
-    assert proxy.chat_attempts == 3             # 429, 503, then the real server
-    assert waits == [1.0, 2.0]                  # exactly what Retry-After asked
-    assert text == direct                       # the real server's greedy answer
+    assert proxy.chat_attempts == 3  # 429, 503, then the real server
+    assert waits == [1.0, 2.0]  # exactly what Retry-After asked
+    assert text == direct  # the real server's greedy answer

@@ -35,9 +35,17 @@ from server.contract import ID_PATTERN
 from tests.integration.helpers import chat
 
 MAX_EXAMPLES = 40
-FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
+)
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)  # hang guard only
 ID_RE = re.compile(ID_PATTERN)
 LIMIT = 32 * 1024 * 1024  # server.contract.MAX_BODY_BYTES
@@ -47,20 +55,26 @@ LIMIT = 32 * 1024 * 1024  # server.contract.MAX_BODY_BYTES
 class Fuzzer:
     def __init__(self, server) -> None:
         self.server = server
-        self.http = httpx.Client(base_url=server.url, timeout=TIMEOUT, headers=server.headers(),
-                                 follow_redirects=False)
+        self.http = httpx.Client(
+            base_url=server.url, timeout=TIMEOUT, headers=server.headers(), follow_redirects=False
+        )
         self.created: set[str] = set()
         stats = self.stats()
         self.baseline_sessions = {s["session_id"] for s in stats["sessions"]}
         self.baseline_pinned_bytes = stats["store"]["pinned_bytes"]
         self.session = f"fuzz-{secrets.token_hex(6)}"
-        r = self.http.post("/v1/kvbranch/sessions",
-                           json={"session_id": self.session, "pin_ttl_s": 600})
+        r = self.http.post(
+            "/v1/kvbranch/sessions", json={"session_id": self.session, "pin_ttl_s": 600}
+        )
         assert r.status_code == 201, r.text
         self.created.add(self.session)
         # give its main branch a sequence, so that pin/fork/prefetch reach the engine
-        chat(server, [{"role": "user", "content": "Fuzzing starts. Say hi."}],
-             session=self.session, max_tokens=2)
+        chat(
+            server,
+            [{"role": "user", "content": "Fuzzing starts. Say hi."}],
+            session=self.session,
+            max_tokens=2,
+        )
 
     def stats(self) -> dict:
         r = self.http.get("/v1/kvbranch/stats")
@@ -101,26 +115,80 @@ def fuzzer(kvbranch_server):
 
 
 # --- strategies ------------------------------------------------------------------------------
-WEIRD_IDS = ["", " ", ".", "..", "../..", "../../etc/passwd", "..%2F..%2Fetc", "%2e%2e", "%00",
-             "a/b", "a?b=c", "a#b", "a b", "-a", ".a", "_", ":", "a\\b", "\u202eevil", "😀",
-             "null", "None", "main/../main", "a" * 128, "a" * 129, "b" * 5000, "%", "%zz"]
+WEIRD_IDS = [
+    "",
+    " ",
+    ".",
+    "..",
+    "../..",
+    "../../etc/passwd",
+    "..%2F..%2Fetc",
+    "%2e%2e",
+    "%00",
+    "a/b",
+    "a?b=c",
+    "a#b",
+    "a b",
+    "-a",
+    ".a",
+    "_",
+    ":",
+    "a\\b",
+    "\u202eevil",
+    "😀",
+    "null",
+    "None",
+    "main/../main",
+    "a" * 128,
+    "a" * 129,
+    "b" * 5000,
+    "%",
+    "%zz",
+]
 valid_ids = st.from_regex(ID_PATTERN, fullmatch=True)
 fuzz_ids = st.one_of(
     st.sampled_from(WEIRD_IDS),
-    st.text(max_size=24),                                   # any unicode
-    st.text(min_size=129, max_size=3000),                   # very long
-    valid_ids,                                              # well-formed, unknown
+    st.text(max_size=24),  # any unicode
+    st.text(min_size=129, max_size=3000),  # very long
+    valid_ids,  # well-formed, unknown
 )
-huge_numbers = st.sampled_from([0, -1, -0.0, 1e308, -1e308, 1e-308, 5e-324, 2**63, -(2**63),
-                                2**64, 10**40, 86400, 86400.0001, 86399.999])
-ttls = st.one_of(huge_numbers, st.floats(), st.integers(), st.sampled_from(
-    ["NaN", "nan", "Infinity", "-Infinity", "1e308", "300", "", "0x10", None, True, [], {}]))
+huge_numbers = st.sampled_from(
+    [
+        0,
+        -1,
+        -0.0,
+        1e308,
+        -1e308,
+        1e-308,
+        5e-324,
+        2**63,
+        -(2**63),
+        2**64,
+        10**40,
+        86400,
+        86400.0001,
+        86399.999,
+    ]
+)
+ttls = st.one_of(
+    huge_numbers,
+    st.floats(),
+    st.integers(),
+    st.sampled_from(
+        ["NaN", "nan", "Infinity", "-Infinity", "1e308", "300", "", "0x10", None, True, [], {}]
+    ),
+)
 junk = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(10**30), max_value=10**30)
-    | st.floats() | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
-                                                                max_size=4),
-    max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats()
+    | st.text(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 def body_of(fields: dict, good: st.SearchStrategy) -> st.SearchStrategy:
@@ -132,27 +200,49 @@ def body_of(fields: dict, good: st.SearchStrategy) -> st.SearchStrategy:
 
 
 good_ttls = st.floats(min_value=0.001, max_value=86400)
-create_bodies = body_of({"session_id": st.one_of(fuzz_ids, junk), "pin_ttl_s": ttls,
-                         "auto_pin": st.one_of(st.booleans(), junk)},
-                        st.fixed_dictionaries({}, optional={"pin_ttl_s": good_ttls,
-                                                            "auto_pin": st.booleans()}))
+create_bodies = body_of(
+    {
+        "session_id": st.one_of(fuzz_ids, junk),
+        "pin_ttl_s": ttls,
+        "auto_pin": st.one_of(st.booleans(), junk),
+    },
+    st.fixed_dictionaries({}, optional={"pin_ttl_s": good_ttls, "auto_pin": st.booleans()}),
+)
 pin_bodies = body_of({"ttl_s": ttls}, st.fixed_dictionaries({"ttl_s": good_ttls}))
 messages = st.one_of(
     junk,
-    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system",
-                                                             "tool", "", "robot"]),
-                                     "content": st.one_of(st.text(max_size=60), st.none(),
-                                                          junk)}), max_size=3))
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "assistant", "system", "tool", "", "robot"]),
+                "content": st.one_of(st.text(max_size=60), st.none(), junk),
+            }
+        ),
+        max_size=3,
+    ),
+)
 good_fork = st.one_of(
-    st.fixed_dictionaries({"parent": st.just("main")}, optional={
-        "branch_id": valid_ids, "token_offset": st.integers(min_value=0, max_value=10**6)}),
-    st.fixed_dictionaries({"messages": st.just([{"role": "user",
-                                                  "content": "Fuzzing starts. Say hi."}])},
-                          optional={"branch_id": valid_ids}))
-fork_bodies = body_of({"parent": st.one_of(st.just("main"), fuzz_ids, junk),
-                       "branch_id": st.one_of(fuzz_ids, junk, st.none()),
-                       "token_offset": st.one_of(huge_numbers, st.integers(), ttls),
-                       "messages": messages}, good_fork)
+    st.fixed_dictionaries(
+        {"parent": st.just("main")},
+        optional={
+            "branch_id": valid_ids,
+            "token_offset": st.integers(min_value=0, max_value=10**6),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"messages": st.just([{"role": "user", "content": "Fuzzing starts. Say hi."}])},
+        optional={"branch_id": valid_ids},
+    ),
+)
+fork_bodies = body_of(
+    {
+        "parent": st.one_of(st.just("main"), fuzz_ids, junk),
+        "branch_id": st.one_of(fuzz_ids, junk, st.none()),
+        "token_offset": st.one_of(huge_numbers, st.integers(), ttls),
+        "messages": messages,
+    },
+    good_fork,
+)
 
 
 @st.composite
@@ -164,9 +254,16 @@ def payloads(draw, bodies: st.SearchStrategy):
         text = json.dumps(draw(bodies))  # allow_nan: NaN / Infinity literals
         return {"content": text.encode(), "headers": {"content-type": "application/json"}}
     if kind == "raw":
-        return {"content": draw(st.binary(max_size=200)),
-                "headers": {"content-type": draw(st.sampled_from(
-                    ["application/json", "text/plain", "application/x-www-form-urlencoded"]))}}
+        return {
+            "content": draw(st.binary(max_size=200)),
+            "headers": {
+                "content-type": draw(
+                    st.sampled_from(
+                        ["application/json", "text/plain", "application/x-www-form-urlencoded"]
+                    )
+                )
+            },
+        }
     return {}
 
 
@@ -201,9 +298,12 @@ def test_fuzz_create_session(fuzzer, kwargs):
 
 
 @FUZZ
-@given(sid=st.one_of(st.none(), st.none(), fuzz_ids), encode=st.booleans(),
-       kwargs=payloads(fork_bodies),
-       method=st.sampled_from(["GET", "POST", "POST", "POST"]))
+@given(
+    sid=st.one_of(st.none(), st.none(), fuzz_ids),
+    encode=st.booleans(),
+    kwargs=payloads(fork_bodies),
+    method=st.sampled_from(["GET", "POST", "POST", "POST"]),
+)
 def test_fuzz_list_and_fork_branches(fuzzer, sid, encode, kwargs, method):
     """``sid=None``: the module's real session (a well-formed fork really forks)."""
     session = fuzzer.session if sid is None else segment(sid, encode)
@@ -213,11 +313,23 @@ def test_fuzz_list_and_fork_branches(fuzzer, sid, encode, kwargs, method):
 
 
 @FUZZ
-@given(sid=st.one_of(st.none(), st.none(), fuzz_ids),
-       bid=st.one_of(st.just("main"), st.just("main"), fuzz_ids),
-       encode=st.booleans(), kwargs=payloads(pin_bodies),
-       op=st.sampled_from([("GET", ""), ("DELETE", ""), ("POST", "/pin"), ("DELETE", "/pin"),
-                           ("POST", "/prefetch"), ("GET", "/pin"), ("POST", "/nope")]))
+@given(
+    sid=st.one_of(st.none(), st.none(), fuzz_ids),
+    bid=st.one_of(st.just("main"), st.just("main"), fuzz_ids),
+    encode=st.booleans(),
+    kwargs=payloads(pin_bodies),
+    op=st.sampled_from(
+        [
+            ("GET", ""),
+            ("DELETE", ""),
+            ("POST", "/pin"),
+            ("DELETE", "/pin"),
+            ("POST", "/prefetch"),
+            ("GET", "/pin"),
+            ("POST", "/nope"),
+        ]
+    ),
+)
 def test_fuzz_branch_routes(fuzzer, sid, bid, encode, kwargs, op):
     """get / delete branch, pin / unpin, prefetch — on the real session or a fuzzed one."""
     method, tail = op
@@ -229,10 +341,19 @@ def test_fuzz_branch_routes(fuzzer, sid, bid, encode, kwargs, op):
 
 
 @FUZZ
-@given(path=st.sampled_from(["/v1/kvbranch/stats", "/v1/kvbranch/health", "/v1/kvbranch",
-                             "/v1/kvbranch/", "/v1/kvbranch/sessions"]),
-       query=st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3),
-       method=st.sampled_from(["GET", "GET", "POST", "DELETE", "PATCH"]))
+@given(
+    path=st.sampled_from(
+        [
+            "/v1/kvbranch/stats",
+            "/v1/kvbranch/health",
+            "/v1/kvbranch",
+            "/v1/kvbranch/",
+            "/v1/kvbranch/sessions",
+        ]
+    ),
+    query=st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3),
+    method=st.sampled_from(["GET", "GET", "POST", "DELETE", "PATCH"]),
+)
 def test_fuzz_stats_health_and_stray_methods(fuzzer, path, query, method):
     if method == "POST" and path == "/v1/kvbranch/sessions":
         return  # covered by test_fuzz_create_session (and would create sessions)
@@ -241,19 +362,28 @@ def test_fuzz_stats_health_and_stray_methods(fuzzer, path, query, method):
         assert r.status_code == 200 and "store" in r.json()
 
 
-header_values = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e),
-                        max_size=200)
+header_values = st.text(
+    alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=200
+)
 
 
 @FUZZ
-@given(session=st.one_of(st.none(), fuzz_ids, junk), branch=st.one_of(st.none(), fuzz_ids, junk),
-       xargs=st.one_of(st.none(), junk, st.dictionaries(st.text(max_size=12), junk, max_size=3)),
-       session_header=st.one_of(st.none(), header_values),
-       branch_header=st.one_of(st.none(), header_values))
-def test_fuzz_chat_session_and_branch(fuzzer, session, branch, xargs, session_header,
-                                      branch_header):
-    body = {"model": fuzzer.server.model, "temperature": 0, "max_tokens": 1,
-            "messages": [{"role": "user", "content": "Fuzz. Say ok."}]}
+@given(
+    session=st.one_of(st.none(), fuzz_ids, junk),
+    branch=st.one_of(st.none(), fuzz_ids, junk),
+    xargs=st.one_of(st.none(), junk, st.dictionaries(st.text(max_size=12), junk, max_size=3)),
+    session_header=st.one_of(st.none(), header_values),
+    branch_header=st.one_of(st.none(), header_values),
+)
+def test_fuzz_chat_session_and_branch(
+    fuzzer, session, branch, xargs, session_header, branch_header
+):
+    body = {
+        "model": fuzzer.server.model,
+        "temperature": 0,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "Fuzz. Say ok."}],
+    }
     if session is not None:
         body["session_id"] = session
     if branch is not None:
@@ -266,11 +396,15 @@ def test_fuzz_chat_session_and_branch(fuzzer, session, branch, xargs, session_he
         headers["X-Session-ID"] = session_header
     if branch_header is not None:
         headers["X-KVBranch-Branch"] = branch_header
-    r = fuzzer.send("POST", "/v1/chat/completions", content=json.dumps(body).encode(),
-                    headers=headers)
+    r = fuzzer.send(
+        "POST", "/v1/chat/completions", content=json.dumps(body).encode(), headers=headers
+    )
     # whatever session a served request named, it must be one a route can address
-    for candidate in (session, session_header,
-                      xargs.get("session_id") if isinstance(xargs, dict) else None):
+    for candidate in (
+        session,
+        session_header,
+        xargs.get("session_id") if isinstance(xargs, dict) else None,
+    ):
         if isinstance(candidate, str) and candidate:
             if r.status_code == 200:
                 assert ID_RE.match(candidate), r.text[:300]
@@ -283,19 +417,22 @@ def _oversized_body() -> bytes:
     return json.dumps({"session_id": "big", "pad": pad}).encode()
 
 
-@pytest.mark.parametrize("path", [
-    "/v1/kvbranch/sessions",
-    "/v1/kvbranch/sessions/{sid}/branches",
-    "/v1/kvbranch/sessions/{sid}/branches/main/pin",
-    "/v1/chat/completions",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/kvbranch/sessions",
+        "/v1/kvbranch/sessions/{sid}/branches",
+        "/v1/kvbranch/sessions/{sid}/branches/main/pin",
+        "/v1/chat/completions",
+    ],
+)
 def test_oversized_body_is_refused_with_413(fuzzer, path):
     body = _oversized_body()
     path = path.format(sid=fuzzer.session)
     r = fuzzer.send("POST", path, content=body, headers={"content-type": "application/json"})
     assert r.status_code == 413, r.text[:300]
     # the same without Content-Length (chunked upload): refused while reading
-    chunks = (body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20))
+    chunks = (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20))
     r = fuzzer.send("POST", path, content=chunks, headers={"content-type": "application/json"})
     assert r.status_code == 413, r.text[:300]
     # and the server still serves the route afterwards
@@ -309,12 +446,21 @@ def test_nan_and_absurd_numbers_are_400_naming_the_field(fuzzer):
         ("/v1/kvbranch/sessions", b'{"pin_ttl_s": 1e308}', "pin_ttl_s"),
         ("/v1/kvbranch/sessions", b'{"pin_ttl_s": 1e999}', "pin_ttl_s"),
         ("/v1/kvbranch/sessions", b'{"pin_ttl_s": -5}', "pin_ttl_s"),
-        (f"/v1/kvbranch/sessions/{fuzzer.session}/branches/main/pin",
-         b'{"ttl_s": Infinity}', "ttl_s"),
-        (f"/v1/kvbranch/sessions/{fuzzer.session}/branches/main/pin",
-         b'{"ttl_s": ' + str(10**400).encode() + b"}", "ttl_s"),
-        (f"/v1/kvbranch/sessions/{fuzzer.session}/branches",
-         b'{"token_offset": -1}', "token_offset"),
+        (
+            f"/v1/kvbranch/sessions/{fuzzer.session}/branches/main/pin",
+            b'{"ttl_s": Infinity}',
+            "ttl_s",
+        ),
+        (
+            f"/v1/kvbranch/sessions/{fuzzer.session}/branches/main/pin",
+            b'{"ttl_s": ' + str(10**400).encode() + b"}",
+            "ttl_s",
+        ),
+        (
+            f"/v1/kvbranch/sessions/{fuzzer.session}/branches",
+            b'{"token_offset": -1}',
+            "token_offset",
+        ),
     ]
     for path, raw, field in cases:
         r = fuzzer.send("POST", path, content=raw, headers={"content-type": "application/json"})
@@ -325,13 +471,21 @@ def test_nan_and_absurd_numbers_are_400_naming_the_field(fuzzer):
 def test_chat_with_an_unaddressable_session_id_is_400(fuzzer):
     before = {s["session_id"] for s in fuzzer.stats()["sessions"]}
     for bad in ("../../etc", "a b", "x" * 129, "😀"):
-        body = {"model": fuzzer.server.model, "max_tokens": 1, "session_id": bad,
-                "messages": [{"role": "user", "content": "hi"}]}
+        body = {
+            "model": fuzzer.server.model,
+            "max_tokens": 1,
+            "session_id": bad,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         r = fuzzer.send("POST", "/v1/chat/completions", json=body)
         assert r.status_code == 400 and "session_id" in r.text, r.text[:300]
-        body = {"model": fuzzer.server.model, "max_tokens": 1, "session_id": fuzzer.session,
-                "vllm_xargs": {"kvbranch_branch": bad},
-                "messages": [{"role": "user", "content": "hi"}]}
+        body = {
+            "model": fuzzer.server.model,
+            "max_tokens": 1,
+            "session_id": fuzzer.session,
+            "vllm_xargs": {"kvbranch_branch": bad},
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         r = fuzzer.send("POST", "/v1/chat/completions", json=body)
         assert r.status_code == 400 and "kvbranch_branch" in r.text, r.text[:300]
     assert {s["session_id"] for s in fuzzer.stats()["sessions"]} == before

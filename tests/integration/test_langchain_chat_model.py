@@ -36,9 +36,15 @@ class TestChatKVBranchStandardIntegration(ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict:
         server = self._kvb
-        return {"model": server.model, "base_url": server.url, "api_key": server.api_key,
-                "temperature": 0, "max_tokens": MAX_TOKENS, "timeout": 300,
-                "auto_session": True}
+        return {
+            "model": server.model,
+            "base_url": server.url,
+            "api_key": server.api_key,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+            "timeout": 300,
+            "auto_session": True,
+        }
 
     @property
     def has_tool_calling(self) -> bool:
@@ -62,8 +68,12 @@ class TestChatKVBranchStandardIntegration(ChatModelIntegrationTests):
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         llm = ChatKVBranch(**self.chat_model_params)
-        prompt = [HumanMessage("Read this and answer with one word. " + "The quick brown fox "
-                               "jumps over the lazy dog near the river bank. " * 20)]
+        prompt = [
+            HumanMessage(
+                "Read this and answer with one word. " + "The quick brown fox "
+                "jumps over the lazy dog near the river bank. " * 20
+            )
+        ]
         llm.invoke(prompt, max_tokens=1)
         if stream:
             full = None
@@ -73,14 +83,15 @@ class TestChatKVBranchStandardIntegration(ChatModelIntegrationTests):
         return llm.invoke(prompt, max_tokens=1)
 
 
-SYSTEM = ("You are a travel planner. Answer in one short sentence. The traveller likes "
-          "museums, trains, small hotels and local food, and dislikes flying. ") * 6
+SYSTEM = (
+    "You are a travel planner. Answer in one short sentence. The traveller likes "
+    "museums, trains, small hotels and local food, and dislikes flying. "
+) * 6
 
 
 def make(server, **kwargs) -> ChatKVBranch:
     kwargs = {"temperature": 0, "max_tokens": 12, "timeout": 300, **kwargs}
-    return ChatKVBranch(model=server.model, base_url=server.url, api_key=server.api_key,
-                        **kwargs)
+    return ChatKVBranch(model=server.model, base_url=server.url, api_key=server.api_key, **kwargs)
 
 
 def test_session_turns_hit_the_cache_and_forks_share_it(kvbranch_server):

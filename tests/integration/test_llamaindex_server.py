@@ -27,8 +27,10 @@ from sdk import KVBranchClient  # noqa: E402
 # Over two full 128-token KV blocks, so later turns can hit the caches. Kept plain: with some
 # system prompts (mentioning tools, or how to phrase answers) the 135M model garbles forced
 # tool arguments.
-SYSTEM = ("You are a weather assistant. You answer questions about the weather in European "
-          "cities such as Paris, Oslo, Rome, Lisbon, Vienna, Prague and Madrid. ") * 8
+SYSTEM = (
+    "You are a weather assistant. You answer questions about the weather in European "
+    "cities such as Paris, Oslo, Rome, Lisbon, Vienna, Prague and Madrid. "
+) * 8
 MAX_TOKENS = 8
 BLOCK = 128
 
@@ -40,8 +42,14 @@ def get_weather(city: str) -> str:
 
 def make_llm(server, **kwargs) -> KVBranchLLM:
     kwargs.setdefault("max_tokens", MAX_TOKENS)
-    return KVBranchLLM(base_url=server.url, api_key=server.api_key, model=server.model,
-                       temperature=0, timeout=300, **kwargs)
+    return KVBranchLLM(
+        base_url=server.url,
+        api_key=server.api_key,
+        model=server.model,
+        temperature=0,
+        timeout=300,
+        **kwargs,
+    )
 
 
 def system() -> ChatMessage:
@@ -72,8 +80,11 @@ def test_sync_chat_stream_and_complete(kvbranch_server):
     assert info["completion_tokens"] <= MAX_TOKENS
 
     # second turn, streamed: deltas add up; usage, split and TTFT come on the last response
-    responses = list(llm.stream_chat([system(), user("Is it warm in Rome?"), first.message,
-                                      user("And in Oslo?")]))
+    responses = list(
+        llm.stream_chat(
+            [system(), user("Is it warm in Rome?"), first.message, user("And in Oslo?")]
+        )
+    )
     last = responses[-1]
     assert "".join(r.delta or "" for r in responses) == last.message.content != ""
     info = last.additional_kwargs
@@ -99,13 +110,13 @@ def test_async_chat_stream_and_fork(kvbranch_server):
     async def run():
         first = await llm.achat([system(), user("Is it sunny in Lisbon?")])
         child = await llm.afork(branch_id="alt")
-        stream = await child.astream_chat([system(), user("Is it sunny in Lisbon?"),
-                                           first.message, user("And in Vienna?")])
+        stream = await child.astream_chat(
+            [system(), user("Is it sunny in Lisbon?"), first.message, user("And in Vienna?")]
+        )
         chunks = [r async for r in stream]
         cstream = await llm.astream_complete("Name a city in Austria.")
         cparts = [p async for p in cstream]
-        branches = {b.branch_id: b for b in (await (await llm.abranch()).session.info())
-                    .branches}
+        branches = {b.branch_id: b for b in (await (await llm.abranch()).session.info()).branches}
         await llm.aclose()
         return first, child, chunks, cparts, branches
 
@@ -128,13 +139,17 @@ def test_function_agent_tool_round_trip(kvbranch_server):
     with KVBranchClient(kvbranch_server.url, api_key=kvbranch_server.api_key) as client:
         before = client.stats()
         prefetches_before = before.prefetches + before.prefetches_skipped
-    agent = FunctionAgent(tools=[get_weather], llm=llm, system_prompt=SYSTEM,
-                          initial_tool_choice="get_weather")
+    agent = FunctionAgent(
+        tools=[get_weather], llm=llm, system_prompt=SYSTEM, initial_tool_choice="get_weather"
+    )
 
     async def run():
         handler = agent.run("What is the weather in Paris?")
-        events = [ev async for ev in handler.stream_events()
-                  if isinstance(ev, (AgentOutput, ToolCallResult))]
+        events = [
+            ev
+            async for ev in handler.stream_events()
+            if isinstance(ev, (AgentOutput, ToolCallResult))
+        ]
         answer = await handler
         await llm.await_prefetch()
         await llm.aclose()
@@ -151,8 +166,7 @@ def test_function_agent_tool_round_trip(kvbranch_server):
     assert not results[0].tool_output.is_error
     assert str(answer.response.content or "").strip()
     # the conversation the LLM saw, on its session's main branch
-    assert [m["role"] for m in llm.history] == ["system", "user", "assistant", "tool",
-                                                "assistant"]
+    assert [m["role"] for m in llm.history] == ["system", "user", "assistant", "tool", "assistant"]
     assert llm.history[2]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert llm.history[3]["content"] == results[0].tool_output.content
     # the last stream chunk (AgentOutput.raw) carries the split: the answer step reused the

@@ -18,14 +18,25 @@ from server.process import free_port
 from tests.integration.helpers import chat, client, system_prompt, text_of
 from tests.server_process import ServerProcess
 
-INSTANCE_ARGS = ["--kv-cache-gib", "0.5", "--host-store-gib", "0.25", "--max-model-len", "4096",
-                 "--pd-hold-ttl-s", "120"]
+INSTANCE_ARGS = [
+    "--kv-cache-gib",
+    "0.5",
+    "--host-store-gib",
+    "0.25",
+    "--max-model-len",
+    "4096",
+    "--pd-hold-ttl-s",
+    "120",
+]
 MAX_TOKENS = 16
 
 
 def _instance(role: str, core: str) -> ServerProcess:
-    return ServerProcess([*INSTANCE_ARGS, "--role", role, "--cpu-cores", core,
-                          "--nixl-port", str(free_port())], name=role, ready_timeout=900)
+    return ServerProcess(
+        [*INSTANCE_ARGS, "--role", role, "--cpu-cores", core, "--nixl-port", str(free_port())],
+        name=role,
+        ready_timeout=900,
+    )
 
 
 class Cluster:
@@ -34,14 +45,25 @@ class Cluster:
         self.decode = _instance("decode", "1")
         self.router: ServerProcess | None = None
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         self.prefill.launch()
         self.decode.launch()
         self.prefill.wait_ready()
         self.decode.wait_ready()
-        self.router = ServerProcess(["--role", "router", "--prefill", self.prefill.url,
-                                     "--decode", self.decode.url, "--pd-hold-ttl-s", "120"],
-                                    name="router", ready_timeout=120).start()
+        self.router = ServerProcess(
+            [
+                "--role",
+                "router",
+                "--prefill",
+                self.prefill.url,
+                "--decode",
+                self.decode.url,
+                "--pd-hold-ttl-s",
+                "120",
+            ],
+            name="router",
+            ready_timeout=120,
+        ).start()
         return self
 
     def stop(self) -> None:
@@ -61,8 +83,13 @@ def pd():
 
 def _turn(router, messages, session, *, stream=False, branch=None):
     """One turn through the router: (text, split, route header, usage)."""
-    body = {"model": router.model, "messages": messages, "temperature": 0,
-            "max_tokens": MAX_TOKENS, "session_id": session}
+    body = {
+        "model": router.model,
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "session_id": session,
+    }
     if branch:
         body["vllm_xargs"] = {"kvbranch_branch": branch}
     with client(router) as c:
@@ -71,8 +98,7 @@ def _turn(router, messages, session, *, stream=False, branch=None):
             assert r.status_code == 200, r.text
             data = r.json()
             assert "kv_transfer_params" not in data
-            return text_of(data), data.get("kvbranch"), r.headers["x-kvbranch-route"], \
-                data["usage"]
+            return text_of(data), data.get("kvbranch"), r.headers["x-kvbranch-route"], data["usage"]
         body.update(stream=True, stream_options={"include_usage": True})
         text, split, usage = "", None, None
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -81,7 +107,7 @@ def _turn(router, messages, session, *, stream=False, branch=None):
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 assert "kv_transfer_params" not in chunk
                 if chunk.get("choices"):
                     text += chunk["choices"][0]["delta"].get("content") or ""
@@ -91,13 +117,17 @@ def _turn(router, messages, session, *, stream=False, branch=None):
 
 
 def _conversation(seed: int) -> list[dict]:
-    return [{"role": "system", "content": system_prompt(words=500, seed=seed)},
-            {"role": "user", "content": "Which tool should run first? Answer briefly."}]
+    return [
+        {"role": "system", "content": system_prompt(words=500, seed=seed)},
+        {"role": "user", "content": "Which tool should run first? Answer briefly."},
+    ]
 
 
-FOLLOW_UPS = ["The tool returned: status ok, 42 records. What next?",
-              "The second tool returned: price 17. Summarize.",
-              "Any risk left? One line."]
+FOLLOW_UPS = [
+    "The tool returned: status ok, 42 records. What next?",
+    "The second tool returned: price 17. Summarize.",
+    "Any risk left? One line.",
+]
 
 
 def test_turns_match_a_single_instance_and_pull_history_from_decode(pd, plain_server):
@@ -116,8 +146,7 @@ def test_turns_match_a_single_instance_and_pull_history_from_decode(pd, plain_se
             # D held prompt + answer of the last turn; P pulls it and computes only what is new
             assert route == "pd+pull"
             assert split["remote_hit_tokens"] > 0
-            new = usage["prompt_tokens"] - previous["prompt_tokens"] - \
-                previous["completion_tokens"]
+            new = usage["prompt_tokens"] - previous["prompt_tokens"] - previous["completion_tokens"]
             assert split["recomputed_tokens"] <= new + 1
         previous = usage
         messages.append({"role": "assistant", "content": text})
@@ -127,8 +156,10 @@ def test_a_rewritten_history_pulls_only_the_matching_prefix(pd, plain_server):
     messages = _conversation(seed=302)
     text, _, _, usage = _turn(pd.router, messages, "pd-rewrite")
     # the client re-renders the assistant turn differently from what D generated
-    messages += [{"role": "assistant", "content": "A different answer. " + text[::-1]},
-                 {"role": "user", "content": FOLLOW_UPS[0]}]
+    messages += [
+        {"role": "assistant", "content": "A different answer. " + text[::-1]},
+        {"role": "user", "content": FOLLOW_UPS[0]},
+    ]
     text2, split, route, usage2 = _turn(pd.router, messages, "pd-rewrite")
     assert route == "pd+pull"
     assert text2 == text_of(chat(plain_server, messages, max_tokens=MAX_TOKENS))
@@ -147,11 +178,14 @@ def test_forks_and_session_routes_work_through_the_router(pd, plain_server):
         held = [e for e in stats["cluster"]["index"] if e["session_id"] == "pd-routes"]
         assert held and held[0]["decode"] == pd.decode.url and held[0]["tokens"] > 0
         assert {i["role"] for i in stats["cluster"]["instances"]} == {"prefill", "decode"}
-        fork = c.post("/v1/kvbranch/sessions/pd-routes/branches",
-                      json={"parent": "main", "branch_id": "alt"})
+        fork = c.post(
+            "/v1/kvbranch/sessions/pd-routes/branches", json={"parent": "main", "branch_id": "alt"}
+        )
         assert fork.status_code == 201, fork.text
-        alt = messages + [{"role": "assistant", "content": text},
-                          {"role": "user", "content": "Try the other plan instead."}]
+        alt = messages + [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "Try the other plan instead."},
+        ]
         alt_text, split, _, _ = _turn(pd.router, alt, "pd-routes", branch="alt")
         assert alt_text == text_of(chat(plain_server, alt, max_tokens=MAX_TOKENS))
         assert split["branch_id"] == "alt"
@@ -166,19 +200,27 @@ def test_forks_and_session_routes_work_through_the_router(pd, plain_server):
 
 def test_bad_input_to_the_router_is_a_clear_4xx(pd):
     with client(pd.router) as c:
-        r = c.post("/v1/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
         r = c.post("/v1/chat/completions", json=["a", "list"])
         assert r.status_code == 400 and "object" in r.json()["error"]["message"]
-        body = {"model": pd.router.model, "messages": [{"role": "user", "content": "hi"}],
-                "kv_transfer_params": {"do_remote_decode": True}}
+        body = {
+            "model": pd.router.model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
         r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
         r = c.post("/v1/chat/completions", json={"model": pd.router.model, "messages": "hi"})
         assert 400 <= r.status_code < 500 and r.json()["error"]["message"]
-        r = c.post("/v1/chat/completions",
-                   json={"model": pd.router.model, "messages": [], "max_tokens": -3})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"model": pd.router.model, "messages": [], "max_tokens": -3},
+        )
         assert 400 <= r.status_code < 500
         r = c.post("/v1/kvbranch/sessions", json={"pin_ttl_s": -1})
         assert r.status_code in (400, 422)
@@ -191,24 +233,26 @@ def test_the_sdk_runs_a_session_through_the_router(pd, plain_server):
     with KVBranchClient(pd.router.url, model=pd.router.model, timeout=600) as kvb:
         assert kvb.kvbranch_available()
         session = kvb.session(system=system_prompt(words=300, seed=305))
-        first = session.main.chat("Which tool should run first?", max_tokens=MAX_TOKENS,
-                                  temperature=0)
+        first = session.main.chat(
+            "Which tool should run first?", max_tokens=MAX_TOKENS, temperature=0
+        )
         assert first.split is not None and first.split.session_id == session.session_id
-        stream = session.main.chat_stream("The tool said: ok, 3 rows. Next?",
-                                          max_tokens=MAX_TOKENS, temperature=0)
+        stream = session.main.chat_stream(
+            "The tool said: ok, 3 rows. Next?", max_tokens=MAX_TOKENS, temperature=0
+        )
         list(stream)
         second = stream.result
         assert second.split is not None and second.split.remote_hit_tokens > 0
-        assert second.text == text_of(chat(plain_server, session.main.messages[:-1],
-                                           max_tokens=MAX_TOKENS))
+        assert second.text == text_of(
+            chat(plain_server, session.main.messages[:-1], max_tokens=MAX_TOKENS)
+        )
         session.delete()
 
 
 def test_an_instance_killed_between_turns_costs_a_recompute_not_an_answer(pd, plain_server):
     messages = _conversation(seed=304)
     text, _, _, _ = _turn(pd.router, messages, "pd-kill")
-    messages += [{"role": "assistant", "content": text},
-                 {"role": "user", "content": FOLLOW_UPS[0]}]
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FOLLOW_UPS[0]}]
     pd.decode.stop()
     text2, split, route, _ = _turn(pd.router, messages, "pd-kill", stream=True)
     assert route == "prefill-only"
@@ -219,15 +263,19 @@ def test_an_instance_killed_between_turns_costs_a_recompute_not_an_answer(pd, pl
         assert health.status_code == 200 and health.json()["status"] == "degraded"
 
     pd.decode.start()  # a fresh decode instance (new instance id) on the same port
-    messages += [{"role": "assistant", "content": text2},
-                 {"role": "user", "content": FOLLOW_UPS[1]}]
+    messages += [
+        {"role": "assistant", "content": text2},
+        {"role": "user", "content": FOLLOW_UPS[1]},
+    ]
     text3, _, route, _ = _turn(pd.router, messages, "pd-kill")
     assert route == "pd"  # nothing held on the new D yet
     assert text3 == text_of(chat(plain_server, messages, max_tokens=MAX_TOKENS))
 
     pd.prefill.stop()
-    messages += [{"role": "assistant", "content": text3},
-                 {"role": "user", "content": FOLLOW_UPS[2]}]
+    messages += [
+        {"role": "assistant", "content": text3},
+        {"role": "user", "content": FOLLOW_UPS[2]},
+    ]
     text4, _, route, _ = _turn(pd.router, messages, "pd-kill")
     assert route == "decode-only"
     assert text4 == text_of(chat(plain_server, messages, max_tokens=MAX_TOKENS))

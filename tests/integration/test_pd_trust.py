@@ -22,7 +22,6 @@ import httpx
 import pytest
 
 from server.connector.transfer_auth import (
-    CLAIM_FIELD,
     ENV_CLUSTER_SECRET,
     EXPIRES_FIELD,
     MAC_FIELD,
@@ -34,15 +33,26 @@ from tests.integration.helpers import chat, client, system_prompt, text_of
 from tests.server_process import ServerProcess
 
 SECRET = secrets.token_hex(32)
-INSTANCE_ARGS = ["--kv-cache-gib", "0.1", "--host-store-gib", "0.25", "--max-model-len", "2048",
-                 "--pd-hold-ttl-s", "900"]
+INSTANCE_ARGS = [
+    "--kv-cache-gib",
+    "0.1",
+    "--host-store-gib",
+    "0.25",
+    "--max-model-len",
+    "2048",
+    "--pd-hold-ttl-s",
+    "900",
+]
 SYSTEM = system_prompt(words=120, seed=13)
 
 
 def _instance(role: str, core: str) -> ServerProcess:
-    return ServerProcess([*INSTANCE_ARGS, "--role", role, "--cpu-cores", core,
-                          "--nixl-port", str(free_port())], name=f"trust-{role}",
-                         ready_timeout=900, env={ENV_CLUSTER_SECRET: SECRET})
+    return ServerProcess(
+        [*INSTANCE_ARGS, "--role", role, "--cpu-cores", core, "--nixl-port", str(free_port())],
+        name=f"trust-{role}",
+        ready_timeout=900,
+        env={ENV_CLUSTER_SECRET: SECRET},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +64,20 @@ def pd():
         decode.launch()
         prefill.wait_ready()
         decode.wait_ready()
-        router = ServerProcess(["--role", "router", "--prefill", prefill.url, "--decode",
-                                decode.url, "--pd-hold-ttl-s", "900"], name="trust-router",
-                               ready_timeout=120).start()
+        router = ServerProcess(
+            [
+                "--role",
+                "router",
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+                "--pd-hold-ttl-s",
+                "900",
+            ],
+            name="trust-router",
+            ready_timeout=120,
+        ).start()
         yield prefill, decode, router
     finally:
         for proc in (router, prefill, decode):
@@ -65,8 +86,13 @@ def pd():
 
 
 def _body(server, messages, max_tokens, **extra):
-    return {"model": server.model, "messages": messages, "temperature": 0,
-            "max_tokens": max_tokens, **extra}
+    return {
+        "model": server.model,
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        **extra,
+    }
 
 
 def _post(server, body, headers=None) -> httpx.Response:
@@ -78,8 +104,11 @@ def _empty_prefill_caches(prefill) -> None:
     """P's device prefix cache and host store both emptied: only a pull can bring the prefix."""
     with client(prefill) as c:
         for _ in range(300):  # a prefill leg nobody decoded holds its blocks up to 30 s
-            if c.post("/reset_prefix_cache", params={"reset_external": "true"}).json() \
-                    .get("success"):
+            if (
+                c.post("/reset_prefix_cache", params={"reset_external": "true"})
+                .json()
+                .get("success")
+            ):
                 return
             time.sleep(0.2)
     raise AssertionError("P's prefix cache could not be reset")
@@ -93,23 +122,32 @@ def _pd_stats(server) -> dict:
 
 
 def _ask_long(session: str) -> tuple[list[dict], str]:
-    return ([{"role": "system", "content": SYSTEM},
-             {"role": "user", "content": f"Session {session}: write a long story about a "
-                                         "robot that learns to cook, in many sentences."}],
-            session)
+    return (
+        [
+            {"role": "system", "content": SYSTEM},
+            {
+                "role": "user",
+                "content": f"Session {session}: write a long story about a "
+                "robot that learns to cook, in many sentences.",
+            },
+        ],
+        session,
+    )
 
 
 def test_an_edited_assistant_turn_pulls_only_the_verified_prefix(pd, plain_server):
     prefill, decode, router = pd
     messages, session = _ask_long("edit")
     first = chat(router, messages, max_tokens=300, ignore_eos=True, session_id=session)
-    assert text_of(first) == text_of(chat(plain_server, messages, max_tokens=300,
-                                         ignore_eos=True))
+    assert text_of(first) == text_of(chat(plain_server, messages, max_tokens=300, ignore_eos=True))
     reply = text_of(first)
     cut = len(reply) // 2  # D holds ~300 generated tokens; diverge ~150 tokens in
     edited = reply[:cut] + " Then everything changed, and nobody knew why."
-    turn2 = [*messages, {"role": "assistant", "content": edited},
-             {"role": "user", "content": "Summarize the story in one sentence."}]
+    turn2 = [
+        *messages,
+        {"role": "assistant", "content": edited},
+        {"role": "user", "content": "Summarize the story in one sentence."},
+    ]
     _empty_prefill_caches(prefill)
     second = chat(router, turn2, max_tokens=48, session_id=session)
     split = second["kvbranch"]
@@ -118,18 +156,25 @@ def test_an_edited_assistant_turn_pulls_only_the_verified_prefix(pd, plain_serve
     assert 3 * 128 <= split["remote_hit_tokens"] < first["usage"]["prompt_tokens"] + 300, split
     assert text_of(second) == text_of(chat(plain_server, turn2, max_tokens=48))
     # P cached what it pulled under its own hashes: a third turn on top must be right too
-    turn3 = [*turn2, {"role": "assistant", "content": text_of(second)},
-             {"role": "user", "content": "And in three words?"}]
-    assert text_of(chat(prefill, turn3, max_tokens=24)) == \
-        text_of(chat(plain_server, turn3, max_tokens=24))
+    turn3 = [
+        *turn2,
+        {"role": "assistant", "content": text_of(second)},
+        {"role": "user", "content": "And in three words?"},
+    ]
+    assert text_of(chat(prefill, turn3, max_tokens=24)) == text_of(
+        chat(plain_server, turn3, max_tokens=24)
+    )
 
 
 def test_a_regeneration_pulls_a_prefix_of_what_d_holds(pd, plain_server):
     prefill, decode, router = pd
     messages, session = _ask_long("regen")
     turn1 = chat(router, messages, max_tokens=200, ignore_eos=True, session_id=session)
-    turn2 = [*messages, {"role": "assistant", "content": text_of(turn1)},
-             {"role": "user", "content": "Give the robot a name and explain it."}]
+    turn2 = [
+        *messages,
+        {"role": "assistant", "content": text_of(turn1)},
+        {"role": "user", "content": "Give the robot a name and explain it."},
+    ]
     chat(router, turn2, max_tokens=160, ignore_eos=True, session_id=session)
     # regenerate turn 2's answer: same branch, a shorter history than D now holds
     _empty_prefill_caches(prefill)
@@ -143,8 +188,13 @@ def test_a_regeneration_pulls_a_prefix_of_what_d_holds(pd, plain_server):
 # --- bad handles -------------------------------------------------------------------------------
 def _held_handle(decode, messages, session, max_tokens=40) -> dict:
     """A real handle: a turn served by D alone holds its blocks and returns the params."""
-    data = chat(decode, messages, max_tokens=max_tokens, session_id=session,
-                   kv_transfer_params={"do_remote_prefill": False})
+    data = chat(
+        decode,
+        messages,
+        max_tokens=max_tokens,
+        session_id=session,
+        kv_transfer_params={"do_remote_prefill": False},
+    )
     params = data.get("kv_transfer_params")
     assert isinstance(params, dict) and params.get("remote_block_ids"), data
     return params
@@ -156,8 +206,11 @@ def _claim(decode, handle) -> httpx.Response:
 
 
 def _next_turn(messages, reply):
-    return [*messages, {"role": "assistant", "content": reply},
-            {"role": "user", "content": "Now list three ingredients."}]
+    return [
+        *messages,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Now list three ingredients."},
+    ]
 
 
 def _at_p(prefill, decode, messages, params, **extra) -> tuple[httpx.Response, str | None]:
@@ -165,9 +218,16 @@ def _at_p(prefill, decode, messages, params, **extra) -> tuple[httpx.Response, s
     (``max_tokens=1``) with the transfer handle ``params``, then D decodes with P's handle.
     Returns P's response (its split says what was pulled) and D's answer (None when P refused
     the request with a 4xx)."""
-    r = _post(prefill, _body(prefill, messages, 1, **extra,
-                             kv_transfer_params=dict(params, do_remote_decode=True,
-                                                     do_remote_prefill=False)))
+    r = _post(
+        prefill,
+        _body(
+            prefill,
+            messages,
+            1,
+            **extra,
+            kv_transfer_params=dict(params, do_remote_decode=True, do_remote_prefill=False),
+        ),
+    )
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert "message" in r.json()["error"], r.text
@@ -204,11 +264,23 @@ def test_handles_are_checked_before_any_read(pd, plain_server):
         dict(handle, remote_block_ids=[[b + 1 for b in handle["remote_block_ids"][0]]]),
         dict(handle, remote_host="10.255.255.1"),
         dict(handle, remote_num_tokens=10**9),
-        {"remote_block_ids": [[0, 1, 2]], "remote_engine_id": "x", "remote_host": "127.0.0.1",
-         "remote_port": nixl_port, "remote_request_id": "r", "remote_num_tokens": 300},
-        {"remote_block_ids": [[10**9, -1]], "remote_engine_id": handle["remote_engine_id"],
-         "remote_host": "127.0.0.1", "remote_port": nixl_port, "remote_request_id": "r2",
-         "remote_num_tokens": -5, MAC_FIELD: "00" * 32},
+        {
+            "remote_block_ids": [[0, 1, 2]],
+            "remote_engine_id": "x",
+            "remote_host": "127.0.0.1",
+            "remote_port": nixl_port,
+            "remote_request_id": "r",
+            "remote_num_tokens": 300,
+        },
+        {
+            "remote_block_ids": [[10**9, -1]],
+            "remote_engine_id": handle["remote_engine_id"],
+            "remote_host": "127.0.0.1",
+            "remote_port": nixl_port,
+            "remote_request_id": "r2",
+            "remote_num_tokens": -5,
+            MAC_FIELD: "00" * 32,
+        },
         dict(handle, remote_block_ids="1,2,3", **{MAC_FIELD: 7}),
     ]
     for params in forged:
@@ -228,8 +300,10 @@ def test_handles_are_checked_before_any_read(pd, plain_server):
         for body in ({}, {"handle": "x"}, {"handle": {"remote_request_id": "r"}}, [1]):
             bad = c.post(HOLD_CLAIM_PATH, json=body)
             assert 400 <= bad.status_code < 500, bad.text
-    assert sum(_pd_stats(prefill).get("handles_declined", {}).values()) >= \
-        declined_before + len(forged) + 2
+    assert (
+        sum(_pd_stats(prefill).get("handles_declined", {}).values())
+        >= declined_before + len(forged) + 2
+    )
 
 
 def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
@@ -274,8 +348,15 @@ def test_a_prefill_handle_for_another_prompt_is_not_read_by_d(pd, plain_server):
 
 def test_router_refuses_client_transfer_params(pd):
     prefill, decode, router = pd
-    r = _post(router, _body(router, [{"role": "user", "content": "hi"}], 4,
-                            kv_transfer_params={"do_remote_decode": True}))
+    r = _post(
+        router,
+        _body(
+            router,
+            [{"role": "user", "content": "hi"}],
+            4,
+            kv_transfer_params={"do_remote_decode": True},
+        ),
+    )
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
 
 
@@ -286,14 +367,18 @@ def test_held_conversations_yield_to_new_sessions(pd, plain_server):
     prefill, decode, router = pd
 
     def agent(i: int) -> list[tuple[list[dict], str]]:
-        messages = [{"role": "system", "content": system_prompt(words=150, seed=100 + i)},
-                    {"role": "user", "content": f"Agent {i}: plan a trip to city {i}."}]
+        messages = [
+            {"role": "system", "content": system_prompt(words=150, seed=100 + i)},
+            {"role": "user", "content": f"Agent {i}: plan a trip to city {i}."},
+        ]
         out = []
         for turn in range(3):
             data = chat(router, messages, max_tokens=32, session_id=f"load{i}")
             out.append((list(messages), text_of(data)))
-            messages += [{"role": "assistant", "content": text_of(data)},
-                         {"role": "user", "content": f"Observation {turn}: ok. Next step?"}]
+            messages += [
+                {"role": "assistant", "content": text_of(data)},
+                {"role": "user", "content": f"Observation {turn}: ok. Next step?"},
+            ]
         return out
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:

@@ -29,8 +29,17 @@ from tests.server_process import ServerProcess
 GRACE_S = 3.0
 #: Beyond the grace: vLLM's own teardown (engine core, NIXL) on 2 busy cores.
 MARGIN_S = 25.0
-ARGS = ["--disagg", "--kv-cache-gib", "0.5", "--host-store-gib", "0.25", "--max-model-len",
-        "4096", "--shutdown-grace-s", str(GRACE_S)]
+ARGS = [
+    "--disagg",
+    "--kv-cache-gib",
+    "0.5",
+    "--host-store-gib",
+    "0.25",
+    "--max-model-len",
+    "4096",
+    "--shutdown-grace-s",
+    str(GRACE_S),
+]
 
 
 def _launch() -> ServerProcess:
@@ -100,8 +109,10 @@ def _check_fanout(launcher: ServerProcess) -> None:
         for url in urls.values():
             assert c.get(url + session_path("life-1")).status_code == 200
         # A create that reached only P before (e.g. D was briefly down): a retry converges.
-        assert c.post(urls["prefill"] + SESSIONS_PATH,
-                      json={"session_id": "life-2"}).status_code == 201
+        assert (
+            c.post(urls["prefill"] + SESSIONS_PATH, json={"session_id": "life-2"}).status_code
+            == 201
+        )
         r = c.post(launcher.url + SESSIONS_PATH, json={"session_id": "life-2"})
         assert r.status_code == 201, r.text
         assert c.get(urls["decode"] + session_path("life-2")).status_code == 200
@@ -114,11 +125,16 @@ def _check_fanout(launcher: ServerProcess) -> None:
         assert c.delete(launcher.url + session_path("life-1")).status_code == 404
 
 
-def _hang_a_stream(launcher: ServerProcess, url: str,
-                   started: threading.Event) -> threading.Thread:
+def _hang_a_stream(launcher: ServerProcess, url: str, started: threading.Event) -> threading.Thread:
     """A long generation read by a client that stops reading after the first chunk."""
-    body = {"model": launcher.model, "temperature": 0, "max_tokens": 3500, "ignore_eos": True,
-            "stream": True, "messages": [{"role": "user", "content": "Count to a million."}]}
+    body = {
+        "model": launcher.model,
+        "temperature": 0,
+        "max_tokens": 3500,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Count to a million."}],
+    }
 
     def run() -> None:
         try:

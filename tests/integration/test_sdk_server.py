@@ -11,9 +11,11 @@ import pytest
 from sdk import AsyncKVBranchClient, KVBranchClient, NotFoundError
 
 # Long enough for several full 128-token blocks, so later turns can hit the caches.
-SYSTEM = ("You are a concise assistant for a small bakery. Answer in one short sentence. "
-          "The bakery sells bread, croissants, cakes and coffee, opens at seven in the "
-          "morning, closes at six in the evening, and is closed on Mondays. ") * 6
+SYSTEM = (
+    "You are a concise assistant for a small bakery. Answer in one short sentence. "
+    "The bakery sells bread, croissants, cakes and coffee, opens at seven in the "
+    "morning, closes at six in the evening, and is closed on Mondays. "
+) * 6
 MAX_TOKENS = 12
 
 
@@ -36,8 +38,7 @@ def test_session_flow(kvbranch_server):
         assert first.split.prompt_tokens == first.usage.prompt_tokens > 256
 
         # second turn, streamed: deltas add up to the answer; usage and split arrive last
-        stream = main.chat_stream("Are you open on Mondays?", max_tokens=MAX_TOKENS,
-                                  temperature=0)
+        stream = main.chat_stream("Are you open on Mondays?", max_tokens=MAX_TOKENS, temperature=0)
         chunks = list(stream)
         second = stream.result
         assert "".join(c.content or "" for c in chunks) == second.text != ""
@@ -59,13 +60,19 @@ def test_session_flow(kvbranch_server):
         assert branch_ids == {"main", "alt"}
 
         # drop the device cache: the child's shared prefix must come from the host store
-        httpx.post(f"{kvbranch_server.url}/reset_prefix_cache",
-                   headers=kvbranch_server.headers(), timeout=30).raise_for_status()
+        httpx.post(
+            f"{kvbranch_server.url}/reset_prefix_cache",
+            headers=kvbranch_server.headers(),
+            timeout=30,
+        ).raise_for_status()
         third = child.chat("Do you sell cakes?", max_tokens=MAX_TOKENS, temperature=0)
         assert third.split.branch_id == "alt"
         assert third.split.host_hit_tokens >= 256, third.split
-        assert (third.split.device_hit_tokens + third.split.host_hit_tokens
-                + third.split.recomputed_tokens) == third.split.prompt_tokens
+        assert (
+            third.split.device_hit_tokens
+            + third.split.host_hit_tokens
+            + third.split.recomputed_tokens
+        ) == third.split.prompt_tokens
 
         # greedy answers do not depend on where the KV came from: a request without a
         # session (and another client, async and streamed) gives the same text
@@ -73,10 +80,12 @@ def test_session_flow(kvbranch_server):
         assert plain.text == third.text
 
         async def streamed() -> str:
-            async with AsyncKVBranchClient(kvbranch_server.url, api_key=kvbranch_server.api_key,
-                                           timeout=120) as aclient:
-                s = await aclient.chat_stream(child.messages[:-1], max_tokens=MAX_TOKENS,
-                                              temperature=0)
+            async with AsyncKVBranchClient(
+                kvbranch_server.url, api_key=kvbranch_server.api_key, timeout=120
+            ) as aclient:
+                s = await aclient.chat_stream(
+                    child.messages[:-1], max_tokens=MAX_TOKENS, temperature=0
+                )
                 return (await s.final()).text
 
         assert asyncio.run(streamed()) == third.text

@@ -10,8 +10,11 @@ from tests.integration.helpers import chat, client, text_of
 
 
 def test_greedy_answer_mentions_paris(kvbranch_server):
-    response = chat(kvbranch_server, [{"role": "user", "content": "What is the capital of France?"}],
-                    max_tokens=20)
+    response = chat(
+        kvbranch_server,
+        [{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=20,
+    )
     assert "Paris" in text_of(response)
     usage = response["usage"]
     assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
@@ -19,30 +22,41 @@ def test_greedy_answer_mentions_paris(kvbranch_server):
     assert "cached_tokens" in usage["prompt_tokens_details"]
     split = response["kvbranch"]
     assert split["prompt_tokens"] == usage["prompt_tokens"]
-    assert (split["device_hit_tokens"] + split["host_hit_tokens"] + split["recomputed_tokens"]
-            == usage["prompt_tokens"])
+    assert (
+        split["device_hit_tokens"] + split["host_hit_tokens"] + split["recomputed_tokens"]
+        == usage["prompt_tokens"]
+    )
 
 
 def test_streaming_returns_chunks_then_done(kvbranch_server):
-    body = {"model": kvbranch_server.model, "temperature": 0, "max_tokens": 10, "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    body = {
+        "model": kvbranch_server.model,
+        "temperature": 0,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }
     events = []
     with client(kvbranch_server) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    content = "".join(ch["choices"][0]["delta"].get("content") or ""
-                      for ch in chunks if ch["choices"])
+    content = "".join(
+        ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"]
+    )
     assert len([ch for ch in chunks if ch["choices"]]) >= 2
     assert "Paris" in content
     usage_chunks = [ch for ch in chunks if ch.get("usage")]
-    assert usage_chunks and usage_chunks[-1]["kvbranch"]["prompt_tokens"] == \
-        usage_chunks[-1]["usage"]["prompt_tokens"]
+    assert (
+        usage_chunks
+        and usage_chunks[-1]["kvbranch"]["prompt_tokens"]
+        == usage_chunks[-1]["usage"]["prompt_tokens"]
+    )
 
 
 def test_kvbranch_health_reports_connector_loaded(kvbranch_server):

@@ -36,8 +36,12 @@ def test_keys_after_double_dash_make_tenants(passthrough_server):
     with _client(s, KEY_A) as a, _client(s, KEY_B) as b:
         assert a.post("/v1/kvbranch/sessions", json={"session_id": "pt-one"}).status_code == 201
         assert b.get("/v1/kvbranch/sessions/pt-one").status_code == 404
-        body = {"model": s.model, "messages": [{"role": "user", "content": "Hi"}],
-                "max_tokens": 1, "session_id": "pt-two"}
+        body = {
+            "model": s.model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1,
+            "session_id": "pt-two",
+        }
         assert a.post("/v1/chat/completions", json=body).status_code == 200
         assert b.get("/v1/kvbranch/sessions/pt-two").status_code == 404
         assert a.get("/v1/kvbranch/sessions/pt-two").status_code == 200
@@ -47,8 +51,12 @@ def test_keys_after_double_dash_make_tenants(passthrough_server):
 
 def test_vllm_api_key_env_makes_a_tenant(env_key_server):
     s = env_key_server
-    body = {"model": s.model, "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 1, "session_id": "env-one"}
+    body = {
+        "model": s.model,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        "session_id": "env-one",
+    }
     with _client(s, None) as anonymous:
         assert anonymous.post("/v1/chat/completions", json=body).status_code == 401
         # outside vLLM's guarded prefixes the kvbranch guard refuses it too
