@@ -168,7 +168,11 @@ def test_full_host_store_evicts_unpinned_first_and_answers_stay_greedy_identical
         {"role": "user", "content": "Which tool should run first? Answer briefly."},
     ]
     reference = chat(server, messages, max_tokens=16)  # no session, never-seen prompt
-    assert reference["kvbranch"]["recomputed_tokens"] == reference["usage"]["prompt_tokens"]
+    # Never-seen: no whole block is reused. The chat template's opening tokens may match a tail
+    # an earlier test left in the store (token-exact reuse), never more than part of a block.
+    split = reference["kvbranch"]
+    assert split["device_hit_tokens"] == 0 and split["host_hit_tokens"] < BLOCK
+    assert split["recomputed_tokens"] > reference["usage"]["prompt_tokens"] - BLOCK
     chat(server, messages, session=sid, max_tokens=16)
     pinned = _branch(server, sid)
     assert pinned["pinned"] and pinned["pinned_blocks"] >= 2
