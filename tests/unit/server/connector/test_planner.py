@@ -16,8 +16,7 @@ from server.connector.planner import (
     Planner,
 )
 from server.connector.sessions import DEFAULT_BRANCH, SessionRegistry
-
-BS = 4
+from tests.unit.server.connector.fakes import BS, make_planner
 
 
 @dataclass
@@ -54,19 +53,6 @@ def make_request(
         cache_salt=cache_salt,
         sampling_params=SimpleNamespace(extra_args=extra),
     )
-
-
-def make_planner(num_slots: int = 32, budget_blocks: int = 16):
-    index = HostBlockIndex(num_slots)
-    registry = SessionRegistry(
-        index,
-        block_size=BS,
-        block_bytes=1,
-        pin_budget_bytes=budget_blocks,
-        default_ttl_s=60.0,
-        clock=lambda: 0.0,
-    )
-    return Planner(index, registry, BS), index, registry
 
 
 def store(index: HostBlockIndex, req: FakeRequest, blocks) -> dict[int, int]:

@@ -9,12 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.connector.block_index import MAX_TAILS_PER_PARENT, HostBlockIndex
+from server.connector.block_index import MAX_TAILS_PER_PARENT
 from server.connector.planner import BRANCH_XARG, PREFETCH_XARG, Planner
-from server.connector.sessions import SessionRegistry
 from server.connector.tails import finished_tail, identity_of, parent_key, tail_key
-
-BS = 4
+from tests.unit.server.connector.fakes import BS, make_planner
 
 
 @dataclass
@@ -37,19 +35,6 @@ class FakeRequest:
         return [
             repr((self.cache_salt, toks[: (k + 1) * BS])).encode() for k in range(len(toks) // BS)
         ]
-
-
-def make_planner(num_slots: int = 32, budget_blocks: int = 16):
-    index = HostBlockIndex(num_slots)
-    registry = SessionRegistry(
-        index,
-        block_size=BS,
-        block_bytes=1,
-        pin_budget_bytes=budget_blocks,
-        default_ttl_s=60.0,
-        clock=lambda: 0.0,
-    )
-    return Planner(index, registry, BS), index, registry
 
 
 def finish(

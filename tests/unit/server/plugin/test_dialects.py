@@ -17,6 +17,7 @@ from server.contract import (
 from server.plugin import dialects
 from server.plugin.guard import KVBranchGuard
 from server.plugin.middleware import rewrite_request
+from tests.unit.server.connector.fakes import BS, make_planner
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -414,24 +415,6 @@ def test_guard_refuses_bad_hints_with_400():
 
 
 # --- the pin lease reaches the session registry (planner → observe_request) ------------------
-BS = 4
-
-
-def make_planner(budget_blocks: int = 16):
-    from server.connector.block_index import HostBlockIndex
-    from server.connector.planner import Planner
-    from server.connector.sessions import SessionRegistry
-
-    index = HostBlockIndex(32)
-    registry = SessionRegistry(
-        index,
-        block_size=BS,
-        block_bytes=1,
-        pin_budget_bytes=budget_blocks,
-        default_ttl_s=60.0,
-        clock=lambda: 0.0,
-    )
-    return Planner(index, registry, BS), index, registry
 
 
 def make_request(
