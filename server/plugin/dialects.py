@@ -189,21 +189,15 @@ def breakpoints(payload: dict) -> list[Breakpoint]:
     messages; the request-level one marks the last block). Raises :class:`DialectError`."""
     found: list[Breakpoint] = []
     c = CACHE_CONTROL_FIELD
-    tools = payload.get("tools")
-    if isinstance(tools, list):
-        for i, tool in enumerate(tools):
-            if isinstance(tool, dict) and tool.get(c) is not None:
-                param = f"tools[{i}].{c}"
-                found.append(
-                    Breakpoint("tools", i, None, parse_cache_control(tool[c], param), param)
-                )
-    system = payload.get("system")
-    if isinstance(system, list):
-        for k, block in enumerate(system):
+    for section in ("tools", "system"):  # lists of blocks, each may carry a breakpoint
+        items = payload.get(section)
+        if not isinstance(items, list):
+            continue
+        for k, block in enumerate(items):
             if isinstance(block, dict) and block.get(c) is not None:
-                param = f"system[{k}].{c}"
+                param = f"{section}[{k}].{c}"
                 found.append(
-                    Breakpoint("system", k, None, parse_cache_control(block[c], param), param)
+                    Breakpoint(section, k, None, parse_cache_control(block[c], param), param)
                 )
     messages = payload.get("messages")
     if isinstance(messages, list):
