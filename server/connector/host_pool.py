@@ -92,16 +92,22 @@ class HostKVPool:
 
     # --- device -> host ----------------------------------------------------------------------
     def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        if not block_ids:
+        self._copy(block_ids, slots, to_host=True)
+
+    def _copy(self, src: Sequence[int], dst: Sequence[int], *, to_host: bool) -> None:
+        """Copy blocks ``src`` to ``dst``: device blocks to host slots (``to_host``, a save) or
+        host slots to device blocks (a load)."""
+        if not src:
             return
         if self.cuda:
-            self._save_cuda(block_ids, slots)
+            (self._save_cuda if to_host else self._load_cuda)(src, dst)
             return
-        src_idx = torch.tensor(block_ids, dtype=torch.long)
-        dst_idx = torch.tensor(slots, dtype=torch.long)
+        src_idx = torch.tensor(src, dtype=torch.long)
+        dst_idx = torch.tensor(dst, dtype=torch.long)
         for name, dev in self.device_caches.items():
-            dim = self.block_dims[name]
-            self.host_caches[name].index_copy_(dim, dst_idx, dev.index_select(dim, src_idx))
+            dim, host = self.block_dims[name], self.host_caches[name]
+            source, target = (dev, host) if to_host else (host, dev)
+            target.index_copy_(dim, dst_idx, source.index_select(dim, src_idx))
 
     def _save_cuda(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         assert self._stream is not None
@@ -121,16 +127,7 @@ class HostKVPool:
 
     # --- host -> device ----------------------------------------------------------------------
     def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        if not slots:
-            return
-        if self.cuda:
-            self._load_cuda(slots, block_ids)
-            return
-        src_idx = torch.tensor(slots, dtype=torch.long)
-        dst_idx = torch.tensor(block_ids, dtype=torch.long)
-        for name, dev in self.device_caches.items():
-            dim = self.block_dims[name]
-            dev.index_copy_(dim, dst_idx, self.host_caches[name].index_select(dim, src_idx))
+        self._copy(slots, block_ids, to_host=False)
 
     def _load_cuda(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         assert self._stream is not None
