@@ -55,6 +55,7 @@ from server.connector.transfer_auth import (
     HASHES_FIELD,
     IDENTITY_FIELD,
     MAC_FIELD,
+    REMOTE_BLOCK_FIELDS,
     TOKENS_FIELD,
     ConsumedHandles,
     claim_valid,
@@ -99,18 +100,7 @@ NIXL_PARAM_KEYS = (
     CLAIM_FIELD,
 )
 #: Fields that name a peer's memory: dropped from a handle this instance will not honour.
-REMOTE_FIELDS = (
-    "remote_block_ids",
-    "remote_engine_id",
-    "remote_request_id",
-    "remote_host",
-    "remote_port",
-    "remote_num_tokens",
-    "remote_blocks_expiry_time",
-    TOKENS_FIELD,
-    HASHES_FIELD,
-    CLAIM_FIELD,
-)
+REMOTE_FIELDS = (*REMOTE_BLOCK_FIELDS, TOKENS_FIELD, HASHES_FIELD, CLAIM_FIELD)
 #: A pull starts only while the claim has at least this much time left (the read itself
 #: takes milliseconds; upstream's worker checks D's deadline again right before reading).
 CLAIM_MARGIN_S = 6.0

@@ -54,8 +54,8 @@ HASHES_FIELD = "kvbranch_block_hashes"
 IDENTITY_FIELD = "kvbranch_identity"
 CLAIM_FIELD = "kvbranch_claim"
 
-#: What the seal covers: everything that decides which memory is read and what it means.
-SEALED_FIELDS = (
+#: NIXL's fields that name a peer's blocks: which engine, where, which blocks, until when.
+REMOTE_BLOCK_FIELDS = (
     "remote_block_ids",
     "remote_engine_id",
     "remote_request_id",
@@ -63,6 +63,10 @@ SEALED_FIELDS = (
     "remote_port",
     "remote_num_tokens",
     "remote_blocks_expiry_time",
+)
+#: What the seal covers: everything that decides which memory is read and what it means.
+SEALED_FIELDS = (
+    *REMOTE_BLOCK_FIELDS,
     "tp_size",
     "dcp_size",
     "pp_size",
