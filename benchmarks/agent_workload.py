@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common, reporting  # noqa: E402
 from benchmarks.agent_report import plot, report, summarize  # noqa: E402
+from benchmarks.step_profile import StepProfiler  # noqa: E402
 from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
 from server.contract import DEFAULT_BRANCH  # noqa: E402
 
@@ -312,12 +313,14 @@ async def run_config(
     )
     if name == "pd":
         extra.append("--no-bidirectional")  # upstream P/D (server_args adds --no-connector)
+    profiler = StepProfiler(args.profile_dir / name, args.py_spy) if args.profile_dir else None
     server = common.start_server(
         name,
         common.server_args(
             kvbranch, args.kv_cache_gib, args.host_store_gib, args.max_model_len, extra
         ),
         reserved_cpus=args.reserved_cpus,
+        env=profiler.env() if profiler else None,
     )
     binding = (
         common.omp_binding(server) if not extra else "P/D: prefill on core 0, decode on core 1"
@@ -332,7 +335,12 @@ async def run_config(
                     f"{len(workload['sessions'])} sessions"
                 )
                 runner = Runner(name, kvbranch, server.url, workload, args.gen_tokens, client, log)
+                if profiler:
+                    assert server.proc is not None
+                    profiler.start(server.proc.pid)
                 jcts, wall = await runner.run()
+                if profiler:
+                    profiler.finish(server.url)
                 stats = await common.get_stats(client, server.url)
             mem.sample()
     finally:
@@ -395,6 +403,12 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--configs", default="plain,kvbranch", help="run in this order")
     ap.add_argument("--replay", type=Path, help="replay a workload JSON written by a run")
+    ap.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="write a per-step profile of every configuration here (benchmarks/step_profile.py)",
+    )
+    ap.add_argument("--py-spy", help="with --profile-dir: sample the servers with this py-spy")
     common.add_run_args(ap)
     args = common.parse_run_args(ap)
     args.profile = args.profile or ("quick" if args.quick else "full")

@@ -126,10 +126,13 @@ def start_server(
     args: list[str],
     reserved_cpus: int | None = DEFAULT_RESERVED_CPUS,
     ready_timeout: float = 1200.0,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
     """Start ``python -m server`` with the shared core reservation. The generous readiness wait
     is for shared machines: a start took over 10 minutes at a load average of 80 on 2 cores."""
-    env = {} if reserved_cpus is None else {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
+    env = dict(env or {})
+    if reserved_cpus is not None:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
     shown = " ".join([*(f"{k}={v}" for k, v in env.items()), "python -m server", *args])
     print(f"[{name}] starting server: {shown}", flush=True)
     t0 = time.monotonic()

@@ -18,6 +18,7 @@ finished request's blocks are kept one more step while its tail is copied out (`
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ from server.connector.metadata import KVBranchMetadata
 from server.connector.planner import Planner
 from server.connector.scheduler_side import KVBranchScheduler
 from server.connector.stats import KVBranchPromMetrics, KVBranchTransferStats
+from server.connector.step_trace import StepTrace, scheduled_token_split
 from server.connector.worker_side import KVBranchWorker
 
 if TYPE_CHECKING:
@@ -76,6 +78,9 @@ class KVBranchConnector(KVConnectorBase_V1):
         num_slots = store_bytes // block_bytes if enabled else 0
         self.scheduler_side: KVBranchScheduler | None = None
         self.worker_side: KVBranchWorker | None = None
+        #: Per-step timing (``KVBRANCH_STEP_TRACE``; off by default): see ``step_trace.py``.
+        self._trace = StepTrace("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+        self._step: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             parallel = vllm_config.parallel_config
             engine = getattr(parallel, "data_parallel_index", None)
@@ -120,6 +125,8 @@ class KVBranchConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Runs before ``start_load_kv`` in every runner, also on steps with no tokens."""
         super().bind_connector_metadata(connector_metadata)
+        if self._trace.enabled:
+            self._step = {"t": time.perf_counter()}
         if self.worker_side is not None:
             self.worker_side.fence_for(connector_metadata)
 
@@ -127,7 +134,10 @@ class KVBranchConnector(KVConnectorBase_V1):
         # vLLM 0.32 calls this after the forward on steps without sync loads (ours are sync:
         # the scheduler then calls it before). Loads run on the pool's stream, behind its saves.
         if self.worker_side is not None:
+            started = time.perf_counter()
             self.worker_side.start_load(self._connector_metadata)
+            if self._trace.enabled:
+                self._step.update(load0=started, load1=time.perf_counter())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before any layer runs
@@ -143,7 +153,10 @@ class KVBranchConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.worker_side is not None:
+            started = time.perf_counter()
             self.worker_side.save(self._connector_metadata)
+            if self._trace.enabled:
+                self._trace.record(**self._step, save0=started, save1=time.perf_counter())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_side is None:
@@ -186,7 +199,11 @@ class KVBranchConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         if self.scheduler_side is None:
             return 0, False
-        return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens), False
+        started = time.perf_counter()
+        matched = self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
+        if self._trace.enabled:
+            self._trace.add_hook_time("match", started)
+        return matched, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -194,25 +211,45 @@ class KVBranchConnector(KVConnectorBase_V1):
         if self.scheduler_side is None:
             return
         # Also when the store is disabled: this is where a request's split is recorded.
+        started = time.perf_counter()
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         self.scheduler_side.planner.after_alloc(request, block_ids, num_external_tokens)
+        if self._trace.enabled:
+            self._trace.add_hook_time("alloc", started)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.scheduler_side is None:
             return KVBranchMetadata()
-        return self.scheduler_side.build_meta(scheduler_output)
+        started = time.perf_counter()
+        meta = self.scheduler_side.build_meta(scheduler_output)
+        if self._trace.enabled:
+            prefill, decode = scheduled_token_split(scheduler_output.num_scheduled_tokens)
+            self._trace.record(
+                t=started,
+                build_s=round(time.perf_counter() - started, 6),
+                prefill=prefill,
+                decode=decode,
+                loads=len(meta.load_slots),
+                saves=len(meta.save_blocks),
+            )
+        return meta
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler_side is None:
             return False, None
-        return self.scheduler_side.request_finished(request, block_ids)
+        started = time.perf_counter()
+        result = self.scheduler_side.request_finished(request, block_ids)
+        if self._trace.enabled:
+            self._trace.add_hook_time("finish", started)
+        return result
 
     def reset_cache(self) -> bool | None:
         """``POST /reset_prefix_cache?reset_external=true``: forget every unpinned block."""
         return self.scheduler_side.reset_cache() if self.scheduler_side is not None else None
 
     def shutdown(self) -> None:
+        self._trace.close()
         if self.scheduler_side is not None:
             self.scheduler_side.shutdown()
