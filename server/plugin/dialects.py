@@ -184,6 +184,22 @@ class Breakpoint:
     param: str
 
 
+def _block_breakpoints(
+    blocks: list, section: str, message: int | None, where: str
+) -> list[Breakpoint]:
+    """The breakpoints of one list of blocks (``where`` names it in errors): a tools or system
+    block is ``(section, k, None)``, a block of message ``m``'s content ``(section, m, k)``."""
+    found: list[Breakpoint] = []
+    c = CACHE_CONTROL_FIELD
+    for k, block in enumerate(blocks):
+        if isinstance(block, dict) and block.get(c) is not None:
+            param = f"{where}[{k}].{c}"
+            index, sub = (k, None) if message is None else (message, k)
+            ttl_s = parse_cache_control(block[c], param)
+            found.append(Breakpoint(section, index, sub, ttl_s, param))
+    return found
+
+
 def breakpoints(payload: dict) -> list[Breakpoint]:
     """Every ``cache_control`` of an Anthropic request, in prompt order (tools, system,
     messages; the request-level one marks the last block). Raises :class:`DialectError`."""
@@ -191,26 +207,14 @@ def breakpoints(payload: dict) -> list[Breakpoint]:
     c = CACHE_CONTROL_FIELD
     for section in ("tools", "system"):  # lists of blocks, each may carry a breakpoint
         items = payload.get(section)
-        if not isinstance(items, list):
-            continue
-        for k, block in enumerate(items):
-            if isinstance(block, dict) and block.get(c) is not None:
-                param = f"{section}[{k}].{c}"
-                found.append(
-                    Breakpoint(section, k, None, parse_cache_control(block[c], param), param)
-                )
+        if isinstance(items, list):
+            found += _block_breakpoints(items, section, None, section)
     messages = payload.get("messages")
     if isinstance(messages, list):
         for m, message in enumerate(messages):
             content = message.get("content") if isinstance(message, dict) else None
-            if not isinstance(content, list):
-                continue
-            for k, block in enumerate(content):
-                if isinstance(block, dict) and block.get(c) is not None:
-                    param = f"messages[{m}].content[{k}].{c}"
-                    found.append(
-                        Breakpoint("messages", m, k, parse_cache_control(block[c], param), param)
-                    )
+            if isinstance(content, list):
+                found += _block_breakpoints(content, "messages", m, f"messages[{m}].content")
     if payload.get(c) is not None:
         found.append(Breakpoint("end", 0, None, parse_cache_control(payload[c], c), c))
     return found
