@@ -83,3 +83,11 @@ def filler(i: int, words: int = 300) -> list[dict]:
             + " Summarize.",
         }
     ]
+
+
+def keyed_server_args(*keys: str) -> list[str]:
+    """A small server (for tenancy tests) that accepts each of ``keys``, one tenant per key."""
+    args = ["--kv-cache-gib", "0.25", "--host-store-gib", "0.1", "--max-model-len", "2048"]
+    for key in keys:
+        args += ["--api-key", key]
+    return args

@@ -17,7 +17,13 @@ import pytest
 from langchain_openai import ChatOpenAI
 
 from server.process import ServerProcess
-from tests.integration.helpers import BLOCK, client, reset_device_cache, system_prompt
+from tests.integration.helpers import (
+    BLOCK,
+    client,
+    keyed_server_args,
+    reset_device_cache,
+    system_prompt,
+)
 
 STEPS = [
     "Step 0. Tool result: weather in Paris is 18C, light rain. What next?",
@@ -198,22 +204,19 @@ def test_langchain_chat_openai_gets_session_reuse(kvbranch_server, plain_server,
 
 def test_openai_bad_hints_are_a_clear_400(kvbranch_server):
     ours = openai_client(kvbranch_server)
-    with pytest.raises(openai.BadRequestError, match="prompt_cache_retention"):
-        ours.chat.completions.create(
-            model=kvbranch_server.model,
-            temperature=0,
-            max_tokens=2,
-            messages=[{"role": "user", "content": "hi"}],
-            prompt_cache_retention="forever",
-        )
-    with pytest.raises(openai.BadRequestError, match="prompt_cache_key"):
-        ours.chat.completions.create(
-            model=kvbranch_server.model,
-            temperature=0,
-            max_tokens=2,
-            messages=[{"role": "user", "content": "hi"}],
-            extra_body={"prompt_cache_key": 12},
-        )
+    bad_hints = [
+        ("prompt_cache_retention", {"prompt_cache_retention": "forever"}),
+        ("prompt_cache_key", {"extra_body": {"prompt_cache_key": 12}}),
+    ]
+    for match, hint in bad_hints:
+        with pytest.raises(openai.BadRequestError, match=match):
+            ours.chat.completions.create(
+                model=kvbranch_server.model,
+                temperature=0,
+                max_tokens=2,
+                messages=[{"role": "user", "content": "hi"}],
+                **hint,
+            )
 
 
 # --- Anthropic Messages ------------------------------------------------------------------------
@@ -351,18 +354,7 @@ KEY_A, KEY_B = "dialect-tenant-a", "dialect-tenant-b"
 
 @pytest.fixture(scope="module")
 def keyed_server():
-    args = [
-        "--kv-cache-gib",
-        "0.25",
-        "--host-store-gib",
-        "0.1",
-        "--max-model-len",
-        "2048",
-        "--api-key",
-        KEY_A,
-        "--api-key",
-        KEY_B,
-    ]
+    args = keyed_server_args(KEY_A, KEY_B)
     # a third server on a shared 2-core machine: give it time to start
     with ServerProcess(args, name="dialects-keyed", ready_timeout=1500) as server:
         yield server
@@ -375,21 +367,14 @@ def test_hints_are_scoped_to_the_tenant(keyed_server):
     def openai_as(key):
         return openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=key, max_retries=0)
 
-    for key in (KEY_A, KEY_B):
+    for key, text in ((KEY_A, "Hello"), (KEY_B, "Hello"), (KEY_A, "Again")):
         openai_as(key).chat.completions.create(
             model=keyed_server.model,
-            messages=[{"role": "user", "content": "Hello"}],
+            messages=[{"role": "user", "content": text}],
             temperature=0,
             max_tokens=2,
             prompt_cache_key="shared-key",
         )
-    openai_as(KEY_A).chat.completions.create(
-        model=keyed_server.model,
-        messages=[{"role": "user", "content": "Again"}],
-        temperature=0,
-        max_tokens=2,
-        prompt_cache_key="shared-key",
-    )
     anthropic_a = anthropic.Anthropic(
         base_url=keyed_server.url,
         api_key="unused",
