@@ -58,6 +58,15 @@ def observe(reg, sid, branch, tokens, hashes, salt=None, owner=None):
     return reg.observe_request(sid, branch, tokens, hashes, salt, owner=owner)
 
 
+def unpinned_session(reg, tag: str, n_blocks: int):
+    """Session "s" created without auto pin, its main branch observed on ``conv(tag, n_blocks)``
+    (so nothing is pinned yet); returns those tokens and hashes."""
+    reg.create_session("s", auto_pin=False)
+    tokens, hashes = conv(tag, n_blocks)
+    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    return tokens, hashes
+
+
 # --- sessions ---------------------------------------------------------------------------------
 def test_new_id_is_prefixed_and_unique():
     ids = {new_id("sess") for _ in range(200)}
@@ -300,9 +309,7 @@ def test_deleting_parent_keeps_fork_blocks_pinned():
 
 def test_fork_of_unpinned_parent_without_auto_pin_is_unpinned():
     reg, index, _ = make()
-    reg.create_session("s", auto_pin=False)
-    tokens, hashes = conv("a", 2)
-    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    tokens, hashes = unpinned_session(reg, "a", 2)
     assert not reg.get_branch("s", DEFAULT_BRANCH).pinned
     fork = reg.fork("s", DEFAULT_BRANCH, "f")
     assert not fork.pinned and fork.pinned_hashes == []
@@ -311,9 +318,7 @@ def test_fork_of_unpinned_parent_without_auto_pin_is_unpinned():
 
 def test_fork_of_pinned_parent_without_auto_pin_is_pinned_with_parent_ttl():
     reg, index, clock = make()
-    reg.create_session("s", auto_pin=False)
-    tokens, hashes = conv("a", 2)
-    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    tokens, hashes = unpinned_session(reg, "a", 2)
     reg.pin("s", DEFAULT_BRANCH, 7.0)
     fork = reg.fork("s", DEFAULT_BRANCH, "f")
     assert fork.pinned
@@ -325,9 +330,7 @@ def test_fork_of_pinned_parent_without_auto_pin_is_pinned_with_parent_ttl():
 # --- TTL --------------------------------------------------------------------------------------
 def test_pin_ttl_expires_with_fake_clock():
     reg, index, clock = make()
-    reg.create_session("s", auto_pin=False)
-    tokens, hashes = conv("a", 3)
-    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    tokens, hashes = unpinned_session(reg, "a", 3)
     assert index.pinned_hashes == 0
     branch = reg.pin("s", DEFAULT_BRANCH, 10.0)
     assert branch.pinned and branch.pin_expires_at == clock.now + 10.0
@@ -424,13 +427,20 @@ def test_oldest_lease_degrades_when_budget_is_full():
     assert reg.branch_info(a)["degraded"] is True
 
 
-def test_degrade_order_follows_pinned_at_not_creation():
-    reg, _, clock = make(budget_blocks=6)
+def leases_a_then_b(budget_blocks: int):
+    """Sessions A, then B a second later, each auto-pinned on 3 blocks of its own:
+    (reg, index, clock, a, b, A's tokens, A's hashes)."""
+    reg, index, clock = make(budget_blocks=budget_blocks)
     ta, ha = conv("a", 3)
     tb, hb = conv("b", 3)
     a = observe(reg, "A", DEFAULT_BRANCH, ta, ha)
     clock.advance(1)
     b = observe(reg, "B", DEFAULT_BRANCH, tb, hb)
+    return reg, index, clock, a, b, ta, ha
+
+
+def test_degrade_order_follows_pinned_at_not_creation():
+    reg, _, clock, a, b, ta, ha = leases_a_then_b(budget_blocks=6)
     clock.advance(1)
     observe(reg, "A", DEFAULT_BRANCH, ta, ha)  # renew A: B is now the oldest lease
     clock.advance(1)
@@ -441,9 +451,7 @@ def test_degrade_order_follows_pinned_at_not_creation():
 
 def test_explicit_pin_larger_than_budget_is_409():
     reg, index, _ = make(budget_blocks=4)
-    reg.create_session("s", auto_pin=False)
-    tokens, hashes = conv("a", 5)
-    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    tokens, hashes = unpinned_session(reg, "a", 5)
     with pytest.raises(Conflict) as exc:
         reg.pin("s", DEFAULT_BRANCH, 30.0)
     assert exc.value.status == 409
@@ -453,14 +461,19 @@ def test_explicit_pin_larger_than_budget_is_409():
     assert not reg.get_branch("s", DEFAULT_BRANCH).pinned
 
 
-def test_explicit_pin_over_budget_does_not_degrade_others():
+def lease_a_then_unpinned_s(n_blocks: int):
+    """A 4-block budget: session A auto-pinned on 3 blocks, then (a second later) session "s"
+    unpinned on ``n_blocks`` others: (reg, index, a)."""
     reg, index, clock = make(budget_blocks=4)
     ta, ha = conv("a", 3)
     a = observe(reg, "A", DEFAULT_BRANCH, ta, ha)
     clock.advance(1)
-    reg.create_session("s", auto_pin=False)
-    tokens, hashes = conv("b", 5)
-    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    unpinned_session(reg, "b", n_blocks)
+    return reg, index, a
+
+
+def test_explicit_pin_over_budget_does_not_degrade_others():
+    reg, index, a = lease_a_then_unpinned_s(5)
     with pytest.raises(Conflict):
         reg.pin("s", DEFAULT_BRANCH, 30.0)
     assert a.pinned and not a.degraded
@@ -478,25 +491,14 @@ def test_automatic_pin_larger_than_budget_degrades_without_error():
 
 
 def test_explicit_pin_that_fits_degrades_older_leases():
-    reg, index, clock = make(budget_blocks=4)
-    ta, ha = conv("a", 3)
-    a = observe(reg, "A", DEFAULT_BRANCH, ta, ha)
-    clock.advance(1)
-    reg.create_session("s", auto_pin=False)
-    tokens, hashes = conv("b", 3)
-    observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
+    reg, index, a = lease_a_then_unpinned_s(3)
     b = reg.pin("s", DEFAULT_BRANCH, 30.0)
     assert b.pinned and a.degraded
     assert index.pinned_hashes == 3
 
 
 def test_degraded_branch_repins_on_next_use():
-    reg, index, clock = make(budget_blocks=4)
-    ta, ha = conv("a", 3)
-    tb, hb = conv("b", 3)
-    a = observe(reg, "A", DEFAULT_BRANCH, ta, ha)
-    clock.advance(1)
-    b = observe(reg, "B", DEFAULT_BRANCH, tb, hb)
+    reg, index, clock, a, b, ta, ha = leases_a_then_b(budget_blocks=4)
     assert a.degraded and b.pinned
     clock.advance(1)
     observe(reg, "A", DEFAULT_BRANCH, ta, ha)
