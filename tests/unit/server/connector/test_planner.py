@@ -63,6 +63,14 @@ def store(index: HostBlockIndex, req: FakeRequest, blocks) -> dict[int, int]:
     return slots
 
 
+def announce(planner, index: HostBlockIndex, req: FakeRequest, blocks) -> dict[int, int]:
+    """``store`` these blocks of ``req``, then hand ``req`` to the planner (``on_new_request``);
+    the slots of the stored blocks."""
+    slots = store(index, req, blocks)
+    planner.on_new_request(req)
+    return slots
+
+
 def check_split(split: dict, prompt: int, device: int, host: int) -> None:
     assert split["prompt_tokens"] == prompt
     assert split["device_hit_tokens"] == device
@@ -84,16 +92,14 @@ def test_no_host_blocks_no_match():
 def test_never_covers_last_prompt_token_exact_multiple():
     planner, index, _ = make_planner()
     req = make_request("r", 12)  # exactly 3 blocks
-    store(index, req, range(3))
-    planner.on_new_request(req)
+    announce(planner, index, req, range(3))
     assert planner.num_new_matched_tokens(req, 0) == 8  # last block holds the last token
 
 
 def test_full_blocks_before_last_token_match():
     planner, index, _ = make_planner()
     req = make_request("r", 13)  # 3 full blocks + 1 token
-    store(index, req, range(3))
-    planner.on_new_request(req)
+    announce(planner, index, req, range(3))
     assert planner.num_new_matched_tokens(req, 0) == 12
 
 
@@ -101,8 +107,7 @@ def test_tiny_prompts_never_match():
     planner, index, _ = make_planner()
     for n in (1, 4, 5):
         req = make_request(f"r{n}", n, seed=f"s{n}")
-        store(index, req, range(n // BS))
-        planner.on_new_request(req)
+        announce(planner, index, req, range(n // BS))
         expected = 4 if n == 5 else 0
         assert planner.num_new_matched_tokens(req, 0) == expected
 
@@ -117,21 +122,18 @@ def test_zero_slot_store_never_matches():
 def test_loads_start_after_device_hit_and_are_consecutive():
     planner, index, _ = make_planner()
     req = make_request("r", 25)  # 6 full blocks + 1
-    store(index, req, [1, 2, 4, 5])  # block 0 only on device, block 3 missing
-    planner.on_new_request(req)
+    announce(planner, index, req, [1, 2, 4, 5])  # block 0 only on device, block 3 missing
     assert planner.num_new_matched_tokens(req, 4) == 8  # blocks 1, 2; stops at 3
     # nothing stored right after the device hit: no load even though later blocks exist
     req2 = make_request("r2", 25, seed="q")
-    store(index, req2, [2, 3])
-    planner.on_new_request(req2)
+    announce(planner, index, req2, [2, 3])
     assert planner.num_new_matched_tokens(req2, 4) == 0
 
 
 def test_device_hit_covering_everything_means_no_host_load():
     planner, index, _ = make_planner()
     req = make_request("r", 13)
-    store(index, req, range(3))
-    planner.on_new_request(req)
+    announce(planner, index, req, range(3))
     assert planner.num_new_matched_tokens(req, 12) == 0
 
 
@@ -149,8 +151,7 @@ def test_token_mismatch_stops_match():
 def test_after_alloc_emits_loads_and_records_split():
     planner, index, _ = make_planner()
     req = make_request("r", 22)  # 5 full blocks + 2
-    slots = store(index, req, [1, 2, 3])
-    planner.on_new_request(req)
+    slots = announce(planner, index, req, [1, 2, 3])
     matched = planner.num_new_matched_tokens(req, 4)
     assert matched == 12
     device_blocks = [50, 51, 52, 53, 54, 55]
@@ -169,8 +170,7 @@ def test_after_alloc_emits_loads_and_records_split():
 def test_after_alloc_with_fewer_external_tokens_loads_fewer():
     planner, index, _ = make_planner()
     req = make_request("r", 17)
-    slots = store(index, req, range(4))
-    planner.on_new_request(req)
+    slots = announce(planner, index, req, range(4))
     assert planner.num_new_matched_tokens(req, 0) == 16
     loads: list[tuple[int, int]] = []
     planner.after_alloc(req, [9, 8, 7, 6, 5], 8)
@@ -245,8 +245,7 @@ def test_plan_saves_each_full_block_once():
 def test_plan_saves_skips_stored_blocks():
     planner, index, _ = make_planner()
     req = make_request("r", 16)
-    store(index, req, [0, 2])
-    planner.on_new_request(req)
+    announce(planner, index, req, [0, 2])
     saves = planner.plan_saves({"r": 16}, _resolver({"r": [[10, 11, 12, 13]]}), set())
     assert [b for b, _ in saves] == [11, 13]
     assert index.counters.saved_blocks == 4
@@ -342,8 +341,7 @@ def test_request_without_session_keeps_no_state():
 def test_full_split_device_host_recomputed_sums_to_prompt():
     planner, index, _ = make_planner()
     req = make_request("r", 30, session_id="s", extra={TAG_XARG: "t"})
-    store(index, req, [2, 3, 4])
-    planner.on_new_request(req)
+    announce(planner, index, req, [2, 3, 4])
     matched = planner.num_new_matched_tokens(req, 8)
     assert matched == 12
     planner.after_alloc(req, list(range(8)), matched)
@@ -366,8 +364,7 @@ def test_request_finished_for_other_tenants_session_is_served():
 def test_prefetch_not_counted_and_no_branch_update():
     planner, index, registry = make_planner()
     req = make_request("p", 13, session_id="s", extra={PREFETCH_XARG: True, TAG_XARG: "pt"})
-    store(index, req, [0, 1])
-    planner.on_new_request(req)
+    announce(planner, index, req, [0, 1])
     matched = planner.num_new_matched_tokens(req, 0)
     planner.after_alloc(req, [1, 2, 3, 4], matched)
     split = planner.request_finished(req)
@@ -439,8 +436,7 @@ def test_unknown_request_finished_returns_none():
 def test_split_sums_for_various_lengths(n_tokens):
     planner, index, _ = make_planner()
     req = make_request("r", n_tokens)
-    store(index, req, range(n_tokens // BS))
-    planner.on_new_request(req)
+    announce(planner, index, req, range(n_tokens // BS))
     matched = planner.num_new_matched_tokens(req, 0)
     assert matched < n_tokens
     assert matched % BS == 0
@@ -454,8 +450,7 @@ def test_untagged_request_still_returns_split_after_alloc():
     """The split goes into kv_transfer_params even without the middleware's tag."""
     planner, index, _ = make_planner()
     req = make_request("r", 13)
-    store(index, req, [0, 1])
-    planner.on_new_request(req)
+    announce(planner, index, req, [0, 1])
     matched = planner.num_new_matched_tokens(req, 0)
     planner.after_alloc(req, [1, 2, 3, 4], matched)
     split = planner.request_finished(req)
@@ -467,8 +462,7 @@ def test_device_hit_recorded_when_nothing_is_left_to_load():
     """A device hit that covers every loadable block must still count as device tokens."""
     planner, index, _ = make_planner()
     req = make_request("r", 14, extra={TAG_XARG: "t"})
-    store(index, req, range(3))
-    planner.on_new_request(req)
+    announce(planner, index, req, range(3))
     assert planner.num_new_matched_tokens(req, 12) == 0
     planner.after_alloc(req, [], 0)
     check_split(planner.request_finished(req), 14, 12, 0)
@@ -488,8 +482,7 @@ def test_stale_load_plan_is_not_reused():
     """A second scheduling attempt with nothing to load must not replay the first's loads."""
     planner, index, _ = make_planner()
     req = make_request("r", 13)
-    store(index, req, range(3))
-    planner.on_new_request(req)
+    announce(planner, index, req, range(3))
     assert planner.num_new_matched_tokens(req, 0) == 12
     # not allocated this step (e.g. no room); next step the device holds the whole prefix
     assert planner.num_new_matched_tokens(req, 12) == 0
@@ -535,10 +528,17 @@ def _start_remote_pull(planner, req, device_hit: int, remote: int) -> None:
     planner.after_alloc(req, [], 0)
 
 
-def test_remote_hit_counts_after_the_load_landed():
+def _pulling(device_hit: int, **request_kw):
+    """A planner whose request "r" (22 tokens, ``device_hit`` of them on the device) has a P/D
+    pull of 16 tokens in flight: (planner, request)."""
     planner, _, _ = make_planner()
-    req = make_request("r", 22, extra={TAG_XARG: "t"})
-    _start_remote_pull(planner, req, 4, 16)
+    req = make_request("r", 22, **request_kw)
+    _start_remote_pull(planner, req, device_hit, 16)
+    return planner, req
+
+
+def test_remote_hit_counts_after_the_load_landed():
+    planner, req = _pulling(4, extra={TAG_XARG: "t"})
     assert planner.requests == 0  # still loading: nothing to report yet
     req.num_computed_tokens = 20  # vLLM after the async load: device 4 + remote 16
     planner.after_alloc(req, [], 0)
@@ -550,9 +550,7 @@ def test_remote_hit_counts_after_the_load_landed():
 def test_failed_remote_pull_is_recomputed_and_reported():
     """failed_recving: vLLM (kv_load_failure_policy=recompute) resets the request to 0
     computed tokens and frees its blocks; the next scheduling pass asks the connectors again."""
-    planner, _, _ = make_planner()
-    req = make_request("r", 22)
-    _start_remote_pull(planner, req, 0, 16)
+    planner, req = _pulling(0)
     req.num_computed_tokens = 0
     planner.num_new_matched_tokens(req, 0)  # asked again: the pull failed
     planner.after_alloc(req, [], 0)
@@ -563,9 +561,7 @@ def test_failed_remote_pull_is_recomputed_and_reported():
 
 def test_partly_failed_remote_pull_counts_only_the_valid_prefix():
     """invalid_block_ids: vLLM truncates num_computed_tokens at the first failed block."""
-    planner, _, _ = make_planner()
-    req = make_request("r", 22)
-    _start_remote_pull(planner, req, 4, 16)
+    planner, req = _pulling(4)
     req.num_computed_tokens = 12  # device 4 + the first 2 pulled blocks
     planner.after_alloc(req, [], 0)
     assert planner.hits_tokens == {"device": 4, "host": 0, "remote": 8, "recomputed": 10}
@@ -573,9 +569,7 @@ def test_partly_failed_remote_pull_counts_only_the_valid_prefix():
 
 
 def test_request_aborted_while_its_pull_runs_is_not_counted():
-    planner, _, _ = make_planner()
-    req = make_request("r", 22)
-    _start_remote_pull(planner, req, 0, 16)
+    planner, req = _pulling(0)
     planner.request_finished(req)
     assert planner.requests == 0
     assert planner.hits_tokens == {"device": 0, "host": 0, "remote": 0, "recomputed": 0}
