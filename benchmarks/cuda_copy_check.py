@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import reporting  # noqa: E402  (standard library only)
 from server.connector.host_pool import HostKVPool  # noqa: E402  (torch only)
 
 LAYOUTS = ("blocks_first", "kv_first")  # [blocks, 2, bs, heads, hd] and [2, blocks, bs, ...]
@@ -275,10 +276,9 @@ def time_copies(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    reporting.add_int_args(
+        parser, {"--layers": 28, "--block-size": 16, "--kv-heads": 8, "--head-dim": 128}
+    )
     parser.add_argument(
         "--link-mib",
         type=int,

@@ -8,6 +8,7 @@ code reads only this module, and every benchmark writes its header the same way.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -103,6 +104,12 @@ def conditions_md(
         f"- Engine CPU binding (VLLM_CPU_NUM_OF_RESERVED_CPU={reserved_cpus}): "
         + "; ".join(f"{name}: {omp}" for name, omp in bindings.items()),
     ]
+
+
+def add_int_args(ap: argparse.ArgumentParser, defaults: dict[str, int]) -> None:
+    """Plain integer options (``{"--layers": 28}`` adds ``--layers N``, default 28), in order."""
+    for flag, default in defaults.items():
+        ap.add_argument(flag, type=int, default=default)
 
 
 def now_str() -> str:
