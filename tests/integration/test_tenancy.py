@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from server.process import ServerProcess
-from tests.integration.helpers import system_prompt
+from tests.integration.helpers import keyed_server_args, system_prompt
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 KEY_C = "tenant-c-key"  # only the quota test uses it: quotas are per tenant
@@ -19,18 +19,7 @@ MAX_SESSIONS, MAX_BRANCHES = 20, 4
 @pytest.fixture(scope="module")
 def keyed_server():
     args = [
-        "--kv-cache-gib",
-        "0.25",
-        "--host-store-gib",
-        "0.1",
-        "--max-model-len",
-        "2048",
-        "--api-key",
-        KEY_A,
-        "--api-key",
-        KEY_B,
-        "--api-key",
-        KEY_C,
+        *keyed_server_args(KEY_A, KEY_B, KEY_C),
         "--max-sessions-per-tenant",
         str(MAX_SESSIONS),
         "--max-branches-per-session",
@@ -150,30 +139,19 @@ def test_client_cache_salt_is_combined_with_the_tenant(keyed_server):
         {"role": "system", "content": system_prompt(words=300, seed=78)},
         {"role": "user", "content": "Hi"},
     ]
+    body = {
+        "model": keyed_server.model,
+        "messages": messages,
+        "max_tokens": 1,
+        "temperature": 0,
+        "cache_salt": "shared-salt",
+    }
     with _client(keyed_server, KEY_A) as a, _client(keyed_server, KEY_B) as b:
         for c in (a, a):
-            r = c.post(
-                "/v1/chat/completions",
-                json={
-                    "model": keyed_server.model,
-                    "messages": messages,
-                    "max_tokens": 1,
-                    "temperature": 0,
-                    "cache_salt": "shared-salt",
-                },
-            )
+            r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
         assert r.json()["kvbranch"]["device_hit_tokens"] >= 128  # A reuses its own prefix
-        r = b.post(
-            "/v1/chat/completions",
-            json={
-                "model": keyed_server.model,
-                "messages": messages,
-                "max_tokens": 1,
-                "temperature": 0,
-                "cache_salt": "shared-salt",
-            },
-        )
+        r = b.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         split = r.json()["kvbranch"]
     assert split["device_hit_tokens"] == 0 and split["host_hit_tokens"] == 0, split
