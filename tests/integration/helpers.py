@@ -15,6 +15,21 @@ def client(server) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=600.0, headers=server.headers())
 
 
+def create_session(server, **body) -> None:
+    """POST ``/v1/kvbranch/sessions`` with this body; the session must be created (201)."""
+    with client(server) as c:
+        r = c.post("/v1/kvbranch/sessions", json=body)
+    assert r.status_code == 201, r.text
+
+
+def branch_info(server, session: str, branch: str = "main") -> dict:
+    """GET one branch of a session; it must exist (200)."""
+    with client(server) as c:
+        r = c.get(f"/v1/kvbranch/sessions/{session}/branches/{branch}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def chat(server, messages, *, session=None, branch=None, max_tokens=12, **extra) -> dict:
     body = {
         "model": server.model,
@@ -73,6 +88,14 @@ def system_prompt(words: int = 450, seed: int = 0) -> str:
     )
 
 
+def two_messages(user: str, *, words: int, seed: int) -> list[dict]:
+    """A system prompt (``system_prompt(words, seed)``) and one user message."""
+    return [
+        {"role": "system", "content": system_prompt(words=words, seed=seed)},
+        {"role": "user", "content": user},
+    ]
+
+
 def filler(i: int, words: int = 300) -> list[dict]:
     rnd = random.Random(1000 + i)
     return [
@@ -85,9 +108,32 @@ def filler(i: int, words: int = 300) -> list[dict]:
     ]
 
 
+def size_args(kv_cache_gib: float, host_store_gib: float, max_model_len: int) -> list[str]:
+    """A server's sizes: device KV cache, host store and model length."""
+    return [
+        "--kv-cache-gib",
+        str(kv_cache_gib),
+        "--host-store-gib",
+        str(host_store_gib),
+        "--max-model-len",
+        str(max_model_len),
+    ]
+
+
 def keyed_server_args(*keys: str) -> list[str]:
     """A small server (for tenancy tests) that accepts each of ``keys``, one tenant per key."""
-    args = ["--kv-cache-gib", "0.25", "--host-store-gib", "0.1", "--max-model-len", "2048"]
+    args = size_args(0.25, 0.1, 2048)
     for key in keys:
         args += ["--api-key", key]
     return args
+
+
+def llm_kwargs(server) -> dict:
+    """Keyword arguments for an integration LLM (``KVBranchLLM``) on ``server``, greedy."""
+    return {
+        "base_url": server.url,
+        "api_key": server.api_key,
+        "model": server.model,
+        "temperature": 0,
+        "timeout": 300,
+    }

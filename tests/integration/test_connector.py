@@ -10,12 +10,15 @@ import pytest
 
 from tests.integration.helpers import (
     BLOCK,
+    branch_info,
     chat,
     client,
+    create_session,
     filler,
     reset_device_cache,
     system_prompt,
     text_of,
+    two_messages,
 )
 
 OBSERVATIONS = [
@@ -97,27 +100,9 @@ def test_next_turn_recomputes_only_new_tokens_after_device_loss(kvbranch_server)
     assert split["recomputed_tokens"] <= new_tokens + BLOCK
 
 
-def _branch(server, session, branch="main"):
-    with client(server) as c:
-        r = c.get(f"/v1/kvbranch/sessions/{session}/branches/{branch}")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_pinned_branch_survives_pressure_that_evicts_unpinned(kvbranch_server):
-    with client(kvbranch_server) as c:
-        assert (
-            c.post(
-                "/v1/kvbranch/sessions", json={"session_id": "pinned-s", "pin_ttl_s": 600}
-            ).status_code
-            == 201
-        )
-        assert (
-            c.post(
-                "/v1/kvbranch/sessions", json={"session_id": "loose-s", "auto_pin": False}
-            ).status_code
-            == 201
-        )
+    create_session(kvbranch_server, session_id="pinned-s", pin_ttl_s=600)
+    create_session(kvbranch_server, session_id="loose-s", auto_pin=False)
     for session, seed in (("pinned-s", 11), ("loose-s", 12)):
         chat(
             kvbranch_server,
@@ -128,13 +113,13 @@ def test_pinned_branch_survives_pressure_that_evicts_unpinned(kvbranch_server):
             session=session,
             max_tokens=4,
         )
-    pinned, loose = _branch(kvbranch_server, "pinned-s"), _branch(kvbranch_server, "loose-s")
+    pinned, loose = (branch_info(kvbranch_server, s) for s in ("pinned-s", "loose-s"))
     assert pinned["pinned"] and pinned["pinned_blocks"] >= 2
     assert not loose["pinned"] and loose["stored_blocks"] >= 2
     # pressure: more unrelated blocks than the whole host store (45 blocks)
     for i in range(8):
         chat(kvbranch_server, filler(i), max_tokens=1)
-    pinned, loose = _branch(kvbranch_server, "pinned-s"), _branch(kvbranch_server, "loose-s")
+    pinned, loose = (branch_info(kvbranch_server, s) for s in ("pinned-s", "loose-s"))
     with client(kvbranch_server) as c:
         stats = c.get("/v1/kvbranch/stats").json()
     assert stats["store"]["evictions"] > 0
@@ -143,39 +128,27 @@ def test_pinned_branch_survives_pressure_that_evicts_unpinned(kvbranch_server):
 
 
 def test_pin_ttl_expiry_releases_the_pin(kvbranch_server):
-    with client(kvbranch_server) as c:
-        assert (
-            c.post(
-                "/v1/kvbranch/sessions", json={"session_id": "ttl-s", "pin_ttl_s": 2}
-            ).status_code
-            == 201
-        )
+    create_session(kvbranch_server, session_id="ttl-s", pin_ttl_s=2)
     chat(
         kvbranch_server,
-        [
-            {"role": "system", "content": system_prompt(words=250, seed=21)},
-            {"role": "user", "content": "Hi"},
-        ],
+        two_messages("Hi", words=250, seed=21),
         session="ttl-s",
         max_tokens=2,
     )
-    branch = _branch(kvbranch_server, "ttl-s")
+    branch = branch_info(kvbranch_server, "ttl-s")
     assert branch["pinned"] and branch["pinned_blocks"] > 0
     time.sleep(2.5)
-    branch = _branch(kvbranch_server, "ttl-s")
+    branch = branch_info(kvbranch_server, "ttl-s")
     assert not branch["pinned"] and branch["pinned_blocks"] == 0
 
 
 def test_pin_budget_is_enforced(kvbranch_server):
     """A branch larger than the whole pin budget (9 blocks): an explicit pin is refused with
     409; its automatic pin degrades and the chat request itself succeeds."""
-    long_prompt = [
-        {"role": "system", "content": system_prompt(words=500, seed=31)},
-        {"role": "user", "content": "Hi"},
-    ]
+    long_prompt = two_messages("Hi", words=500, seed=31)
     response = chat(kvbranch_server, long_prompt, session="big-s", max_tokens=2)
     assert response["usage"]["prompt_tokens"] > 10 * BLOCK
-    branch = _branch(kvbranch_server, "big-s")
+    branch = branch_info(kvbranch_server, "big-s")
     assert branch["degraded"] and branch["pinned_blocks"] == 0
     with client(kvbranch_server) as c:
         r = c.post("/v1/kvbranch/sessions/big-s/branches/main/pin", json={"ttl_s": 60})
@@ -187,12 +160,9 @@ def test_pin_budget_is_enforced(kvbranch_server):
 
 
 def test_fork_shares_parent_blocks(kvbranch_server):
-    base = [
-        {"role": "system", "content": system_prompt(words=250, seed=41)},
-        {"role": "user", "content": "Plan a trip."},
-    ]
+    base = two_messages("Plan a trip.", words=250, seed=41)
     first = chat(kvbranch_server, base, session="fork-s", max_tokens=8)
-    parent = _branch(kvbranch_server, "fork-s")
+    parent = branch_info(kvbranch_server, "fork-s")
     with client(kvbranch_server) as c:
         session_before = c.get("/v1/kvbranch/sessions/fork-s").json()
         r = c.post(
@@ -220,14 +190,11 @@ def test_fork_shares_parent_blocks(kvbranch_server):
     # its own full blocks, plus its tail: the partial last block kept for token-exact reuse
     assert used_after - used_before <= own_tokens // BLOCK + 2
     assert deleted["released_blocks"] <= own_tokens // BLOCK + 2
-    assert _branch(kvbranch_server, "fork-s")["pinned_blocks"] == parent["pinned_blocks"]
+    assert branch_info(kvbranch_server, "fork-s")["pinned_blocks"] == parent["pinned_blocks"]
 
 
 def test_prefetch_warms_the_device_cache(kvbranch_server):
-    messages = [
-        {"role": "system", "content": system_prompt(words=300, seed=51)},
-        {"role": "user", "content": "Look up the weather."},
-    ]
+    messages = two_messages("Look up the weather.", words=300, seed=51)
     first = chat(kvbranch_server, messages, session="pf-s", max_tokens=8)
     reset_device_cache(kvbranch_server)
     with client(kvbranch_server) as c:
@@ -252,14 +219,11 @@ def test_prefetch_warms_the_device_cache(kvbranch_server):
 def test_deleting_a_session_drops_its_pins(kvbranch_server):
     chat(
         kvbranch_server,
-        [
-            {"role": "system", "content": system_prompt(words=200, seed=61)},
-            {"role": "user", "content": "Hi"},
-        ],
+        two_messages("Hi", words=200, seed=61),
         session="del-s",
         max_tokens=2,
     )
-    assert _branch(kvbranch_server, "del-s")["pinned_blocks"] > 0
+    assert branch_info(kvbranch_server, "del-s")["pinned_blocks"] > 0
     with client(kvbranch_server) as c:
         r = c.delete("/v1/kvbranch/sessions/del-s")
         assert r.status_code == 200 and r.json()["released_blocks"] > 0

@@ -25,12 +25,14 @@ from sdk import KVBranchClient, RetryPolicy
 from server.process import free_port
 from tests.integration.helpers import (
     BLOCK,
+    branch_info,
     chat,
     client,
+    create_session,
     filler,
     reset_device_cache,
-    system_prompt,
     text_of,
+    two_messages,
 )
 
 HANG_GUARD_S = 180.0
@@ -68,27 +70,13 @@ def _stats(server) -> dict:
     return r.json()
 
 
-def _branch(server, session, branch="main") -> dict:
-    with client(server) as c:
-        r = c.get(f"/v1/kvbranch/sessions/{session}/branches/{branch}")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 # --- a. client disconnects mid-stream ------------------------------------------------------
 def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbranch_server):
     server = kvbranch_server
     sid = f"abort-{secrets.token_hex(6)}"
-    with client(server) as c:
-        assert (
-            c.post("/v1/kvbranch/sessions", json={"session_id": sid, "pin_ttl_s": 600}).status_code
-            == 201
-        )
+    create_session(server, session_id=sid, pin_ttl_s=600)
     pinned_before = _stats(server)["store"]["pinned_blocks"]
-    messages = [
-        {"role": "system", "content": system_prompt(words=300, seed=41)},
-        {"role": "user", "content": "Write a very long story about a cache."},
-    ]
+    messages = two_messages("Write a very long story about a cache.", words=300, seed=41)
     max_tokens = 3000
     body = {
         "model": server.model,
@@ -122,7 +110,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbra
     # ... and the connector's planner saw it finish (request_finished is what updates the
     # branch: its request count and its token sequence)
     def finished_once():
-        info = _branch(server, sid)
+        info = branch_info(server, sid)
         return info if info["requests"] == 1 else None
 
     branch = _wait_for("the aborted request reached request_finished", finished_once)
@@ -139,7 +127,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbra
         server, messages[:1] + [{"role": "user", "content": "Say ok."}], session=sid, max_tokens=4
     )
     assert again["kvbranch"]["session_id"] == sid
-    assert _branch(server, sid)["requests"] == 2
+    assert branch_info(server, sid)["requests"] == 2
 
     # deleting the session releases its pins
     with client(server) as c:
@@ -158,15 +146,8 @@ def test_full_host_store_evicts_unpinned_first_and_answers_stay_greedy_identical
     answer as the request that computed the same prompt from scratch without a session."""
     server = kvbranch_server
     sid = f"full-{secrets.token_hex(6)}"
-    with client(server) as c:
-        assert (
-            c.post("/v1/kvbranch/sessions", json={"session_id": sid, "pin_ttl_s": 600}).status_code
-            == 201
-        )
-    messages = [
-        {"role": "system", "content": system_prompt(words=300, seed=4242)},
-        {"role": "user", "content": "Which tool should run first? Answer briefly."},
-    ]
+    create_session(server, session_id=sid, pin_ttl_s=600)
+    messages = two_messages("Which tool should run first? Answer briefly.", words=300, seed=4242)
     reference = chat(server, messages, max_tokens=16)  # no session, never-seen prompt
     # Never-seen: no whole block is reused. The chat template's opening tokens may match a tail
     # an earlier test left in the store (token-exact reuse), never more than part of a block.
@@ -174,7 +155,7 @@ def test_full_host_store_evicts_unpinned_first_and_answers_stay_greedy_identical
     assert split["device_hit_tokens"] == 0 and split["host_hit_tokens"] < BLOCK
     assert split["recomputed_tokens"] > reference["usage"]["prompt_tokens"] - BLOCK
     chat(server, messages, session=sid, max_tokens=16)
-    pinned = _branch(server, sid)
+    pinned = branch_info(server, sid)
     assert pinned["pinned"] and pinned["pinned_blocks"] >= 2
     evictions_before = _stats(server)["store"]["evictions"]
     capacity = _stats(server)["store"]["capacity_blocks"]
@@ -189,7 +170,7 @@ def test_full_host_store_evicts_unpinned_first_and_answers_stay_greedy_identical
     stats = _stats(server)
     assert stats["store"]["evictions"] > evictions_before
     assert stats["store"]["used_blocks"] <= stats["store"]["capacity_blocks"]
-    pinned = _branch(server, sid)
+    pinned = branch_info(server, sid)
     assert pinned["stored_blocks"] == pinned["pinned_blocks"] >= 2  # all of it survived
 
     # the next request of the pinned branch comes from the store, with the same answer
