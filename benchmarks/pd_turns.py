@@ -10,6 +10,7 @@
 
     .venv/bin/python benchmarks/pd_turns.py                 # ~15 minutes on 2 cores
     .venv/bin/python benchmarks/pd_turns.py --conversations 2 --turns 4   # quicker
+    .venv/bin/python benchmarks/pd_turns.py --interleave --kv-cache-gib 0.1  # under pressure
 
 Every configuration gets fresh servers on the same cores (P on core 0, D on core 1; single on
 core 0). Conversations run one after the other; each turn adds a tool observation of
@@ -68,49 +69,59 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
     ]
     server = common.start_server(f"bench-{name}", server_args, reserved_cpus=None)
     turns: list[dict] = []
+    convs = {
+        conv: conversation_turns(args.seed + conv, args.turns, args.system_tokens, args.new_tokens)
+        for conv in range(args.conversations)
+    }
+    history = {conv: [{"role": "system", "content": system}] for conv, (system, _) in convs.items()}
     try:
         async with httpx.AsyncClient(timeout=1800) as client:
-            for conv in range(args.conversations):
-                system, users = conversation_turns(
-                    args.seed + conv, args.turns, args.system_tokens, args.new_tokens
-                )
-                messages = [{"role": "system", "content": system}]
-                session = f"pd-bench-{conv}"
-                for turn, user in enumerate(users, start=1):
-                    messages.append({"role": "user", "content": user})
-                    body = {
-                        "model": common.MODEL_NAME,
-                        "messages": messages,
-                        "temperature": 0.0,
-                        "max_tokens": args.gen_tokens,
-                        **common.session_fields(session),
+            for conv, turn in turn_order(args.conversations, args.turns, args.interleave):
+                messages = history[conv]
+                messages.append({"role": "user", "content": convs[conv][1][turn - 1]})
+                body = {
+                    "model": common.MODEL_NAME,
+                    "messages": messages,
+                    "temperature": 0.0,
+                    "max_tokens": args.gen_tokens,
+                    **common.session_fields(f"pd-bench-{conv}"),
+                }
+                res = await common.stream_chat(client, server.url, body)
+                turns.append(
+                    {
+                        "conversation": conv,
+                        "turn": turn,
+                        "ttft_s": res.ttft_s,
+                        "total_s": res.total_s,
+                        "prompt_tokens": res.prompt_tokens,
+                        "completion_tokens": res.completion_tokens,
+                        "device_hit_tokens": res.device_hit_tokens,
+                        "host_hit_tokens": res.host_hit_tokens,
+                        "remote_hit_tokens": res.remote_hit_tokens,
+                        "recomputed_tokens": res.recomputed_tokens,
+                        "content": res.content,
+                        "load1": res.extra.get("load1"),
                     }
-                    res = await common.stream_chat(client, server.url, body)
-                    turns.append(
-                        {
-                            "conversation": conv,
-                            "turn": turn,
-                            "ttft_s": res.ttft_s,
-                            "total_s": res.total_s,
-                            "prompt_tokens": res.prompt_tokens,
-                            "completion_tokens": res.completion_tokens,
-                            "device_hit_tokens": res.device_hit_tokens,
-                            "host_hit_tokens": res.host_hit_tokens,
-                            "remote_hit_tokens": res.remote_hit_tokens,
-                            "recomputed_tokens": res.recomputed_tokens,
-                            "content": res.content,
-                            "load1": res.extra.get("load1"),
-                        }
-                    )
-                    log(
-                        f"[{name}] conv {conv} turn {turn}: TTFT {res.ttft_s:.2f}s, prompt "
-                        f"{res.prompt_tokens} (device {res.device_hit_tokens}, remote "
-                        f"{res.remote_hit_tokens}, recomputed {res.recomputed_tokens})"
-                    )
-                    messages.append({"role": "assistant", "content": res.content})
+                )
+                log(
+                    f"[{name}] conv {conv} turn {turn}: TTFT {res.ttft_s:.2f}s, prompt "
+                    f"{res.prompt_tokens} (device {res.device_hit_tokens}, host "
+                    f"{res.host_hit_tokens}, remote {res.remote_hit_tokens}, recomputed "
+                    f"{res.recomputed_tokens})"
+                )
+                messages.append({"role": "assistant", "content": res.content})
     finally:
         server.stop()
     return {"name": name, "server_args": server_args, "turns": turns}
+
+
+def turn_order(conversations: int, turns: int, interleave: bool) -> list[tuple[int, int]]:
+    """(conversation, turn) in request order: each conversation to its end, or (``interleave``)
+    turn t of every conversation before turn t+1 of any, so that the others' turns pass
+    between two turns of one conversation."""
+    if interleave:
+        return [(c, t) for t in range(1, turns + 1) for c in range(conversations)]
+    return [(c, t) for c in range(conversations) for t in range(1, turns + 1)]
 
 
 def mean_ttft(result: dict, first_turn: int) -> float:
@@ -171,7 +182,13 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: f
         *reporting.run_header("pd_turns", info, elapsed),
         f"- {args.conversations} conversations x {args.turns} turns, system prompt "
         f"~{args.system_tokens} tokens, ~{args.new_tokens} new tokens and "
-        f"{args.gen_tokens} generated tokens per turn; conversations one at a time; "
+        f"{args.gen_tokens} generated tokens per turn; "
+        + (
+            "conversations interleaved turn by turn; "
+            if args.interleave
+            else "conversations one at a time; "
+        )
+        + f"device KV {args.kv_cache_gib} GiB per instance; "
         "P on core 0, D on core 1, single instances on core 0.",
         "",
         "Median TTFT per turn (s):",
@@ -240,6 +257,12 @@ def main() -> int:
         help="tool observation tokens added per turn (default %(default)s)",
     )
     parser.add_argument("--gen-tokens", type=int, default=32)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="round-robin the conversations turn by turn (with a small --kv-cache-gib: P's own "
+        "cache cannot keep a conversation between its turns, the case the D->P pull is for)",
+    )
     common.add_server_args(parser, 1.0, 4096, None)
     common.add_run_args(parser, seed=7, reserved_cpus=False)
     return asyncio.run(main_async(common.parse_run_args(parser)))
