@@ -129,7 +129,7 @@ def keyed_server_args(*keys: str) -> list[str]:
 
 
 def llm_kwargs(server) -> dict:
-    """Keyword arguments for an integration LLM (``KVBranchLLM``) on ``server``, greedy."""
+    """Keyword arguments for an integration LLM (``KVBranchLLM``, ``ChatKVBranch``), greedy."""
     return {
         "base_url": server.url,
         "api_key": server.api_key,

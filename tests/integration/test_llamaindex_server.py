@@ -23,6 +23,7 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole  # noqa: E
 
 from integrations.llamaindex import KVBranchLLM  # noqa: E402
 from sdk import KVBranchClient  # noqa: E402
+from tests.integration.helpers import llm_kwargs  # noqa: E402
 
 # Over two full 128-token KV blocks, so later turns can hit the caches. Kept plain: with some
 # system prompts (mentioning tools, or how to phrase answers) the 135M model garbles forced
@@ -42,14 +43,7 @@ def get_weather(city: str) -> str:
 
 def make_llm(server, **kwargs) -> KVBranchLLM:
     kwargs.setdefault("max_tokens", MAX_TOKENS)
-    return KVBranchLLM(
-        base_url=server.url,
-        api_key=server.api_key,
-        model=server.model,
-        temperature=0,
-        timeout=300,
-        **kwargs,
-    )
+    return KVBranchLLM(**llm_kwargs(server), **kwargs)
 
 
 def system() -> ChatMessage:

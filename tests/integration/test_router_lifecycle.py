@@ -24,22 +24,13 @@ import psutil
 import pytest
 
 from server.contract import SESSIONS_PATH, session_path
+from tests.integration.helpers import size_args
 from tests.server_process import ServerProcess
 
 GRACE_S = 3.0
 #: Beyond the grace: vLLM's own teardown (engine core, NIXL) on 2 busy cores.
 MARGIN_S = 25.0
-ARGS = [
-    "--disagg",
-    "--kv-cache-gib",
-    "0.5",
-    "--host-store-gib",
-    "0.25",
-    "--max-model-len",
-    "4096",
-    "--shutdown-grace-s",
-    str(GRACE_S),
-]
+ARGS = ["--disagg", *size_args(0.5, 0.25, 4096), "--shutdown-grace-s", str(GRACE_S)]
 
 
 def _launch() -> ServerProcess:
