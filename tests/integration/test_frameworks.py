@@ -41,6 +41,7 @@ from examples import langchain_agent, langgraph_agent, llamaindex_agent  # noqa:
 from examples._common import reused_tokens  # noqa: E402
 from integrations.langchain import ChatKVBranch  # noqa: E402
 from integrations.llamaindex import KVBranchLLM  # noqa: E402
+from tests.integration.helpers import llm_kwargs  # noqa: E402
 
 BLOCK = 128
 MAX_TOKENS = 48
@@ -81,15 +82,7 @@ def check_lg_turn(new: list, schema: dict) -> tuple[AIMessage, AIMessage]:
 
 
 def lc_model(server, **kwargs) -> ChatKVBranch:
-    return ChatKVBranch(
-        base_url=server.url,
-        api_key=server.api_key,
-        model=server.model,
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        timeout=300,
-        **kwargs,
-    )
+    return ChatKVBranch(**llm_kwargs(server), max_tokens=MAX_TOKENS, **kwargs)
 
 
 def test_langgraph_react_agent_thread_reuse_and_time_travel(kvbranch_server):
@@ -144,15 +137,7 @@ def test_langgraph_react_agent_thread_reuse_and_time_travel(kvbranch_server):
 
 
 def li_llm(server, cls: type[KVBranchLLM] = KVBranchLLM, **kwargs) -> KVBranchLLM:
-    return cls(
-        base_url=server.url,
-        api_key=server.api_key,
-        model=server.model,
-        temperature=0,
-        max_tokens=96,
-        timeout=300,
-        **kwargs,
-    )
+    return cls(**llm_kwargs(server), max_tokens=96, **kwargs)
 
 
 def check_li_turn(done: llamaindex_agent.Turn, schemas: dict) -> None:
