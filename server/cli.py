@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.engine_spin import ENV_MQ_SPIN_S
+from server.engine_spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
 from server.phases import Phases, PhaseTracker, StdoutTee, watch_listening
 from server.settings import (
     CONNECTOR_CLASS,
@@ -215,12 +217,15 @@ def plan_launch(
         argv += ["--kv-transfer-config", json.dumps(pd_transfer_config(args, None))]
     argv += passthrough
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
-    if PLUGIN_NAME not in plugins:
-        plugins.append(PLUGIN_NAME)
+    for name in (PLUGIN_NAME, SPIN_PLUGIN_NAME):
+        if name not in plugins:
+            plugins.append(name)
     env = {
         "VLLM_PLUGINS": ",".join(plugins),
         "VLLM_LOGGING_LEVEL": args.log_level.upper(),
         ENV_MODEL_NAME: served,
+        # Every instance, with or without the connector (engine_spin.py).
+        ENV_MQ_SPIN_S: str(args.mq_spin_ms / 1000.0),
     }
     if control_socket:
         env[ENV_CONTROL_SOCKET] = control_socket

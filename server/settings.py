@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+from server.engine_spin import DEFAULT_SPIN_MS
+
 PLUGIN_NAME = "kvbranch"
 CONNECTOR_CLASS = "KVBranchConnector"
 CONNECTOR_MODULE = "server.connector.connector"
@@ -128,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
         help="log level (default %(default)s)",
+    )
+    parser.add_argument(
+        "--mq-spin-ms",
+        type=_non_negative_float,
+        default=DEFAULT_SPIN_MS,
+        help="how long vLLM's engine core and worker busy-wait for each other's next message "
+        "before sleeping on a socket; vLLM's own is 1000, which keeps a core spinning while "
+        "the other computes (on small CPU hosts the API server, the router and a second "
+        "instance need it) (default %(default)s)",
     )
     parser.add_argument(
         "--no-connector",

@@ -326,10 +326,21 @@ def test_plan_options_flow_through(model_dir):
 def test_plan_keeps_existing_plugins(model_dir, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "other,thing")
     plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
-    assert plan.env["VLLM_PLUGINS"] == "other,thing,kvbranch"
-    monkeypatch.setenv("VLLM_PLUGINS", "kvbranch,other")
+    assert plan.env["VLLM_PLUGINS"] == "other,thing,kvbranch,kvbranch_mq_spin"
+    monkeypatch.setenv("VLLM_PLUGINS", "kvbranch_mq_spin,kvbranch,other")
     plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
-    assert plan.env["VLLM_PLUGINS"] == "kvbranch,other"
+    assert plan.env["VLLM_PLUGINS"] == "kvbranch_mq_spin,kvbranch,other"
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-connector"]])
+def test_plan_sets_the_message_queue_spin_with_or_without_connector(model_dir, extra):
+    plan = plan_launch(parse("--model", str(model_dir), *extra), [], cuda=False)
+    assert "kvbranch_mq_spin" in plan.env["VLLM_PLUGINS"].split(",")
+    assert plan.env["KVBRANCH_MQ_SPIN_S"] == "0.002"  # --mq-spin-ms 2 by default
+    plan = plan_launch(
+        parse("--model", str(model_dir), "--mq-spin-ms", "1000", *extra), [], cuda=False
+    )
+    assert plan.env["KVBRANCH_MQ_SPIN_S"] == "1.0"  # vLLM's own window
 
 
 def test_plan_missing_model_raises(tmp_path):
