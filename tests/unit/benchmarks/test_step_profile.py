@@ -1,0 +1,61 @@
+"""benchmarks/step_profile.py: joins the scheduler's and the worker's step lines."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.pd_turns import turn_order
+from benchmarks.step_profile import markdown, step_breakdown
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_breakdown_splits_forward_copies_gaps_and_idle(tmp_path):
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    write(
+        steps / "scheduler-1.jsonl",
+        [
+            {"t": 0.0, "build_s": 0.001, "prefill": 100, "decode": 1, "loads": 2, "saves": 1},
+            {
+                "t": 1.0,
+                "build_s": 0.001,
+                "prefill": 0,
+                "decode": 2,
+                "loads": 0,
+                "saves": 0,
+                "hook_s": {"match": 0.002},
+            },
+            {"t": 3.0, "build_s": 0.001, "prefill": 0, "decode": 1, "loads": 0, "saves": 0},
+        ],
+    )
+    write(
+        steps / "worker-2.jsonl",
+        [  # sync load before the forward; loads after it; idle gap before the third step
+            {"t": 0.01, "load0": 0.01, "load1": 0.05, "save0": 0.85, "save1": 0.9},
+            {"t": 1.01, "load0": 1.2, "load1": 1.2, "save0": 1.2, "save1": 1.21},
+            {"t": 3.01, "load0": 3.1, "load1": 3.1, "save0": 3.1, "save1": 3.1},
+        ],
+    )
+    out = step_breakdown(tmp_path)
+    assert out is not None
+    assert out["steps"] == 3
+    assert abs(out["prefill_step_forward_s"] - 0.8) < 1e-9
+    assert abs(out["decode_only_forward_s"] - (0.19 + 0.09)) < 1e-9
+    assert abs(out["load_s"] - 0.04) < 1e-9
+    assert abs(out["save_s"] - (0.05 + 0.01)) < 1e-9
+    assert out["prefill_tokens"] == 100 and out["decode_tokens"] == 4
+    assert abs(out["idle_s"] - 1.8) < 1e-9  # 1.21 -> 3.01
+    assert abs(out["between_steps_s"] - 0.11) < 1e-9  # 0.9 -> 1.01
+    assert "forward, steps with prefill" in markdown("kvbranch", tmp_path)
+
+
+def test_no_trace_is_no_breakdown(tmp_path):
+    assert step_breakdown(tmp_path) is None
+
+
+def test_turn_order_interleaves_conversations():
+    assert turn_order(2, 2, interleave=False) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert turn_order(2, 2, interleave=True) == [(0, 1), (1, 1), (0, 2), (1, 2)]
