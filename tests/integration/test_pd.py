@@ -15,19 +15,10 @@ import pytest
 
 from sdk import KVBranchClient
 from server.process import free_port
-from tests.integration.helpers import chat, client, system_prompt, text_of
+from tests.integration.helpers import chat, client, size_args, system_prompt, text_of
 from tests.server_process import ServerProcess
 
-INSTANCE_ARGS = [
-    "--kv-cache-gib",
-    "0.5",
-    "--host-store-gib",
-    "0.25",
-    "--max-model-len",
-    "4096",
-    "--pd-hold-ttl-s",
-    "120",
-]
+INSTANCE_ARGS = [*size_args(0.5, 0.25, 4096), "--pd-hold-ttl-s", "120"]
 MAX_TOKENS = 16
 
 
