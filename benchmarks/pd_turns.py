@@ -272,9 +272,7 @@ def main() -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
-    parser.add_argument("--conversations", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--system-tokens", type=int, default=500)
+    reporting.add_int_args(parser, {"--conversations": 4, "--turns": 6, "--system-tokens": 500})
     parser.add_argument(
         "--new-tokens",
         type=int,
