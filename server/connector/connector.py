@@ -58,6 +58,8 @@ def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
 
 class KVBranchConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
+    #: Per-step timing (``KVBRANCH_STEP_TRACE``; off by default): see ``step_trace.py``.
+    _trace = StepTrace("off", folder="")
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -78,7 +80,6 @@ class KVBranchConnector(KVConnectorBase_V1):
         num_slots = store_bytes // block_bytes if enabled else 0
         self.scheduler_side: KVBranchScheduler | None = None
         self.worker_side: KVBranchWorker | None = None
-        #: Per-step timing (``KVBRANCH_STEP_TRACE``; off by default): see ``step_trace.py``.
         self._trace = StepTrace("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         self._step: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
