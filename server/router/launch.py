@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 
 from server.settings import LaunchError
@@ -36,7 +37,28 @@ def router_ttl(args: argparse.Namespace) -> float:
     return max(args.pd_hold_ttl_s - 5.0, args.pd_hold_ttl_s / 2)
 
 
-def run_router(args: argparse.Namespace) -> None:
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The router's socket, listening before ``--disagg`` starts P and D.
+
+    Their NIXL/UCX transports open listeners on ephemeral ports while they load, and one took
+    the router's port in a benchmark run ("address already in use" two minutes after the port
+    was chosen, once P and D were up). Listening first, the port stays ours (a socket that is
+    only bound can still be shared through ``SO_REUSEADDR``); a client that connects early
+    waits in the backlog until the router serves."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise LaunchError(f"--port {port}: cannot bind {host}:{port} ({exc.strerror})") from None
+    return sock
+
+
+def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> None:
+    """Serve the router on ``sock`` (bound by :func:`bind_listener`) or on --host/--port."""
     import uvicorn
 
     from server.router.app import Router, build_app
@@ -58,13 +80,17 @@ def run_router(args: argparse.Namespace) -> None:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         build_app(router),
         host=args.host,
         port=args.port,
         log_level="warning" if args.log_level == "info" else args.log_level,
         timeout_graceful_shutdown=args.shutdown_grace_s,
     )
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock] if sock is not None else None)
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the app did not start (e.g. the port is taken)
 
 
 def instance_argv(ours: list[str]) -> list[str]:
@@ -109,6 +135,7 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
         cores = split_cores(len(os.sched_getaffinity(0)))
     # P and D trust only transfer handles sealed with this secret (server.connector.transfer_auth).
     secret = os.environ.get(ENV_CLUSTER_SECRET) or secrets.token_hex(32)
+    listener = bind_listener(args.host, args.port)
     children = []
     for role, core in (
         ("prefill", cores[0] if cores else None),
@@ -137,7 +164,7 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
             child.wait_ready()
         args.prefill = [children[0].url]
         args.decode = [children[1].url]
-        run_router(args)
+        run_router(args, listener)
     except RuntimeError as exc:
         raise LaunchError(str(exc).splitlines()[0]) from None
     finally:
@@ -148,3 +175,4 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
         # down FastAPI HTTP server"): SIGKILL whatever is left of each process group.
         for child in children:
             child.stop(timeout=TEARDOWN_S)
+        listener.close()

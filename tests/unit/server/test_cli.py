@@ -490,7 +490,13 @@ def test_the_router_cancels_hanging_requests_after_the_grace(monkeypatch):
     from server.router.launch import run_router
 
     seen: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+
+    def fake_run(self, sockets=None):
+        seen.update(timeout_graceful_shutdown=self.config.timeout_graceful_shutdown)
+        seen.update(sockets=sockets)
+        self.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
     run_router(
         parse(
             "--role",
@@ -504,6 +510,26 @@ def test_the_router_cancels_hanging_requests_after_the_grace(monkeypatch):
         )
     )
     assert seen["timeout_graceful_shutdown"] == 2.0
+    assert seen["sockets"] is None  # --role router binds --host/--port itself
+
+
+def test_disagg_binds_the_router_port_before_p_and_d_start():
+    """P's and D's transports take ephemeral ports while they load; the router's is bound first
+    and a taken port is a one-line launch error."""
+    from server.router.launch import bind_listener
+
+    sock = bind_listener("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    try:
+        other = socket.socket()
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # even with SO_REUSEADDR: it is listening
+        other.close()
+        with pytest.raises(LaunchError, match=f"--port {port}: cannot bind"):
+            bind_listener("127.0.0.1", port)
+    finally:
+        sock.close()
 
 
 def test_a_launched_server_is_told_its_launcher(monkeypatch):
