@@ -27,6 +27,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -77,6 +78,7 @@ class StepProfiler:
         self.py_spy = py_spy
         self.rate = rate
         self._spies: list[subprocess.Popen] = []
+        self._started = 0.0
         folder.mkdir(parents=True, exist_ok=True)
 
     def env(self) -> dict[str, str]:
@@ -84,6 +86,7 @@ class StepProfiler:
         return {ENV_STEP_TRACE: str(self.folder / "steps")}
 
     def start(self, server_pid: int) -> None:
+        self._started = time.monotonic()
         if not self.py_spy:
             return
         for label, pid in server_processes(server_pid):
@@ -100,6 +103,9 @@ class StepProfiler:
         except httpx.HTTPError as exc:
             metrics = {"error": str(exc)}
         (self.folder / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        # What a sample count is out of: py-spy's rate over the time it sampled.
+        sampled = {"rate": self.rate, "seconds": time.monotonic() - self._started}
+        (self.folder / "sampling.json").write_text(json.dumps(sampled))
         for spy in self._spies:
             spy.send_signal(signal.SIGINT)
         for spy in self._spies:
@@ -253,7 +259,7 @@ def _short_file(frame: str) -> str:
     return "(" + "/".join(where.split(":")[0].split("/")[-2:]) + ")"
 
 
-def markdown(name: str, folder: Path, duration_s: float | None = None, rate: int = 20) -> str:
+def markdown(name: str, folder: Path) -> str:
     """The report of one configuration's profile folder."""
     lines = [f"#### {name}", ""]
     steps = step_breakdown(folder)
@@ -295,12 +301,18 @@ def markdown(name: str, folder: Path, duration_s: float | None = None, rate: int
             )
         )
         lines.append("")
+    sampling = folder / "sampling.json"
+    sampled = json.loads(sampling.read_text()) if sampling.exists() else None
     for path in sorted(folder.glob("pyspy-*.txt")):
         samples, rows = pyspy_shares(path)
         if not samples:
             continue
         label = path.stem.removeprefix("pyspy-")
-        busy = f", busy {100 * samples / (duration_s * rate):.0f}%" if duration_s else ""
+        busy = (
+            f", busy {100 * samples / (sampled['seconds'] * sampled['rate']):.0f}% of a core"
+            if sampled
+            else ""
+        )
         lines += [f"py-spy `{label}` ({samples} samples{busy}), share of samples:", ""]
         lines += [f"- {100 * share:.0f}% `{func}`" for func, share in rows]
         lines.append("")

@@ -12,7 +12,7 @@ per engine step to ``<folder>/<role>-<pid>.jsonl``:
 
 ``benchmarks/step_profile.py`` joins the two (both use the system-wide monotonic clock) into
 the per-step breakdown: forward, copies, connector, everything else, idle. Off by default: a
-hook then costs one attribute test. Lines are buffered and flushed every
+hook then costs a clock read and one attribute test. Lines are buffered and flushed every
 :data:`FLUSH_EVERY` steps, every :data:`FLUSH_AFTER_S` seconds and at shutdown, so tracing adds
 no per-step system call.
 """
