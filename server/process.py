@@ -20,7 +20,9 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
+from typing import ClassVar
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -161,6 +163,10 @@ class ServerProcess:
     """``with ServerProcess([...]) as server: server.url`` — waits for readiness (timeout),
     and on exit stops the whole process group (API server, engine core, workers)."""
 
+    #: Servers launched and not yet stopped (the test suite attaches their log tails to a
+    #: failure: a CI run leaves nothing else behind).
+    running: ClassVar[weakref.WeakSet[ServerProcess]] = weakref.WeakSet()
+
     def __init__(
         self,
         args: list[str],
@@ -205,6 +211,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        ServerProcess.running.add(self)
         return self
 
     def headers(self) -> dict[str, str]:
@@ -233,11 +240,15 @@ class ServerProcess:
             f"{self.name} server not ready after {self.ready_timeout}s; log:\n{self.log_tail()}"
         )
 
-    def log_tail(self, n: int = 60) -> str:
+    def log_tail(self, n: int = 60, only: tuple[str, ...] = ()) -> str:
+        """The log's last ``n`` lines (those containing one of ``only``, if given)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        if only:
+            lines = [line for line in lines if any(word in line for word in only)]
+        return "\n".join(lines[-n:])
 
     def terminate(self) -> None:
         """Ask the whole process group to stop (SIGTERM) without waiting; ``stop`` finishes."""
@@ -249,6 +260,7 @@ class ServerProcess:
             pass
 
     def stop(self, timeout: float = 30.0) -> None:
+        ServerProcess.running.discard(self)
         if self.proc is None:
             return
         try:

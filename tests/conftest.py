@@ -41,6 +41,28 @@ def plain_server():
         yield server
 
 
+#: Log lines that tell what a server was doing when a test failed (engine load, KV usage,
+#: connector decisions, errors).
+LOG_SIGNALS = ("Engine 000", "kvbranch:", "WARNING", "ERROR", "Traceback")
+#: Start-up lines that match the signals and say nothing about the failure.
+LOG_NOISE = ("Route:", "plugin", "SECURITY WARNING", "[vllm.py:", "[cpu.py:", "[base.py:")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test carries the log tails of the servers still running: CI keeps nothing else
+    (the logs are in the runner's temporary directory)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for server in list(ServerProcess.running):
+            lines = server.log_tail(2000, LOG_SIGNALS).splitlines()
+            lines = [line for line in lines if not any(word in line for word in LOG_NOISE)]
+            report.sections.append(
+                (f"log of server {server.name} ({server.url})", "\n".join(lines[-25:]))
+            )
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/integration" in str(item.fspath).replace("\\", "/"):

@@ -434,12 +434,49 @@ class VerifiedNixlConnector(NixlConnector):
         if self._consume_or_decline(request, params, why):
             _mark_verified(params, params.get("remote_num_tokens"))
 
+    # --- the worker's lease tracking ------------------------------------------------------
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        sched = self.connector_scheduler
+        if sched is not None and self._held_when_finished(request):
+            # Upstream's worker sets (and reaps) the lease of a finished request only if the
+            # request was announced "in batch", which upstream does only for a request that
+            # reads a peer's blocks. D's decode-only turns (the router's fallback while P is
+            # unreachable: ``do_remote_prefill: false``) and turns whose handle D declined
+            # read nothing, yet D holds their blocks too: unannounced, those blocks were never
+            # freed, not by P's read, not by the hold's TTL, not by a release under pressure,
+            # until D's cache filled and new turns waited forever.
+            sched._reqs_in_batch.add(request.request_id)
+
+    def _held_when_finished(self, request: Request) -> bool:
+        """D will hold this request's blocks for a pull when it finishes (bidirectional mode,
+        a request in a session that carries transfer params and is not P's prefill leg)."""
+        sched = self.connector_scheduler
+        params = request.kv_transfer_params
+        return (
+            sched is not None
+            and sched.is_bidirectional_kv_xfer_enabled
+            and bool(params)
+            and not params.get("do_remote_decode")
+            and bool(getattr(request, "session_id", None))
+        )
+
+    def _forget_unheld(self, request: Request, delay: bool) -> None:
+        """A request that ends without a hold leaves the worker's tracking (upstream forgets
+        only aborted ones: a session-less D turn stayed in the worker's set for good)."""
+        sched = self.connector_scheduler
+        if sched is not None and not delay and request.kv_transfer_params:
+            sched._reqs_not_processed.add(request.request_id)
+
     # --- issuing handles ------------------------------------------------------------------
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         with self._hold_only_for_sessions(request):
             delay, params = super().request_finished(request, block_ids)
+        self._forget_unheld(request, delay)
         return delay, self._issue(request, delay, params)
 
     def request_finished_all_groups(
@@ -447,6 +484,7 @@ class VerifiedNixlConnector(NixlConnector):
     ) -> tuple[bool, dict[str, Any] | None]:
         with self._hold_only_for_sessions(request):
             delay, params = super().request_finished_all_groups(request, block_ids)
+        self._forget_unheld(request, delay)
         return delay, self._issue(request, delay, params)
 
     @contextlib.contextmanager
@@ -522,6 +560,10 @@ class VerifiedNixlConnector(NixlConnector):
             past = time.perf_counter() - 1.0
             for request_id in ids:
                 # The worker rebases the deadline onto its clock and reaps it as expired.
+                # Announced again, so that the worker tracks it even if it never did (a
+                # released hold the worker ignored would keep its blocks for good); it is still
+                # held here, so the worker reports it sent exactly once.
+                sched._reqs_in_batch.add(request_id)
                 sched._reqs_need_send[request_id] = past
             logger.warning(
                 "kvbranch: released %d held conversation(s) for new work (device "

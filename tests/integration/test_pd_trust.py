@@ -9,7 +9,10 @@ vLLM server on every answer (greedy, token for token).
 * bad transfer handles sent straight to P and to D (forged, out of range, unclaimed, reused,
   expired, another tenant's salt): a 200 with the plain server's answer or a 4xx, never a 5xx;
 * holds yield to new work: concurrent sessions whose held conversations fill D's cache still
-  get answered (the old code left them "waiting" for the whole 900 s hold).
+  get answered (the old code left them "waiting" for the whole 900 s hold);
+* turns D serves alone (the router's fallback while P is unreachable) hold their blocks like
+  any other turn: P's read ends the hold, new work can take it (the old code lost track of
+  them, so their blocks stayed taken for good: a CI run hung on it).
 """
 
 from __future__ import annotations
@@ -133,6 +136,69 @@ def _ask_long(session: str) -> tuple[list[dict], str]:
         ],
         session,
     )
+
+
+# --- turns D serves alone (the router's fallback while P is unreachable) ---------------------
+# First in the module: D holds nothing yet, so its hold count is exact.
+def _holds_at_most(decode, n: int, timeout_s: float = 60.0) -> int:
+    """D's hold count once it is at most ``n`` (or when ``timeout_s`` ran out)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        holds = _pd_stats(decode)["holds"]
+        if holds <= n or time.monotonic() > deadline:
+            return holds
+        time.sleep(0.5)
+
+
+def test_a_turn_d_served_alone_ends_its_hold_when_p_reads_it(pd, plain_server):
+    """D serves a whole turn (``do_remote_prefill: false``, as the router sends it while P is
+    unreachable) and holds its blocks; P's read of them ends the hold like any other. The old
+    code never announced such a hold to D's worker: P's read was "unrecognized", the blocks
+    stayed taken for good, and D's cache filled turn by turn until new turns waited forever
+    (CI: three turns stuck for the router's whole 600 s timeout)."""
+    prefill, decode, router = pd
+    before = _pd_stats(decode)
+    messages, session = _ask_long("alone")
+    handle = _held_handle(decode, messages, session)
+    assert _pd_stats(decode)["holds"] == before["holds"] + 1
+    claim = _claim(decode, handle)
+    assert claim.status_code == 200, claim.text
+    reply = text_of(chat(plain_server, messages, max_tokens=40))
+    turn2 = _next_turn(messages, reply)
+    _empty_prefill_caches(prefill)
+    r, answer = _at_p(prefill, decode, turn2, dict(handle, **claim.json()))
+    assert answer == text_of(chat(plain_server, turn2, max_tokens=16))
+    assert r.json()["kvbranch"]["remote_hit_tokens"] > 0
+    assert _holds_at_most(decode, before["holds"]) == before["holds"]
+    assert _pd_stats(decode)["holds_released_for_new_work"] == before["holds_released_for_new_work"]
+
+
+def test_turns_d_served_alone_yield_their_blocks_to_new_work(pd, plain_server):
+    """Three such holds take 15 of D's 17 usable blocks; a fourth turn needs 5: D releases the
+    oldest holds and answers at once instead of waiting out the 900 s hold."""
+    prefill, decode, router = pd
+    released = _pd_stats(decode)["holds_released_for_new_work"]
+    conversations = [
+        [
+            {"role": "system", "content": system_prompt(words=190, seed=200 + i)},
+            {"role": "user", "content": f"Agent {i}: summarise the notes."},
+        ]
+        for i in range(4)
+    ]
+    for i, messages in enumerate(conversations[:3]):
+        _held_handle(decode, messages, f"alone-full{i}", max_tokens=8)
+    body = _body(
+        decode,
+        conversations[3],
+        8,
+        session_id="alone-full3",
+        kv_transfer_params={"do_remote_prefill": False},
+    )
+    with httpx.Client(base_url=decode.url, timeout=240.0, headers=decode.headers()) as c:
+        r = c.post("/v1/chat/completions", json=body)  # the old code: no answer in 900 s
+    assert r.status_code == 200, r.text
+    assert text_of(r.json()) == text_of(chat(plain_server, conversations[3], max_tokens=8))
+    assert _pd_stats(decode)["holds_released_for_new_work"] > released
 
 
 def test_an_edited_assistant_turn_pulls_only_the_verified_prefix(pd, plain_server):
