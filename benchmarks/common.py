@@ -268,6 +268,8 @@ class StreamResult:
     remote_hit_tokens: int = 0
     recomputed_tokens: int = 0
     started_at: float = 0.0
+    #: When the request was sent, on ``time.perf_counter()`` (the server's step trace clock).
+    sent_perf: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -335,6 +337,7 @@ async def stream_request(
         completion_tokens=int(usage.get("completion_tokens", 0)),
         cached_tokens=int(details.get("cached_tokens") or 0),
         started_at=started,
+        sent_perf=t0,
     )
     result.extra["load1"] = os.getloadavg()[0]  # the machine is shared: record how busy
     if ttft is None:

@@ -216,6 +216,63 @@ def step_breakdown(folder: Path) -> dict[str, Any] | None:
     return out
 
 
+def request_breakdown(
+    folder: Path, requests: Iterable[tuple[str, float, float]]
+) -> list[dict[str, Any]]:
+    """Where one request's TTFT went, for requests served one at a time: ``(label, sent,
+    ttft_s)`` with ``sent`` on the step trace's clock (``time.perf_counter()``). The request's
+    prefill is the first step with prefill tokens that the worker bound after ``sent``; its
+    TTFT splits into *before* (the API server, the scheduler and any step before it), the
+    host-store *load* copy, the *forward* and *after* (sampling, output processing, the stream
+    to the client). Requests without such a step are left out."""
+    steps = folder / "steps"
+    worker = read_jsonl(steps.glob("worker-*.jsonl"))
+    sched = read_jsonl(steps.glob("scheduler-*.jsonl"))
+    out: list[dict[str, Any]] = []
+    for label, sent, ttft in requests:
+        first_token = sent + ttft
+        for w in worker:
+            if w["t"] < sent or w["t"] > first_token:
+                continue
+            built = [s for s in sched if s["t"] <= w["t"]]
+            if not built or not built[-1]["prefill"]:
+                continue
+            load = w.get("load1", 0.0) - w.get("load0", 0.0)
+            forward = max(w["save0"] - w["t"] - load, 0.0)
+            out.append(
+                {
+                    "label": label,
+                    "ttft_s": ttft,
+                    "prefill_tokens": built[-1]["prefill"],
+                    "load_blocks": built[-1]["loads"],
+                    "before_s": w["t"] - sent,
+                    "load_s": load,
+                    "forward_s": forward,
+                    "save_s": w["save1"] - w["save0"],
+                    "after_s": first_token - w["save1"],
+                }
+            )
+            break
+    return out
+
+
+def request_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of :func:`request_breakdown` rows (milliseconds)."""
+    lines = [
+        "| request | TTFT ms | prefill tok | load blocks | before ms | load ms | forward ms "
+        "| save ms | after ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {1000 * r['ttft_s']:.0f} | {r['prefill_tokens']} "
+            f"| {r['load_blocks']} | {1000 * r['before_s']:.0f} | {1000 * r['load_s']:.1f} "
+            f"| {1000 * r['forward_s']:.0f} | {1000 * r['save_s']:.1f} "
+            f"| {1000 * r['after_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def metrics_breakdown(folder: Path) -> dict[str, Any] | None:
     path = folder / "metrics.json"
     if not path.exists():

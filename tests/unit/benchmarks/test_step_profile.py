@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.pd_turns import turn_order
-from benchmarks.step_profile import markdown, step_breakdown
+from benchmarks.step_profile import markdown, request_breakdown, request_table, step_breakdown
 
 
 def write(path, rows):
@@ -59,3 +59,32 @@ def test_no_trace_is_no_breakdown(tmp_path):
 def test_turn_order_interleaves_conversations():
     assert turn_order(2, 2, interleave=False) == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert turn_order(2, 2, interleave=True) == [(0, 1), (1, 1), (0, 2), (1, 2)]
+
+
+def test_request_breakdown_splits_a_ttft_around_its_prefill_step(tmp_path):
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    write(
+        steps / "scheduler-1.jsonl",
+        [  # an earlier decode step, then the request's prefill (4 blocks loaded)
+            {"t": 9.9, "build_s": 0.001, "prefill": 0, "decode": 1, "loads": 0, "saves": 0},
+            {"t": 10.1, "build_s": 0.001, "prefill": 160, "decode": 0, "loads": 4, "saves": 2},
+        ],
+    )
+    write(
+        steps / "worker-2.jsonl",
+        [
+            {"t": 9.95, "load0": 9.95, "load1": 9.95, "save0": 10.0, "save1": 10.0},
+            {"t": 10.12, "load0": 10.12, "load1": 10.14, "save0": 10.84, "save1": 10.85},
+        ],
+    )
+    rows = request_breakdown(tmp_path, [("turn 2", 10.0, 0.9), ("lost", 20.0, 1.0)])
+    assert len(rows) == 1  # no prefill step inside the second one's TTFT
+    (row,) = rows
+    assert row["label"] == "turn 2" and row["prefill_tokens"] == 160 and row["load_blocks"] == 4
+    assert abs(row["before_s"] - 0.12) < 1e-9
+    assert abs(row["load_s"] - 0.02) < 1e-9
+    assert abs(row["forward_s"] - 0.70) < 1e-9
+    assert abs(row["save_s"] - 0.01) < 1e-9
+    assert abs(row["after_s"] - 0.05) < 1e-9
+    assert "| turn 2 | 900 | 160 | 4 | 120 |" in request_table(rows)
