@@ -254,7 +254,8 @@ class Runner:
                 finished_at=time.monotonic() - self.t0,
             )
             self.records.append(rec)
-            prev_prompt = res.prompt_tokens
+            # The next turn's new tokens: those the server never saw (it generated the reply).
+            prev_prompt = res.prompt_tokens + res.completion_tokens
             self.log(
                 f"[{self.name}] {sid}/{lane} turn {t}/{self.n_turns}: TTFT {res.ttft_s:.2f}s "
                 f"prompt {res.prompt_tokens} (device {res.device_hit_tokens}, host "

@@ -218,3 +218,71 @@ def test_a_claim_never_outlives_the_hold():
     reg.add(Hold("r", "h", 1))
     end = time.time() + 5
     assert reg.claim("r", "h", end) == pytest.approx(end)
+
+
+# --- which requests NIXL's worker is told to track (the lease of a hold) ---------------------
+class FakeNixlScheduler:
+    """The fields of upstream's NIXL scheduler that the lease announcements write."""
+
+    def __init__(self, bidirectional: bool = True) -> None:
+        self.is_bidirectional_kv_xfer_enabled = bidirectional
+        self._reqs_in_batch: set[str] = set()
+        self._reqs_not_processed: set[str] = set()
+        self._reqs_need_send: dict[str, float] = {}
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+        return  # upstream announces only requests that read a peer's blocks
+
+
+@dataclass
+class FinishedRequest:
+    request_id: str
+    kv_transfer_params: dict | None
+    session_id: str | None = None
+
+
+def _verified(sched: FakeNixlScheduler):
+    from server.connector.pd import VerifiedNixlConnector
+
+    connector = object.__new__(VerifiedNixlConnector)  # no engine: the decisions only
+    connector.connector_scheduler = sched
+    connector.holds = HoldRegistry(30.0)
+    return connector
+
+
+def test_a_turn_d_will_hold_is_announced_to_the_worker():
+    sched = FakeNixlScheduler()
+    connector = _verified(sched)
+    cases = {
+        "alone": FinishedRequest("alone", {"do_remote_prefill": False}, "s1"),  # decode-only
+        "no-session": FinishedRequest("no-session", {"do_remote_prefill": False}),
+        "p-leg": FinishedRequest("p-leg", {"do_remote_decode": True}, "s1"),
+        "no-params": FinishedRequest("no-params", None, "s1"),
+    }
+    for request in cases.values():
+        connector.update_state_after_alloc(request, None, 0)
+    assert sched._reqs_in_batch == {"alone"}
+    # not bidirectional: D holds nothing, so nothing to announce
+    plain = FakeNixlScheduler(bidirectional=False)
+    _verified(plain).update_state_after_alloc(cases["alone"], None, 0)
+    assert not plain._reqs_in_batch
+
+
+def test_a_request_finishing_without_a_hold_leaves_the_worker_tracking():
+    sched = FakeNixlScheduler()
+    connector = _verified(sched)
+    connector._forget_unheld(FinishedRequest("a", {"do_remote_prefill": False}), delay=False)
+    connector._forget_unheld(FinishedRequest("b", {"do_remote_prefill": False}, "s"), delay=True)
+    connector._forget_unheld(FinishedRequest("c", None), delay=False)
+    assert sched._reqs_not_processed == {"a"}
+
+
+def test_a_released_hold_is_announced_again_with_a_past_deadline():
+    sched = FakeNixlScheduler()
+    connector = _verified(sched)
+    connector.holds.add(Hold("old", "mac-old", 5))
+    connector.holds.add(Hold("new", "mac-new", 5))
+    assert connector.release_holds(3) == 1
+    assert sched._reqs_in_batch == {"old"}
+    assert sched._reqs_need_send["old"] < time.perf_counter()
+    assert "new" not in sched._reqs_need_send
