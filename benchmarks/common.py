@@ -268,9 +268,9 @@ class StreamResult:
     remote_hit_tokens: int = 0
     recomputed_tokens: int = 0
     started_at: float = 0.0
+    extra: dict = field(default_factory=dict)
     #: When the request was sent, on ``time.perf_counter()`` (the server's step trace clock).
     sent_perf: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
