@@ -12,10 +12,6 @@ from pathlib import Path
 from benchmarks import common, reporting
 from benchmarks.reporting import median, percentile, ratio
 
-#: Issue 14: a turn recomputes at most its new tokens (never seen by the server; the previous
-#: reply is not new, the server generated it) plus this much template glue.
-GLUE_TOKENS = 8
-
 
 # --- summary -------------------------------------------------------------------------------------
 def summarize(res: dict) -> dict:
@@ -29,7 +25,9 @@ def summarize(res: dict) -> dict:
         for k in ("prompt", "device_hit", "host_hit", "recomputed", "completion")
     }
     rec_ok = [
-        r["recomputed_tokens"] <= r["new_tokens"] + GLUE_TOKENS for r in recs if r["turn"] >= 2
+        r["recomputed_tokens"] <= r["new_tokens"] + common.GLUE_TOKENS
+        for r in recs
+        if r["turn"] >= 2
     ]
     return {
         "ttft_by_turn": {
@@ -196,7 +194,7 @@ def report(
             )
             ok, tot = s["recompute_ok"]
             lines.append(
-                f"- Target recomputed prompt tokens <= new tokens + {GLUE_TOKENS} per turn "
+                f"- Target recomputed prompt tokens <= new tokens + {common.GLUE_TOKENS} per turn "
                 f"({n}, turns >= 2): {'MET' if ok == tot else 'NOT MET'} ({ok}/{tot} "
                 "requests)"
             )

@@ -46,6 +46,9 @@ from server.contract import (  # noqa: E402
 from server.process import MODEL_NAME, ServerProcess  # noqa: E402
 
 BLOCK_TOKENS = 128
+#: Issue 14: a turn recomputes at most its new tokens (never seen by the server; the previous
+#: reply is not new, the server generated it) plus this much template glue.
+GLUE_TOKENS = 8
 #: vLLM's own OpenAI-body fields that carry a kvbranch session and branch (server/contract.py's
 #: docstring): the session id, and the extension arguments the branch xarg rides in.
 SESSION_FIELD = "session_id"

@@ -162,27 +162,37 @@ def read_jsonl(paths: Iterable[Path]) -> list[dict]:
     return sorted(rows, key=lambda r: r["t"])
 
 
-def step_breakdown(folder: Path) -> dict[str, Any] | None:
-    """Totals over every engine step of a run (``folder/steps``), seconds and shares."""
+def paired_steps(folder: Path) -> list[tuple[dict, dict | None]]:
+    """The run's worker steps (``folder/steps``), each with the scheduler step that built its
+    metadata: the last one built before the worker bound it (None before the first)."""
     steps = folder / "steps"
     worker = read_jsonl(steps.glob("worker-*.jsonl"))
     sched = read_jsonl(steps.glob("scheduler-*.jsonl"))
-    if not worker:
-        return None
-    # The scheduler builds step k's metadata before the worker binds it: pair each worker step
-    # with the last scheduler step built before it.
     pairs: list[tuple[dict, dict | None]] = []
     j = -1
     for w in worker:
         while j + 1 < len(sched) and sched[j + 1]["t"] <= w["t"]:
             j += 1
         pairs.append((w, sched[j] if j >= 0 else None))
+    return pairs
+
+
+def worker_times(w: dict) -> tuple[float, float, float]:
+    """(load copy, forward, save copy) seconds of one worker step."""
+    load = w.get("load1", 0.0) - w.get("load0", 0.0)
+    return load, max(w["save0"] - w["t"] - load, 0.0), w["save1"] - w["save0"]
+
+
+def step_breakdown(folder: Path) -> dict[str, Any] | None:
+    """Totals over every engine step of a run (``folder/steps``), seconds and shares."""
+    pairs = paired_steps(folder)
+    if not pairs:
+        return None
+    worker = [w for w, _ in pairs]
     tot = Counter[str]()
     decode_only: list[float] = []
     for i, (w, s) in enumerate(pairs):
-        load = w.get("load1", 0.0) - w.get("load0", 0.0)
-        save = w["save1"] - w["save0"]
-        forward = max(w["save0"] - w["t"] - load, 0.0)
+        load, forward, save = worker_times(w)
         tot["forward_s"] += forward
         tot["load_s"] += load
         tot["save_s"] += save
@@ -225,34 +235,28 @@ def request_breakdown(
     TTFT splits into *before* (the API server, the scheduler and any step before it), the
     host-store *load* copy, the *forward* and *after* (sampling, output processing, the stream
     to the client). Requests without such a step are left out."""
-    steps = folder / "steps"
-    worker = read_jsonl(steps.glob("worker-*.jsonl"))
-    sched = read_jsonl(steps.glob("scheduler-*.jsonl"))
+    pairs = [(w, s) for w, s in paired_steps(folder) if s is not None and s["prefill"]]
     out: list[dict[str, Any]] = []
     for label, sent, ttft in requests:
         first_token = sent + ttft
-        for w in worker:
-            if w["t"] < sent or w["t"] > first_token:
-                continue
-            built = [s for s in sched if s["t"] <= w["t"]]
-            if not built or not built[-1]["prefill"]:
-                continue
-            load = w.get("load1", 0.0) - w.get("load0", 0.0)
-            forward = max(w["save0"] - w["t"] - load, 0.0)
-            out.append(
-                {
-                    "label": label,
-                    "ttft_s": ttft,
-                    "prefill_tokens": built[-1]["prefill"],
-                    "load_blocks": built[-1]["loads"],
-                    "before_s": w["t"] - sent,
-                    "load_s": load,
-                    "forward_s": forward,
-                    "save_s": w["save1"] - w["save0"],
-                    "after_s": first_token - w["save1"],
-                }
-            )
-            break
+        found = next(((w, s) for w, s in pairs if sent <= w["t"] <= first_token), None)
+        if found is None:
+            continue
+        w, s = found
+        load, forward, save = worker_times(w)
+        out.append(
+            {
+                "label": label,
+                "ttft_s": ttft,
+                "prefill_tokens": s["prefill"],
+                "load_blocks": s["loads"],
+                "before_s": w["t"] - sent,
+                "load_s": load,
+                "forward_s": forward,
+                "save_s": save,
+                "after_s": first_token - w["save1"],
+            }
+        )
     return out
 
 

@@ -440,7 +440,7 @@ class VerifiedNixlConnector(NixlConnector):
     ) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         sched = self.connector_scheduler
-        if sched is not None and self._held_when_finished(request):
+        if self._held_when_finished(request):
             # Upstream's worker sets (and reaps) the lease of a finished request only if the
             # request was announced "in batch", which upstream does only for a request that
             # reads a peer's blocks. D's decode-only turns (the router's fallback while P is
@@ -450,9 +450,9 @@ class VerifiedNixlConnector(NixlConnector):
             # until D's cache filled and new turns waited forever.
             sched._reqs_in_batch.add(request.request_id)
 
-    def _held_when_finished(self, request: Request) -> bool:
-        """D will hold this request's blocks for a pull when it finishes (bidirectional mode,
-        a request in a session that carries transfer params and is not P's prefill leg)."""
+    def _is_d_turn(self, request: Request) -> bool:
+        """A turn that D (bidirectional mode) would hold when it finishes: it carries transfer
+        params and is not P's prefill leg. Held only when it is in a session."""
         sched = self.connector_scheduler
         params = request.kv_transfer_params
         return (
@@ -460,8 +460,11 @@ class VerifiedNixlConnector(NixlConnector):
             and sched.is_bidirectional_kv_xfer_enabled
             and bool(params)
             and not params.get("do_remote_decode")
-            and bool(getattr(request, "session_id", None))
         )
+
+    def _held_when_finished(self, request: Request) -> bool:
+        """D will hold this request's blocks for a pull when it finishes."""
+        return self._is_d_turn(request) and bool(getattr(request, "session_id", None))
 
     def _forget_unheld(self, request: Request, delay: bool) -> None:
         """A request that ends without a hold leaves the worker's tracking (upstream forgets
@@ -492,14 +495,7 @@ class VerifiedNixlConnector(NixlConnector):
         """D holds a finished request's blocks (and keeps its engine stepping, pitfall 7) only
         for a request in a session: nobody will ever pull a session-less request's KV."""
         sched = self.connector_scheduler
-        params = request.kv_transfer_params
-        skip = (
-            sched is not None
-            and sched.is_bidirectional_kv_xfer_enabled
-            and bool(params)
-            and not params.get("do_remote_decode")
-            and not getattr(request, "session_id", None)
-        )
+        skip = self._is_d_turn(request) and not getattr(request, "session_id", None)
         if skip:
             sched.is_bidirectional_kv_xfer_enabled = False  # the scheduler is single-threaded
         try:
