@@ -16,6 +16,9 @@ after the other, with the same device KV budget:
 * ``plain``    — vLLM with prefix caching (``python -m server --no-connector``);
 * ``kvbranch`` — the kvbranch connector: host store, session pins (auto-pin), the fork route at
   the fork turn, and the prefetch route called right after each response, during the pause.
+* ``kvbranch-to-device`` (opt-in) — the same, but every prefetch runs in the engine
+  (``to_device``) even when the host store holds the branch: what prefetch did before it
+  learned to cost no engine step.
 * ``pd-kvbranch`` (opt-in: ``--configs plain,kvbranch,pd-kvbranch``) — the same through
   ``python -m server --disagg``: a prefill and a decode instance (one core each) behind the
   kvbranch router, which carries the decode instance's KV back to prefill on the next turn.
@@ -53,7 +56,7 @@ from benchmarks.step_profile import StepProfiler  # noqa: E402
 from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
 from server.contract import DEFAULT_BRANCH  # noqa: E402
 
-CONFIG_NAMES = ("plain", "kvbranch", "pd", "pd-kvbranch")
+CONFIG_NAMES = ("plain", "kvbranch", "kvbranch-to-device", "pd", "pd-kvbranch")
 # fmt: off
 PROFILES = {
     # ~10 minutes on 2 cores; contexts together ~2x the device KV budget.
@@ -213,7 +216,9 @@ class Runner:
     async def prefetch(self, sid: str, branch: str) -> None:
         t = time.perf_counter()
         try:
-            r = await common.prefetch_branch(self.client, self.base, sid, branch)
+            r = await common.prefetch_branch(
+                self.client, self.base, sid, branch, to_device=self.name == "kvbranch-to-device"
+            )
             self.prefetches.append(
                 {
                     "session": sid,
@@ -443,7 +448,7 @@ def main() -> int:
     for name in args.configs:
         log(f"=== configuration {name} ===")
         results[name] = asyncio.run(
-            run_config(name, name in ("kvbranch", "pd-kvbranch"), args, workload, log)
+            run_config(name, name not in ("plain", "pd"), args, workload, log)
         )
     elapsed = time.monotonic() - t0
     info = info_job.result()

@@ -393,10 +393,16 @@ async def fork_branch(
 
 
 async def prefetch_branch(
-    client: httpx.AsyncClient, base_url: str, session_id: str, branch_id: str
+    client: httpx.AsyncClient,
+    base_url: str,
+    session_id: str,
+    branch_id: str,
+    to_device: bool = False,
 ) -> httpx.Response:
     return await client.post(
-        f"{base_url}{prefetch_path(session_id, branch_id)}", json={}, timeout=60
+        f"{base_url}{prefetch_path(session_id, branch_id)}",
+        json={"to_device": to_device},
+        timeout=60,
     )
 
 

@@ -208,10 +208,13 @@ class BranchCore(Generic[S]):
             )
         )
 
-    def _prefetch(self) -> Flow[contract.PrefetchResult | None]:
+    def _prefetch(self, to_device: bool = False) -> Flow[contract.PrefetchResult | None]:
         return (
             yield from self.session._server(
-                self, lambda: self.session._flows.prefetch_branch(self.session_id, self.branch_id)
+                self,
+                lambda: self.session._flows.prefetch_branch(
+                    self.session_id, self.branch_id, to_device
+                ),
             )
         )
 

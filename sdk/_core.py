@@ -330,9 +330,12 @@ class Flows:
         path = contract.pin_path(_sid(session_id), _bid(branch_id))
         return (yield from self._model(contract.BranchInfo, "DELETE", path))
 
-    def prefetch_branch(self, session_id: str, branch_id: str) -> Flow[contract.PrefetchResult]:
+    def prefetch_branch(
+        self, session_id: str, branch_id: str, to_device: bool = False
+    ) -> Flow[contract.PrefetchResult]:
+        body = contract.PrefetchRequest(to_device=to_device)
         path = contract.prefetch_path(_sid(session_id), _bid(branch_id))
-        return (yield from self._model(contract.PrefetchResult, "POST", path))
+        return (yield from self._model(contract.PrefetchResult, "POST", path, body))
 
     def stats(self) -> Flow[contract.Stats]:
         return (yield from self._model(contract.Stats, "GET", contract.STATS_PATH))

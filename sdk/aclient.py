@@ -192,8 +192,10 @@ class AsyncKVBranchClient(ClientCore, AsyncClosing):
     async def unpin_branch(self, session_id: str, branch_id: str) -> contract.BranchInfo:
         return await self._arun(self._flows.unpin_branch(session_id, branch_id))
 
-    async def prefetch_branch(self, session_id: str, branch_id: str) -> contract.PrefetchResult:
-        return await self._arun(self._flows.prefetch_branch(session_id, branch_id))
+    async def prefetch_branch(
+        self, session_id: str, branch_id: str, to_device: bool = False
+    ) -> contract.PrefetchResult:
+        return await self._arun(self._flows.prefetch_branch(session_id, branch_id, to_device))
 
     async def stats(self) -> contract.Stats:
         return await self._arun(self._flows.stats())

@@ -215,10 +215,14 @@ class KVBranchClient(ClientCore, Closing):
     def unpin_branch(self, session_id: str, branch_id: str) -> contract.BranchInfo:
         return self._run(self._flows.unpin_branch(session_id, branch_id))
 
-    def prefetch_branch(self, session_id: str, branch_id: str) -> contract.PrefetchResult:
-        """Ask the server to warm the device cache with the branch's last sequence (in the
-        background; returns at once)."""
-        return self._run(self._flows.prefetch_branch(session_id, branch_id))
+    def prefetch_branch(
+        self, session_id: str, branch_id: str, to_device: bool = False
+    ) -> contract.PrefetchResult:
+        """Make the branch's next turn start warm (returns at once). Nothing runs when its
+        blocks are in the device cache, or all in the host store (the next turn loads them in
+        one copy) unless ``to_device``; otherwise the engine runs the branch's last sequence in
+        the background."""
+        return self._run(self._flows.prefetch_branch(session_id, branch_id, to_device))
 
     def stats(self) -> contract.Stats:
         return self._run(self._flows.stats())

@@ -69,11 +69,12 @@ class Branch(BranchCore["Session"]):
         """Release the pin (the blocks stay cached as long as the store has room)."""
         return self.session.client._run(self._unpin())
 
-    def prefetch(self) -> PrefetchResult | None:
-        """Warm the server's device cache with this branch's last sequence, in the
-        background — e.g. when the model emitted a tool call, so the turn with the tool
-        result starts warm. Returns at once."""
-        return self.session.client._run(self._prefetch())
+    def prefetch(self, to_device: bool = False) -> PrefetchResult | None:
+        """Make this branch's next turn start warm — e.g. when the model emitted a tool call,
+        so the turn with the tool result starts warm. Returns at once. Costs no engine step
+        when the server's device cache or host store already holds the branch (unless
+        ``to_device``: then the engine loads it into the device cache in the background)."""
+        return self.session.client._run(self._prefetch(to_device))
 
     def info(self) -> BranchInfo | None:
         """The server's view of this branch (``None`` without kvbranch)."""
@@ -125,8 +126,8 @@ class AsyncBranch(BranchCore["AsyncSession"]):
     async def unpin(self) -> BranchInfo | None:
         return await self.session.client._arun(self._unpin())
 
-    async def prefetch(self) -> PrefetchResult | None:
-        return await self.session.client._arun(self._prefetch())
+    async def prefetch(self, to_device: bool = False) -> PrefetchResult | None:
+        return await self.session.client._arun(self._prefetch(to_device))
 
     async def info(self) -> BranchInfo | None:
         return await self.session.client._arun(self._info())

@@ -51,6 +51,7 @@ from server.contract import (
     ForkRequest,
     HealthInfo,
     PinRequest,
+    PrefetchRequest,
     PrefetchResult,
     PromptSourceSplit,
     SessionInfo,
@@ -297,6 +298,7 @@ class FakeKVBranchServer:
             branch["pinned"], branch["pin_ttl_s"] = False, None
             return httpx.Response(200, json=self._branch_info(branch))
         if action == "prefetch" and method == "POST":
+            PrefetchRequest.model_validate(body or {})
             self.stats["prefetches"] += 1
             n = len(branch["tokens"])
             result = PrefetchResult(

@@ -121,6 +121,16 @@ class HostBlockIndex:
         return best
 
     # --- updates -----------------------------------------------------------------------------
+    def refresh_all(self, keys: Sequence[bytes]) -> bool:
+        """Whether every key (block hashes, tail keys) is stored; if so, mark them all most
+        recently used, so that the branch they make up is the last thing the store evicts."""
+        slots = [self._slot_of.get(key) for key in keys]
+        if not slots or any(slot is None for slot in slots):
+            return False
+        for slot in slots:
+            self.touch_slot(slot)  # type: ignore[arg-type]
+        return True
+
     def touch(self, block_hash: bytes) -> None:
         slot = self._slot_of.get(block_hash)
         if slot is not None and slot in self._lru:

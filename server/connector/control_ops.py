@@ -111,14 +111,27 @@ def _unpin(side: OpContext, req: dict, owner: str | None) -> dict:
 
 
 def _prefetch_plan(side: OpContext, req: dict, owner: str | None) -> dict:
-    branch = side.planner.registry.get_branch(req["session_id"], req["branch_id"], owner)
-    resident = side.device_resident(branch.block_hashes)
-    if resident:
-        side.planner.prefetches_skipped += 1
+    """Where the branch's blocks are: the device cache (nothing to run), the host store (nothing
+    to run either unless ``to_device``: the next turn loads them in one copy, while an engine
+    step would take the engine from other sessions and the device blocks it fills may well be
+    evicted again before the turn comes), or neither (the engine runs it)."""
+    planner = side.planner
+    branch = planner.registry.get_branch(req["session_id"], req["branch_id"], owner)
+    location = None
+    if side.device_resident(branch.block_hashes):
+        location = "device"
+    elif not req.get("to_device") and side.enabled:
+        keys = list(branch.block_hashes)
+        if branch.tail_key is not None:
+            keys.append(branch.tail_key)
+        if planner.index.refresh_all(keys):
+            location = "host"
+    if location is not None:
+        planner.prefetches_skipped += 1
     return {
         "token_ids": list(branch.token_ids),
         "cache_salt": branch.cache_salt,
-        "device_resident": resident,
+        "location": location,
     }
 
 

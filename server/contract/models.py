@@ -78,6 +78,15 @@ class PinRequest(_Strict):
     )
 
 
+class PrefetchRequest(_Strict):
+    to_device: bool = Field(
+        default=False,
+        description="Run the branch through the engine even when the host store holds all of "
+        "it. By default such a prefetch only keeps the branch's blocks in the host store (the "
+        "next turn loads them with one copy) and costs no engine step.",
+    )
+
+
 # --- responses -------------------------------------------------------------------------------
 class BranchInfo(BaseModel):
     session_id: str
@@ -117,9 +126,11 @@ class DeleteResult(BaseModel):
 class PrefetchResult(BaseModel):
     session_id: str
     branch_id: str
-    status: Literal["scheduled", "nothing_to_do", "already_resident"] = Field(
-        description="already_resident: every full block of the branch is in the device prefix "
-        "cache, so nothing ran."
+    status: Literal["scheduled", "nothing_to_do", "already_resident", "in_host_store"] = Field(
+        description="scheduled: the engine runs the branch as a 1-token request. "
+        "already_resident: every full block of the branch is in the device prefix cache, so "
+        "nothing ran. in_host_store: the host store holds every block of the branch, so nothing "
+        "ran either; its blocks were marked recently used (ask with to_device to run it anyway)."
     )
     num_tokens: int
 
@@ -280,7 +291,8 @@ class Stats(BaseModel):
     prefetches: int = Field(description="Prefetches that ran in the engine.")
     prefetches_skipped: int = Field(
         default=0,
-        description="Prefetch requests skipped because the branch was already device-resident.",
+        description="Prefetch requests that did not run in the engine: the branch was already "
+        "device-resident, or the host store held all of it.",
     )
     sessions: list[SessionInfo]
     pd: PDStats | None = Field(

@@ -30,6 +30,7 @@ from server.contract import (
     ForkRequest,
     HealthInfo,
     PinRequest,
+    PrefetchRequest,
     PrefetchResult,
     SessionInfo,
     Stats,
@@ -205,20 +206,29 @@ async def pin_branch(
 )
 @_routed
 async def prefetch_branch(
-    request: Request, session_id: str = SessionId, branch_id: str = BranchId
+    request: Request,
+    body: PrefetchRequest | None = None,
+    session_id: str = SessionId,
+    branch_id: str = BranchId,
 ) -> Response:
-    """Warm the device prefix cache with the branch's last sequence, in the background: the
-    engine runs it as a 1-token request, so its blocks come from the device cache or the host
-    store (or are recomputed), and stay cached for the branch's next turn."""
-    plan = await _call(request, "prefetch_plan", session_id=session_id, branch_id=branch_id)
+    """Make the branch's next turn start warm. When its blocks are already in the device cache
+    or (unless ``to_device``) all in the host store, nothing runs; otherwise the engine runs its
+    last sequence as a 1-token request in the background, so that its blocks come from the
+    device cache or the host store (or are recomputed) and stay cached for the next turn."""
+    to_device = body.to_device if body is not None else False
+    plan = await _call(
+        request, "prefetch_plan", session_id=session_id, branch_id=branch_id, to_device=to_device
+    )
     tokens: list[int] = plan["token_ids"]
     kvb = _kvb(request)
     limit = kvb.max_model_len - 1
     if len(tokens) > limit:
         tokens = tokens[:limit]
     status = "scheduled" if len(tokens) > 1 else "nothing_to_do"
-    if status == "scheduled" and plan.get("device_resident"):
-        status = "already_resident"
+    if status == "scheduled":
+        status = {"device": "already_resident", "host": "in_host_store"}.get(
+            plan.get("location"), status
+        )
     if status == "scheduled":
         kvb.start_prefetch(tokens, plan.get("cache_salt"))
     result = {

@@ -193,18 +193,22 @@ def test_fork_shares_parent_blocks(kvbranch_server):
     assert branch_info(kvbranch_server, "fork-s")["pinned_blocks"] == parent["pinned_blocks"]
 
 
-def test_prefetch_warms_the_device_cache(kvbranch_server):
+def _wait_for_prefetch(c, before: int) -> None:
+    deadline = time.monotonic() + 120
+    while c.get("/v1/kvbranch/stats").json()["prefetches"] == before:
+        assert time.monotonic() < deadline, "prefetch never ran"
+        time.sleep(0.2)
+
+
+def test_prefetch_to_device_warms_the_device_cache(kvbranch_server):
     messages = two_messages("Look up the weather.", words=300, seed=51)
     first = chat(kvbranch_server, messages, session="pf-s", max_tokens=8)
     reset_device_cache(kvbranch_server)
     with client(kvbranch_server) as c:
         before = c.get("/v1/kvbranch/stats").json()["prefetches"]
-        r = c.post("/v1/kvbranch/sessions/pf-s/branches/main/prefetch")
+        r = c.post("/v1/kvbranch/sessions/pf-s/branches/main/prefetch", json={"to_device": True})
         assert r.status_code == 202 and r.json()["status"] == "scheduled"
-        deadline = time.monotonic() + 120
-        while c.get("/v1/kvbranch/stats").json()["prefetches"] == before:
-            assert time.monotonic() < deadline, "prefetch never ran"
-            time.sleep(0.2)
+        _wait_for_prefetch(c, before)
     messages += [
         {"role": "assistant", "content": text_of(first)},
         {"role": "user", "content": OBSERVATIONS[0]},
@@ -214,6 +218,31 @@ def test_prefetch_warms_the_device_cache(kvbranch_server):
     # every full block came from the device; only the stored tail (the partial last block,
     # which the device prefix cache never keeps) from the host store
     assert second["kvbranch"]["host_hit_tokens"] < BLOCK
+
+
+def test_prefetch_of_a_branch_in_the_host_store_costs_no_engine_step(kvbranch_server, plain_server):
+    """The device cache lost the branch, the host store holds it: the prefetch runs nothing,
+    and the next turn loads the whole history from the host store, the same answer as plain
+    vLLM's."""
+    messages = two_messages("Look up the trains.", words=300, seed=52)
+    first = chat(kvbranch_server, messages, session="pf-host", max_tokens=8)
+    reset_device_cache(kvbranch_server)
+    with client(kvbranch_server) as c:
+        before = c.get("/v1/kvbranch/stats").json()
+        r = c.post("/v1/kvbranch/sessions/pf-host/branches/main/prefetch")
+        assert r.status_code == 202 and r.json()["status"] == "in_host_store", r.text
+        after = c.get("/v1/kvbranch/stats").json()
+    assert after["prefetches"] == before["prefetches"]
+    assert after["prefetches_skipped"] == before["prefetches_skipped"] + 1
+    messages += [
+        {"role": "assistant", "content": text_of(first)},
+        {"role": "user", "content": OBSERVATIONS[1]},
+    ]
+    second = chat(kvbranch_server, messages, session="pf-host", max_tokens=8)
+    split = second["kvbranch"]
+    assert split["device_hit_tokens"] == 0
+    assert split["host_hit_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    assert text_of(second) == text_of(chat(plain_server, messages, max_tokens=8))
 
 
 def test_deleting_a_session_drops_its_pins(kvbranch_server):
@@ -259,6 +288,20 @@ BAD_REQUESTS = [
     ("post", "/v1/kvbranch/sessions/bad-s/branches/ghost/pin", {"ttl_s": 5}, 404, "ghost"),
     ("delete", "/v1/kvbranch/sessions/bad-s/branches/ghost/pin", None, 404, "ghost"),
     ("post", "/v1/kvbranch/sessions/bad-s/branches/ghost/prefetch", None, 404, "ghost"),
+    (
+        "post",
+        "/v1/kvbranch/sessions/bad-s/branches/main/prefetch",
+        {"to_device": "maybe"},
+        400,
+        "to_device",
+    ),
+    (
+        "post",
+        "/v1/kvbranch/sessions/bad-s/branches/main/prefetch",
+        {"todevice": True},
+        400,
+        "todevice",
+    ),
     ("post", "/v1/kvbranch/sessions/bad-s", None, 405, ""),
 ]
 

@@ -181,6 +181,21 @@ def test_prefetch_is_capped_and_scheduled(client: TestClient) -> None:
     assert client.app.state.kvbranch.prefetched == [[1, 2]]
 
 
+def test_prefetch_of_a_branch_the_host_store_holds_runs_nothing(
+    client: TestClient, control: FakeControl
+) -> None:
+    control.answers["prefetch_plan"] = {"token_ids": [1, 2, 3], "location": "host"}
+    r = client.post(prefetch_path("s1", "main"), json={})
+    assert r.status_code == 202 and r.json()["status"] == "in_host_store"
+    assert client.app.state.kvbranch.prefetched == []
+    assert control.calls[-1] == (
+        "prefetch_plan",
+        {"owner": None, "session_id": "s1", "branch_id": "main", "to_device": False},
+    )
+    client.post(prefetch_path("s1", "main"), json={"to_device": True})
+    assert control.calls[-1][1]["to_device"] is True
+
+
 def test_connector_errors_are_the_one_error_shape(client: TestClient, control: FakeControl) -> None:
     control.answers["get_session"] = ControlError(404, "session 's9' not found")
     r = client.get(session_path("s9"))
