@@ -22,6 +22,8 @@ after the other, with the same device KV budget:
 * ``pd-kvbranch`` (opt-in: ``--configs plain,kvbranch,pd-kvbranch``) — the same through
   ``python -m server --disagg``: a prefill and a decode instance (one core each) behind the
   kvbranch router, which carries the decode instance's KV back to prefill on the next turn.
+* ``<config>:<vLLM flags>`` — any of these with vLLM flags of its own, e.g.
+  ``kvbranch:--max-num-batched-tokens=512`` (scheduling knobs, side by side with the defaults).
 * ``pd`` (opt-in) — upstream P/D: ``--disagg --no-connector --no-bidirectional`` (NIXL, no
   pull, no host store). ``--configs pd,pd-kvbranch --pd-hold-ttl-s 120`` is the "holds under
   pressure" case of issue 13: ratios are against the first configuration named.
@@ -217,7 +219,11 @@ class Runner:
         t = time.perf_counter()
         try:
             r = await common.prefetch_branch(
-                self.client, self.base, sid, branch, to_device=self.name == "kvbranch-to-device"
+                self.client,
+                self.base,
+                sid,
+                branch,
+                to_device=base_config(self.name) == "kvbranch-to-device",
             )
             self.prefetches.append(
                 {
@@ -314,11 +320,15 @@ class Runner:
 async def run_config(
     name: str, kvbranch: bool, args: argparse.Namespace, workload: dict, log: reporting.Progress
 ) -> dict:
+    base, vllm_flags = split_config(name)
     extra = (
-        ["--disagg", "--pd-hold-ttl-s", str(args.pd_hold_ttl_s)] if name.startswith("pd") else []
+        ["--disagg", "--pd-hold-ttl-s", str(args.pd_hold_ttl_s)] if base.startswith("pd") else []
     )
-    if name == "pd":
+    if base == "pd":
         extra.append("--no-bidirectional")  # upstream P/D (server_args adds --no-connector)
+    pd = bool(extra)
+    if vllm_flags:
+        extra += ["--", *vllm_flags]
     profiler = StepProfiler(args.profile_dir / name, args.py_spy) if args.profile_dir else None
     server = common.start_server(
         name,
@@ -328,9 +338,7 @@ async def run_config(
         reserved_cpus=args.reserved_cpus,
         env=profiler.env() if profiler else None,
     )
-    binding = (
-        common.omp_binding(server) if not extra else "P/D: prefill on core 0, decode on core 1"
-    )
+    binding = common.omp_binding(server) if not pd else "P/D: prefill on core 0, decode on core 1"
     try:
         with common.MemorySampler(common.server_pgids(server)) as mem:
             limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
@@ -367,6 +375,17 @@ async def run_config(
         "mem_method": mem.method,
         "omp": binding,
     }
+
+
+def split_config(name: str) -> tuple[str, list[str]]:
+    """``kvbranch:--max-num-batched-tokens=512 --max-num-seqs=4`` -> the configuration and the
+    vLLM flags it adds."""
+    base, _, flags = name.partition(":")
+    return base, flags.split()
+
+
+def base_config(name: str) -> str:
+    return split_config(name)[0]
 
 
 #: Workload options (``None`` defaults: the profile's value): flag, type, help.
@@ -423,7 +442,7 @@ def parse_args() -> argparse.Namespace:
             setattr(args, key, value)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in args.configs:
-        if c not in CONFIG_NAMES:
+        if base_config(c) not in CONFIG_NAMES:
             ap.error(f"unknown config {c!r}")
     return args
 
@@ -448,7 +467,7 @@ def main() -> int:
     for name in args.configs:
         log(f"=== configuration {name} ===")
         results[name] = asyncio.run(
-            run_config(name, name not in ("plain", "pd"), args, workload, log)
+            run_config(name, base_config(name) not in ("plain", "pd"), args, workload, log)
         )
     elapsed = time.monotonic() - t0
     info = info_job.result()
