@@ -46,8 +46,11 @@ CONFIGS = {
 }
 #: Opt-in: the same with vLLM's own 1 s message-queue busy-wait (the launcher's default is 2 ms,
 #: server/engine_spin.py), for the side-by-side measurement of that default.
+#: And with vLLM's own 1 ms poll of an engine that only holds blocks for its peer (the launcher's
+#: default is 20 ms and a new request ends it at once, server/engine_idle.py).
 for _name in list(CONFIGS):
     CONFIGS[f"{_name}-spin1000"] = [*CONFIGS[_name], "--mq-spin-ms", "1000"]
+    CONFIGS[f"{_name}-poll1"] = [*CONFIGS[_name], "--idle-poll-ms", "0"]
 DEFAULT_CONFIGS = ["pd", "pd-kvbranch", "single-kvbranch", "single-plain"]
 
 
@@ -208,7 +211,7 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: f
         reporting.md_table(["", *[r["name"] for r in results]], summary + rec),
         "",
     ]
-    if "pd" in by and "pd-kvbranch" in by:
+    if "pd" in by and "pd-kvbranch" in by and max(t["turn"] for t in by["pd"]["turns"]) >= 3:
         p50 = {n: p50_ttft(by[n], 3) for n in ("pd", "pd-kvbranch")}
         lines.append(
             f"- p50 TTFT at turns >= 3: pd {p50['pd']:.2f} s, pd-kvbranch "
@@ -224,6 +227,16 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: f
             for n in by
         ],
     ]
+    first = {n: [t["ttft_s"] for t in by[n]["turns"] if t["turn"] == 1] for n in by}
+    for a, b in (("pd-kvbranch", "pd"), ("single-kvbranch", "single-plain")):
+        if a in by and b in by:
+            ma, mb = statistics.fmean(first[a]), statistics.fmean(first[b])
+            lines.append(
+                f"- Turn 1 (nothing to reuse), {a} vs {b}: mean TTFT {ma:.2f} s vs {mb:.2f} s "
+                f"({ma / mb:.3f}x; target within 3%), medians {statistics.median(first[a]):.2f} "
+                f"s vs {statistics.median(first[b]):.2f} s, n = {len(first[a])}."
+            )
+    ratios += [(f"{n}-poll1", n, f"{n}: vLLM's 1 ms idle poll vs the 20 ms default") for n in by]
     for a, b, label in ratios:
         if a in by and b in by:
             lines.append(

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.engine_idle import ENV_IDLE_POLL_S
 from server.engine_spin import ENV_MQ_SPIN_S
 from server.engine_spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
 from server.phases import Phases, PhaseTracker, StdoutTee, watch_listening
@@ -226,6 +227,7 @@ def plan_launch(
         ENV_MODEL_NAME: served,
         # Every instance, with or without the connector (engine_spin.py).
         ENV_MQ_SPIN_S: str(args.mq_spin_ms / 1000.0),
+        ENV_IDLE_POLL_S: str(args.idle_poll_ms / 1000.0),
     }
     if control_socket:
         env[ENV_CONTROL_SOCKET] = control_socket

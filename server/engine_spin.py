@@ -27,6 +27,8 @@ import logging
 import os
 from typing import Any
 
+from server import engine_idle
+
 ENV_MQ_SPIN_S = "KVBRANCH_MQ_SPIN_S"
 DEFAULT_SPIN_MS = 2.0
 PLUGIN_NAME = "kvbranch_mq_spin"
@@ -53,7 +55,9 @@ def spin_seconds() -> float | None:
 
 def install() -> None:
     """vLLM general-plugin entry point: runs in the API server, the engine core and every
-    worker (possibly more than once per process)."""
+    worker (possibly more than once per process). Also sets the engine's idle poll
+    (:mod:`server.engine_idle`), the other busy-wait between the engine core and its worker."""
+    engine_idle.install()
     seconds = spin_seconds()
     if seconds is None:
         return

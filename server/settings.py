@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+from server.engine_idle import DEFAULT_IDLE_POLL_MS
 from server.engine_spin import DEFAULT_SPIN_MS
 
 PLUGIN_NAME = "kvbranch"
@@ -139,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
         "before sleeping on a socket; vLLM's own is 1000, which keeps a core spinning while "
         "the other computes (on small CPU hosts the API server, the router and a second "
         "instance need it) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--idle-poll-ms",
+        type=_non_negative_float,
+        default=DEFAULT_IDLE_POLL_MS,
+        help="how long an engine with nothing to compute but KV blocks held for a P/D peer "
+        "waits for new work before its next empty step; vLLM's own is 1 ms, a busy loop for "
+        "as long as it holds them. New requests end the wait at once; 0 keeps vLLM's "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--no-connector",
