@@ -292,6 +292,21 @@ def _finish(result: StreamResult, split: PromptSourceSplit | None) -> StreamResu
     return result
 
 
+def server_timings(header: str) -> dict[str, float]:
+    """``Server-Timing: prefill;dur=812.3, x;dur=1`` -> ``{"prefill": 812.3, "x": 1.0}`` (ms)."""
+    out: dict[str, float] = {}
+    for metric in header.split(","):
+        name, _, params = metric.strip().partition(";")
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key == "dur" and name:
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    pass
+    return out
+
+
 async def stream_request(
     client: httpx.AsyncClient,
     url: str,
@@ -316,6 +331,7 @@ async def stream_request(
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             raise RuntimeError(f"{url} -> HTTP {resp.status_code}: {text[:500]}")
+        timings = server_timings(resp.headers.get("server-timing", ""))
         async for event in aiter_sse(resp.aiter_bytes()):
             if event.data.strip() == "[DONE]":
                 break
@@ -343,6 +359,8 @@ async def stream_request(
         sent_perf=t0,
     )
     result.extra["load1"] = os.getloadavg()[0]  # the machine is shared: record how busy
+    if "prefill" in timings:  # the P/D router: P's leg of the turn
+        result.extra["prefill_leg_s"] = timings["prefill"] / 1000.0
     if ttft is None:
         result.extra["no_content"] = True
     return _finish(result, split)

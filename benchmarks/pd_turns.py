@@ -109,6 +109,7 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
                         "recomputed_tokens": res.recomputed_tokens,
                         "content": res.content,
                         "load1": res.extra.get("load1"),
+                        "prefill_leg_s": res.extra.get("prefill_leg_s"),
                     }
                 )
                 log(
@@ -235,6 +236,19 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: f
                 f"- Turn 1 (nothing to reuse), {a} vs {b}: mean TTFT {ma:.2f} s vs {mb:.2f} s "
                 f"({ma / mb:.3f}x; target within 3%), medians {statistics.median(first[a]):.2f} "
                 f"s vs {statistics.median(first[b]):.2f} s, n = {len(first[a])}."
+            )
+    for n in by:
+        legs = [
+            (t["prefill_leg_s"], t["ttft_s"])
+            for t in by[n]["turns"]
+            if t["turn"] == 1 and t.get("prefill_leg_s") is not None
+        ]
+        if legs:
+            p = statistics.fmean(x for x, _ in legs)
+            rest = statistics.fmean(y - x for x, y in legs)
+            lines.append(
+                f"- {n}, turn 1 split by the router's Server-Timing: P's leg {p:.2f} s, "
+                f"then D's read and first token (with the router on both sides) {rest:.2f} s."
             )
     ratios += [(f"{n}-poll1", n, f"{n}: vLLM's 1 ms idle poll vs the 20 ms default") for n in by]
     for a, b, label in ratios:

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from server.contract import (
     BRANCH_HEADER,
@@ -114,6 +114,13 @@ class TurnFlow:
             "kvbranch_router_pull_offered_tokens",
             "Tokens D held that P was offered to pull",
             registry=registry,
+        )
+        self.prefill_seconds = Histogram(
+            "kvbranch_router_prefill_leg_seconds",
+            "P's leg of a P/D turn: from the router's request to P's answer (the claim before "
+            "it excluded)",
+            registry=registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128),
         )
 
     @property
@@ -200,6 +207,7 @@ class _Turn:
         self.headers = headers
         self.key = key
         self.started = time.monotonic()
+        self.prefill_s: float | None = None
 
     async def run(self) -> Response:
         flow, key = self.flow, self.key
@@ -224,6 +232,7 @@ class _Turn:
             pull = await flow.claim(decode, pull, self.headers)
         if pull is not None:
             flow.pulled_tokens.inc(pull.num_tokens)
+        leg_started = time.perf_counter()
         try:
             prefilled = await self.on_any(prefill, lambda inst: self.prefill(inst, pull))
         except _Fallback as exc:
@@ -234,6 +243,8 @@ class _Turn:
         if isinstance(prefilled, Response):
             return prefilled  # the client's own error (4xx), as P said it
         p_params, split = prefilled
+        self.prefill_s = time.perf_counter() - leg_started
+        flow.prefill_seconds.observe(self.prefill_s)
         route = "pd+pull" if pull is not None else "pd"
         try:
             return await self.on_any(decode, lambda inst: self.decode(inst, p_params, split, route))
@@ -343,6 +354,9 @@ class _Turn:
         """Send the generating request; file D's returned params; relay the answer."""
         self.flow.turns.labels(route).inc()
         out_headers = {ROUTE_HEADER: route}
+        if self.prefill_s is not None:
+            # The standard header for a server's own timings (W3C Server Timing), in ms.
+            out_headers["Server-Timing"] = f"prefill;dur={self.prefill_s * 1000:.1f}"
 
         def file_params(params: Any) -> None:
             self.flow.file(key, inst, self.started, params)

@@ -142,6 +142,11 @@ def test_a_turn_prefills_on_p_decodes_on_d_and_files_ds_params():
     assert d_body["max_tokens"] == 20 and d_body[TRANSFER_PARAMS_FIELD] == P_PARAMS
     held = router.index.peek(KEY)
     assert held is not None and held.decode_url == D and held.num_tokens == 200
+    # P's leg, timed: a standard Server-Timing header and the router's histogram
+    name, dur = r.headers["Server-Timing"].split(";dur=")
+    assert name == "prefill" and float(dur) >= 0
+    metrics = call(router, "GET", "/metrics").content
+    assert b"kvbranch_router_prefill_leg_seconds_count 1.0" in metrics
 
 
 def test_the_next_turn_claims_ds_hold_and_p_pulls_it():
