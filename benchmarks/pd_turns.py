@@ -227,6 +227,7 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: f
             (f"{n}-spin1000", n, f"{n}: vLLM's 1 s message-queue spin vs the 2 ms default")
             for n in by
         ],
+        *[(f"{n}-poll1", n, f"{n}: vLLM's 1 ms idle poll vs the 20 ms default") for n in by],
     ]
     first = {n: [t["ttft_s"] for t in by[n]["turns"] if t["turn"] == 1] for n in by}
     for a, b in (("pd-kvbranch", "pd"), ("single-kvbranch", "single-plain")):
@@ -250,7 +251,6 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: f
                 f"- {n}, turn 1 split by the router's Server-Timing: P's leg {p:.2f} s, "
                 f"then D's read and first token (with the router on both sides) {rest:.2f} s."
             )
-    ratios += [(f"{n}-poll1", n, f"{n}: vLLM's 1 ms idle poll vs the 20 ms default") for n in by]
     for a, b, label in ratios:
         if a in by and b in by:
             lines.append(

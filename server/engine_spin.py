@@ -24,10 +24,10 @@ class may differ and the plugin logs that it left vLLM unchanged.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from server import engine_idle
+from server.engine_idle import seconds_from_env
 
 ENV_MQ_SPIN_S = "KVBRANCH_MQ_SPIN_S"
 DEFAULT_SPIN_MS = 2.0
@@ -40,17 +40,7 @@ _PATCHED = "_kvbranch_spin_s"
 
 def spin_seconds() -> float | None:
     """The spin window the launcher asked for, or ``None`` (leave vLLM as it is)."""
-    raw = os.environ.get(ENV_MQ_SPIN_S)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        logger.warning(
-            "kvbranch: %s=%r is not a number; vLLM's spin left as it is", ENV_MQ_SPIN_S, raw
-        )
-        return None
-    return max(value, 0.0)
+    return seconds_from_env(ENV_MQ_SPIN_S, "vLLM's spin")
 
 
 def install() -> None:
