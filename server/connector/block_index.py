@@ -242,10 +242,26 @@ class HostBlockIndex:
         return True
 
     def clear(self) -> int:
-        """Forget every unpinned block (used by tests and by a store reset)."""
+        """Forget every unpinned block (used by tests)."""
         dropped = 0
         for slot in list(self._lru):
             self._drop(slot)
             self._free.append(slot)
             dropped += 1
+        return dropped
+
+    def clear_all(self) -> int:
+        """Forget every stored block and tail, pinned or not, and every pin count: the store
+        is empty afterwards (a store reset: ``reset_prefix_cache?reset_external=true``, new
+        weights, a reloaded LoRA). The caller drops the pins' owners (the leases) with it."""
+        dropped = self.used_slots
+        self._slot_of.clear()
+        self._hash_of = [None] * self.num_slots
+        self._tokens_of = [None] * self.num_slots
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._lru.clear()
+        self._pinned_slots.clear()
+        self._pin_counts.clear()
+        self._tails_of.clear()
+        self._parent_of.clear()
         return dropped

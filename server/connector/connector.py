@@ -83,6 +83,10 @@ class KVBranchConnector(KVConnectorBase_V1):
         self._trace = StepTrace("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         self._step: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
+            # In the engine core process: clear the store when weights or adapters change.
+            from server.plugin import engine_changes
+
+            engine_changes.install()
             parallel = vllm_config.parallel_config
             engine = getattr(parallel, "data_parallel_index", None)
             engine = parallel.data_parallel_rank if engine is None else engine
@@ -247,7 +251,9 @@ class KVBranchConnector(KVConnectorBase_V1):
         return result
 
     def reset_cache(self) -> bool | None:
-        """``POST /reset_prefix_cache?reset_external=true``: forget every unpinned block."""
+        """``POST /reset_prefix_cache?reset_external=true``, vLLM's cache clears (pause, sleep)
+        and new weights or LoRA adapters (``server/plugin/engine_changes.py``): forget every
+        block and tail, pinned or not, and every pin (sessions stay; their KV goes)."""
         return self.scheduler_side.reset_cache() if self.scheduler_side is not None else None
 
     def shutdown(self) -> None:

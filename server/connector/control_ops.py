@@ -144,7 +144,7 @@ def _stats(side: OpContext, req: dict, owner: str | None) -> dict:
 
 
 def _reset_store(side: OpContext, req: dict, owner: str | None) -> dict:
-    return {"dropped_blocks": side.planner.index.clear()}
+    return {"dropped_blocks": side.planner.reset_store()}
 
 
 OPS: dict[str, OpHandler] = {

@@ -204,5 +204,21 @@ class PinLeases:
             expired += 1
         return expired
 
+    def release_all(self) -> int:
+        """Drop every lease (a store reset): each pinned branch is unpinned, as by an expiry
+        (not degraded: its next use pins it again); returns how many leases there were."""
+        branches = {key: branch for key, (_, branch) in self._live.items()}
+        branches.update(self._leases)
+        for branch in branches.values():
+            self.unpin_all(branch)
+            branch.pin_expires_at = None
+            branch.degraded = False
+        self._heap.clear()
+        self._live.clear()
+        self._leases.clear()
+        self._tenant_leases.clear()
+        self._tenant_pins.clear()
+        return len(branches)
+
     def heap_size(self) -> int:
         return len(self._heap)

@@ -52,6 +52,9 @@ class RequestPlan:
     tail_slot: int | None = None
     tail_tokens: int = 0
     next_save_block: int = 0
+    #: Running when the store was reset (new weights, a reloaded LoRA): its KV so far may be
+    #: the old model's, so nothing of it is saved until vLLM restarts it from token 0.
+    stale: bool = False
     recorded: bool = False
     split: dict | None = None
 
@@ -60,6 +63,22 @@ def _extra_args(request: Any) -> dict:
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None) if params is not None else None
     return extra if isinstance(extra, dict) else {}
+
+
+def reads_no_cache(request: Any) -> bool:
+    """Whether vLLM computes every prompt position of this request itself: prompt logprobs
+    (also ``echo`` with ``logprobs`` on ``/v1/completions``) need the logits of each prompt
+    token, so vLLM 0.32 skips its prefix cache for them (``Request.skip_reading_prefix_cache``,
+    set from ``SamplingParams.prompt_logprobs``; pooling requests with all-token pooling too).
+    The host store then offers nothing either: no full blocks, no tail, on every path (chat,
+    forks, prefetch, P/D) — they all ask :meth:`Planner.num_new_matched_tokens`."""
+    if getattr(request, "skip_reading_prefix_cache", False) is True:
+        return True
+    params = getattr(request, "sampling_params", None)
+    return params is not None and (
+        getattr(params, "prompt_logprobs", None) is not None
+        or getattr(params, "prompt_logprob_token_ids", None) is not None
+    )
 
 
 def _pin_ttl(extra: dict) -> float | None:
@@ -86,9 +105,10 @@ class Planner:
         self.foreign_loads = False
         self.prefetches = 0
         self.prefetches_skipped = 0
+        self.store_resets = 0
         #: Tails of finished requests waiting to be copied out: (request id, device block,
         #: tail). The request's blocks stay allocated until the worker reports the copy done.
-        self.pending_tail_saves: list[tuple[str, int, TailSpec]] = []
+        self.pending_tail_saves: list[tuple[str, int, TailSpec | None]] = []
         #: (host slot, device block) loads planned since the last step's metadata.
         self.pending_loads: list[tuple[int, int]] = []
 
@@ -113,10 +133,12 @@ class Planner:
                 # reset the request to 0 computed tokens and freed its blocks; none landed.
                 self._settle_remote(plan, landed=0)
             plan.device_hit_tokens = num_computed_tokens
+            if plan.stale:  # restarted from token 0 (preempted by the reset): fresh KV
+                plan.stale, plan.next_save_block = False, 0
             plan.load_slots = None
             plan.load_start_block = start
             plan.tail_slot, plan.tail_tokens = None, 0
-            if limit - start * bs <= 0 or self.index.num_slots == 0:
+            if limit - start * bs <= 0 or self.index.num_slots == 0 or reads_no_cache(request):
                 return 0
             slots = (
                 self.index.match(request.block_hashes, request.all_token_ids, bs, start, loadable)
@@ -261,6 +283,8 @@ class Planner:
                 plan = self.plans.get(req_id)
                 if plan is None:
                     continue
+                if plan.stale:
+                    continue
                 request = plan.request
                 done = request.num_computed_tokens + n_scheduled
                 full = min(done // bs, len(request.block_hashes))
@@ -315,7 +339,11 @@ class Planner:
                 split = plan.split if plan.recorded else None
             else:
                 split = self.splits.get(str(extra[TAG_XARG])) if extra.get(TAG_XARG) else None
-            tail = finished_tail(request, self.block_size) if self.index.num_slots else None
+            tail = (
+                finished_tail(request, self.block_size)
+                if self.index.num_slots and not (plan is not None and plan.stale)
+                else None
+            )
             session_id = getattr(request, "session_id", None)
             if session_id and not extra.get(PREFETCH_XARG):
                 branch_id = str(extra.get(BRANCH_XARG) or DEFAULT_BRANCH)
@@ -357,11 +385,33 @@ class Planner:
         with self.lock:
             pending, self.pending_tail_saves = self.pending_tail_saves, []
             for request_id, block, tail in pending:
+                if tail is None:  # dropped by a store reset: only report the request done
+                    done.append(request_id)
+                    continue
                 slot = self.index.allocate_tail(tail.key, tail.parent, tail.tokens, protected)
                 if slot is not None:
                     saves.append((block, slot))
                 done.append(request_id)
         return saves, done
+
+    def reset_store(self) -> int:
+        """Forget everything the host store holds — pinned blocks and tails too — and every
+        pin (sessions and branches stay, with their tokens: their KV is recomputed, and the
+        next request of a branch pins it again). For ``reset_prefix_cache?reset_external=true``
+        and whenever the engine's weights or LoRA adapters change (``engine_changes.py``):
+        block hashes name tokens, not weights, so old KV would be served under them. Requests
+        running now save nothing more (their KV may be the old model's); tails waiting for
+        their copy are dropped. Returns how many blocks and tails were stored."""
+        with self.lock:
+            self.registry.leases.release_all()
+            dropped = self.index.clear_all()
+            self.pending_tail_saves = [
+                (rid, block, None) for rid, block, _ in self.pending_tail_saves
+            ]
+            for plan in self.plans.values():
+                plan.stale = True
+            self.store_resets += 1
+            return dropped
 
     # --- accounting --------------------------------------------------------------------------
     def _record_split(self, plan: RequestPlan) -> dict:

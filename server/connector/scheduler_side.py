@@ -112,9 +112,12 @@ class KVBranchScheduler:
         return delay, ({"kvbranch": split} if split else None)
 
     def reset_cache(self) -> bool:
-        """``POST /reset_prefix_cache?reset_external=true``: forget every unpinned block."""
-        with self.planner.lock:
-            self.planner.index.clear()
+        """``POST /reset_prefix_cache?reset_external=true`` (and vLLM's own cache clears: a
+        pause or sleep that clears caches, and ``engine_changes.py`` after new weights or a
+        reloaded LoRA): forget every block and tail, pinned or not, and every pin. Sessions
+        and branches stay; their KV is recomputed."""
+        dropped = self.planner.reset_store()
+        logger.info("kvbranch: host store reset (%d blocks and tails dropped, pins too)", dropped)
         return True
 
     def shutdown(self) -> None:

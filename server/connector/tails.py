@@ -11,7 +11,7 @@ Integrity, as for full blocks:
 
 * a tail is found through its *parent key*: the chained hash of the full block before it (which
   names the exact token prefix, cache salt, LoRA and multimodal inputs) plus the request's
-  identity (salt, LoRA name) — so a tail starting at token 0 is still scoped to its tenant;
+  identity (salt, LoRA name and path) — so a tail starting at token 0 is still scoped to its tenant;
 * the tail's own token ids are stored and compared token by token; a prompt loads the longest
   common prefix of the stored tail and its own tokens. That prefix is exact because KV is
   causal: the KV at position ``p`` depends on tokens ``0..p`` only, all of which match (the
@@ -42,8 +42,11 @@ def identity_of(request: Any) -> bytes | None:
         return None
     lora = getattr(request, "lora_request", None)
     lora_name = getattr(lora, "lora_name", None) if lora is not None else None
+    # The adapter's path too, as vLLM 0.32's block hashes (``_gen_lora_extra_hash_keys``):
+    # a name re-pointed at another adapter must not reuse a tail that starts at token 0.
+    lora_path = getattr(lora, "lora_path", None) if lora is not None else None
     salt = getattr(request, "cache_salt", None)
-    return repr((salt, lora_name)).encode()
+    return repr((salt, lora_name, lora_path)).encode()
 
 
 def parent_key(block_hashes: Sequence[Any], start_block: int, identity: bytes) -> bytes:
