@@ -196,7 +196,9 @@ class ServerProcess:
 
     def launch(self) -> ServerProcess:
         """Start the process without waiting (start several, then ``wait_ready`` each)."""
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1", **self.extra_env)
+        # vLLM's dev routes (reset_prefix_cache, sleep, collective_rpc, ...) only when the
+        # caller's environment or ``env`` asks for them (VLLM_SERVER_DEV_MODE=1): never by default.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
         env[ENV_PARENT_PID] = str(os.getpid())  # the child stops when we die (issue 13)
         if threading.current_thread() is threading.main_thread():
             env[ENV_PARENT_DEATHSIG] = "1"

@@ -315,6 +315,7 @@ ERROR_TYPES: dict[int, str] = {
     401: "AuthenticationError",
     403: "PermissionDeniedError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     409: "ConflictError",
     410: "GoneError",
     413: "RequestTooLargeError",

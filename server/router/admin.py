@@ -29,10 +29,19 @@ from server.contract import (
     STATS_PATH,
     ClusterInfo,
     RouterHealthInfo,
+    check_id,
     error_body,
 )
+from server.errors import error_response
 from server.router import relay
-from server.router.edge import SESSION_ROUTE_HEADERS, Refused, read_body, tenant_of, unavailable
+from server.router.edge import (
+    SESSION_ROUTE_HEADERS,
+    Refused,
+    check_headers,
+    read_body,
+    tenant_of,
+    unavailable,
+)
 from server.router.index import ClusterIndex
 from server.router.pool import Instance, Pool
 
@@ -60,6 +69,45 @@ class Answer:
             return str(json.loads(self.content)["error"]["message"])[:200]
         except (ValueError, KeyError, TypeError):
             return self.content[:200].decode(errors="replace")
+
+
+#: The session routes a client may send through the router (method, path under
+#: ``/v1/kvbranch/``; ``{id}`` is a session or branch id): exactly the instances' own session
+#: routes (a unit test compares them with the plugin's route table). Anything else — the hold
+#: claim, dot segments, encoded or not, any other path — is 404 here and never forwarded.
+SESSION_ROUTES = frozenset(
+    {
+        ("POST", "sessions"),
+        ("GET", "sessions/{id}"),
+        ("DELETE", "sessions/{id}"),
+        ("GET", "sessions/{id}/branches"),
+        ("POST", "sessions/{id}/branches"),
+        ("GET", "sessions/{id}/branches/{id}"),
+        ("DELETE", "sessions/{id}/branches/{id}"),
+        ("POST", "sessions/{id}/branches/{id}/pin"),
+        ("DELETE", "sessions/{id}/branches/{id}/pin"),
+        ("POST", "sessions/{id}/branches/{id}/prefetch"),
+    }
+)
+
+
+def route_shape(path: str) -> str | None:
+    """``path`` (as the client's request decoded it) with its ids replaced by ``{id}``, or None
+    when a segment in an id's place is not an id (``..``, ``%2e%2e``, an empty segment...)."""
+    parts = path.split("/")
+    for i in (1, 3):
+        if len(parts) > i:
+            try:
+                check_id(parts[i])
+            except ValueError:
+                return None
+            parts[i] = "{id}"
+    return "/".join(parts)
+
+
+def known_route(method: str, path: str) -> bool:
+    shape = route_shape(path)
+    return shape is not None and (method, shape) in SESSION_ROUTES
 
 
 def fan_kind(method: str, path: str) -> FanKind:
@@ -161,7 +209,6 @@ class Admin:
             inst.url + path,
             content=body,
             headers=headers,
-            params=request.query_params,
             **extra,
         )
 
@@ -176,7 +223,12 @@ class Admin:
         return Answer(inst, r.status_code, r.content, r.headers.get("content-type"))
 
     async def session_route(self, request: Request, path: str) -> Response:
+        if not known_route(request.method, path):
+            return error_response(
+                404, f"no kvbranch route {request.method} {API_PREFIX}/{path[:200]}"
+            )
         try:
+            check_headers(request)
             body = await read_body(request)
         except Refused as refused:
             return refused.response

@@ -57,6 +57,7 @@ class Router:
         request_timeout_s: float = 600.0,
         index_max_entries: int | None = None,
         fanout_timeout_s: float = 60.0,
+        secret: bytes | None = None,
     ) -> None:
         self.index = (
             ClusterIndex(hold_ttl_s)
@@ -73,6 +74,7 @@ class Router:
             client=client,
             api_key=api_key,
             on_restart=self.index.drop_instance,
+            secret=secret,
         )
         self.registry = CollectorRegistry()
         self.turn_flow = TurnFlow(self.pool, self.index, self.registry)

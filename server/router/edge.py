@@ -7,11 +7,14 @@ own error replies come from the server's one error builder (:mod:`server.errors`
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from server.contract import BRANCH_HEADER, MAX_BODY_BYTES, SESSION_HEADER
 from server.errors import error_response
+from server.router.limits import BODY_TIMEOUT_S
 from server.tenants import scope_of
 
 #: Request headers a completion turn forwards to the instances.
@@ -20,6 +23,18 @@ FORWARD_HEADERS = ("authorization", SESSION_HEADER.lower(), BRANCH_HEADER.lower(
 SESSION_ROUTE_HEADERS = ("authorization", "content-type")
 #: How long a client should wait before retrying when no instance answers.
 RETRY_AFTER = {"Retry-After": "5"}
+
+
+#: Headers that decide whose request it is and where its KV lives: sent twice, the router's
+#: index would read one and the instance another, so such a request is refused (400).
+SINGLE_HEADERS = ("authorization", SESSION_HEADER.lower(), BRANCH_HEADER.lower())
+
+
+def check_headers(request: Request) -> None:
+    """Raise :class:`Refused` (400) when a header of :data:`SINGLE_HEADERS` is repeated."""
+    for name in SINGLE_HEADERS:
+        if len(request.headers.getlist(name)) > 1:
+            raise Refused(error_response(400, f"header {name!r} is sent more than once"))
 
 
 def unavailable(message: str) -> JSONResponse:
@@ -55,10 +70,19 @@ async def read_body(request: Request) -> bytes:
         if size > limit:
             raise Refused(error_response(413, f"request body over {limit} bytes"))
     chunks: list[bytes] = []
-    total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise Refused(error_response(413, f"request body over {limit} bytes"))
-        chunks.append(chunk)
+
+    async def read() -> None:
+        total = 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise Refused(error_response(413, f"request body over {limit} bytes"))
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise Refused(
+            error_response(408, f"request body not received within {BODY_TIMEOUT_S:g} s")
+        ) from None
     return b"".join(chunks)

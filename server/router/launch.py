@@ -62,6 +62,7 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
     import uvicorn
 
     from server.router.app import Router, build_app
+    from server.router.limits import MAX_CONCURRENCY, HeaderDeadlineProtocol
 
     if not args.prefill or not args.decode:
         raise LaunchError("--role router needs at least one --prefill URL and one --decode URL")
@@ -86,6 +87,8 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
         port=args.port,
         log_level="warning" if args.log_level == "info" else args.log_level,
         timeout_graceful_shutdown=args.shutdown_grace_s,
+        http=HeaderDeadlineProtocol,
+        limit_concurrency=MAX_CONCURRENCY,
     )
     server = uvicorn.Server(config)
     server.run(sockets=[sock] if sock is not None else None)
@@ -164,6 +167,7 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
             child.wait_ready()
         args.prefill = [children[0].url]
         args.decode = [children[1].url]
+        os.environ[ENV_CLUSTER_SECRET] = secret  # the router signs its legs with it
         run_router(args, listener)
     except RuntimeError as exc:
         raise LaunchError(str(exc).splitlines()[0]) from None

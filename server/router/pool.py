@@ -32,6 +32,8 @@ from typing import Any
 
 import httpx
 
+from server.cluster_auth import ROUTER_PROOF_HEADER, sign
+from server.connector.transfer_auth import load_cluster_secret
 from server.contract import HEALTH_PATH, InstanceInfo
 from server.router.index import Key
 
@@ -84,6 +86,7 @@ class Pool:
         client: httpx.AsyncClient,
         api_key: str | None = None,
         on_restart: Callable[[str], int] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("a router needs at least one prefill and one decode instance")
@@ -92,6 +95,8 @@ class Pool:
         self.client = client
         self.api_key = api_key
         self._on_restart = on_restart
+        #: The cluster secret: it signs the requests that carry transfer params or claims.
+        self.secret = secret if secret is not None else load_cluster_secret()
 
     @property
     def all(self) -> list[Instance]:
@@ -103,6 +108,11 @@ class Pool:
     def auth_headers(self) -> dict[str, str]:
         """The router's own key, for the calls it makes itself (probes, claims)."""
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def proof(self, method: str, path: str, content: bytes) -> dict[str, str]:
+        """The header that tells an instance this request is the router's own
+        (:mod:`server.cluster_auth`): the only way transfer params or a claim are accepted."""
+        return {ROUTER_PROOF_HEADER: sign(self.secret, method, path, content)}
 
     async def probe(self, inst: Instance, max_age: float = PROBE_MAX_AGE_S) -> bool:
         now = time.monotonic()

@@ -72,11 +72,31 @@ def rewrite_event(
     return encode_event(chunk)
 
 
+class _Upstream:
+    """Closes the instance's response and runs ``on_close`` exactly once, however the relay
+    ends: after the last event, when the client leaves mid-stream, or when it leaves before
+    the first event (then the event generator never ran, and its ``finally`` neither)."""
+
+    def __init__(self, resp: httpx.Response, on_close: Callable[[], None]) -> None:
+        self.resp = resp
+        self._on_close: Callable[[], None] | None = on_close
+
+    async def close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is None:
+            return
+        try:
+            on_close()
+        finally:
+            await self.resp.aclose()  # a client that left: D sees the disconnect and aborts
+
+
 async def relay_events(
-    resp: httpx.Response, rewrite: Rewrite, on_close: Callable[[], None]
+    resp: httpx.Response, rewrite: Rewrite, on_close: Callable[[], None] | _Upstream
 ) -> AsyncIterator[bytes]:
     """The stream of ``resp``, each complete event passed through ``rewrite``; a trailing
     partial event passes as is. ``on_close`` runs and ``resp`` closes however it ends."""
+    upstream = on_close if isinstance(on_close, _Upstream) else _Upstream(resp, on_close)
     events = EventSplitter()
     try:
         async for data in resp.aiter_raw():
@@ -87,8 +107,21 @@ async def relay_events(
         if rest:
             yield rest
     finally:
-        on_close()
-        await resp.aclose()  # a client that left: D sees the disconnect and aborts
+        await upstream.close()
+
+
+class _RelayedStream(StreamingResponse):
+    """A streaming response that releases the upstream stream whatever happens to it."""
+
+    def __init__(self, content: AsyncIterator[bytes], upstream: _Upstream, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._upstream = upstream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._upstream.close()
 
 
 def relay_stream(
@@ -104,6 +137,10 @@ def relay_stream(
     def rewrite(event: bytes) -> bytes | None:
         return rewrite_event(event, file_params, split, want_usage)
 
-    return StreamingResponse(
-        relay_events(resp, rewrite, on_close), media_type="text/event-stream", headers=headers
+    upstream = _Upstream(resp, on_close)
+    return _RelayedStream(
+        relay_events(resp, rewrite, upstream),
+        upstream,
+        media_type="text/event-stream",
+        headers=headers,
     )

@@ -49,7 +49,14 @@ from server.contract import (
 )
 from server.errors import error_response
 from server.router import relay
-from server.router.edge import FORWARD_HEADERS, Refused, read_body, tenant_of, unavailable
+from server.router.edge import (
+    FORWARD_HEADERS,
+    Refused,
+    check_headers,
+    read_body,
+    tenant_of,
+    unavailable,
+)
 from server.router.index import ClusterIndex, Holding, Key
 from server.router.pool import Instance, Pool
 
@@ -58,6 +65,7 @@ logger = logging.getLogger("kvbranch.router")
 _T = TypeVar("_T")
 
 CLAIM_TIMEOUT_S = 5.0
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 class _Fallback(Exception):
@@ -129,6 +137,7 @@ class TurnFlow:
 
     async def completion(self, request: Request) -> Response:
         try:
+            check_headers(request)
             raw = await read_body(request)
         except Refused as refused:
             return refused.response
@@ -157,10 +166,13 @@ class TurnFlow:
         auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
         if self.pool.api_key:
             auth = self.pool.auth_headers()
+        content = json.dumps(HoldClaimRequest(handle=holding.params).model_dump()).encode()
+        auth.update(JSON_HEADERS)
+        auth.update(self.pool.proof("POST", HOLD_CLAIM_PATH, content))
         try:
             r = await self.client.post(
                 inst.url + HOLD_CLAIM_PATH,
-                json=HoldClaimRequest(handle=holding.params).model_dump(),
+                content=content,
                 headers=auth,
                 timeout=CLAIM_TIMEOUT_S,
             )
@@ -280,11 +292,21 @@ class _Turn:
             return await self.pool.choose_prefill(self.key)
         return await self.pool.choose_decode(None)
 
+    def encode(self, body: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+        """The leg's body bytes and headers: the client's own, and the router's proof when the
+        leg carries transfer params (an instance accepts them from the router only)."""
+        content = json.dumps(body).encode()
+        headers = {**self.headers, **JSON_HEADERS}
+        if TRANSFER_PARAMS_FIELD in body:
+            headers.update(self.pool.proof("POST", self.path, content))
+        return content, headers
+
     async def post(self, inst: Instance, body: dict[str, Any]) -> httpx.Response:
+        content, headers = self.encode(body)
         inst.inflight += 1
         inst.requests += 1
         try:
-            r = await self.flow.client.post(inst.url + self.path, json=body, headers=self.headers)
+            r = await self.flow.client.post(inst.url + self.path, content=content, headers=headers)
         except httpx.HTTPError as exc:
             self.pool.failed(inst, reachable=False)
             raise _transport_failure(exc) from None
@@ -387,15 +409,19 @@ class _Turn:
         inst.inflight += 1
         inst.requests += 1
         client = self.flow.client
+        content, headers = self.encode(body)
         try:
             req = client.build_request(
-                "POST", inst.url + self.path, json=body, headers=self.headers
+                "POST", inst.url + self.path, content=content, headers=headers
             )
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as exc:
             inst.inflight -= 1
             self.pool.failed(inst, reachable=False)
             raise _transport_failure(exc) from None
+        except BaseException:  # the client left while the instance had not answered yet
+            inst.inflight -= 1
+            raise
         self.record(inst, resp.status_code)
         if resp.status_code != 200:
             await resp.aread()

@@ -11,8 +11,32 @@ import httpx
 BLOCK = 128
 
 
-def client(server) -> httpx.Client:
-    return httpx.Client(base_url=server.url, timeout=600.0, headers=server.headers())
+class RouterProof(httpx.Auth):
+    """Signs each request as the cluster's P/D router does (:mod:`server.cluster_auth`): what
+    a test needs to send transfer params or a hold claim straight to an instance, as the
+    router would (and what no client has)."""
+
+    requires_request_body = True
+
+    def __init__(self, secret: str) -> None:
+        self.secret = secret.encode()
+
+    def auth_flow(self, request: httpx.Request):
+        from server.cluster_auth import ROUTER_PROOF_HEADER, sign
+
+        request.headers[ROUTER_PROOF_HEADER] = sign(
+            self.secret, request.method, request.url.path, request.content
+        )
+        yield request
+
+
+def client(server, auth: httpx.Auth | None = None, headers: dict | None = None) -> httpx.Client:
+    return httpx.Client(
+        base_url=server.url,
+        timeout=600.0,
+        headers={**server.headers(), **(headers or {})},
+        auth=auth,
+    )
 
 
 def create_session(server, **body) -> None:
@@ -30,7 +54,7 @@ def branch_info(server, session: str, branch: str = "main") -> dict:
     return r.json()
 
 
-def chat(server, messages, *, session=None, branch=None, max_tokens=12, **extra) -> dict:
+def chat(server, messages, *, session=None, branch=None, max_tokens=12, auth=None, **extra) -> dict:
     body = {
         "model": server.model,
         "messages": messages,
@@ -42,7 +66,7 @@ def chat(server, messages, *, session=None, branch=None, max_tokens=12, **extra)
         body["session_id"] = session
     if branch:
         body["vllm_xargs"] = {"kvbranch_branch": branch}
-    with client(server) as c:
+    with client(server, auth) as c:
         r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()

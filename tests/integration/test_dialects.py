@@ -16,7 +16,6 @@ import openai
 import pytest
 from langchain_openai import ChatOpenAI
 
-from server.process import ServerProcess
 from tests.integration.helpers import (
     BLOCK,
     client,
@@ -24,6 +23,7 @@ from tests.integration.helpers import (
     reset_device_cache,
     system_prompt,
 )
+from tests.server_process import ServerProcess
 
 STEPS = [
     "Step 0. Tool result: weather in Paris is 18C, light rain. What next?",

@@ -18,74 +18,27 @@ vLLM server on every answer (greedy, token for token).
 from __future__ import annotations
 
 import concurrent.futures
-import secrets
 import time
 
 import httpx
 import pytest
 
 from server.connector.transfer_auth import (
-    ENV_CLUSTER_SECRET,
     EXPIRES_FIELD,
     MAC_FIELD,
     seal,
 )
 from server.contract import HOLD_CLAIM_PATH
-from server.process import free_port
 from tests.integration.helpers import chat, client, system_prompt, text_of
-from tests.server_process import ServerProcess
+from tests.integration.trust_cluster import CLUSTER_SECRET, as_router
 
-SECRET = secrets.token_hex(32)
-INSTANCE_ARGS = [
-    "--kv-cache-gib",
-    "0.1",
-    "--host-store-gib",
-    "0.25",
-    "--max-model-len",
-    "2048",
-    "--pd-hold-ttl-s",
-    "900",
-]
+SECRET = CLUSTER_SECRET
 SYSTEM = system_prompt(words=120, seed=13)
 
 
-def _instance(role: str, core: str) -> ServerProcess:
-    return ServerProcess(
-        [*INSTANCE_ARGS, "--role", role, "--cpu-cores", core, "--nixl-port", str(free_port())],
-        name=f"trust-{role}",
-        ready_timeout=900,
-        env={ENV_CLUSTER_SECRET: SECRET},
-    )
-
-
 @pytest.fixture(scope="module")
-def pd():
-    prefill, decode = _instance("prefill", "0"), _instance("decode", "1")
-    router = None
-    try:
-        prefill.launch()
-        decode.launch()
-        prefill.wait_ready()
-        decode.wait_ready()
-        router = ServerProcess(
-            [
-                "--role",
-                "router",
-                "--prefill",
-                prefill.url,
-                "--decode",
-                decode.url,
-                "--pd-hold-ttl-s",
-                "900",
-            ],
-            name="trust-router",
-            ready_timeout=120,
-        ).start()
-        yield prefill, decode, router
-    finally:
-        for proc in (router, prefill, decode):
-            if proc is not None:
-                proc.stop()
+def pd(keyed_pd):
+    return keyed_pd
 
 
 def _body(server, messages, max_tokens, **extra):
@@ -99,7 +52,8 @@ def _body(server, messages, max_tokens, **extra):
 
 
 def _post(server, body, headers=None) -> httpx.Response:
-    with client(server) as c:
+    """As the router sends it (signed): these tests check the instances' own handle checks."""
+    with client(server, as_router()) as c:
         return c.post("/v1/chat/completions", json=body, headers=headers or {})
 
 
@@ -194,7 +148,9 @@ def test_turns_d_served_alone_yield_their_blocks_to_new_work(pd, plain_server):
         session_id="alone-full3",
         kv_transfer_params={"do_remote_prefill": False},
     )
-    with httpx.Client(base_url=decode.url, timeout=240.0, headers=decode.headers()) as c:
+    with httpx.Client(
+        base_url=decode.url, timeout=240.0, headers=decode.headers(), auth=as_router()
+    ) as c:
         r = c.post("/v1/chat/completions", json=body)  # the old code: no answer in 900 s
     assert r.status_code == 200, r.text
     assert text_of(r.json()) == text_of(chat(plain_server, conversations[3], max_tokens=8))
@@ -260,6 +216,7 @@ def _held_handle(decode, messages, session, max_tokens=40) -> dict:
         max_tokens=max_tokens,
         session_id=session,
         kv_transfer_params={"do_remote_prefill": False},
+        auth=as_router(),
     )
     params = data.get("kv_transfer_params")
     assert isinstance(params, dict) and params.get("remote_block_ids"), data
@@ -267,7 +224,7 @@ def _held_handle(decode, messages, session, max_tokens=40) -> dict:
 
 
 def _claim(decode, handle) -> httpx.Response:
-    with client(decode) as c:
+    with client(decode, as_router()) as c:
         return c.post(HOLD_CLAIM_PATH, json={"handle": handle})
 
 
@@ -362,7 +319,7 @@ def test_handles_are_checked_before_any_read(pd, plain_server):
     again = _claim(decode, handle)
     assert again.status_code == 410 and "message" in again.json()["error"]
     # claim route: bad bodies are 4xx
-    with client(decode) as c:
+    with client(decode, as_router()) as c:
         for body in ({}, {"handle": "x"}, {"handle": {"remote_request_id": "r"}}, [1]):
             bad = c.post(HOLD_CLAIM_PATH, json=body)
             assert 400 <= bad.status_code < 500, bad.text
@@ -399,14 +356,18 @@ def test_a_prefill_handle_for_another_prompt_is_not_read_by_d(pd, plain_server):
     prefill, decode, router = pd
     a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}]
     b = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a color."}]
-    p_data = chat(prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p_data = chat(
+        prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, auth=as_router()
+    )
     p_handle = p_data["kv_transfer_params"]
     assert p_handle.get("do_remote_prefill") and p_handle.get("remote_block_ids")
     r = _post(decode, _body(decode, b, 16, kv_transfer_params=p_handle))
     assert r.status_code == 200, r.text  # D declined the handle and computed b itself
     assert text_of(r.json()) == text_of(chat(plain_server, b, max_tokens=16))
     # the right prompt still works (and is read from P)
-    p_data = chat(prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p_data = chat(
+        prefill, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, auth=as_router()
+    )
     r = _post(decode, _body(decode, a, 16, kv_transfer_params=p_data["kv_transfer_params"]))
     assert r.status_code == 200, r.text
     assert text_of(r.json()) == text_of(chat(plain_server, a, max_tokens=16))

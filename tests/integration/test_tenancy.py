@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from server.process import ServerProcess
 from tests.integration.helpers import keyed_server_args, system_prompt
+from tests.server_process import ServerProcess
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 KEY_C = "tenant-c-key"  # only the quota test uses it: quotas are per tenant

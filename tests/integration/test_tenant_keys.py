@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.process import ServerProcess
+from tests.server_process import ServerProcess
 
 KEY_A, KEY_B = "pass-a-key", "pass-b-key"
 ARGS = ["--kv-cache-gib", "0.25", "--host-store-gib", "0.1", "--max-model-len", "2048"]

@@ -1,0 +1,53 @@
+"""The keyed P/D cluster, one per test session: real P, D and router (NIXL over UCX on
+loopback) with two API keys (two tenants) and a cluster secret the tests know — so a test can
+play a client of either tenant, or sign requests as the router does (``RouterProof``).
+
+Sized to run beside the plain reference server: a small device cache (0.1 GiB, 18 blocks of
+128 tokens) and long holds (900 s), so that holds, claims and releases are all reachable."""
+
+from __future__ import annotations
+
+import secrets
+
+from server.connector.transfer_auth import ENV_CLUSTER_SECRET
+from server.process import free_port
+from tests.integration.helpers import RouterProof
+from tests.server_process import ServerProcess
+
+CLUSTER_SECRET = secrets.token_hex(32)
+KEY_A = "tenant-a-" + secrets.token_hex(8)
+KEY_B = "tenant-b-" + secrets.token_hex(8)
+KEYS = ["--api-key", KEY_A, "--api-key", KEY_B]
+TRUST_INSTANCE_ARGS = [
+    "--kv-cache-gib",
+    "0.1",
+    "--host-store-gib",
+    "0.25",
+    "--max-model-len",
+    "2048",
+    "--pd-hold-ttl-s",
+    "900",
+    *KEYS,
+]
+
+
+def as_router() -> RouterProof:
+    """Requests signed as this cluster's router signs them."""
+    return RouterProof(CLUSTER_SECRET)
+
+
+def trust_instance(role: str, core: str) -> ServerProcess:
+    return ServerProcess(
+        [
+            *TRUST_INSTANCE_ARGS,
+            "--role",
+            role,
+            "--cpu-cores",
+            core,
+            "--nixl-port",
+            str(free_port()),
+        ],
+        name=f"trust-{role}",
+        ready_timeout=900,
+        env={ENV_CLUSTER_SECRET: CLUSTER_SECRET},
+    )
