@@ -17,8 +17,14 @@ Users arrive with the clients they already have; those already speak a cache-hin
   blocks, or the request-level ``cache_control``, pin the session's branch — which holds the
   prefix up to the breakpoint — with the longest ttl given. Without an explicit session
   (``X-Session-ID`` or ``vllm_xargs.session_id``) the session is ``cc-`` + a digest of the
-  prefix up to the last breakpoint (cache_control and ttl left out, the client's cache_salt
-  in), so a request that repeats that prefix lands in the same session. Usage is rewritten the
+  conversation's *head*: tools, system and the first message — or the prefix up to the last
+  breakpoint when that ends earlier (a breakpoint on tools or system) — with cache_control and
+  ttl left out, the model and the client's cache_salt in. So every turn of a conversation lands
+  in one session, however its breakpoint moves along the messages (Anthropic's examples mark
+  the newest block each turn), and the server's sessions grow with conversations, not turns;
+  a request that repeats a tools/system prefix lands in that prefix's session. Conversations
+  that share a head share a session: the planner verifies tokens, so they reuse what they have
+  in common and never each other's divergent tails. Usage is rewritten the
   way Anthropic clients read it: ``cache_read_input_tokens`` = prompt tokens served from cache
   (device + host store + peer), ``cache_creation_input_tokens`` = tokens of the breakpoint
   prefix this request computed (kvbranch keeps them: device cache, host store, tails; an
@@ -63,6 +69,7 @@ from server.contract import (
     SESSION_XARG,
     check_id,
 )
+from server.contract.wire import has_lone_surrogate
 
 logger = logging.getLogger("kvbranch.dialects")
 
@@ -150,6 +157,12 @@ def cache_key_session(value: Any) -> str | None:
     if len(value) > MAX_CACHE_KEY_CHARS:
         raise DialectError(
             param, f"{param} must be at most {MAX_CACHE_KEY_CHARS} characters, got {len(value)}"
+        )
+    if has_lone_surrogate(value):  # no UTF-8 for a digest, nor for vLLM's echo of the key
+        raise DialectError(
+            param,
+            f"{param} must be valid Unicode: it contains a lone UTF-16 surrogate, got "
+            f"{ascii(value)[:80]}",
         )
     try:
         return check_id(value, param)
@@ -288,20 +301,32 @@ def at_end(payload: dict, point: Breakpoint) -> bool:
     return isinstance(content, list) and point.block == len(content) - 1
 
 
+def conversation_head(payload: dict, point: Breakpoint) -> dict:
+    """What names a request's derived session: the prefix up to ``point`` when that ends in
+    tools, system or the first message, else tools, system and the first message — the part
+    of a conversation that every one of its turns repeats (cache_control kept)."""
+    if point.section in ("tools", "system") or (point.section == "messages" and point.index == 0):
+        return prefix_of(payload, point)
+    head = prefix_of(payload, Breakpoint("end", 0, None, point.ttl_s, point.param))
+    head["messages"] = head["messages"][:1]
+    return head
+
+
 def breakpoint_session(payload: dict, point: Breakpoint) -> str:
-    """``cc-`` + a digest of the prefix up to ``point`` (without cache_control), the model and
-    the client's cache_salt: a request repeating that prefix gets the same session."""
+    """``cc-`` + a digest of the conversation's head (:func:`conversation_head`, without
+    cache_control), the model and the client's cache_salt: every turn of a conversation, and
+    every request repeating a tools/system prefix, gets the same session. Never raises on odd
+    text (a lone surrogate is digested as its code point: ``surrogatepass``)."""
     canonical = {
-        "prefix": _strip_cache_control(prefix_of(payload, point)),
+        "prefix": _strip_cache_control(conversation_head(payload, point)),
         "model": payload.get("model"),
         "cache_salt": payload.get("cache_salt"),
     }
     text = json.dumps(
         canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
     )
-    return (
-        BREAKPOINT_SESSION_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()[:_DIGEST_CHARS]
-    )
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return BREAKPOINT_SESSION_PREFIX + digest[:_DIGEST_CHARS]
 
 
 def has_session(payload: dict, path: str, session_header: str | None, xargs: Any) -> bool:

@@ -467,3 +467,101 @@ def test_pin_hint_pins_a_session_without_auto_pin():
     planner.on_new_request(req)
     planner.request_finished(req)
     assert registry.get_branch("quiet", "main").pin_ttl_s == 1800.0
+
+
+# --- issue 22: a conversation is one session, hostile text is a 400 ----------------------------
+def _turns(n: int, first: str = "Plan a trip to Paris.") -> list[dict]:
+    """An Anthropic conversation of ``n`` turns, each request with its breakpoint on the newest
+    block (as Anthropic's SDK examples do), the older ones' cache_control dropped."""
+    requests = []
+    messages: list[dict] = []
+    for turn in range(n):
+        text = first if turn == 0 else f"Turn {turn}: and then?"
+        if turn:
+            messages.append({"role": "assistant", "content": f"Answer {turn - 1}."})
+        messages.append({"role": "user", "content": [{"type": "text", "text": text}]})
+        for m in messages:
+            if isinstance(m["content"], list):
+                m["content"] = [
+                    {k: v for k, v in b.items() if k != "cache_control"} for b in m["content"]
+                ]
+        newest = json.loads(json.dumps(messages))
+        newest[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+        requests.append(anthropic(messages=newest))
+    return requests
+
+
+def test_a_conversation_is_one_session_across_its_turns():
+    """21 turns with the breakpoint on the newest block: one derived session (before: 21,
+    which used up a 20-session tenant quota)."""
+    sessions = {dialects.apply(r, MESSAGES).session_id for r in _turns(21)}
+    assert len(sessions) == 1
+    (session,) = sessions
+    assert session.startswith("cc-")
+    check_id(session)
+    # another conversation (another first message) is another session
+    other = {dialects.apply(r, MESSAGES).session_id for r in _turns(3, "Plan a trip to Rome.")}
+    assert len(other) == 1 and other != sessions
+    # the system prompt and the model are part of the head too
+    changed = _turns(2)[1]
+    changed["system"] = [{"type": "text", "text": "You are verbose."}]
+    assert dialects.apply(changed, MESSAGES).session_id not in sessions
+    assert dialects.apply(dict(_turns(2)[1], model="m2"), MESSAGES).session_id not in sessions
+    salted = dict(_turns(2)[1], cache_salt="s")
+    assert dialects.apply(salted, MESSAGES).session_id not in sessions
+
+
+def test_the_head_also_holds_with_a_system_breakpoint_and_a_moving_one():
+    turns = _turns(4)
+    for r in turns:
+        r["system"][0]["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+    assert len({dialects.apply(r, MESSAGES).session_id for r in turns}) == 1
+    # the request-level cache_control marks the end: the same head, the same session
+    plain = _turns(3)[2]
+    top = json.loads(json.dumps(plain))
+    top["messages"][-1]["content"][-1].pop("cache_control")
+    top["cache_control"] = {"type": "ephemeral"}
+    assert dialects.apply(top, MESSAGES).session_id == dialects.apply(plain, MESSAGES).session_id
+
+
+def test_the_usage_prefix_still_follows_the_last_breakpoint():
+    """Only the session name moved to the head: what a breakpoint counts is unchanged."""
+    request = _turns(3)[2]
+    request["messages"][-1]["content"].append({"type": "text", "text": "tail"})
+    hints = dialects.apply(request, MESSAGES)
+    assert hints.usage.prefix_request["messages"] == request["messages"][:-1] + [
+        {"role": "user", "content": request["messages"][-1]["content"][:1]}
+    ]
+    assert hints.session_id == dialects.apply(_turns(3)[2], MESSAGES).session_id
+
+
+def test_a_conversation_fills_one_registry_slot_not_one_per_turn():
+    """The quota symptom, end to end in the connector: 21 turns' derived sessions reach the
+    planner as one session, so a tenant quota of 20 is not spent by one conversation."""
+    planner, _, registry = make_planner(num_slots=64)
+    registry.max_sessions_per_tenant = 20
+    for turn, request in enumerate(_turns(21)):
+        hints = dialects.apply(request, MESSAGES)
+        req = make_request(f"r{turn}", BS + 1, session_id=hints.session_id, extra=None)
+        planner.on_new_request(req)
+        planner.request_finished(req)
+    assert len(registry.sessions) == 1
+    registry.create_session("explicit")  # the next explicit create still fits the quota
+
+
+@pytest.mark.parametrize("key", ["\ud800", "ok\udfffok", "a" + "\udc00" * 3])
+def test_a_lone_surrogate_cache_key_is_a_named_400_not_a_crash(key):
+    found = dialects.problem(chat(prompt_cache_key=key), CHAT)
+    assert found is not None and found[0] == "prompt_cache_key"
+    assert "surrogate" in found[1]
+    found[1].encode("utf-8")  # the message itself is encodable
+    assert dialects.apply(chat(prompt_cache_key=key), CHAT).session_id is None
+
+
+def test_a_breakpoint_digest_never_raises_on_a_lone_surrogate():
+    request = _turns(1, "broken \ud800 text")[0]
+    request["cache_salt"] = "salt\udc00"
+    session = dialects.apply(request, MESSAGES).session_id
+    assert session is not None
+    check_id(session)
+    assert session != dialects.apply(_turns(1, "broken  text")[0], MESSAGES).session_id
