@@ -123,6 +123,9 @@ ALREADY_EXISTS = "already exists"
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _ID_RE = re.compile(ID_PATTERN)
 MAX_TTL_S = 24 * 3600.0
+#: Deeper JSON request bodies get 400 from the guard: ``json.loads`` and every recursive
+#: walk after it (re-encoding, pydantic, the dialects) would hit Python's recursion limit.
+MAX_JSON_DEPTH = 100
 
 
 #: vLLM's rules for ``cache_salt`` (``validate_cache_salt``): checked before kvbranch derives
@@ -142,11 +145,29 @@ def check_cache_salt(value: Any) -> None:
             "Parameter 'cache_salt' must be at most 128 characters and must not "
             "contain '@', '/', '\\\\', or NUL."
         )
+    if has_lone_surrogate(value):  # not Unicode: no digest, prompt or answer can encode it
+        raise ValueError(
+            "Parameter 'cache_salt' must be valid Unicode: it contains a lone UTF-16 "
+            "surrogate (\\ud800-\\udfff)."
+        )
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a lone UTF-16 surrogate (JSON's ``"\\ud800"``, which
+    ``json.loads`` accepts): such a string is not Unicode, and encoding it as UTF-8 raises."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def check_id(value: str, what: str = "id") -> str:
-    """Ids are 1-128 characters of ``[A-Za-z0-9._:-]``, starting alphanumeric."""
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    """Ids are 1-128 characters of ``[A-Za-z0-9._:-]``, starting alphanumeric — the whole
+    value (``fullmatch``: ``$`` alone would let a trailing newline through)."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise ValueError(
             f"{what} must be 1-128 characters of letters, digits, '.', '_', ':' or '-' "
             f"(starting with a letter or digit), got {value!r}"

@@ -15,6 +15,10 @@ vLLM's own key check, where it applies, runs before it).
   this, a request with a session id that no route can address (``../x``, a space, 10 000
   characters) would create a session — and auto-pin its blocks — that nobody could ever get
   or delete.
+* **Hostile JSON**: a body nested deeper than :data:`server.contract.wire.MAX_JSON_DEPTH`, or
+  with a lone UTF-16 surrogate in any string, is a 400 naming where
+  (:mod:`server.plugin.json_body`): past this layer both would raise (``RecursionError``,
+  ``UnicodeEncodeError``): a 500, and a dropped keep-alive connection.
 * **Client salt**: with keys, a ``cache_salt`` vLLM would refuse gets vLLM's 400 here, since
   the middleware turns any client salt into a valid tenant salt.
 
@@ -25,7 +29,6 @@ Errors use the contract's shape (:func:`server.errors.send_error`): ``{"error": 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from server.contract import (
@@ -47,7 +50,7 @@ from server.contract import (
     check_id,
 )
 from server.errors import send_error
-from server.plugin import dialects
+from server.plugin import dialects, json_body
 from server.plugin.middleware import xargs_of
 from server.plugin.request import drain, header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
@@ -152,12 +155,14 @@ class KVBranchGuard:
             await self._reply(send, 413, too_big, None)
             return
         body = request_body.data
+        # Parsed once, here: too deep or a lone surrogate is a 400 (json_body.py); a body that
+        # is not JSON is answered by its route.
+        payload, problem = json_body.parse(body)
+        if problem is not None:
+            await self._reply(send, 400, problem[1], problem[0])
+            return
 
         if path in GENERATE_PATHS:
-            try:
-                payload = json.loads(body)
-            except ValueError:
-                payload = None  # vLLM answers malformed JSON itself
             if isinstance(payload, dict):
                 problem = id_problem(
                     payload, header(scope, SESSION_HEADER), header(scope, BRANCH_HEADER), path

@@ -116,3 +116,84 @@ def test_bad_responses_session_id_is_400_before_the_app():
     body = json.dumps({"model": "m", "input": "x", "session_id": "a/b"}).encode()
     sent, reached, _ = _run(guard, "/v1/responses", [body])
     assert sent[0]["status"] == 400 and not reached
+
+
+# --- issue 22: hostile JSON is a named 400, never an exception after the answer ----------------
+def _hostile(path: str, raw: bytes, monkeypatch=None):
+    """Run ``raw`` through the guard; it must answer without raising (an exception after the
+    answer makes uvicorn drop the keep-alive connection)."""
+    sent, reached, _ = _run(KVBranchGuard(None), path, [raw])
+    return sent, reached
+
+
+def _error(sent: list[dict]) -> dict:
+    body = sent[1]["body"]
+    body.decode("utf-8")  # valid UTF-8, whatever the client sent
+    return json.loads(body)["error"]
+
+
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        (
+            "/v1/chat/completions",
+            b'{"model":"m","messages":[],"prompt_cache_key":"\\ud800"}',
+            "prompt_cache_key",
+        ),
+        ("/v1/chat/completions", b'{"model":"m","cache_salt":"\\udfff"}', "cache_salt"),
+        (
+            "/v1/messages",
+            b'{"model":"m","max_tokens":4,"messages":[{"role":"user","content":[{"type":"text",'
+            b'"text":"a\\ud800b","cache_control":{"type":"ephemeral"}}]}]}',
+            "messages[0].content[0].text",
+        ),
+        # raw bytes of a surrogate (json.loads decodes bytes with 'surrogatepass')
+        ("/v1/completions", b'{"model":"m","prompt":"x\xed\xa0\x80"}', "prompt"),
+        ("/v1/responses", b'{"model":"m","input":"x","metadata":{"\\ud800":"k"}}', "metadata"),
+        ("/v1/kvbranch/sessions", b'{"session_id":"\\ud800"}', "session_id"),
+    ],
+)
+def test_a_lone_surrogate_is_a_named_400(path, raw, param):
+    sent, reached = _hostile(path, raw)
+    assert sent[0]["status"] == 400 and not reached
+    error = _error(sent)
+    assert error["param"].startswith(param) and "surrogate" in error["message"]
+
+
+def test_a_lone_surrogate_salt_is_a_400_with_keys_too(monkeypatch):
+    from server.settings import ENV_API_KEYS
+
+    monkeypatch.setenv(ENV_API_KEYS, "key-a")
+    raw = b'{"model":"m","messages":[],"cache_salt":"\\ud800"}'
+    sent, reached, _ = _run(
+        KVBranchGuard(None),
+        "/v1/chat/completions",
+        [raw],
+        headers=[(b"authorization", b"Bearer key-a")],
+    )
+    assert sent[0]["status"] == 400 and not reached
+    assert _error(sent)["param"] == "cache_salt"
+
+
+def test_valid_surrogate_pairs_and_plain_unicode_pass():
+    raw = b'{"model":"m","messages":[{"role":"user","content":"\\ud83d\\ude00 \xc3\xa9"}]}'
+    sent, reached = _hostile("/v1/chat/completions", raw)
+    assert sent[0]["status"] == 200 and reached == [raw]
+
+
+@pytest.mark.parametrize("depth", [101, 5000, 100_000])
+def test_deep_nesting_is_a_400_not_a_recursion_error(depth):
+    raw = b'{"model":"m","messages":' + b"[" * depth + b"]" * depth + b"}"
+    sent, reached = _hostile("/v1/chat/completions", raw)
+    assert sent[0]["status"] == 400 and not reached
+    assert "nested too deeply" in _error(sent)["message"]
+    sent, reached = _hostile("/v1/kvbranch/sessions", b"[" * depth + b"]" * depth)
+    assert sent[0]["status"] == 400 and not reached
+
+
+def test_ordinary_nesting_and_non_json_bodies_pass():
+    raw = b'{"model":"m","messages":' + b"[" * 90 + b"]" * 90 + b"}"
+    assert _hostile("/v1/chat/completions", raw)[0][0]["status"] == 200
+    for junk in (b"not json", b"\xff\xfe\x00", b""):
+        sent, reached = _hostile("/v1/chat/completions", junk)
+        assert sent[0]["status"] == 200 and reached == [junk]  # vLLM answers it itself
