@@ -24,10 +24,12 @@ class KVBranchPlugin:
         from server.plugin.guard import KVBranchGuard
         from server.plugin.holds import router as holds_router
         from server.plugin.middleware import KVBranchMiddleware
+        from server.plugin.responses_scope import ResponsesScope
         from server.plugin.routes import router
 
         app.include_router(router)
         app.include_router(holds_router)
+        app.add_middleware(ResponsesScope)  # innermost: stored responses scoped by API key
         app.add_middleware(KVBranchMiddleware)
         app.add_middleware(KVBranchGuard)  # added last = outermost: size and id checks first
 
