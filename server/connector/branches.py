@@ -7,7 +7,12 @@ without importing each other.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, Generic, TypeVar, overload
+
+T = TypeVar("T")
 
 DEFAULT_BRANCH = "main"
 DEFAULT_MAX_SESSIONS_PER_TENANT = 1000
@@ -48,15 +53,149 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_urlsafe(16)}"
 
 
+#: Segments a :class:`SharedSeq` may chain before :meth:`SharedSeq.extend` flattens it.
+MAX_SEGMENTS = 32
+
+
+class SharedSeq(Sequence[T], Generic[T]):
+    """An immutable sequence that shares its prefix with the sequence it was cut from or
+    extended from: a branch's tokens and block hashes. A fork refers to its parent's tokens
+    (:meth:`prefix`, O(1)); a turn adds only its own new tokens (:meth:`rebased`, memory for
+    the suffix past the common prefix). Without this every fork and every turn copied the whole
+    token list: 1000 sessions x 256 forks of 8k tokens was ~19 GB of Python lists.
+
+    A node is (parent, cut, own): the parent's first ``cut`` items, then ``own``. Chains are
+    at most :data:`MAX_SEGMENTS` deep (then flattened: one copy per that many turns)."""
+
+    __slots__ = ("_parent", "_cut", "_own", "_len", "_depth")
+
+    def __init__(
+        self, items: Sequence[T] = (), *, _parent: SharedSeq[T] | None = None, _cut: int = 0
+    ) -> None:
+        self._parent = _parent
+        self._cut = _cut if _parent is not None else 0
+        self._own: tuple[T, ...] = tuple(items)
+        self._len = self._cut + len(self._own)
+        self._depth = _parent._depth + 1 if _parent is not None else 0
+
+    @classmethod
+    def of(cls, items: Sequence[T]) -> SharedSeq[T]:
+        return items if isinstance(items, SharedSeq) else cls(items)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def pieces(self) -> list[tuple[T, ...]]:
+        """The items as consecutive tuples, first to last (no copy of whole segments)."""
+        out: list[tuple[T, ...]] = []
+        node: SharedSeq[T] | None = self
+        visible = self._len
+        while node is not None:
+            k = visible - node._cut
+            if k > 0:
+                out.append(node._own if k == len(node._own) else node._own[:k])
+            visible = node._cut
+            node = node._parent
+        out.reverse()
+        return out
+
+    def __iter__(self) -> Iterator[T]:
+        return chain.from_iterable(self.pieces())
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> SharedSeq[T]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._len)
+            if start == 0 and step == 1:
+                return self.prefix(stop)
+            return SharedSeq(tuple(self)[i])
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError("SharedSeq index out of range")
+        node = self
+        while i < node._cut:
+            assert node._parent is not None
+            node = node._parent
+        return node._own[i - node._cut]
+
+    def prefix(self, n: int) -> SharedSeq[T]:
+        """The first ``n`` items, sharing this sequence's memory (O(depth), no copy)."""
+        n = max(0, min(n, self._len))
+        if n == self._len:
+            return self
+        if n == 0:
+            return SharedSeq()
+        node = self
+        while node._parent is not None and n <= node._cut:
+            node = node._parent
+        if n == node._len:
+            return node
+        return SharedSeq(_parent=node, _cut=n)
+
+    def extend(self, items: Sequence[T]) -> SharedSeq[T]:
+        """This sequence followed by ``items`` (only ``items`` is new memory)."""
+        own = tuple(items)
+        if not own:
+            return self
+        if self._len == 0:
+            return SharedSeq(own)
+        if self._depth >= MAX_SEGMENTS:
+            return SharedSeq(tuple(self) + own)
+        return SharedSeq(own, _parent=self, _cut=self._len)
+
+    def common_prefix(self, other: Sequence[T]) -> int:
+        """How many leading items this sequence and ``other`` share (compared a segment at a
+        time, at C speed)."""
+        if not isinstance(other, tuple):
+            other = tuple(other)
+        n = 0
+        for piece in self.pieces():
+            theirs = other[n : n + len(piece)]
+            if theirs == piece:
+                n += len(piece)
+                continue
+            for x, y in zip(piece, theirs, strict=False):
+                if x != y:
+                    break
+                n += 1
+            return n
+        return n
+
+    def rebased(self, items: Sequence[T]) -> SharedSeq[T]:
+        """``items`` as a sequence that shares its common prefix with this one."""
+        n = self.common_prefix(items)
+        return self.prefix(n).extend(items[n:])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (SharedSeq, list, tuple)):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SharedSeq({list(self)!r})"
+
+
+def shared(items: Sequence[T]) -> SharedSeq[T]:
+    return SharedSeq.of(items)
+
+
 @dataclass
 class Branch:
     session_id: str
     branch_id: str
     parent: str | None = None
     fork_offset_tokens: int | None = None
-    token_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    pinned_hashes: list[bytes] = field(default_factory=list)
+    #: Shared with the parent and the previous turn (:class:`SharedSeq`); any sequence given
+    #: to the constructor is converted.
+    token_ids: SharedSeq[int] = field(default_factory=SharedSeq)
+    block_hashes: SharedSeq[bytes] = field(default_factory=SharedSeq)
+    pinned_hashes: Sequence[bytes] = field(default_factory=SharedSeq)
     pin_expires_at: float | None = None
     pin_ttl_s: float | None = None
     pinned_at: float = 0.0
@@ -68,12 +207,15 @@ class Branch:
     tail_key: bytes | None = None
     tail_start: int = 0
 
-    def wanted_pins(self) -> list[bytes]:
-        """What a pin of this branch holds: its full blocks and its tail."""
-        wanted = list(self.block_hashes)
-        if self.tail_key is not None:
-            wanted.append(self.tail_key)
-        return list(dict.fromkeys(wanted))
+    def __post_init__(self) -> None:
+        self.token_ids = SharedSeq.of(self.token_ids)
+        self.block_hashes = SharedSeq.of(self.block_hashes)
+
+    def wanted_pins(self) -> SharedSeq[bytes]:
+        """What a pin of this branch holds: its full blocks and its tail (no copy: shared
+        with the branch's block hashes; a tail key never equals a block hash)."""
+        hashes = SharedSeq.of(self.block_hashes)
+        return hashes.extend((self.tail_key,)) if self.tail_key is not None else hashes
 
     @property
     def pinned(self) -> bool:

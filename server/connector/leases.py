@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from server.connector.block_index import HostBlockIndex
-from server.connector.branches import Branch, Conflict, LeaseKey
+from server.connector.branches import Branch, Conflict, LeaseKey, SharedSeq
 
 
 class PinLeases:
@@ -162,7 +162,7 @@ class PinLeases:
 
     def unpin_all(self, branch: Branch) -> int:
         released = sum(1 for h in branch.pinned_hashes if self._unpin_hash(branch.owner, h))
-        branch.pinned_hashes = []
+        branch.pinned_hashes = SharedSeq()
         key = branch.lease_key
         self._leases.pop(key, None)
         mine = self._tenant_leases.get(branch.owner)

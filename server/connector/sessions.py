@@ -36,6 +36,7 @@ from server.connector.branches import (  # noqa: F401 - re-exported: the registr
     RegistryError,
     Session,
     SessionKey,
+    SharedSeq,
     new_id,
 )
 from server.connector.leases import PinLeases
@@ -225,12 +226,9 @@ class SessionRegistry:
         if branch_id in session.branches:
             raise Conflict(f"branch {branch_id!r} {ALREADY_EXISTS} in session {session_id!r}")
         self._check_branch_quota(session)
+        parent_tokens = SharedSeq.of(parent.token_ids)
         if token_prefix is not None:
-            offset = 0
-            for mine, theirs in zip(parent.token_ids, token_prefix, strict=False):
-                if mine != theirs:
-                    break
-                offset += 1
+            offset = parent_tokens.common_prefix(token_prefix)
         elif token_offset is not None:
             if token_offset > len(parent.token_ids):
                 raise RegistryError(
@@ -249,8 +247,9 @@ class SessionRegistry:
             branch_id,
             parent=parent_id,
             fork_offset_tokens=offset,
-            token_ids=parent.token_ids[:offset],
-            block_hashes=parent.block_hashes[:full_blocks],
+            # Shared with the parent, not copied (O(1) per fork until it diverges).
+            token_ids=parent_tokens.prefix(offset),
+            block_hashes=SharedSeq.of(parent.block_hashes).prefix(full_blocks),
             cache_salt=parent.cache_salt,
             owner=owner,
             tail_key=parent.tail_key if keeps_tail else None,
@@ -327,8 +326,10 @@ class SessionRegistry:
             self._check_branch_quota(session)
             branch = Branch(session_id, branch_id, owner=owner)
             session.branches[branch_id] = branch
-        branch.token_ids = list(token_ids)
-        branch.block_hashes = list(block_hashes)
+        # Only what this request added past the branch's tokens is new memory (forks share
+        # their parent's, turns the previous turn's).
+        branch.token_ids = SharedSeq.of(branch.token_ids).rebased(token_ids)
+        branch.block_hashes = SharedSeq.of(branch.block_hashes).rebased(block_hashes)
         branch.tail_key, branch.tail_start = tail if tail is not None else (None, 0)
         branch.cache_salt = cache_salt
         branch.requests += 1

@@ -245,8 +245,11 @@ def test_fork_default_is_whole_parent_and_generated_id():
     assert fork.branch_id.startswith("br_")
     assert fork.token_ids == tokens and fork.block_hashes == hashes
     assert fork.fork_offset_tokens == len(tokens)
-    # the fork's lists are copies: extending it leaves the parent alone
-    fork.token_ids.append(1)
+    # the fork shares the parent's (immutable) tokens; its own turn leaves the parent alone
+    assert fork.token_ids is reg.get_branch("s", DEFAULT_BRANCH).token_ids
+    assert not hasattr(fork.token_ids, "append")
+    observe(reg, "s", fork.branch_id, tokens + [1], hashes)
+    assert reg.get_branch("s", fork.branch_id).token_ids == tokens + [1]
     assert reg.get_branch("s", DEFAULT_BRANCH).token_ids == tokens
 
 
