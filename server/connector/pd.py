@@ -6,10 +6,22 @@
    finished conversation's blocks under a TTL and P pulls them back on the next turn), plus
    what upstream lacks for correctness and for these machines:
 
+   * **handles checked on first sight**: the client's ``kv_transfer_params`` are cut to an
+     allow-list before upstream reads them (no client-set marker survives: issue 22), a
+     handle naming a peer must be sealed, fresh, claimed (P), unused and of this engine's
+     identity (tenant, adapter, model, KV dtype, block size), and the verdict is kept here,
+     per engine request, not in the params (:mod:`~server.connector.transfer_params`,
+     :mod:`~server.connector.transfer_auth`). A declined handle is stripped of every field
+     that names a peer: the request recomputes and NIXL contacts nobody.
    * **token-prefix check**: D's returned transfer params carry the token ids its blocks hold;
      P pulls only the longest prefix of its prompt that equals them (upstream reads the first
      ``min(remote_num_tokens, prompt_len)`` positions unchecked, so a re-rendered chat history
      silently gets wrong KV — PD_NOTES pitfall 5). Params without token ids pull nothing.
+     A request that reads no prefix cache (prompt logprobs) pulls nothing.
+   * **hooks that never kill the engine**: an exception of ours or of upstream's on vLLM's
+     scheduler thread declines the handle instead; a read the scheduler waits on but
+     upstream never queued is reported received-with-nothing (recompute), and a read in
+     flight past ``pull_timeout_s`` is failed through upstream's failure path.
    * NIXL's UCX **progress thread off** (pitfall 3: it busy-spins and halves a shared core; the
      engine polls NIXL every step anyway), and the forward thread's **CPU affinity kept**
      (pitfall 4: NIXL's worker re-pins it to the last core of each NUMA node).
@@ -23,23 +35,19 @@ kept by request tag so that a *streaming* response can still return them (vLLM 0
 ``kv_transfer_params`` only on non-streaming responses — pitfall 2).
 
 (Over 400 lines on purpose: the two connector classes override NIXL's hooks that must see the
-same handle checks and hold registry within one request's life; the pure handle logic already
-lives in ``transfer_auth.py``. Splitting the subclasses apart would spread one request's
-verification over files. Next split candidate: ``HoldRegistry`` into its own module.)
+same handle checks and hold registry within one request's life; the pure handle logic lives in
+``transfer_params.py`` and ``transfer_auth.py``, the holds in ``hold_registry.py``. Splitting
+the subclasses apart would spread one request's verification over files.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -49,13 +57,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 
 from server.connector.connector import KVBranchConnector
 from server.connector.control import ControlError
+from server.connector.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
 from server.connector.transfer_auth import (
     CLAIM_FIELD,
     EXPIRES_FIELD,
     HASHES_FIELD,
     IDENTITY_FIELD,
     MAC_FIELD,
-    REMOTE_BLOCK_FIELDS,
     TOKENS_FIELD,
     ConsumedHandles,
     claim_valid,
@@ -65,6 +73,17 @@ from server.connector.transfer_auth import (
     seal,
 )
 from server.connector.transfer_auth import expired as transfer_expired
+from server.connector.transfer_params import (
+    INCOMING_KEYS,
+    block_hashes_hex,
+    compat_of,
+    identity_of,
+    names_a_peer,
+    pullable_tokens,
+    sanitize,
+    strip,
+    trim_block_ids,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,33 +97,15 @@ logger = logging.getLogger("kvbranch.pd")
 
 IDLE_STEP_SLEEP_S = 0.005
 #: NIXL's own keys and ours, the only ones a router needs to carry from D to P.
-NIXL_PARAM_KEYS = (
-    "do_remote_prefill",
-    "do_remote_decode",
-    "remote_block_ids",
-    "remote_engine_id",
-    "remote_request_id",
-    "remote_host",
-    "remote_port",
-    "tp_size",
-    "dcp_size",
-    "pp_size",
-    "remote_num_tokens",
-    "remote_blocks_expiry_time",
-    "transfer_mode",
-    MAC_FIELD,
-    EXPIRES_FIELD,
-    TOKENS_FIELD,
-    HASHES_FIELD,
-    IDENTITY_FIELD,
-    CLAIM_FIELD,
-)
-#: Fields that name a peer's memory: dropped from a handle this instance will not honour.
-REMOTE_FIELDS = (*REMOTE_BLOCK_FIELDS, TOKENS_FIELD, HASHES_FIELD, CLAIM_FIELD)
-#: A pull starts only while the claim has at least this much time left (the read itself
-#: takes milliseconds; upstream's worker checks D's deadline again right before reading).
-CLAIM_MARGIN_S = 6.0
+NIXL_PARAM_KEYS = tuple(sorted(INCOMING_KEYS))
 DEFAULT_CLAIM_TTL_S = 30.0
+#: A read NIXL's worker started but has not finished after this long is failed (vLLM then
+#: recomputes those blocks): upstream bounds handshakes (5 s) and D's deadline before a read
+#: starts, not a read in flight.
+DEFAULT_PULL_TIMEOUT_S = 60.0
+#: Requests whose verdict is kept at once (each entry ends with its request; the bound only
+#: matters if vLLM never reported some request finished).
+MAX_TRACKED_REQUESTS = 65536
 #: Why a handle was declined (the ``reason`` label of the metric, the log's words).
 DECLINE_REASONS = {
     "unsealed": "not issued by this cluster (bad or missing seal)",
@@ -112,159 +113,14 @@ DECLINE_REASONS = {
     "unclaimed": "no valid claim from the decode instance",
     "claim_ended": "the claim ran out while the request waited",
     "reused": "handle already used",
-    "identity": "another cache salt, LoRA adapter or input kind",
+    "identity": "another cache salt, LoRA adapter, input kind, model, KV dtype or block size",
     "tokens": "the prompt differs from the tokens the peer computed",
+    "malformed": "names a peer without one direction (pull or be pulled from)",
+    "no_prefix_cache": "the request reads no prefix cache (e.g. prompt logprobs)",
+    "error": "a check or upstream's connector failed on it (logged)",
 }
 #: D stamps its handle to expire this long before its own hold ends.
 EXPIRY_MARGIN_S = 2.0
-
-
-def verified_prefix(remote_tokens: Any, prompt_tokens: list[int]) -> int:
-    """How many leading prompt tokens equal the tokens D holds KV for (0 if unknown).
-
-    At most ``len(prompt) - 1``: the engine must compute the last prompt token itself."""
-    if not isinstance(remote_tokens, list) or not prompt_tokens:
-        return 0
-    limit = min(len(remote_tokens), len(prompt_tokens) - 1)
-    n = 0
-    while n < limit and remote_tokens[n] == prompt_tokens[n]:
-        n += 1
-    return n
-
-
-def block_hashes_hex(request: Any, num_blocks: int) -> list[str]:
-    return [bytes(h).hex() for h in list(getattr(request, "block_hashes", []) or [])[:num_blocks]]
-
-
-def identity_of(request: Any) -> str:
-    """What the KV of a token sequence depends on besides the tokens: the cache salt (tenant),
-    the LoRA adapter, multimodal inputs and prompt embeddings."""
-    lora = getattr(request, "lora_request", None)
-    ident = {
-        "salt": getattr(request, "cache_salt", None),
-        "lora": getattr(lora, "lora_name", None) if lora is not None else None,
-        "mm": bool(getattr(request, "mm_features", None)),
-        "embeds": getattr(request, "prompt_embeds", None) is not None,
-    }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def pullable_tokens(params: dict[str, Any], request: Any, block_size: int) -> int:
-    """Tokens of D's handle that P may read for ``request``: the longest token-identical prefix
-    (capped at prompt length - 1), kept only when the identity (salt, LoRA, ...) is the same
-    and D's chained block hash of the last full verified block equals P's own. Pure."""
-    if params.get(IDENTITY_FIELD) != identity_of(request):
-        return 0
-    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
-        return 0  # placeholder token ids do not identify the media: whole blocks only, not here
-    prompt = list(request.prompt_token_ids or [])
-    held = params.get("remote_num_tokens")
-    if not isinstance(held, int) or isinstance(held, bool) or held <= 0:
-        return 0
-    n = min(held, verified_prefix(params.get(TOKENS_FIELD), prompt))
-    full = n // block_size
-    if full:
-        theirs = params.get(HASHES_FIELD)
-        ours = block_hashes_hex(request, full)
-        if (
-            not isinstance(theirs, list)
-            or len(theirs) < full
-            or len(ours) < full
-            or theirs[full - 1] != ours[full - 1]
-        ):
-            return 0
-    return n
-
-
-def trim_block_ids(block_ids: Any, num_tokens: int, block_size: int) -> list[list[int]] | None:
-    """D's block list cut to the blocks that hold the first ``num_tokens`` tokens, or None when
-    the layout is not one full-attention group of int ids (then nothing is pulled).
-
-    Needed because NIXL's worker pairs P's *unfilled* blocks with the *last* ones of D's list
-    (``_apply_prefix_caching`` end-trims): an untrimmed list would put D's last blocks into
-    P's first positions whenever the verified prefix is shorter than what D holds."""
-    if not isinstance(block_ids, list) or len(block_ids) != 1 or not isinstance(block_ids[0], list):
-        return None
-    group = block_ids[0]
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in group):
-        return None
-    need = -(-num_tokens // block_size)
-    if need > len(group):
-        return None
-    return [group[:need]]
-
-
-@dataclass
-class Hold:
-    """D's blocks kept after a turn for P's next pull: a lease that yields to new work."""
-
-    request_id: str
-    handle: str
-    num_blocks: int
-    created: float = field(default_factory=time.monotonic)
-    claimed_until: float = 0.0  # wall clock
-    releasing: bool = False
-
-
-class HoldRegistry:
-    """D's holds, oldest first. Claimed by the router (control thread), released under
-    pressure by the scheduler thread: one lock orders the two, so a claimed hold is never
-    released before its claim ends and a released hold can never be claimed."""
-
-    def __init__(self, claim_ttl_s: float) -> None:
-        self.claim_ttl_s = claim_ttl_s
-        self._holds: OrderedDict[str, Hold] = OrderedDict()
-        self._lock = threading.Lock()
-        self.released_for_pressure = 0
-        self.claims = 0
-        self.claims_refused = 0
-
-    def add(self, hold: Hold) -> None:
-        with self._lock:
-            self._holds[hold.request_id] = hold
-
-    def done(self, request_id: str) -> None:
-        with self._lock:
-            self._holds.pop(request_id, None)
-
-    def claim(self, request_id: str, handle: str, hold_expires_wall: float) -> float | None:
-        """The claim's deadline (wall clock), or None if the hold is gone or being released."""
-        with self._lock:
-            hold = self._holds.get(request_id)
-            if hold is None or hold.releasing or hold.handle != handle or hold.claimed_until:
-                self.claims_refused += 1
-                return None
-            hold.claimed_until = min(time.time() + self.claim_ttl_s, hold_expires_wall)
-            self.claims += 1
-            return hold.claimed_until
-
-    def release_oldest(self, need_blocks: int) -> list[str]:
-        """Mark the oldest unclaimed holds (or claims past their deadline) for release until
-        ``need_blocks`` blocks are covered; returns their request ids."""
-        out: list[str] = []
-        freed = 0
-        now = time.time()
-        with self._lock:
-            for hold in self._holds.values():
-                if freed >= need_blocks:
-                    break
-                if hold.releasing or (
-                    hold.claimed_until and hold.claimed_until + CLAIM_MARGIN_S > now
-                ):
-                    continue
-                hold.releasing = True
-                out.append(hold.request_id)
-                freed += hold.num_blocks
-            self.released_for_pressure += len(out)
-        return out
-
-    def held_blocks(self) -> int:
-        with self._lock:
-            return sum(h.num_blocks for h in self._holds.values() if not h.releasing)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._holds)
 
 
 def _agent_config_without_progress_thread(original: Any) -> Any:
@@ -278,23 +134,40 @@ def _agent_config_without_progress_thread(original: Any) -> Any:
     return make
 
 
-def _mark_verified(params: dict[str, Any], tokens: Any) -> None:
-    """Checked once per request; the token ids and hashes are done with (keep it small)."""
-    params["kvbranch_verified"] = tokens
+def _finished(request: Any) -> bool:
+    try:
+        return bool(request.is_finished())
+    except Exception:
+        return True
+
+
+def _forget_checked(params: dict[str, Any]) -> None:
+    """Checked once per request: the token ids and hashes are done with (keep it small)."""
     for key in (TOKENS_FIELD, HASHES_FIELD):
         params.pop(key, None)
 
 
-def _strip(params: dict[str, Any]) -> None:
-    """Forget a peer handle this instance will not honour: nothing is read, no peer contacted."""
-    for key in REMOTE_FIELDS:
-        params.pop(key, None)
-    params["do_remote_prefill"] = False
+@dataclass
+class _Seen:
+    """This instance's verdict on one engine request's handle. Kept here, keyed by the Request
+    object, never in the request's params (the client writes those) nor by request id (vLLM
+    0.32 appends 8 random characters to the client's id, unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``: then a client picks it whole)."""
+
+    request: Any  # held: its id() is not reused while the entry lives
+    pull: bool = False  # P: a verified handle of D's, pulled only while its claim holds
+    processed: bool = False  # upstream has had its one allocation for this request
+    local_tokens: int = 0  # the block-aligned local hit the scheduler last offered
 
 
 class VerifiedNixlConnector(NixlConnector):
     """Upstream ``NixlConnector`` with verified, claimed, single-use handles and CPU-friendly
-    threading (see the module docstring and :mod:`server.connector.transfer_auth`)."""
+    threading (see the module docstring and :mod:`server.connector.transfer_auth`).
+
+    Every scheduler hook first *admits* the request (once: :meth:`_admit`), then calls
+    upstream. No exception of ours or of upstream's on a hostile handle leaves a hook: the
+    handle is declined (stripped: recompute) and upstream is called again without it, since an
+    exception on vLLM's scheduler thread kills the engine core."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -319,29 +192,143 @@ class VerifiedNixlConnector(NixlConnector):
                     sorted(affinity),
                 )
         self.block_size = vllm_config.cache_config.block_size
+        self.compat = compat_of(vllm_config)
         self.secret = load_cluster_secret()
         self.consumed = ConsumedHandles()
         self.holds = HoldRegistry(float(extra.get("claim_ttl_s", DEFAULT_CLAIM_TTL_S)))
         self.hold_ttl_s = float(extra.get("decoder_kv_blocks_ttl", 480))
+        self.pull_timeout_s = float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S))
         self.declined: dict[str, int] = {}
+        self._init_tracking()
+
+    def _init_tracking(self) -> None:
+        self._seen: dict[int, _Seen] = {}
+        #: Requests the scheduler waits on for a read upstream never queued: request id ->
+        #: (request, tokens valid locally). Reported received-with-nothing at the next output.
+        self._unqueued: dict[str, tuple[Any, int]] = {}
+        #: Worker: when each read in flight was first seen (monotonic).
+        self._read_started: dict[str, float] = {}
+        self.reads_timed_out = 0
+
+    # --- first sight ----------------------------------------------------------------------
+    def _admit(self, request: Request) -> _Seen:
+        """The server's record of ``request``, made on first sight: the client's params cut
+        to :data:`~server.connector.transfer_params.INCOMING_KEYS` and a handle naming a peer
+        checked, before upstream reads any of it."""
+        key = id(request)
+        seen = self._seen.get(key)
+        if seen is not None and seen.request is request:
+            return seen
+        if len(self._seen) >= MAX_TRACKED_REQUESTS:
+            self._seen = {k: v for k, v in self._seen.items() if not _finished(v.request)}
+        seen = self._seen[key] = _Seen(request)
+        params = request.kv_transfer_params
+        if params is None:
+            return seen
+        if not isinstance(params, dict):
+            request.kv_transfer_params = None  # upstream calls .get() on it
+            return seen
+        dropped = sanitize(params)
+        if dropped:
+            logger.warning(
+                "kvbranch: request %s: dropped transfer params a client may not set: %s",
+                request.request_id,
+                ", ".join(sorted(str(k)[:40] for k in dropped)[:8]),
+            )
+        if names_a_peer(params):
+            try:
+                self._check_first(request, params, seen)
+            except Exception:
+                logger.exception(
+                    "kvbranch: checking request %s's handle failed", request.request_id
+                )
+                self._decline(request, params, "error")
+        return seen
+
+    def _check_first(self, request: Request, params: dict[str, Any], seen: _Seen) -> None:
+        if params.get("do_remote_decode"):
+            if params.get("do_remote_prefill"):
+                self._decline(request, params, "malformed")
+            elif getattr(request, "skip_reading_prefix_cache", False):
+                # vLLM computes such a request's whole prompt (prompt logprobs need it) and
+                # would drop the pulled tokens; upstream would still contact D for them.
+                self._decline(request, params, "no_prefix_cache")
+            else:
+                seen.pull = self._check_pull(request, params)
+        elif params.get("do_remote_prefill"):
+            # (D with no prefix cache read: vLLM loads nothing and upstream only tells P to
+            # free its blocks, which is right: checked like any other handle.)
+            self._check_prefill_handle(request, params)
+        else:
+            self._decline(request, params, "malformed")
+
+    def _hook_failed(self, request: Request, hook: str) -> None:
+        """An exception in a scheduler hook: log it, decline the handle, never re-raise."""
+        logger.exception(
+            "kvbranch: %s failed for request %s: its transfer handle is declined",
+            hook,
+            getattr(request, "request_id", "?"),
+        )
+        try:
+            seen = self._seen.get(id(request))
+            if seen is not None:
+                seen.pull = False
+            params = request.kv_transfer_params
+            if isinstance(params, dict):
+                self._decline(request, params, "error")
+        except Exception:
+            request.kv_transfer_params = None  # nothing left for upstream to act on
+
+    def _upstream(self, request: Request, hook: str, call: Callable[[], Any], default: Any) -> Any:
+        """Upstream's hook; if it raises (on params a client shaped), again without a handle."""
+        try:
+            return call()
+        except Exception:
+            self._hook_failed(request, f"upstream {hook}")
+        try:
+            return call()
+        except Exception:
+            logger.exception("kvbranch: upstream %s failed again without a handle", hook)
+            return default
+
+    def on_new_request(self, request: Request) -> None:
+        # vLLM's first connector call for a request: upstream starts heartbeats to the peer the
+        # params name here, so they are admitted first.
+        try:
+            self._admit(request)
+        except Exception:
+            self._hook_failed(request, "on_new_request")
+        upstream = super().on_new_request
+        self._upstream(request, "on_new_request", lambda: upstream(request), None)
 
     # --- P: pulling D's blocks; D: reading P's blocks ---------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params
-        if (
-            isinstance(params, dict)
-            and params.get("remote_block_ids")
-            and not params.get("_remote_blocks_processed")
-        ):
-            if params.get("do_remote_decode"):
-                self._check_pull(request, params)
-            elif params.get("do_remote_prefill") and "kvbranch_verified" not in params:
-                # Once per request: the scheduler asks again while the request waits for
-                # blocks, and the first check consumed the handle.
-                self._check_prefill_handle(request, params)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            seen = self._admit(request)
+            if seen.processed:
+                # One read per request. Upstream leaves D's block list in the params after it
+                # queued the read; a P request asked again (preempted) would be told to wait
+                # for a second read upstream never queues: "KV fetch in progress" for good.
+                return 0, False
+            seen.local_tokens = num_computed_tokens
+            params = request.kv_transfer_params
+            if seen.pull and isinstance(params, dict):
+                # Every time the scheduler asks: a request that waits for blocks may see
+                # its claim run out.
+                if not claim_valid(params, self.secret, CLAIM_MARGIN_S):
+                    seen.pull = False
+                    self._decline(request, params, "claim_ended")
+        except Exception:
+            self._hook_failed(request, "get_num_new_matched_tokens")
+        upstream = super().get_num_new_matched_tokens
+        return self._upstream(  # type: ignore[no-any-return]
+            request,
+            "get_num_new_matched_tokens",
+            lambda: upstream(request, num_computed_tokens),
+            (0, False),
+        )
 
     def _decline(self, request: Request, params: dict[str, Any], why: str) -> None:
         self.declined[why] = self.declined.get(why, 0) + 1
@@ -350,7 +337,7 @@ class VerifiedNixlConnector(NixlConnector):
             request.request_id,
             DECLINE_REASONS.get(why, why),
         )
-        _strip(params)
+        strip(params)
 
     def _verify(self, params: dict[str, Any]) -> str | None:
         """Why a handle cannot be honoured at all (forged, expired), or None."""
@@ -374,20 +361,18 @@ class VerifiedNixlConnector(NixlConnector):
             return False
         return True
 
-    def _check_pull(self, request: Request, params: dict[str, Any]) -> None:
-        """P, before pulling D's blocks: every check, every time the scheduler asks (a request
-        that waits for blocks may see its claim run out)."""
-        if "kvbranch_verified" in params:
-            if not claim_valid(params, self.secret, CLAIM_MARGIN_S):
-                self._decline(request, params, "claim_ended")
-            return
+    def _check_pull(self, request: Request, params: dict[str, Any]) -> bool:
+        """P, on first sight, before pulling D's blocks: sealed, fresh, claimed, same identity,
+        unused; then cut to the verified token prefix. False when declined."""
         why = self._verify(params)
         if why is None and not claim_valid(params, self.secret, CLAIM_MARGIN_S):
             why = "unclaimed"
+        if why is None and params.get(IDENTITY_FIELD) != identity_of(request, self.compat):
+            why = "identity"
         if not self._consume_or_decline(request, params, why):
-            return
+            return False
         held = params.get("remote_num_tokens")
-        pull = pullable_tokens(params, request, self.block_size)
+        pull = pullable_tokens(params, request, self.block_size, self.compat)
         trimmed = (
             trim_block_ids(params.get("remote_block_ids"), pull, self.block_size) if pull else None
         )
@@ -404,7 +389,7 @@ class VerifiedNixlConnector(NixlConnector):
                 min(current, claim_perf) if isinstance(current, (int, float)) else claim_perf
             )
         params["remote_num_tokens"] = pull
-        _mark_verified(params, pull)
+        _forget_checked(params)
         if isinstance(held, int) and pull < held and pull < len(request.prompt_token_ids or []) - 1:
             logger.info(
                 "kvbranch: request %s pulls %d of the %d tokens the peer holds "
@@ -413,12 +398,13 @@ class VerifiedNixlConnector(NixlConnector):
                 pull,
                 held,
             )
+        return True
 
     def _check_prefill_handle(self, request: Request, params: dict[str, Any]) -> None:
         """D, before reading P's blocks for its prompt: sealed, fresh, unused, and P's blocks
         encode exactly this prompt with this identity."""
         why = self._verify(params)
-        if why is None and params.get(IDENTITY_FIELD) != identity_of(request):
+        if why is None and params.get(IDENTITY_FIELD) != identity_of(request, self.compat):
             why = "identity"
         if why is None:
             prompt = list(request.prompt_token_ids or [])
@@ -432,23 +418,56 @@ class VerifiedNixlConnector(NixlConnector):
             ):
                 why = "tokens"
         if self._consume_or_decline(request, params, why):
-            _mark_verified(params, params.get("remote_num_tokens"))
+            _forget_checked(params)
 
     # --- the worker's lease tracking ------------------------------------------------------
     def update_state_after_alloc(
         self, request: Request, blocks: Any, num_external_tokens: int
     ) -> None:
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
-        sched = self.connector_scheduler
-        if self._held_when_finished(request):
-            # Upstream's worker sets (and reaps) the lease of a finished request only if the
-            # request was announced "in batch", which upstream does only for a request that
-            # reads a peer's blocks. D's decode-only turns (the router's fallback while P is
-            # unreachable: ``do_remote_prefill: false``) and turns whose handle D declined
-            # read nothing, yet D holds their blocks too: unannounced, those blocks were never
-            # freed, not by P's read, not by the hold's TTL, not by a release under pressure,
-            # until D's cache filled and new turns waited forever.
-            sched._reqs_in_batch.add(request.request_id)
+        try:
+            seen: _Seen | None = self._admit(request)
+        except Exception:
+            seen = None
+            self._hook_failed(request, "update_state_after_alloc")
+        upstream = super().update_state_after_alloc
+        self._upstream(
+            request,
+            "update_state_after_alloc",
+            lambda: upstream(request, blocks, num_external_tokens),
+            None,
+        )
+        try:
+            if seen is not None:
+                seen.processed = True
+            sched = self.connector_scheduler
+            if (
+                num_external_tokens
+                and sched is not None
+                and request.request_id not in sched._reqs_need_recv
+            ):
+                # The scheduler now waits for a read (this connector said "load async") that
+                # upstream did not queue (it failed, or a path of its skips the read): that
+                # wait never ends. No read can start, so it is safe to report the request
+                # received with only its local tokens valid: vLLM recomputes the rest.
+                local = seen.local_tokens if seen is not None else 0
+                self._unqueued[request.request_id] = (request, local)
+                logger.warning(
+                    "kvbranch: request %s: no read was queued for its %d remote tokens: "
+                    "recomputing them",
+                    request.request_id,
+                    num_external_tokens,
+                )
+            if self._held_when_finished(request):
+                # Upstream's worker sets (and reaps) the lease of a finished request only if
+                # the request was announced "in batch", which upstream does only for a request
+                # that reads a peer's blocks. D's decode-only turns (the router's fallback
+                # while P is unreachable: ``do_remote_prefill: false``) and turns whose handle
+                # D declined read nothing, yet D holds their blocks too: unannounced, those
+                # blocks were never freed, not by P's read, not by the hold's TTL, not by a
+                # release under pressure, until D's cache filled and new turns waited forever.
+                sched._reqs_in_batch.add(request.request_id)
+        except Exception:
+            self._hook_failed(request, "update_state_after_alloc")
 
     def _is_d_turn(self, request: Request) -> bool:
         """A turn that D (bidirectional mode) would hold when it finishes: it carries transfer
@@ -477,18 +496,42 @@ class VerifiedNixlConnector(NixlConnector):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        with self._hold_only_for_sessions(request):
-            delay, params = super().request_finished(request, block_ids)
-        self._forget_unheld(request, delay)
-        return delay, self._issue(request, delay, params)
+        upstream = super().request_finished
+        return self._finish(request, "request_finished", lambda: upstream(request, block_ids))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        with self._hold_only_for_sessions(request):
-            delay, params = super().request_finished_all_groups(request, block_ids)
-        self._forget_unheld(request, delay)
-        return delay, self._issue(request, delay, params)
+        upstream = super().request_finished_all_groups
+        return self._finish(
+            request, "request_finished_all_groups", lambda: upstream(request, block_ids)
+        )
+
+    def _finish(
+        self, request: Request, hook: str, upstream: Callable[[], tuple[bool, Any]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Upstream's finish under the session rule, then our handle; the request's record
+        ends here (whatever vLLM asks afterwards names it by id only)."""
+        try:
+            self._admit(request)  # aborted before the scheduler ever looked at it
+        except Exception:
+            self._hook_failed(request, hook)
+
+        def finish() -> tuple[bool, Any]:
+            with self._hold_only_for_sessions(request):
+                return upstream()
+
+        delay, params = self._upstream(request, hook, finish, (False, None))
+        try:
+            self._forget_unheld(request, delay)
+            return delay, self._issue(request, delay, params)
+        except Exception:
+            logger.exception("kvbranch: sealing request %s's handle failed", request.request_id)
+            return delay, None  # nobody can use an unsealed handle; D's hold ends by its TTL
+        finally:
+            entry = self._seen.get(id(request))
+            if entry is not None and entry.request is request:
+                del self._seen[id(request)]
 
     @contextlib.contextmanager
     def _hold_only_for_sessions(self, request: Request) -> Iterator[None]:
@@ -514,7 +557,7 @@ class VerifiedNixlConnector(NixlConnector):
         n = int(params.get("remote_num_tokens") or 0)
         params[TOKENS_FIELD] = list(request.all_token_ids[:n])
         params[HASHES_FIELD] = block_hashes_hex(request, n // self.block_size)
-        params[IDENTITY_FIELD] = identity_of(request)
+        params[IDENTITY_FIELD] = identity_of(request, self.compat)
         is_d = bool(params.get("do_remote_decode"))
         sched = self.connector_scheduler
         lease = self.hold_ttl_s if is_d else float(getattr(sched, "_kv_lease_duration", 60) or 60)
@@ -569,9 +612,73 @@ class VerifiedNixlConnector(NixlConnector):
         return len(ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        for request_id in connector_output.finished_sending or ():
-            self.holds.done(request_id)
+        try:
+            for request_id in connector_output.finished_sending or ():
+                self.holds.done(request_id)
+            self._report_unqueued(connector_output)
+        except Exception:
+            logger.exception("kvbranch: update_connector_output")
         super().update_connector_output(connector_output)
+
+    def _report_unqueued(self, connector_output: Any) -> None:
+        """Requests waiting for a read upstream never queued (see update_state_after_alloc):
+        received, with only their local tokens computed. The scheduler then recomputes the
+        rest (a waiting request), or frees the blocks of one aborted meanwhile."""
+        if not self._unqueued:
+            return
+        from vllm.v1.request import RequestStatus
+
+        pending, self._unqueued = self._unqueued, {}
+        done = set(connector_output.finished_recving or ())
+        for request_id, (request, local) in pending.items():
+            if request_id in done:
+                continue
+            status = request.status
+            if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                request.num_computed_tokens = min(local, request.num_computed_tokens)
+            elif not RequestStatus.is_finished(status):
+                continue  # not waiting on us (any more)
+            done.add(request_id)
+        connector_output.finished_recving = done
+
+    # --- worker: a read in flight ends in bounded time ------------------------------------
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        worker = self.connector_worker
+        if worker is not None and self.pull_timeout_s > 0:
+            try:
+                self._fail_slow_reads(worker, time.monotonic())
+            except Exception:
+                logger.exception("kvbranch: checking reads in flight failed")
+        return super().get_transfer_results(finished_req_ids)
+
+    def _fail_slow_reads(self, worker: Any, now: float) -> None:
+        """Fail reads in flight past ``pull_timeout_s``, through upstream's own failure path:
+        each transfer handle is released (NIXL aborts a transfer whose request is released;
+        one it cannot release is kept and polled, so the blocks are never recomputed while a
+        read may still write them); the request is then reported failed and vLLM recomputes
+        its blocks (``kv_load_failure_policy: recompute``). Handshakes (5 s) and reads that
+        have not started (D's deadline) are bounded by upstream already."""
+        transfers: dict[str, list[int]] = worker._recving_transfers
+        started = self._read_started
+        for request_id in [r for r in started if r not in transfers]:
+            del started[request_id]
+        for request_id, handles in list(transfers.items()):
+            since = started.setdefault(request_id, now)
+            if now - since < self.pull_timeout_s or request_id in worker._recv_failures:
+                continue
+            self.reads_timed_out += 1
+            logger.warning(
+                "kvbranch: the read of request %s has not finished after %.0f s: failing it "
+                "(vLLM recomputes those blocks)",
+                request_id,
+                now - since,
+            )
+            kept = [h for h in handles if not worker._handle_failed_transfer(request_id, h)]
+            worker._recv_failures.add(request_id)
+            if kept:
+                transfers[request_id] = kept
+            else:
+                del transfers[request_id]
 
 
 class KVBranchPDConnector(MultiConnector):
@@ -627,7 +734,10 @@ class KVBranchPDConnector(MultiConnector):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        self._yield_holds_to_waiting_work()
+        try:
+            self._yield_holds_to_waiting_work()
+        except Exception:  # the scheduler thread: an exception here kills the engine core
+            logger.exception("kvbranch: releasing holds for waiting work failed")
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing to compute, yet the engine keeps stepping: D while it holds a turn's
             # blocks for P, P while it waits for a pull (PD_NOTES pitfall 7). Unthrottled, those
@@ -672,7 +782,10 @@ class KVBranchPDConnector(MultiConnector):
             and num_external_tokens
             and self._requests_to_connector.get(request.request_id) == self._nixl_index
         ):
-            planner.note_remote_hit(request, num_external_tokens)
+            try:
+                planner.note_remote_hit(request, num_external_tokens)
+            except Exception:
+                logger.exception("kvbranch: counting request %s's pull", request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def request_finished(
@@ -683,8 +796,11 @@ class KVBranchPDConnector(MultiConnector):
         planner = self._kvbranch.planner
         if planner is not None and params:
             nixl = {k: v for k, v in params.items() if k in NIXL_PARAM_KEYS}
-            if nixl:
-                planner.remember_transfer_params(request, nixl)
+            try:
+                if nixl:
+                    planner.remember_transfer_params(request, nixl)
+            except Exception:
+                logger.exception("kvbranch: keeping request %s's params", request.request_id)
         return delay, params
 
 

@@ -32,6 +32,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -129,23 +130,36 @@ def seal(params: dict[str, Any], secret: bytes) -> dict[str, Any]:
     return params
 
 
+def _digest_equal(mac: Any, expected: str) -> bool:
+    """Constant-time compare of a client-supplied MAC with ours. ``hmac.compare_digest`` raises
+    TypeError on a str with non-ASCII characters, and these checks run inside vLLM's scheduler
+    (an exception there kills the engine core): anything but a 64-char ASCII hex string is
+    simply not equal."""
+    return (
+        isinstance(mac, str)
+        and len(mac) == len(expected)
+        and mac.isascii()
+        and hmac.compare_digest(mac, expected)
+    )
+
+
 def is_sealed(params: Any, secret: bytes) -> bool:
-    """Whether ``params`` carries a valid seal. Never raises, whatever the input."""
-    if not isinstance(params, dict):
-        return False
-    mac = params.get(MAC_FIELD)
-    if not isinstance(mac, str):
-        return False
+    """Whether ``params`` carries a valid seal. Never raises, whatever the input (non-ASCII or
+    huge MACs, unserialisable, circular or deeply nested values: all just "not sealed")."""
     try:
-        expected = _mac(secret, _canonical(params, SEALED_FIELDS))
-    except (TypeError, ValueError):
+        if not isinstance(params, dict):
+            return False
+        mac = params.get(MAC_FIELD)
+        if not isinstance(mac, str):
+            return False
+        return _digest_equal(mac, _mac(secret, _canonical(params, SEALED_FIELDS)))
+    except Exception:  # ValueError, RecursionError, ...: a client's doing
         return False
-    return hmac.compare_digest(mac, expected)
 
 
 def expired(params: dict[str, Any], now: float | None = None) -> bool:
-    at = params.get(EXPIRES_FIELD)
-    if not isinstance(at, (int, float)) or isinstance(at, bool):
+    at = params.get(EXPIRES_FIELD) if isinstance(params, dict) else None
+    if not isinstance(at, (int, float)) or isinstance(at, bool) or not math.isfinite(at):
         return True
     return (time.time() if now is None else now) >= at
 
@@ -160,24 +174,29 @@ def make_claim(params: dict[str, Any], until_wall: float, secret: bytes) -> dict
     return dict(body, mac=_mac(secret, json.dumps(body, sort_keys=True).encode()))
 
 
-def claim_valid(
-    params: dict[str, Any], secret: bytes, margin_s: float, now: float | None = None
-) -> bool:
-    """A sealed claim for exactly this handle whose deadline is more than ``margin_s`` away."""
-    claim = params.get(CLAIM_FIELD)
-    if not isinstance(claim, dict):
-        return False
-    until, mac = claim.get("until"), claim.get("mac")
-    if not isinstance(until, (int, float)) or isinstance(until, bool) or not isinstance(mac, str):
-        return False
-    body = {"handle": params.get(MAC_FIELD), "until": until, "until_perf": claim.get("until_perf")}
+def claim_valid(params: Any, secret: bytes, margin_s: float, now: float | None = None) -> bool:
+    """A sealed claim for exactly this handle whose deadline is more than ``margin_s`` away.
+    Never raises (it runs in the scheduler: see :func:`_digest_equal`)."""
     try:
+        claim = params.get(CLAIM_FIELD) if isinstance(params, dict) else None
+        if not isinstance(claim, dict):
+            return False
+        until, mac = claim.get("until"), claim.get("mac")
+        if (
+            not isinstance(until, (int, float))
+            or isinstance(until, bool)
+            or not math.isfinite(until)
+            or not isinstance(mac, str)
+        ):
+            return False
+        handle = params.get(MAC_FIELD)
+        body = {"handle": handle, "until": until, "until_perf": claim.get("until_perf")}
         expected = _mac(secret, json.dumps(body, sort_keys=True).encode())
-    except (TypeError, ValueError):
+        if not _digest_equal(mac, expected) or claim.get("handle") != handle:
+            return False
+        return (time.time() if now is None else now) + margin_s < until
+    except Exception:  # huge ints, odd types: a client's doing, not ours
         return False
-    if not hmac.compare_digest(mac, expected) or claim.get("handle") != params.get(MAC_FIELD):
-        return False
-    return (time.time() if now is None else now) + margin_s < until
 
 
 class ConsumedHandles:

@@ -9,13 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from server.connector.pd import (
-    Hold,
-    HoldRegistry,
-    identity_of,
-    pullable_tokens,
-    trim_block_ids,
-)
+from server.connector.hold_registry import Hold, HoldRegistry
 from server.connector.transfer_auth import (
     CLAIM_FIELD,
     EXPIRES_FIELD,
@@ -30,6 +24,7 @@ from server.connector.transfer_auth import (
     make_claim,
     seal,
 )
+from server.connector.transfer_params import identity_of, pullable_tokens, trim_block_ids
 
 BS = 4
 SECRET = b"s" * 32
@@ -230,6 +225,11 @@ class FakeNixlScheduler:
         self._reqs_not_processed: set[str] = set()
         self._reqs_need_send: dict[str, float] = {}
 
+        self._reqs_need_recv: dict[str, object] = {}
+
+    def on_new_request(self, request) -> None:
+        return
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
         return  # upstream announces only requests that read a peer's blocks
 
@@ -247,6 +247,7 @@ def _verified(sched: FakeNixlScheduler):
     connector = object.__new__(VerifiedNixlConnector)  # no engine: the decisions only
     connector.connector_scheduler = sched
     connector.holds = HoldRegistry(30.0)
+    connector._init_tracking()
     return connector
 
 

@@ -1,0 +1,162 @@
+"""Which ``kv_transfer_params`` a P/D instance accepts from a client, and what they may mean.
+
+A request's ``kv_transfer_params`` is the client's dict (vLLM hands the body's field to the
+engine as is), and upstream ``NixlConnector`` reads it on the scheduler thread: which peer to
+contact (host, port: heartbeats and handshakes), whose memory to read, and its own internal
+markers (``_remote_blocks_processed``, ``_p_side_truncated``) that it sets on the same dict
+after it processed it. A client that sets such a marker itself skips upstream's work, or ours:
+issue 22 read another tenant's KV with ``kvbranch_verified``, and hung (then killed) an engine
+with ``_remote_blocks_processed``. So, on the first sight of a request, before any upstream
+hook sees the dict, :func:`sanitize` keeps only :data:`INCOMING_KEYS`: the keys upstream's pull
+connector reads from a peer's handle (``nixl/pull_scheduler.py``, ``nixl/base_scheduler.py``,
+``nixl/metadata.py`` in vLLM 0.32) and our sealed fields and claim. Markers set later by
+upstream on the (now server-owned) dict keep working; the verification state itself lives on
+the server (:class:`server.connector.pd.VerifiedNixlConnector`), never in the dict.
+
+``remote_block_size`` is read by upstream's metadata but never issued by upstream's
+``request_finished`` (so no router carries it) and sits outside our seal: dropped.
+
+The pure checks of a handle (token prefix, identity, block hashes, trimmed block list) live
+here too; the connector runs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from server.connector.transfer_auth import (
+    CLAIM_FIELD,
+    HASHES_FIELD,
+    IDENTITY_FIELD,
+    MAC_FIELD,
+    REMOTE_BLOCK_FIELDS,
+    SEALED_FIELDS,
+    TOKENS_FIELD,
+)
+
+#: The direction flags: outside the seal, the router flips them between legs.
+DIRECTION_KEYS = ("do_remote_prefill", "do_remote_decode")
+#: Everything an incoming request may carry: upstream's keys a peer's handle has (all of them
+#: sealed but the direction flags), our sealed fields, the seal and D's claim.
+INCOMING_KEYS = frozenset((*DIRECTION_KEYS, *SEALED_FIELDS, MAC_FIELD, CLAIM_FIELD))
+#: What :func:`strip` removes: every field that names a peer (where to connect, which blocks)
+#: or vouches for it. After a strip upstream has nothing to contact and nothing to read.
+PEER_FIELDS = (*SEALED_FIELDS, MAC_FIELD, CLAIM_FIELD, "remote_block_size")
+
+
+def sanitize(params: dict[str, Any]) -> list[str]:
+    """Drop (in place) every key not in :data:`INCOMING_KEYS`; returns the dropped keys."""
+    dropped = [k for k in params if k not in INCOMING_KEYS]
+    for key in dropped:
+        del params[key]
+    return dropped
+
+
+def names_a_peer(params: dict[str, Any]) -> bool:
+    """The params would make upstream contact a peer or read its memory: a handle to check."""
+    return bool(params.get("do_remote_prefill")) or any(
+        params.get(k) is not None for k in REMOTE_BLOCK_FIELDS
+    )
+
+
+def strip(params: dict[str, Any]) -> None:
+    """Forget a peer handle this instance will not honour: nothing is read, no peer contacted
+    (no heartbeat, no handshake: upstream needs ``remote_engine_id``/``host``/``port``)."""
+    for key in PEER_FIELDS:
+        params.pop(key, None)
+    params["do_remote_prefill"] = False
+
+
+def compat_of(vllm_config: Any) -> dict[str, Any]:
+    """What two engines must share for one's KV blocks to mean the same on the other: the
+    model (weights and dtype), the KV cache dtype and the block size (the trimmed block list
+    counts blocks of this instance's size)."""
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    return {
+        "model": str(getattr(model, "model", None)),
+        "dtype": str(getattr(model, "dtype", None)),
+        "kv_dtype": str(getattr(cache, "cache_dtype", None)),
+        "block_size": getattr(cache, "block_size", None),
+    }
+
+
+def verified_prefix(remote_tokens: Any, prompt_tokens: list[int]) -> int:
+    """How many leading prompt tokens equal the tokens D holds KV for (0 if unknown).
+
+    At most ``len(prompt) - 1``: the engine must compute the last prompt token itself."""
+    if not isinstance(remote_tokens, list) or not prompt_tokens:
+        return 0
+    limit = min(len(remote_tokens), len(prompt_tokens) - 1)
+    n = 0
+    while n < limit and remote_tokens[n] == prompt_tokens[n]:
+        n += 1
+    return n
+
+
+def block_hashes_hex(request: Any, num_blocks: int) -> list[str]:
+    return [bytes(h).hex() for h in list(getattr(request, "block_hashes", []) or [])[:num_blocks]]
+
+
+def identity_of(request: Any, compat: dict[str, Any] | None = None) -> str:
+    """What the KV of a token sequence depends on besides the tokens: the cache salt (tenant),
+    the LoRA adapter, multimodal inputs and prompt embeddings, and the engine's
+    :func:`compat_of` (a handle from an incompatible peer fails the identity check)."""
+    lora = getattr(request, "lora_request", None)
+    ident = {
+        "salt": getattr(request, "cache_salt", None),
+        "lora": getattr(lora, "lora_name", None) if lora is not None else None,
+        "mm": bool(getattr(request, "mm_features", None)),
+        "embeds": getattr(request, "prompt_embeds", None) is not None,
+        "engine": compat or {},
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def pullable_tokens(
+    params: dict[str, Any], request: Any, block_size: int, compat: dict[str, Any] | None = None
+) -> int:
+    """Tokens of D's handle that P may read for ``request``: the longest token-identical prefix
+    (capped at prompt length - 1), kept only when the identity (salt, LoRA, engine, ...) is the
+    same and D's chained block hash of the last full verified block equals P's own. Pure."""
+    if params.get(IDENTITY_FIELD) != identity_of(request, compat):
+        return 0
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return 0  # placeholder token ids do not identify the media: whole blocks only, not here
+    prompt = list(request.prompt_token_ids or [])
+    held = params.get("remote_num_tokens")
+    if not isinstance(held, int) or isinstance(held, bool) or held <= 0:
+        return 0
+    n = min(held, verified_prefix(params.get(TOKENS_FIELD), prompt))
+    full = n // block_size
+    if full:
+        theirs = params.get(HASHES_FIELD)
+        ours = block_hashes_hex(request, full)
+        if (
+            not isinstance(theirs, list)
+            or len(theirs) < full
+            or len(ours) < full
+            or theirs[full - 1] != ours[full - 1]
+        ):
+            return 0
+    return n
+
+
+def trim_block_ids(block_ids: Any, num_tokens: int, block_size: int) -> list[list[int]] | None:
+    """D's block list cut to the blocks that hold the first ``num_tokens`` tokens, or None when
+    the layout is not one full-attention group of int ids (then nothing is pulled).
+
+    Needed because NIXL's worker pairs P's *unfilled* blocks with the *last* ones of D's list
+    (``_apply_prefix_caching`` end-trims): an untrimmed list would put D's last blocks into
+    P's first positions whenever the verified prefix is shorter than what D holds."""
+    if not isinstance(block_ids, list) or len(block_ids) != 1 or not isinstance(block_ids[0], list):
+        return None
+    group = block_ids[0]
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in group):
+        return None
+    need = -(-num_tokens // block_size)
+    if need > len(group):
+        return None
+    return [group[:need]]
