@@ -180,7 +180,7 @@ def parse_cache_control(value: Any, param: str) -> float:
             f"'ttl' of '5m' or '1h', got {value!r}",
         )
     ttl = value.get("ttl", ANTHROPIC_DEFAULT_TTL)
-    if ttl not in ANTHROPIC_TTLS:
+    if not isinstance(ttl, str) or ttl not in ANTHROPIC_TTLS:  # a list or dict is unhashable
         raise DialectError(f"{param}.ttl", f"{param}.ttl must be '5m' or '1h', got {ttl!r}")
     return ANTHROPIC_TTLS[ttl]
 
@@ -245,6 +245,8 @@ def problem(payload: dict, path: str) -> tuple[str, str] | None:
             breakpoints(payload)
     except DialectError as exc:
         return exc.param, exc.message[:300]
+    except Exception:  # noqa: BLE001 - a bug here must not break the guard (nor the connection)
+        logger.exception("kvbranch: cache hints of a %s request not checked", path)
     return None
 
 
@@ -397,6 +399,9 @@ def apply(payload: dict, path: str, session_header: str | None = None) -> Hints:
         hints = hints_of(payload, path, session_header)
     except DialectError:
         return Hints()  # the guard answered it; nothing reaches here on a served route
+    except Exception:  # noqa: BLE001 - hints are best effort: the request goes on without them
+        logger.exception("kvbranch: cache hints of a %s request not applied", path)
+        return Hints()
     xargs = payload.get("vllm_xargs")
     if (hints.session_id or hints.pin_ttl_s) and xargs is None:
         xargs = payload["vllm_xargs"] = {}

@@ -141,7 +141,8 @@ class KVBranchGuard:
                 return
         too_big = f"request body larger than {self.max_body} bytes"
         length = header(scope, "content-length")
-        if length is not None and length.strip().isdigit() and int(length) > self.max_body:
+        digits = length.strip() if length is not None else ""
+        if digits.isascii() and digits.isdigit() and int(digits) > self.max_body:  # not "²"
             await self._drain(receive)
             await self._reply(send, 413, too_big, None)
             return

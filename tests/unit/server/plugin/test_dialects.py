@@ -565,3 +565,25 @@ def test_a_breakpoint_digest_never_raises_on_a_lone_surrogate():
     assert session is not None
     check_id(session)
     assert session != dialects.apply(_turns(1, "broken  text")[0], MESSAGES).session_id
+
+
+@pytest.mark.parametrize("ttl", [[1], {}, {"a": 1}, 5])
+def test_an_unhashable_ttl_is_a_named_400_not_a_type_error(ttl):
+    for where, payload in (
+        ("cache_control.ttl", anthropic(cache_control={"type": "ephemeral", "ttl": ttl})),
+        ("system[0].cache_control.ttl", anthropic()),
+    ):
+        payload["system"][0]["cache_control"] = {"type": "ephemeral", "ttl": ttl}
+        found = dialects.problem(payload, MESSAGES)
+        assert found is not None and found[0] in (where, "system[0].cache_control.ttl")
+        assert dialects.apply(payload, MESSAGES).session_id is None
+
+
+def test_a_bug_in_the_hints_never_escapes(monkeypatch):
+    def broken(*_a, **_k):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(dialects, "breakpoints", broken)
+    payload = anthropic(cache_control={"type": "ephemeral"})
+    assert dialects.problem(payload, MESSAGES) is None
+    assert dialects.apply(payload, MESSAGES).session_id is None

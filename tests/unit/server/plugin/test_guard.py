@@ -197,3 +197,15 @@ def test_ordinary_nesting_and_non_json_bodies_pass():
     for junk in (b"not json", b"\xff\xfe\x00", b""):
         sent, reached = _hostile("/v1/chat/completions", junk)
         assert sent[0]["status"] == 200 and reached == [junk]  # vLLM answers it itself
+
+
+@pytest.mark.parametrize("length", ["²", "١٢", "  7 ", "-1", "1e9"])
+def test_an_odd_content_length_never_raises(length):
+    """ "²".isdigit() is True and int("²") raises: the header is only trusted when ASCII."""
+    sent, reached, _ = _run(
+        KVBranchGuard(None, max_body=10),
+        "/v1/chat/completions",
+        [b"{}"],
+        headers=[(b"content-length", length.encode("latin-1", "replace"))],
+    )
+    assert sent[0]["status"] == 200 and reached == [b"{}"]
