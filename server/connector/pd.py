@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 from server.connector.connector import KVBranchConnector
 from server.connector.control import ControlError
 from server.connector.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
+from server.connector.read_bounds import fail_slow_reads, report_unqueued
 from server.connector.transfer_auth import (
     CLAIM_FIELD,
     EXPIRES_FIELD,
@@ -208,7 +209,8 @@ class VerifiedNixlConnector(NixlConnector):
         self._unqueued: dict[str, tuple[Any, int]] = {}
         #: Worker: when each read in flight was first seen (monotonic).
         self._read_started: dict[str, float] = {}
-        self.reads_timed_out = 0
+        self.reads_timed_out = 0  # worker process
+        self.reads_not_queued = 0
 
     # --- first sight ----------------------------------------------------------------------
     def _admit(self, request: Request) -> _Seen:
@@ -621,25 +623,9 @@ class VerifiedNixlConnector(NixlConnector):
         super().update_connector_output(connector_output)
 
     def _report_unqueued(self, connector_output: Any) -> None:
-        """Requests waiting for a read upstream never queued (see update_state_after_alloc):
-        received, with only their local tokens computed. The scheduler then recomputes the
-        rest (a waiting request), or frees the blocks of one aborted meanwhile."""
-        if not self._unqueued:
-            return
-        from vllm.v1.request import RequestStatus
-
-        pending, self._unqueued = self._unqueued, {}
-        done = set(connector_output.finished_recving or ())
-        for request_id, (request, local) in pending.items():
-            if request_id in done:
-                continue
-            status = request.status
-            if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                request.num_computed_tokens = min(local, request.num_computed_tokens)
-            elif not RequestStatus.is_finished(status):
-                continue  # not waiting on us (any more)
-            done.add(request_id)
-        connector_output.finished_recving = done
+        if self._unqueued:
+            pending, self._unqueued = self._unqueued, {}
+            self.reads_not_queued += report_unqueued(pending, connector_output)
 
     # --- worker: a read in flight ends in bounded time ------------------------------------
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
@@ -652,33 +638,9 @@ class VerifiedNixlConnector(NixlConnector):
         return super().get_transfer_results(finished_req_ids)
 
     def _fail_slow_reads(self, worker: Any, now: float) -> None:
-        """Fail reads in flight past ``pull_timeout_s``, through upstream's own failure path:
-        each transfer handle is released (NIXL aborts a transfer whose request is released;
-        one it cannot release is kept and polled, so the blocks are never recomputed while a
-        read may still write them); the request is then reported failed and vLLM recomputes
-        its blocks (``kv_load_failure_policy: recompute``). Handshakes (5 s) and reads that
-        have not started (D's deadline) are bounded by upstream already."""
-        transfers: dict[str, list[int]] = worker._recving_transfers
-        started = self._read_started
-        for request_id in [r for r in started if r not in transfers]:
-            del started[request_id]
-        for request_id, handles in list(transfers.items()):
-            since = started.setdefault(request_id, now)
-            if now - since < self.pull_timeout_s or request_id in worker._recv_failures:
-                continue
-            self.reads_timed_out += 1
-            logger.warning(
-                "kvbranch: the read of request %s has not finished after %.0f s: failing it "
-                "(vLLM recomputes those blocks)",
-                request_id,
-                now - since,
-            )
-            kept = [h for h in handles if not worker._handle_failed_transfer(request_id, h)]
-            worker._recv_failures.add(request_id)
-            if kept:
-                transfers[request_id] = kept
-            else:
-                del transfers[request_id]
+        self.reads_timed_out += fail_slow_reads(
+            worker, self._read_started, now, self.pull_timeout_s
+        )
 
 
 class KVBranchPDConnector(MultiConnector):
@@ -725,6 +687,7 @@ class KVBranchPDConnector(MultiConnector):
             "claims_refused": holds.claims_refused,
             "stalled_steps": self.stalled_steps,
             "handles_declined": dict(nixl.declined),
+            "reads_not_queued": nixl.reads_not_queued,
         }
 
     def get_num_new_matched_tokens(

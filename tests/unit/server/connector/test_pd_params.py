@@ -355,7 +355,23 @@ def test_an_allocation_upstream_failed_to_queue_is_recomputed_not_awaited_foreve
     assert out.finished_recving == {"p"}  # unblocks the scheduler ...
     assert req.num_computed_tokens == 4  # ... with only the local hit valid: recompute
     conn.update_connector_output(Output())  # reported once
-    assert not conn._unqueued
+    assert not conn._unqueued and conn.reads_not_queued == 1
+
+
+def test_an_unqueued_read_of_a_request_aborted_meanwhile_frees_its_blocks():
+    conn = _connector(upstream=_RaisingAlloc())
+    req = Req("p", PROMPT, _d_handle(HELD))
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.update_state_after_alloc(req, Blocks([1, 2, 3, 4]), 14)
+    req.status = RequestStatus.FINISHED_ABORTED  # vLLM keeps its blocks until "received"
+
+    class Output:
+        finished_sending = None
+        finished_recving = {"other"}
+
+    out = Output()
+    conn.update_connector_output(out)
+    assert out.finished_recving == {"other", "p"}
 
 
 def test_request_finished_never_raises():

@@ -1,0 +1,75 @@
+"""A P/D read that cannot start or finish ends in bounded time (recompute), never "KV fetch in
+progress" for good (issue 22). Two holes upstream ``NixlConnector`` (vLLM 0.32) leaves:
+
+* **A read promised but never queued.** The scheduler parks a request in
+  ``WAITING_FOR_REMOTE_KVS`` when the connector says "load async", and waits for the worker to
+  report it received. If upstream's ``update_state_after_alloc`` then queues no read (it
+  raised, or a path of its skips the read: a client-set ``_remote_blocks_processed``, the host
+  buffer on P), nothing is ever reported. No read exists, so reporting the request received
+  with only its local tokens valid is safe: vLLM recomputes the rest, or frees the blocks of a
+  request aborted meanwhile (it waits for that report too: the engine-core assertion of the
+  issue came from a late one).
+* **A read in flight that never completes.** Upstream bounds handshakes (a 5 s receive
+  timeout) and reads that would start after D's deadline, not a transfer in flight. Past
+  ``pull_timeout_s`` such a read is failed through upstream's own failure path (release the
+  transfer handle, which aborts it; a handle NIXL cannot release is kept and polled, so the
+  blocks are never recomputed while a read may still write them); the worker then reports the
+  request failed and vLLM recomputes (``kv_load_failure_policy: recompute``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("kvbranch.pd")
+
+
+def report_unqueued(pending: dict[str, tuple[Any, int]], connector_output: Any) -> int:
+    """Add ``pending`` (request id -> (request, tokens valid locally)) to the step's
+    ``finished_recving``, each request's computed tokens cut to its local ones. Skips a
+    request reported already or no longer waiting (nor finished). Returns how many."""
+    from vllm.v1.request import RequestStatus
+
+    done = set(connector_output.finished_recving or ())
+    added = 0
+    for request_id, (request, local) in pending.items():
+        if request_id in done:
+            continue
+        status = request.status
+        if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            request.num_computed_tokens = min(local, request.num_computed_tokens)
+        elif not RequestStatus.is_finished(status):
+            continue
+        done.add(request_id)
+        added += 1
+    connector_output.finished_recving = done
+    return added
+
+
+def fail_slow_reads(worker: Any, started: dict[str, float], now: float, timeout_s: float) -> int:
+    """Fail the reads of NIXL's pull ``worker`` in flight for ``timeout_s`` or longer
+    (``started``: request id -> when first seen in flight, kept by the caller). Returns how
+    many were failed now."""
+    transfers: dict[str, list[int]] = worker._recving_transfers
+    for request_id in [r for r in started if r not in transfers]:
+        del started[request_id]
+    failed = 0
+    for request_id, handles in list(transfers.items()):
+        since = started.setdefault(request_id, now)
+        if now - since < timeout_s or request_id in worker._recv_failures:
+            continue
+        failed += 1
+        logger.warning(
+            "kvbranch: the read of request %s has not finished after %.0f s: failing it "
+            "(vLLM recomputes those blocks)",
+            request_id,
+            now - since,
+        )
+        kept = [h for h in handles if not worker._handle_failed_transfer(request_id, h)]
+        worker._recv_failures.add(request_id)
+        if kept:
+            transfers[request_id] = kept
+        else:
+            del transfers[request_id]
+    return failed
