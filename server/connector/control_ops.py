@@ -165,13 +165,29 @@ OPS: dict[str, OpHandler] = {
 }
 
 
+#: Sessions ``/v1/kvbranch/stats`` describes (the caller's most recently used ones), and the
+#: block-hash lookups its descriptions may make: it runs under the planner's lock in the engine
+#: core, so 1000 sessions x 256 branches x 512 blocks must not be walked (that stalls every
+#: step for seconds). Past the budget, block counts are ``None``; one session's own routes
+#: (``GET /v1/kvbranch/sessions/{id}``) still count them all.
+STATS_MAX_SESSIONS = 100
+STATS_WALK_BUDGET = 200_000
+
+
 def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> dict:
-    """``GET /v1/kvbranch/stats``: the store, the prompt-source totals, the caller's sessions
-    (none with ``all_owners``: the admin view) and what composing connectors add."""
+    """``GET /v1/kvbranch/stats``: the store, the prompt-source totals, the caller's most
+    recently used sessions (none with ``all_owners``: the admin view; at most
+    :data:`STATS_MAX_SESSIONS`, block walks bounded by :data:`STATS_WALK_BUDGET`) and what
+    composing connectors add."""
     planner = side.planner
     index, reg = planner.index, planner.registry
     counters = index.counters
-    sessions = [] if all_owners else [reg.session_info(s) for s in reg.sessions_of(owner)]
+    budget = [STATS_WALK_BUDGET]
+    sessions = (
+        []
+        if all_owners
+        else [reg.session_info(s, budget) for s in reg.sessions_of(owner, STATS_MAX_SESSIONS)]
+    )
     return {
         "store": {
             "capacity_blocks": index.num_slots,
@@ -201,6 +217,9 @@ def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> di
         "prefetches_skipped": planner.prefetches_skipped,
         "num_sessions": len(reg.sessions),
         "sessions": sessions,
+        # The caller's sessions in all: more than listed when over STATS_MAX_SESSIONS.
+        "num_own_sessions": 0 if all_owners else reg.num_sessions_of(owner),
+        "store_resets": planner.store_resets,
         "time": time.time(),
         **{name: section() for name, section in side.extra_stats.items()},
     }

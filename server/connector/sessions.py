@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import islice
 
 from server.connector.block_index import HostBlockIndex
 from server.connector.branches import (  # noqa: F401 - re-exported: the registry's API
@@ -83,7 +84,8 @@ class SessionRegistry:
         self.wall_clock = wall_clock
         #: Every session, least recently used first (idle expiry pops from the front).
         self.sessions: OrderedDict[SessionKey, Session] = OrderedDict()
-        self._by_owner: dict[str | None, dict[str, Session]] = {}
+        #: Per tenant, least recently used first (stats lists the most recent ones).
+        self._by_owner: dict[str | None, OrderedDict[str, Session]] = {}
         # When each recently deleted session went away: a request that was already running
         # at that moment must not bring the session (and its pins) back when it finishes.
         self.deleted_at: OrderedDict[SessionKey, float] = OrderedDict()
@@ -114,8 +116,20 @@ class SessionRegistry:
         """Blocks one tenant's pins may hold (the whole budget on a server without keys)."""
         return self.leases.tenant_pin_blocks(owner)
 
-    def sessions_of(self, owner: str | None) -> list[Session]:
-        return list(self._by_owner.get(owner, {}).values())
+    def sessions_of(self, owner: str | None, limit: int | None = None) -> list[Session]:
+        """The tenant's sessions, least recently used first; with ``limit``, only the most
+        recently used ``limit`` of them (without walking the others)."""
+        mine = self._by_owner.get(owner)
+        if not mine:
+            return []
+        if limit is None or limit >= len(mine):
+            return list(mine.values())
+        recent = list(islice(reversed(mine.values()), limit))
+        recent.reverse()
+        return recent
+
+    def num_sessions_of(self, owner: str | None) -> int:
+        return len(self._by_owner.get(owner, ()))
 
     def _check_owner(self, owner: str | None) -> None:
         if owner is None and self.require_owner:
@@ -134,7 +148,7 @@ class SessionRegistry:
         session_id = session_id or new_id("sess")
         if (owner, session_id) in self.sessions:
             raise Conflict(f"session {session_id!r} {ALREADY_EXISTS}")
-        mine = self._by_owner.get(owner, {})
+        mine = self._by_owner.get(owner, OrderedDict())
         if len(mine) >= self.max_sessions_per_tenant:
             raise QuotaExceeded(
                 f"session quota reached: this key has {len(mine)} sessions (the limit, "
@@ -156,7 +170,7 @@ class SessionRegistry:
         )
         session.branches[DEFAULT_BRANCH] = Branch(session_id, DEFAULT_BRANCH, owner=owner)
         self.sessions[(owner, session_id)] = session
-        self._by_owner.setdefault(owner, {})[session_id] = session
+        self._by_owner.setdefault(owner, OrderedDict())[session_id] = session
         return session
 
     def get_session(self, session_id: str, owner: str | None = None) -> Session:
@@ -167,6 +181,7 @@ class SessionRegistry:
             raise NotFound(f"session {session_id!r} not found")
         session.last_used = self.clock()
         self.sessions.move_to_end(key)
+        self._by_owner[owner].move_to_end(session_id)
         return session
 
     def get_branch(self, session_id: str, branch_id: str, owner: str | None = None) -> Branch:
@@ -341,9 +356,12 @@ class SessionRegistry:
         return branch
 
     # --- reporting ---------------------------------------------------------------------------
-    def branch_info(self, branch: Branch) -> dict:
+    def branch_info(self, branch: Branch, budget: list[int] | None = None) -> dict:
+        """A branch's description. ``stored_blocks`` walks its blocks: with ``budget`` (a
+        one-item list of hash lookups left, shared by a listing) and too few left, it is not
+        counted (the key is left out)."""
         now = self.clock()
-        return {
+        info = {
             "session_id": branch.session_id,
             "branch_id": branch.branch_id,
             "parent": branch.parent,
@@ -355,19 +373,32 @@ class SessionRegistry:
             ),
             "pinned_blocks": len(branch.pinned_hashes),
             "pinned_bytes": len(branch.pinned_hashes) * self.block_bytes,
-            "stored_blocks": sum(1 for h in branch.wanted_pins() if h in self.index),
             "degraded": branch.degraded,
             "requests": branch.requests,
         }
+        wanted = branch.wanted_pins()
+        if budget is None or budget[0] >= len(wanted):
+            info["stored_blocks"] = sum(1 for h in wanted if h in self.index)
+            if budget is not None:
+                budget[0] -= len(wanted)
+        return info
 
-    def session_info(self, session: Session) -> dict:
-        pinned = {h for b in session.branches.values() for h in b.pinned_hashes}
-        return {
+    def session_info(self, session: Session, budget: list[int] | None = None) -> dict:
+        """A session's description; with ``budget`` (see :meth:`branch_info`) the block walks
+        stop when it is spent (``pinned_blocks``/``stored_blocks`` are then left out)."""
+        branches = list(session.branches.values())
+        info: dict = {
             "session_id": session.session_id,
             "created_at": session.created_at,
             "auto_pin": session.auto_pin,
             "pin_ttl_s": session.pin_ttl_s,
-            "branches": [self.branch_info(b) for b in session.branches.values()],
-            "pinned_blocks": len(pinned),
-            "pinned_bytes": len(pinned) * self.block_bytes,
         }
+        size = sum(len(b.pinned_hashes) for b in branches)
+        if budget is None or budget[0] >= size:
+            pinned = len({h for b in branches for h in b.pinned_hashes})
+            info["pinned_blocks"] = pinned
+            info["pinned_bytes"] = pinned * self.block_bytes
+            if budget is not None:
+                budget[0] -= size
+        info["branches"] = [self.branch_info(b, budget) for b in branches]
+        return info
