@@ -185,6 +185,9 @@ class PDStats(BaseModel):
     claims_refused: int
     stalled_steps: int
     handles_declined: dict[str, int] = Field(default_factory=dict)
+    #: Requests the scheduler was told would load from a peer but for which no read was
+    #: queued (a declined or failed handle): their tokens were recomputed.
+    reads_not_queued: int = 0
 
 
 class InstanceInfo(BaseModel):
