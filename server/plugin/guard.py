@@ -19,6 +19,9 @@ vLLM's own key check, where it applies, runs before it).
   with a lone UTF-16 surrogate in any string, is a 400 naming where
   (:mod:`server.plugin.json_body`): past this layer both would raise (``RecursionError``,
   ``UnicodeEncodeError``): a 500, and a dropped keep-alive connection.
+* **What only the cluster sends** (:mod:`server.plugin.cluster_gate`): transfer params and
+  hold claims without the router's proof get 403; with API keys, vLLM's dev routes need a key
+  (401).
 * **Client salt**: with keys, a ``cache_salt`` vLLM would refuse gets vLLM's 400 here, since
   the middleware turns any client salt into a valid tenant salt.
 
@@ -50,7 +53,7 @@ from server.contract import (
     check_id,
 )
 from server.errors import send_error
-from server.plugin import dialects, json_body
+from server.plugin import cluster_gate, dialects, json_body
 from server.plugin.middleware import xargs_of
 from server.plugin.request import drain, header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
@@ -112,6 +115,11 @@ class KVBranchGuard:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = route_path(scope) if scope["type"] == "http" else ""
+        if cluster_gate.is_dev_path(path) and tenancy_on(app_args_of(scope)):
+            if owner_of(header(scope, "authorization"), app_args_of(scope)) is None:
+                await self._drain(receive)
+                await self._reply(send, 401, "dev routes need one of this server's API keys", None)
+                return
         if scope.get("method") not in ("POST", "PUT", "PATCH") or not _guarded(path):
             await self.app(scope, receive, send)
             return
@@ -162,12 +170,24 @@ class KVBranchGuard:
         if problem is not None:
             await self._reply(send, 400, problem[1], problem[0])
             return
+        proof = header(scope, cluster_gate.ROUTER_PROOF_HEADER)
+        refused = cluster_gate.claim_refusal(proof, scope["method"], path, body)
+        if refused is not None:
+            await self._reply(send, 403, refused, None)
+            return
 
         if path in GENERATE_PATHS:
             if isinstance(payload, dict):
                 problem = id_problem(
                     payload, header(scope, SESSION_HEADER), header(scope, BRANCH_HEADER), path
                 )
+                if problem is None:  # transfer params: the cluster's router only (403)
+                    refusal = cluster_gate.transfer_refusal(
+                        payload, proof, scope["method"], path, body
+                    )
+                    if refusal is not None:
+                        await self._reply(send, 403, refusal[1], refusal[0])
+                        return
                 if problem is None:  # cache hints (prompt_cache_*, cache_control): dialects.py
                     problem = dialects.problem(payload, path)
                 if problem is None and keys:
