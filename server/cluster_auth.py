@@ -66,7 +66,7 @@ def verify(
     if not isinstance(proof, str) or len(proof) > 200:
         return False
     stamp, _, mac = proof.partition(".")
-    if not stamp.isdigit() or len(stamp) > 16 or not mac.isascii():
+    if not (stamp.isascii() and stamp.isdigit()) or len(stamp) > 16 or not mac.isascii():
         return False
     at = int(stamp) / 1000
     if abs((time.time() if now is None else now) - at) > MAX_SKEW_S:

@@ -297,7 +297,16 @@ class Stats(BaseModel):
         description="Prefetch requests that did not run in the engine: the branch was already "
         "device-resident, or the host store held all of it.",
     )
-    sessions: list[SessionInfo]
+    sessions: list[SessionInfo] = Field(
+        description="The caller's most recently used sessions (at most 100; with a bounded "
+        "block walk: past it, their block counts read 0 — a session's own route counts all)."
+    )
+    num_own_sessions: int = Field(default=0, description="All of the caller's sessions.")
+    store_resets: int = Field(
+        default=0,
+        description="Times the host store was emptied (reset_external, new weights, a LoRA "
+        "reloaded or removed): pins and tails included.",
+    )
     pd: PDStats | None = Field(
         default=None,
         description="P/D instances: held conversations, "
