@@ -102,8 +102,13 @@ NIXL_PARAM_KEYS = tuple(sorted(INCOMING_KEYS))
 DEFAULT_CLAIM_TTL_S = 30.0
 #: A read NIXL's worker started but has not finished after this long is failed (vLLM then
 #: recomputes those blocks): upstream bounds handshakes (5 s) and D's deadline before a read
-#: starts, not a read in flight.
-DEFAULT_PULL_TIMEOUT_S = 60.0
+#: starts, not a read in flight. It is also what makes D's claim a fence, not only a time
+#: margin: P starts a pull only while the claim has ``CLAIM_MARGIN_S`` left, and D releases a
+#: claimed hold no earlier than ``CLAIM_MARGIN_S`` after the claim ends; a read still in flight
+#: ``CLAIM_MARGIN_S`` after it started is failed (recompute) — before D can reuse the blocks,
+#: as long as an engine step takes less than that. (A read of one conversation's KV takes
+#: milliseconds on loopback, well under a second over a network.)
+DEFAULT_PULL_TIMEOUT_S = CLAIM_MARGIN_S
 #: Requests whose verdict is kept at once (each entry ends with its request; the bound only
 #: matters if vLLM never reported some request finished).
 MAX_TRACKED_REQUESTS = 65536
@@ -629,13 +634,16 @@ class VerifiedNixlConnector(NixlConnector):
 
     # --- worker: a read in flight ends in bounded time ------------------------------------
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # The step's finished reads first: only a read still in flight can be too slow (a
+        # failure is reported with the next step's results).
+        results = super().get_transfer_results(finished_req_ids)
         worker = self.connector_worker
         if worker is not None and self.pull_timeout_s > 0:
             try:
                 self._fail_slow_reads(worker, time.monotonic())
             except Exception:
                 logger.exception("kvbranch: checking reads in flight failed")
-        return super().get_transfer_results(finished_req_ids)
+        return results
 
     def _fail_slow_reads(self, worker: Any, now: float) -> None:
         self.reads_timed_out += fail_slow_reads(
