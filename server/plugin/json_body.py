@@ -14,8 +14,9 @@ Both are valid JSON that Python parses, and both used to break *after* the parse
 :func:`parse` answers ``(payload, problem)``: ``problem`` is ``(param, message)`` naming where
 the body is wrong (``messages[0].content[1].text``), for the guard's 400. A body that is not
 JSON at all is no problem here (``(None, None)``): the route answers it in its own words.
-The checks cost two byte scans on ordinary bodies; the walk over the parsed value only runs
-when the bytes show enough brackets, or a surrogate (escaped or raw).
+The checks cost a few byte scans on ordinary bodies; past those, one C-level pass (the
+nesting level by level, a re-encoding for surrogates), and a Python walk over the parsed value
+only to name the place of a problem found.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
+from itertools import chain, compress
 from typing import Any
 
 from server.contract.wire import MAX_JSON_DEPTH, has_lone_surrogate
@@ -97,10 +99,39 @@ def parse(body: bytes) -> tuple[Any, Problem | None]:
         return None, (_BODY, _TOO_DEEP.format(limit=MAX_JSON_DEPTH))
     except ValueError:  # not JSON (or not UTF-8): the route answers it itself
         return None, None
-    deep = body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH
+    deep = body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _too_deep(payload)
     # UTF-16/32 bodies (json.loads takes them too) hide their escapes from the byte scan.
     utf8 = json.detect_encoding(body) in ("utf-8", "utf-8-sig")
-    strings = not utf8 or _SURROGATE_BYTES.search(body) is not None
+    maybe = not utf8 or _SURROGATE_BYTES.search(body) is not None  # valid pairs match too
+    strings = maybe and not deep and not _encodable(payload)
     if not deep and not strings:
         return payload, None
-    return payload, problem_of(payload, depth=deep, strings=strings)
+    return payload, problem_of(payload, depth=deep, strings=strings)  # where: the slow walk
+
+
+def _children(value: Any) -> Any:
+    return value.values() if value.__class__ is dict else value
+
+
+_IS_CONTAINER = frozenset((dict, list)).__contains__
+
+
+def _too_deep(payload: Any) -> bool:
+    """Whether ``payload`` nests deeper than :data:`MAX_JSON_DEPTH`: one level at a time, the
+    per-value work in C (``map``/``compress``), Python only once per container."""
+    level = [payload] if payload.__class__ in (dict, list) else []
+    for _ in range(MAX_JSON_DEPTH):
+        if not level:
+            return False
+        values = list(chain.from_iterable(map(_children, level)))
+        level = list(compress(values, map(_IS_CONTAINER, map(type, values))))
+    return bool(level)
+
+
+def _encodable(payload: Any) -> bool:
+    """Whether every string (and key) of ``payload`` encodes as UTF-8: one C-level pass."""
+    try:
+        json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -76,3 +76,21 @@ def test_problem_of_is_iterative():
     for _ in range(10_000):  # deeper than Python's recursion limit
         value = [value]
     assert problem_of(value) is not None
+
+
+def test_the_limit_is_exact():
+    """Bodies with more brackets than the limit go through the level-by-level check."""
+    at_limit = b"[" + nested(MAX_JSON_DEPTH - 1) + b",[]," + b'{"a":1}' + b"]"
+    assert parse(at_limit)[1] is None
+    over = b"[" + nested(MAX_JSON_DEPTH) + b",[]]"
+    assert parse(over)[1] is not None and parse(over)[1][0].startswith("[0]")
+    deep_object = b'{"a":' * MAX_JSON_DEPTH + b"[]" + b"}" * MAX_JSON_DEPTH
+    assert parse(deep_object)[1] is not None
+
+
+def test_valid_pairs_in_a_big_body_pass():
+    body = json.dumps({"messages": [{"content": "\U0001f600 x"} for _ in range(300)]}).encode()
+    assert b"\\ud83d" in body
+    assert parse(body)[1] is None
+    bad = body[:-2] + b',{"content":"\\ud83d"}]}'
+    assert parse(bad)[1] == ("messages[300].content", parse(bad)[1][1])
