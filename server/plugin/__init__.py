@@ -23,6 +23,7 @@ class KVBranchPlugin:
     def attach_router(self, app: FastAPI) -> None:
         from server.plugin.guard import KVBranchGuard
         from server.plugin.holds import router as holds_router
+        from server.plugin.metrics import MetricsRefresh
         from server.plugin.middleware import KVBranchMiddleware
         from server.plugin.responses_scope import ResponsesScope
         from server.plugin.routes import router
@@ -31,6 +32,7 @@ class KVBranchPlugin:
         app.include_router(holds_router)
         app.add_middleware(ResponsesScope)  # innermost: stored responses scoped by API key
         app.add_middleware(KVBranchMiddleware)
+        app.add_middleware(MetricsRefresh)  # /metrics: the connector's stats fetched async
         app.add_middleware(KVBranchGuard)  # added last = outermost: size and id checks first
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

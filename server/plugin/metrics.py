@@ -1,29 +1,63 @@
 """Prometheus metrics for kvbranch, served on vLLM's own ``/metrics``.
 
 A custom collector reads the connector's counters over the control socket at scrape time, so
-the numbers are the engine's own (no second bookkeeping in the API process)."""
+the numbers are the engine's own (no second bookkeeping in the API process).
+
+prometheus_client collects synchronously, inside the API server's event loop: a blocking
+control-socket call there (up to its timeout) would stall every request the process serves.
+So :class:`MetricsRefresh`, an ASGI layer in front of ``/metrics``, fetches the stats with the
+async control client first, and the collector serves that snapshot; only a collection that
+finds no fresh snapshot (another exporter path) calls the socket synchronously."""
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from server.connector.control import ControlError, call_sync
+from server.connector.control import AsyncControlClient, ControlError, call_sync
 
 logger = logging.getLogger("kvbranch.metrics")
-_registered: set[str] = set()
+_registered: dict[str, KVBranchCollector] = {}
+SCRAPE_TIMEOUT_S = 2.0
+#: A snapshot the refresh layer fetched is served for this long.
+FRESH_S = 1.0
+METRICS_PATH = "/metrics"
 
 
 class KVBranchCollector:
     def __init__(self, control_path: str) -> None:
         self.control_path = control_path
+        self._snapshot: tuple[float, dict] | None = None
+
+    async def refresh(self) -> None:
+        """Fetch the stats without blocking the event loop (the refresh layer calls it)."""
+        client = AsyncControlClient(self.control_path, timeout=SCRAPE_TIMEOUT_S)
+        try:
+            stats = await client.call("stats", all_owners=True)
+        except (ControlError, OSError, ValueError, TimeoutError) as exc:
+            logger.debug("kvbranch metrics unavailable: %s", exc)
+            self._snapshot = (time.monotonic(), {})  # "down", without a blocking retry
+            return
+        self._snapshot = (time.monotonic(), stats if isinstance(stats, dict) else {})
+
+    def _stats(self) -> dict:
+        snapshot, self._snapshot = self._snapshot, None  # each snapshot serves one scrape
+        if snapshot is not None and time.monotonic() - snapshot[0] < FRESH_S:
+            if not snapshot[1]:
+                raise ControlError(503, "the connector did not answer")
+            return snapshot[1]
+        stats = call_sync(self.control_path, "stats", timeout=SCRAPE_TIMEOUT_S, all_owners=True)
+        return stats if isinstance(stats, dict) else {}
 
     def collect(self):
         try:
-            stats = call_sync(self.control_path, "stats", timeout=2.0, all_owners=True)
-        except (ControlError, OSError, ValueError) as exc:
+            stats = self._stats()
+            stats["store"]  # noqa: B018 - a reply without the store is no reply
+        except (ControlError, OSError, ValueError, KeyError) as exc:
             logger.debug("kvbranch metrics unavailable: %s", exc)
             up = GaugeMetricFamily("kvbranch_connector_up", "1 when the connector answers")
             up.add_metric([], 0)
@@ -122,5 +156,20 @@ def _pd_metrics(pd: dict | None):
 def register_collector(control_path: str) -> None:
     if control_path in _registered:
         return
-    REGISTRY.register(KVBranchCollector(control_path))
-    _registered.add(control_path)
+    collector = KVBranchCollector(control_path)
+    REGISTRY.register(collector)
+    _registered[control_path] = collector
+
+
+class MetricsRefresh:
+    """ASGI layer: before vLLM's ``/metrics`` collects, refresh kvbranch's snapshot with the
+    async control client (see the module docstring)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path", "").rstrip("/") == METRICS_PATH:
+            for collector in list(_registered.values()):
+                await collector.refresh()
+        await self.app(scope, receive, send)

@@ -8,6 +8,7 @@ Errors are :func:`server.errors.error_response`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 from collections.abc import Awaitable, Callable
@@ -180,7 +181,11 @@ async def _render(request: Request, messages: list[dict[str, Any]]) -> list[int]
             dict(m, content="") if isinstance(m, dict) and m.get("content") is None else m
             for m in messages
         ]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+        # In a thread: a long history's template and tokenizer run would stall the event
+        # loop, and every request this API process serves with it.
+        ids = await asyncio.to_thread(
+            tokenizer.apply_chat_template, messages, tokenize=True, add_generation_prompt=False
+        )
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]
