@@ -23,9 +23,9 @@ from tests.integration.helpers import (
 )
 
 
-def _messages(seed: int) -> list[dict]:
+def _messages(seed: int, words: int = 450) -> list[dict]:
     return [
-        {"role": "system", "content": system_prompt(seed=seed)},
+        {"role": "system", "content": system_prompt(words=words, seed=seed)},
         {"role": "user", "content": "Name one tool an agent may call."},
     ]
 
@@ -47,15 +47,40 @@ def _reset_external(server) -> None:
     raise AssertionError("reset_prefix_cache?reset_external=true did not succeed")
 
 
+#: Two servers batch and schedule differently: the same greedy computation's logprobs agree to
+#: about 1e-3 (seen: -2.678 vs -2.677), not bit for bit.
+LOGPROB_TOL = 0.01
+
+
 def _prompt_logprobs(response: dict) -> list:
-    """Per prompt position: the (token id, rounded logprob) pairs vLLM returned."""
+    """Per prompt position: the (token id, logprob) pairs vLLM returned."""
     out = []
     for entry in response["prompt_logprobs"]:
         if entry is None:
             out.append(None)
             continue
-        out.append(sorted((int(k), round(v["logprob"], 3)) for k, v in entry.items()))
+        out.append(sorted((int(k), v["logprob"]) for k, v in entry.items()))
     return out
+
+
+def _close(ours: list, theirs: list) -> bool:
+    """Same positions and token ids, logprobs within :data:`LOGPROB_TOL`."""
+    if len(ours) != len(theirs):
+        return False
+    for a, b in zip(ours, theirs, strict=True):
+        if (a is None) != (b is None):
+            return False
+        if a is None:
+            continue
+        if isinstance(a, float):
+            if abs(a - b) > LOGPROB_TOL:
+                return False
+            continue
+        if [t for t, _ in a] != [t for t, _ in b]:
+            return False
+        if any(abs(x - y) > LOGPROB_TOL for (_, x), (_, y) in zip(a, b, strict=True)):
+            return False
+    return True
 
 
 def test_prompt_logprobs_load_nothing_from_the_host_store(kvbranch_server, plain_server):
@@ -73,7 +98,7 @@ def test_prompt_logprobs_load_nothing_from_the_host_store(kvbranch_server, plain
     assert split["host_hit_tokens"] == 0 and split["device_hit_tokens"] == 0
     assert split["recomputed_tokens"] == ours["usage"]["prompt_tokens"]
     assert len(ours["prompt_logprobs"]) == ours["usage"]["prompt_tokens"]
-    assert _prompt_logprobs(ours) == _prompt_logprobs(theirs)
+    assert _close(_prompt_logprobs(ours), _prompt_logprobs(theirs))
     assert text_of(ours) == text_of(theirs)
 
 
@@ -95,13 +120,15 @@ def test_echo_with_logprobs_on_completions_loads_nothing(kvbranch_server, plain_
     assert ours["kvbranch"]["host_hit_tokens"] == 0
     mine, plain = ours["choices"][0]["logprobs"], theirs["choices"][0]["logprobs"]
     assert mine["tokens"] == plain["tokens"]
-    assert [None if x is None else round(x, 3) for x in mine["token_logprobs"]] == [
-        None if x is None else round(x, 3) for x in plain["token_logprobs"]
-    ]
+    assert _close(mine["token_logprobs"], plain["token_logprobs"])
 
 
 def test_reset_external_drops_pinned_blocks_tails_and_pins(kvbranch_server):
-    messages = _messages(seed=223)
+    # Small enough for the test server's pin budget (9 blocks; 450 words are 11 blocks), and
+    # from an empty store: earlier tests' pins would fill that budget, and this branch's
+    # auto-pin would degrade to LRU retention.
+    messages = _messages(seed=223, words=180)
+    _reset_external(kvbranch_server)
     first = chat(kvbranch_server, messages, session="fresh-pins", max_tokens=8)
     before = branch_info(kvbranch_server, "fresh-pins")
     assert before["pinned"] and before["stored_blocks"] > 0
