@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from typing_extensions import Self
 
+from sdk import contract
 from sdk._common import ChatArgs, ChatParams, check_messages
 from sdk._core import Flow
 from sdk.errors import BadRequestError, NotFoundError
 from sdk.types import ChatResult
-from server import contract
 
 if TYPE_CHECKING:
     from sdk._session_core import SessionCore

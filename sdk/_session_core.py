@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from typing_extensions import Self
 
+from sdk import contract
 from sdk._common import SessionArgs, check_keywords, check_messages
 from sdk._core import ClientCore, Flow, Flows
 from sdk.errors import BadRequestError, ConflictError, KVBranchUnavailableError, NotFoundError
-from server import contract
 
 if TYPE_CHECKING:
     from sdk._branch_core import BranchCore

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import httpx
 from typing_extensions import Unpack
 
+from sdk import contract
 from sdk._common import ChatArgs, ForkArgs, SessionArgs
 from sdk._core import (
     AsyncClosing,
@@ -31,7 +32,6 @@ from sdk._stream import StreamState
 from sdk.client import ChatStream, KVBranchClient
 from sdk.errors import APIConnectionError, KVBranchError, error_from_response, error_from_transport
 from sdk.types import ChatChunk, ChatResult
-from server import contract
 
 if TYPE_CHECKING:
     from sdk.session import AsyncSession

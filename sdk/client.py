@@ -1,7 +1,7 @@
 """The synchronous kvbranch client (httpx).
 
 :class:`KVBranchClient` speaks the OpenAI chat API to any compatible server, and the kvbranch
-routes (sessions, branches, pins and prefetch, stats; see :mod:`server.contract`) to a kvbranch
+routes (sessions, branches, pins and prefetch, stats; see :mod:`sdk.contract`) to a kvbranch
 server. :meth:`KVBranchClient.session` returns a :class:`sdk.session.Session`, the object most
 users want: it keeps every branch's history and re-sends it, so a server that lost its state
 only costs time.
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import httpx
 from typing_extensions import Unpack
 
+from sdk import contract
 from sdk._common import ChatArgs, ForkArgs, SessionArgs
 from sdk._core import Callback, ClientCore, Closing, Done, Flow, Outcome, Request, advance
 from sdk._stream import StreamState, event_to_chunk
 from sdk.errors import APIConnectionError, KVBranchError, error_from_response, error_from_transport
 from sdk.types import ChatChunk, ChatResult
-from server import contract
 
 if TYPE_CHECKING:
     from sdk.session import Session

@@ -27,8 +27,8 @@ from sdk._core import copy_docs
 from sdk._session_core import SessionCore
 from sdk.aclient import AsyncChatStream, AsyncKVBranchClient
 from sdk.client import ChatStream, KVBranchClient
+from sdk.contract import BranchInfo, PrefetchResult, SessionInfo
 from sdk.types import ChatResult
-from server.contract import BranchInfo, PrefetchResult, SessionInfo
 
 __all__ = ["Session", "Branch", "AsyncSession", "AsyncBranch"]
 

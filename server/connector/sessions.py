@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import islice
 
+from sdk.contract import ALREADY_EXISTS  # the router converges retries on this wording
 from server.connector.block_index import HostBlockIndex
 from server.connector.branches import (  # noqa: F401 - re-exported: the registry's API
     DEFAULT_BRANCH,
@@ -41,7 +42,6 @@ from server.connector.branches import (  # noqa: F401 - re-exported: the registr
     new_id,
 )
 from server.connector.leases import PinLeases
-from server.contract import ALREADY_EXISTS  # the router converges retries on this wording
 
 
 class SessionRegistry:

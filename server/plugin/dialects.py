@@ -52,7 +52,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.contract import (
+from sdk.contract import (
     BREAKPOINT_SESSION_PREFIX,
     CACHE_CONTROL_FIELD,
     CACHE_KEY_SESSION_PREFIX,
@@ -69,7 +69,7 @@ from server.contract import (
     SESSION_XARG,
     check_id,
 )
-from server.contract.wire import has_lone_surrogate
+from sdk.contract.wire import has_lone_surrogate
 
 logger = logging.getLogger("kvbranch.dialects")
 

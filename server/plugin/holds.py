@@ -3,7 +3,7 @@ conversation right before the prefill instance pulls it, so that the decode inst
 release those blocks for new work while they are being read (see
 :mod:`server.connector.transfer_auth`). 410 when the hold is already gone: the turn recomputes.
 
-Body :class:`~server.contract.HoldClaimRequest`, answer :class:`~server.contract.HoldClaimResult`.
+Body :class:`~sdk.contract.HoldClaimRequest`, answer :class:`~sdk.contract.HoldClaimResult`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 
+from sdk.contract import CLAIM_HANDLE_FIELD, HOLD_CLAIM_PATH, HoldClaimResult
 from server.connector.control import ControlError
-from server.contract import CLAIM_HANDLE_FIELD, HOLD_CLAIM_PATH, HoldClaimResult
 from server.errors import error_response
 
 router = APIRouter(tags=["kvbranch"])

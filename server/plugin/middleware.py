@@ -1,6 +1,6 @@
 """ASGI middleware around vLLM's completion routes.
 
-On the way in, on every generating route (:data:`server.contract.GENERATE_PATHS`), it drops
+On the way in, on every generating route (:data:`sdk.contract.GENERATE_PATHS`), it drops
 kvbranch's internal fields from the client's extension args (:data:`INTERNAL_XARGS`: only the
 server sets them), stamps a server-made tag (to find the request's accounting afterwards),
 copies the ``X-KVBranch-Branch`` header into the extension args, and, when the server has API
@@ -26,7 +26,7 @@ import logging
 import uuid
 from typing import Any
 
-from server.contract import (
+from sdk.contract import (
     BRANCH_HEADER,
     BRANCH_XARG,
     CACHE_SALT_FIELD,

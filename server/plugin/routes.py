@@ -1,4 +1,4 @@
-"""The ``/v1/kvbranch`` HTTP routes (see :mod:`server.contract` for the wire contract).
+"""The ``/v1/kvbranch`` HTTP routes (see :mod:`sdk.contract` for the wire contract).
 
 Each route asks the connector (over its control socket) and answers through the contract's
 response model: :func:`_answer` validates what the connector returned, so a field that drifted
@@ -18,9 +18,7 @@ from fastapi import APIRouter, Body, Path, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, TypeAdapter
 
-from server import __version__
-from server.connector.control import ControlError
-from server.contract import (
+from sdk.contract import (
     API_PREFIX,
     ID_PATTERN,
     PROTOCOL_VERSION,
@@ -36,6 +34,8 @@ from server.contract import (
     SessionInfo,
     Stats,
 )
+from server import __version__
+from server.connector.control import ControlError
 from server.errors import error_response
 from server.plugin.state import PluginState
 from server.plugin.tenancy import app_args_of, owner_of

@@ -9,7 +9,7 @@ import os
 import uuid
 from typing import Any
 
-from server.contract import PREFETCH_XARG
+from sdk.contract import PREFETCH_XARG
 from server.settings import ENV_ROLE
 
 logger = logging.getLogger("kvbranch.routes")

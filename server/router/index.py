@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from server.contract import REMOTE_NUM_TOKENS
+from sdk.contract import REMOTE_NUM_TOKENS
 
 Key = tuple[str, str, str]  # (tenant, session id, branch id)
 

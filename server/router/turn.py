@@ -31,7 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from server.contract import (
+from sdk.contract import (
     BRANCH_HEADER,
     BRANCH_XARG,
     CLAIM_FIELD,

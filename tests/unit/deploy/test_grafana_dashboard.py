@@ -23,7 +23,7 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry
 
-from server.contract import Stats, StoreStats
+from sdk.contract import Stats, StoreStats
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "kvbranch.json"
 

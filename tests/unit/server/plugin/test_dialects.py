@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from server.contract import (
+from sdk.contract import (
     INTERNAL_XARGS,
     MAX_TTL_S,
     PIN_TTL_XARG,

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from sdk.contract import BRANCH_HEADER, RESPONSE_FIELD
 from server.connector.planner import BRANCH_XARG, OWNER_XARG, TAG_XARG
-from server.contract import BRANCH_HEADER, RESPONSE_FIELD
 from server.plugin.middleware import KVBranchMiddleware, add_split_to_event, rewrite_request
 from server.plugin.tenancy import ENV_API_KEYS, owner_of
 

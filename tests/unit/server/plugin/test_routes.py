@@ -11,8 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from server.connector.control import ControlError
-from server.contract import (
+from sdk.contract import (
     CLAIM_FIELD,
     HEALTH_PATH,
     HOLD_CLAIM_PATH,
@@ -29,6 +28,7 @@ from server.contract import (
     prefetch_path,
     session_path,
 )
+from server.connector.control import ControlError
 from server.plugin.holds import router as holds_router
 from server.plugin.routes import router
 

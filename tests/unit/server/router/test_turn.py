@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.contract import HOLD_CLAIM_PATH, RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
+from sdk.contract import HOLD_CLAIM_PATH, RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
 from server.tenants import scope_of
 from tests.unit.server.router.fakes import D, Fakes, P, base_of, call, json_reply, make_router
 
