@@ -16,7 +16,7 @@
    * **token-prefix check**: D's returned transfer params carry the token ids its blocks hold;
      P pulls only the longest prefix of its prompt that equals them (upstream reads the first
      ``min(remote_num_tokens, prompt_len)`` positions unchecked, so a re-rendered chat history
-     silently gets wrong KV — PD_NOTES pitfall 5). Params without token ids pull nothing.
+     silently gets wrong KV — docs/pd_notes.md pitfall 5). Params without token ids pull nothing.
      A request that reads no prefix cache (prompt logprobs) pulls nothing.
    * **hooks that never kill the engine**: an exception of ours or of upstream's on vLLM's
      scheduler thread declines the handle instead; a read the scheduler waits on but
@@ -711,7 +711,7 @@ class KVBranchPDConnector(MultiConnector):
             logger.exception("kvbranch: releasing holds for waiting work failed")
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing to compute, yet the engine keeps stepping: D while it holds a turn's
-            # blocks for P, P while it waits for a pull (PD_NOTES pitfall 7). Unthrottled, those
+            # blocks for P, P while it waits for a pull (docs/pd_notes.md pitfall 7). Unthrottled, those
             # empty steps spin a core for the whole hold; a few ms per step costs a pull or a
             # new request at most that much.
             time.sleep(IDLE_STEP_SLEEP_S)
