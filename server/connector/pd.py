@@ -711,9 +711,9 @@ class KVBranchPDConnector(MultiConnector):
             logger.exception("kvbranch: releasing holds for waiting work failed")
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing to compute, yet the engine keeps stepping: D while it holds a turn's
-            # blocks for P, P while it waits for a pull (docs/pd_notes.md pitfall 7). Unthrottled, those
-            # empty steps spin a core for the whole hold; a few ms per step costs a pull or a
-            # new request at most that much.
+            # blocks for P, P while it waits for a pull (docs/pd_notes.md pitfall 7).
+            # Unthrottled, those empty steps spin a core for the whole hold; a few ms per step
+            # costs a pull or a new request at most that much.
             time.sleep(IDLE_STEP_SLEEP_S)
         return super().build_connector_meta(scheduler_output)
 
