@@ -41,6 +41,37 @@ def test_prefix_count_failure_falls_back_to_the_whole_prompt():
     assert asyncio.run(usage.prefix_tokens(VllmEngine(State()))) is None
 
 
+def test_the_engine_counts_a_prefix_through_vllms_count_tokens_and_knows_the_block_size():
+    """The plugin's Engine (engine_tokens.py): vLLM's own count_tokens request, once per
+    response; the cache's block size cuts an earlier breakpoint's prefix to full blocks."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
+
+    seen = []
+
+    class Handler:
+        async def count_tokens(self, request):
+            seen.append(request)
+            return SimpleNamespace(input_tokens=300)
+
+    state = SimpleNamespace(
+        anthropic_serving_messages=Handler(),
+        vllm_config=SimpleNamespace(cache_config=SimpleNamespace(block_size=128)),
+    )
+    engine = VllmEngine(state)
+    assert engine.block_size == 128 and VllmEngine(None).block_size is None
+    prefix = {"system": [{"type": "text", "text": "You are terse."}], "messages": []}
+    usage = AnthropicUsage(ttl_s=300.0, prefix_request=prefix, model="m")
+    body = {"type": "message", "usage": {"input_tokens": 1000, "output_tokens": 1}}
+    assert asyncio.run(usage.rewrite(body, None, engine))
+    assert body["usage"]["cache_creation_input_tokens"] == 256  # 300 cut to 2 full blocks
+    assert body["usage"]["input_tokens"] == 744
+    asyncio.run(usage.rewrite({"usage": {"input_tokens": 1000}}, None, engine))
+    (request,) = seen  # counted once per response
+    assert isinstance(request, AnthropicCountTokensRequest) and request.model == "m"
+    # only the routes whose counting the engine knows
+    assert asyncio.run(engine.count_tokens("/v1/chat/completions", {})) is None
+
+
 # --- the guard answers bad hints with a 400 naming the field ---------------------------------
 def _through_guard(path: str, payload: dict) -> tuple[int, dict | None]:
     reached = {}
