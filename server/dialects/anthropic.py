@@ -68,7 +68,7 @@ class Breakpoint:
 
 
 def _block_breakpoints(
-    blocks: list, section: str, message: int | None, where: str
+    blocks: list[Any], section: str, message: int | None, where: str
 ) -> list[Breakpoint]:
     """The breakpoints of one list of blocks (``where`` names it in errors): a tools or system
     block is ``(section, k, None)``, a block of message ``m``'s content ``(section, m, k)``."""
@@ -83,7 +83,7 @@ def _block_breakpoints(
     return found
 
 
-def breakpoints(payload: dict) -> list[Breakpoint]:
+def breakpoints(payload: dict[str, Any]) -> list[Breakpoint]:
     """Every ``cache_control`` of an Anthropic request, in prompt order (tools, system,
     messages; the request-level one marks the last block). Raises :class:`DialectError`."""
     found: list[Breakpoint] = []
@@ -111,7 +111,7 @@ def _strip_cache_control(value: Any) -> Any:
     return value
 
 
-def prefix_of(payload: dict, point: Breakpoint) -> dict:
+def prefix_of(payload: dict[str, Any], point: Breakpoint) -> dict[str, Any]:
     """The Anthropic request cut right after ``point`` (prompt order: tools, system,
     messages), cache_control kept: tools/system/messages only."""
     tools = payload.get("tools") if isinstance(payload.get("tools"), list) else None
@@ -142,7 +142,7 @@ def prefix_of(payload: dict, point: Breakpoint) -> dict:
     return cut
 
 
-def at_end(payload: dict, point: Breakpoint) -> bool:
+def at_end(payload: dict[str, Any], point: Breakpoint) -> bool:
     """Whether the breakpoint marks the whole prompt (the last block of the last message, or
     the request-level cache_control)."""
     if point.section == "end":
@@ -156,7 +156,7 @@ def at_end(payload: dict, point: Breakpoint) -> bool:
     return isinstance(content, list) and point.block == len(content) - 1
 
 
-def conversation_head(payload: dict, point: Breakpoint) -> dict:
+def conversation_head(payload: dict[str, Any], point: Breakpoint) -> dict[str, Any]:
     """What names a request's derived session: the prefix up to ``point`` when that ends in
     tools, system or the first message, else tools, system and the first message — the part
     of a conversation that every one of its turns repeats (cache_control kept)."""
@@ -167,7 +167,7 @@ def conversation_head(payload: dict, point: Breakpoint) -> dict:
     return head
 
 
-def breakpoint_session(payload: dict, point: Breakpoint) -> str:
+def breakpoint_session(payload: dict[str, Any], point: Breakpoint) -> str:
     """``cc-`` + a digest of the conversation's head (:func:`conversation_head`, without
     cache_control), the model and the client's cache_salt: every turn of a conversation, and
     every request repeating a tools/system prefix, gets the same session. Never raises on odd
@@ -191,10 +191,10 @@ class AnthropicDialect:
     paths: tuple[str, ...] = (MESSAGES_PATH,)
     session_field: bool = False  # /v1/messages has no session_id field: vllm_xargs carries it
 
-    def check(self, payload: dict) -> None:
+    def check(self, payload: dict[str, Any]) -> None:
         breakpoints(payload)
 
-    def hints(self, payload: dict, own_session: bool) -> Hints:
+    def hints(self, payload: dict[str, Any], own_session: bool) -> Hints:
         points = breakpoints(payload)
         if not points:
             return Hints()
@@ -210,13 +210,13 @@ class AnthropicDialect:
 
 # --- the response's usage ----------------------------------------------------------------------
 def anthropic_usage(
-    usage: dict,
+    usage: dict[str, Any],
     *,
     prefix_tokens: int | None,
-    split: dict | None,
+    split: dict[str, Any] | None,
     ttl_s: float,
     block_size: int | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Anthropic usage for a request with breakpoints. ``usage`` is vLLM's (input = prompt -
     read - created); ``prefix_tokens`` the breakpoint prefix's length (None: the whole
     prompt); ``split`` kvbranch's prompt-source split, when known; ``block_size`` the cache's
@@ -255,7 +255,7 @@ class AnthropicUsage:
 
     ttl_s: float
     #: The request cut at its last breakpoint, when that is not the whole prompt.
-    prefix_request: dict | None = None
+    prefix_request: dict[str, Any] | None = None
     model: Any = None
     _prefix_tokens: int | None = field(default=None, init=False)
     _counted: bool = field(default=False, init=False)
@@ -275,7 +275,9 @@ class AnthropicUsage:
             logger.debug("kvbranch: breakpoint prefix not countable: %s", exc)
         return self._prefix_tokens
 
-    async def rewrite(self, payload: dict, split: dict | None, engine: Engine | None) -> bool:
+    async def rewrite(
+        self, payload: dict[str, Any], split: dict[str, Any] | None, engine: Engine | None
+    ) -> bool:
         """Rewrite ``payload["usage"]`` and ``payload["message"]["usage"]`` (a stream's
         ``message_start``) in place; True when something changed."""
         targets = [payload]
@@ -295,7 +297,9 @@ class AnthropicUsage:
                 changed = True
         return changed
 
-    async def rewrite_event(self, event: bytes, split: dict | None, engine: Engine | None) -> bytes:
+    async def rewrite_event(
+        self, event: bytes, split: dict[str, Any] | None, engine: Engine | None
+    ) -> bytes:
         """The same for one SSE event (``event: ...\\ndata: {...}``)."""
         if b'"usage"' not in event:
             return event

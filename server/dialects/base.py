@@ -36,7 +36,7 @@ class Engine(Protocol):
         """The KV cache's block size (only full blocks are written), None when unknown."""
         ...
 
-    async def count_tokens(self, path: str, request: dict) -> int | None:
+    async def count_tokens(self, path: str, request: dict[str, Any]) -> int | None:
         """Prompt tokens of ``request`` as a body of route ``path`` would render (None when
         it cannot be counted)."""
         ...
@@ -45,12 +45,16 @@ class Engine(Protocol):
 class UsageRewrite(Protocol):
     """A dialect's rewrite of one response's usage (made per request by its hints)."""
 
-    async def rewrite(self, payload: dict, split: dict | None, engine: Engine | None) -> bool:
+    async def rewrite(
+        self, payload: dict[str, Any], split: dict[str, Any] | None, engine: Engine | None
+    ) -> bool:
         """Rewrite a JSON response body (or one parsed stream event) in place; True when
         something changed. ``split`` is kvbranch's prompt-source split, when known."""
         ...
 
-    async def rewrite_event(self, event: bytes, split: dict | None, engine: Engine | None) -> bytes:
+    async def rewrite_event(
+        self, event: bytes, split: dict[str, Any] | None, engine: Engine | None
+    ) -> bytes:
         """The same for one SSE event (``event: ...\\ndata: {...}``)."""
         ...
 
@@ -77,18 +81,18 @@ class Dialect(Protocol):
     #: header or ``vllm_xargs.session_id`` name one, and a derived one goes into the xargs.
     session_field: bool
 
-    def check(self, payload: dict) -> None:
+    def check(self, payload: dict[str, Any]) -> None:
         """Raise :class:`DialectError` for the first hint the server cannot use."""
         ...
 
-    def hints(self, payload: dict, own_session: bool) -> Hints:
+    def hints(self, payload: dict[str, Any], own_session: bool) -> Hints:
         """The request's hints (``own_session``: it names its own session, so none is
         derived). Raises :class:`DialectError` (the guard answered those with a 400)."""
         ...
 
 
 def explicit_session(
-    payload: dict, session_header: str | None, *, session_field: bool = True
+    payload: dict[str, Any], session_header: str | None, *, session_field: bool = True
 ) -> str | None:
     """The session the request names itself, in vLLM's order: the body's ``session_id`` (on
     routes that have the field), the ``X-Session-ID`` header, ``vllm_xargs.session_id``."""

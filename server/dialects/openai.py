@@ -102,10 +102,10 @@ class OpenAIDialect:
     paths: tuple[str, ...] = OPENAI_PATHS
     session_field: bool = True
 
-    def check(self, payload: dict) -> None:
+    def check(self, payload: dict[str, Any]) -> None:
         self.hints(payload, own_session=False)
 
-    def hints(self, payload: dict, own_session: bool) -> Hints:
+    def hints(self, payload: dict[str, Any], own_session: bool) -> Hints:
         key = cache_key_session(payload.get(PROMPT_CACHE_KEY_FIELD))
         ttls = [
             t

@@ -28,7 +28,7 @@ def dialect_for(path: str) -> Dialect | None:
     return next((d for d in DIALECTS if path in d.paths), None)
 
 
-def problem(payload: dict, path: str) -> tuple[str, str] | None:
+def problem(payload: dict[str, Any], path: str) -> tuple[str, str] | None:
     """(param, message) for the first cache hint of this request the server cannot use, or
     None. Pure; the guard answers it with a 400."""
     dialect = dialect_for(path)
@@ -43,7 +43,7 @@ def problem(payload: dict, path: str) -> tuple[str, str] | None:
     return None
 
 
-def hints_of(payload: dict, path: str, session_header: str | None = None) -> Hints:
+def hints_of(payload: dict[str, Any], path: str, session_header: str | None = None) -> Hints:
     """Read the request's cache hints. Raises :class:`DialectError` (the guard has already
     answered those with a 400, so elsewhere they only mean "no hints")."""
     dialect = dialect_for(path)
@@ -53,7 +53,7 @@ def hints_of(payload: dict, path: str, session_header: str | None = None) -> Hin
     return dialect.hints(payload, own_session=own is not None)
 
 
-def _hints_or_none(payload: dict, path: str, session_header: str | None) -> Hints:
+def _hints_or_none(payload: dict[str, Any], path: str, session_header: str | None) -> Hints:
     try:
         return hints_of(payload, path, session_header)
     except DialectError:
@@ -63,7 +63,7 @@ def _hints_or_none(payload: dict, path: str, session_header: str | None) -> Hint
         return Hints()
 
 
-def apply(payload: dict, path: str, session_header: str | None = None) -> Hints:
+def apply(payload: dict[str, Any], path: str, session_header: str | None = None) -> Hints:
     """Map the request's cache hints onto it in place: the derived session (the body's
     ``session_id`` where the route has that field, else ``vllm_xargs.session_id``) and the pin
     lease (:data:`PIN_TTL_XARG`). Call after the middleware's own rewrite (which strips

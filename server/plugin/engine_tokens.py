@@ -21,7 +21,7 @@ class VllmEngine:
         size = getattr(getattr(config, "cache_config", None), "block_size", None)
         return size if isinstance(size, int) and size > 0 else None
 
-    async def count_tokens(self, path: str, request: dict) -> int | None:
+    async def count_tokens(self, path: str, request: dict[str, Any]) -> int | None:
         """Raises what vLLM raises (a prefix that cannot be rendered alone): the caller falls
         back to the whole prompt."""
         if path != MESSAGES_PATH:
