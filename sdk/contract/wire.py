@@ -98,7 +98,7 @@ NESTED_XARGS_PATH = "/inference/v1/generate"
 #: Set by the server (never by clients): the caller's tenant, and the prefetch marker.
 OWNER_XARG = "kvbranch_owner"
 PREFETCH_XARG = "kvbranch_prefetch"
-#: Cache-hint dialects (server/plugin/dialects.py): the routes, the clients' own fields, vLLM's
+#: Cache-hint dialects (server/dialects/): the routes, the clients' own fields, vLLM's
 #: extension-arg name for a session id (the only way ``/v1/messages`` carries one), the pin
 #: lease (seconds) the server derives from a retention/ttl hint, and the prefixes of session ids
 #: derived from a ``prompt_cache_key`` that is not an id or from an Anthropic breakpoint prefix.

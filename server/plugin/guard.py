@@ -52,8 +52,9 @@ from sdk.contract import (
     check_cache_salt,
     check_id,
 )
+from server import dialects
 from server.errors import send_error
-from server.plugin import cluster_gate, dialects, json_body
+from server.plugin import cluster_gate, json_body
 from server.plugin.middleware import xargs_of
 from server.plugin.request import drain, header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
@@ -188,7 +189,7 @@ class KVBranchGuard:
                     if refusal is not None:
                         await self._reply(send, 403, refusal[1], refusal[0])
                         return
-                if problem is None:  # cache hints (prompt_cache_*, cache_control): dialects.py
+                if problem is None:  # cache hints (prompt_cache_*, cache_control): the registry
                     problem = dialects.problem(payload, path)
                 if problem is None and keys:
                     try:

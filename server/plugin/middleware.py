@@ -40,12 +40,14 @@ from sdk.contract import (
     OWNER_XARG,
     RESPONSE_FIELD,
     SAMPLING_PARAMS_FIELD,
+    SESSION_HEADER,
     TAG_XARG,
     TRANSFER_PARAMS_FIELD,
     USAGE_FIELD,
     XARGS_FIELD,
 )
-from server.plugin import dialects
+from server import dialects
+from server.plugin.engine_tokens import VllmEngine
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
 from server.sse import EVENT_END, EventSplitter, encode_event, json_event
@@ -149,7 +151,7 @@ class KVBranchMiddleware:
             payload = None if request_body.more else json.loads(body)
         except ValueError:
             payload = None
-        usage_rewrite = None  # cache-hint dialects (dialects.py): session, pin, usage
+        usage_rewrite = None  # cache-hint dialects (server/dialects/): session, pin, usage
         if isinstance(payload, dict):
             payload = rewrite_request(
                 payload,
@@ -158,9 +160,7 @@ class KVBranchMiddleware:
                 owner=owner_of(header(scope, "authorization"), app_args_of(scope)),
                 path=path,
             )
-            usage_rewrite = dialects.apply(
-                payload, path, header(scope, dialects.SESSION_HEADER)
-            ).usage
+            usage_rewrite = dialects.apply(payload, path, header(scope, SESSION_HEADER)).usage
             body = request_body.data = json.dumps(payload).encode()
             if path in _NO_XARGS_PATHS:
                 tag = ""  # it could not be carried: no split to look up
@@ -179,7 +179,7 @@ class _ResponseRewriter:
     def __init__(self, scope: dict, send: Any, tag: str) -> None:
         self._send = send
         self._tag = tag
-        self.usage_rewrite: Any = None  # a dialect's usage (dialects.AnthropicUsage)
+        self.usage_rewrite: dialects.UsageRewrite | None = None  # a dialect's, per request
         self._start: dict | None = None
         self._mode = "pass"
         self._buffer = b""  # a JSON body until it is whole
@@ -187,6 +187,7 @@ class _ResponseRewriter:
         self._split: dict | None = None
         self._split_fetched = False
         self._app_state = scope.get("app").state if scope.get("app") is not None else None
+        self._engine = VllmEngine(self._app_state)  # what a usage rewrite asks of vLLM
 
     async def _fetch_split(self) -> dict | None:
         if self._split_fetched or not self._tag:
@@ -230,7 +231,7 @@ class _ResponseRewriter:
                 event = add_split_to_event(event, await self._fetch_split())
                 if self.usage_rewrite is not None:
                     event = await self.usage_rewrite.rewrite_event(
-                        event, await self._fetch_split(), self._app_state
+                        event, await self._fetch_split(), self._engine
                     )
             events.append(event)
         out = b"".join(event + EVENT_END for event in events)
@@ -248,7 +249,7 @@ class _ResponseRewriter:
                     attach_split(payload, split)
                     body = json.dumps(payload).encode()
                 if self.usage_rewrite is not None and await self.usage_rewrite.rewrite(
-                    payload, split, self._app_state
+                    payload, split, self._engine
                 ):
                     body = json.dumps(payload).encode()
         except ValueError:

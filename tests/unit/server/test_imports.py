@@ -15,10 +15,13 @@ def test_the_graph_has_the_known_edges():
 
 def test_layers_import_downwards_only():
     """The plugin reads the launcher's settings, not the launcher; the router builds its errors,
-    tenants and stream rewrites without the plugin (or vLLM's engine)."""
+    tenants and stream rewrites without the plugin (or vLLM's engine); the cache-hint dialects
+    both of them call import nothing of the server but themselves."""
     graph = import_graph()
     for name, imports in graph.items():
         if name.startswith("server.plugin"):
             assert "server.cli" not in imports, name
         if name.startswith("server.router"):
             assert not {m for m in imports if m.startswith("server.plugin")}, name
+        if name.startswith("server.dialects"):  # pure: the router and the plugin share it
+            assert all(m.startswith("server.dialects") for m in imports), name
