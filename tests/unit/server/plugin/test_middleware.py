@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from sdk.contract import BRANCH_HEADER, RESPONSE_FIELD
+from server.connector.control_models import ControlRequest, parse_answer
 from server.connector.planner import BRANCH_XARG, OWNER_XARG, TAG_XARG
 from server.plugin.middleware import KVBranchMiddleware, add_split_to_event, rewrite_request
 from server.plugin.tenancy import ENV_API_KEYS, owner_of
@@ -19,6 +21,7 @@ SPLIT = {
     "prompt_tokens": 10,
     "device_hit_tokens": 4,
     "host_hit_tokens": 4,
+    "remote_hit_tokens": 0,
     "recomputed_tokens": 2,
 }
 
@@ -150,11 +153,12 @@ class FakeControl:
         self.error = error
         self.calls: list[tuple[str, dict]] = []
 
-    async def call(self, op: str, **args):
-        self.calls.append((op, args))
+    async def call(self, request: ControlRequest[Any]) -> Any:
+        """As the real client: the request's fields recorded, the answer parsed."""
+        self.calls.append((request.op, request.model_dump(exclude_unset=True)))
         if self.error is not None:
             raise self.error
-        return self.result
+        return parse_answer(request, self.result)
 
 
 def fake_app_state(control) -> SimpleNamespace:
