@@ -43,7 +43,7 @@ class ControlError(Exception):
 
 
 #: Both ends run from one install, so neither tolerates a field the other does not know.
-STRICT = "forbid"
+STRICT: Literal["forbid"] = "forbid"
 
 A = TypeVar("A", bound=BaseModel)
 

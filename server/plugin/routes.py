@@ -253,42 +253,46 @@ async def prefetch_branch(
 
 
 # --- the routes that are one control op answered by one model ------------------------------
-SessionOp = Callable[[str], ControlRequest[Any]]
-BranchOp = Callable[[str, str], ControlRequest[Any]]
-
-
-def _session_op(make: SessionOp, model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
+def _session_op(op: type[SessionOp], model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
     async def handler(request: Request, session_id: str = SessionId) -> Response:
-        return _answer(model, await _call(request, make(session_id)))
+        return _answer(model, await _call(request, op(session_id=session_id)))
 
     return _routed(handler)
 
 
-def _branch_op(make: BranchOp, model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
+def _branch_op(op: type[BranchOp], model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
     async def handler(
         request: Request, session_id: str = SessionId, branch_id: str = BranchId
     ) -> Response:
-        return _answer(model, await _call(request, make(session_id, branch_id)))
+        return _answer(model, await _call(request, op(session_id=session_id, branch_id=branch_id)))
 
     return _routed(handler)
 
 
+SessionOp = GetSession | DeleteSession
+BranchOp = GetBranch | DeleteBranch | Unpin
 _SESSION = "/sessions/{session_id}"
 _BRANCH = _SESSION + "/branches/{branch_id}"
-_SESSION_ROUTES: tuple[tuple[str, type[ControlRequest[Any]], type[BaseModel]], ...] = (
+for _method, _session_req, _session_model in (
     ("GET", GetSession, SessionInfo),
     ("DELETE", DeleteSession, DeleteResult),
-)
-_BRANCH_ROUTES: tuple[tuple[str, str, type[ControlRequest[Any]], type[BaseModel]], ...] = (
+):
+    router.add_api_route(
+        _SESSION,
+        _session_op(_session_req, _session_model),
+        methods=[_method],
+        response_model=_session_model,
+        name=_session_req.op,
+    )
+for _method, _path, _branch_req, _branch_model in (
     ("GET", _BRANCH, GetBranch, BranchInfo),
     ("DELETE", _BRANCH, DeleteBranch, DeleteResult),
     ("DELETE", _BRANCH + "/pin", Unpin, BranchInfo),
-)
-for _method, _req, _model in _SESSION_ROUTES:
-    _endpoint = _session_op(lambda sid, r=_req: r(session_id=sid), _model)
+):
     router.add_api_route(
-        _SESSION, _endpoint, methods=[_method], response_model=_model, name=_req.op
+        _path,
+        _branch_op(_branch_req, _branch_model),
+        methods=[_method],
+        response_model=_branch_model,
+        name=_branch_req.op,
     )
-for _method, _path, _req, _model in _BRANCH_ROUTES:
-    _endpoint = _branch_op(lambda sid, bid, r=_req: r(session_id=sid, branch_id=bid), _model)
-    router.add_api_route(_path, _endpoint, methods=[_method], response_model=_model, name=_req.op)
