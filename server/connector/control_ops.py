@@ -244,8 +244,8 @@ OPS: dict[str, Op[Any]] = registry(
 #: Sessions ``/v1/kvbranch/stats`` describes (the caller's most recently used ones), and the
 #: block-hash lookups its descriptions may make: it runs under the planner's lock in the engine
 #: core, so 1000 sessions x 256 branches x 512 blocks must not be walked (that stalls every
-#: step for seconds). Past the budget, block counts are ``None``; one session's own routes
-#: (``GET /v1/kvbranch/sessions/{id}``) still count them all.
+#: step for seconds). Past the budget, block counts are left out (the answer model reads 0);
+#: one session's own routes (``GET /v1/kvbranch/sessions/{id}``) still count them all.
 STATS_MAX_SESSIONS = 100
 STATS_WALK_BUDGET = 200_000
 
