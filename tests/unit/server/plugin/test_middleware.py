@@ -408,6 +408,24 @@ def test_control_error_leaves_response_intact():
     assert len(control.calls) == 1
 
 
+def test_a_split_with_transfer_params_puts_them_where_vllm_does():
+    """P/D: the engine's split carries the transfer connector's params (typed as
+    ``RequestSplit.kv_transfer_params``); they go top-level, and the split stays the public one."""
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
+    raw = b'{"usage": {"prompt_tokens": 1}}'
+    app = FakeApp(200, b"application/json", [raw])
+    sent = run_asgi(app, control=FakeControl(result=dict(SPLIT, kv_transfer_params=params)))
+    out = json.loads(response_body(sent))
+    assert out["kv_transfer_params"] == params and out[RESPONSE_FIELD] == SPLIT
+
+
+def test_a_split_that_drifted_leaves_response_intact():
+    raw = b'{"usage": {"prompt_tokens": 1}}'
+    app = FakeApp(200, b"application/json", [raw])
+    drifted = {k: v for k, v in SPLIT.items() if k != "host_hit_tokens"}
+    assert response_body(run_asgi(app, control=FakeControl(result=drifted))) == raw
+
+
 def test_no_split_available_leaves_response_intact():
     raw = b'{"usage": {"prompt_tokens": 1}}'
     app = FakeApp(200, b"application/json", [raw])
