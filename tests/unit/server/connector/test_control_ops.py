@@ -250,3 +250,27 @@ def test_a_composing_connectors_op_is_typed_too(side):
     with pytest.raises(ControlError) as exc:
         call_sync_raw(side.control.path, "claim_hold", handle="not a dict")
     assert exc.value.status == 400 and "'handle'" in exc.value.message
+
+
+def test_the_real_pd_claim_answers_the_contracts_claim():
+    """``VerifiedNixlConnector.claim_hold`` (stand-in ``self``: its secret and holds) takes the
+    typed request and answers what :class:`~sdk.contract.HoldClaimResult` says."""
+    import time
+    from types import SimpleNamespace
+
+    from server.connector.control_models import check_answer
+    from server.connector.hold_registry import Hold, HoldRegistry
+    from server.connector.pd import VerifiedNixlConnector
+    from server.connector.transfer_auth import EXPIRES_FIELD, MAC_FIELD, seal
+
+    secret = b"s" * 32
+    handle = seal({"remote_request_id": "r1", EXPIRES_FIELD: time.time() + 60}, secret)
+    holds = HoldRegistry(claim_ttl_s=10.0)
+    holds.add(Hold("r1", handle[MAC_FIELD], 2))
+    nixl = SimpleNamespace(secret=secret, holds=holds)
+    result = VerifiedNixlConnector.claim_hold(nixl, ClaimHold(handle=handle))  # type: ignore[arg-type]
+    claim = check_answer(HoldClaimResult, result, ClaimHold.op, "test").kvbranch_claim
+    assert claim.handle == handle[MAC_FIELD] and claim.until > time.time()
+    with pytest.raises(ControlError) as exc:  # claimed once: the second claim is refused
+        VerifiedNixlConnector.claim_hold(nixl, ClaimHold(handle=handle))  # type: ignore[arg-type]
+    assert exc.value.status == 410
