@@ -57,6 +57,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 
 from server.connector.connector import KVBranchConnector
 from server.connector.control import ControlError
+from server.connector.control_models import ClaimHold
+from server.connector.control_ops import Op
 from server.connector.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
 from server.connector.read_bounds import fail_slow_reads, report_unqueued
 from server.connector.transfer_auth import (
@@ -581,10 +583,10 @@ class VerifiedNixlConnector(NixlConnector):
         return params
 
     # --- holds: claims and release under pressure ----------------------------------------
-    def claim_hold(self, req: dict) -> dict:
+    def claim_hold(self, req: ClaimHold) -> dict:
         """Control op: the router claims D's handle right before P's pull."""
-        handle = req.get("handle")
-        if not isinstance(handle, dict) or not is_sealed(handle, self.secret):
+        handle = req.handle
+        if not is_sealed(handle, self.secret):
             raise ControlError(400, "handle: not a transfer handle issued by this cluster")
         if transfer_expired(handle):
             raise ControlError(410, "handle expired: the hold has ended")
@@ -676,7 +678,10 @@ class KVBranchPDConnector(MultiConnector):
         self._waiting: dict[str, Any] = {}
         self.stalled_steps = 0
         if isinstance(self._nixl, VerifiedNixlConnector):
-            self._kvbranch.extra_ops["claim_hold"] = self._nixl.claim_hold
+            nixl = self._nixl
+            self._kvbranch.extra_ops[ClaimHold.op] = Op(
+                ClaimHold, lambda _side, req: nixl.claim_hold(req), locked=False
+            )
             self._kvbranch.extra_stats["pd"] = self._pd_stats
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

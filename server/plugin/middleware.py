@@ -47,6 +47,7 @@ from sdk.contract import (
     XARGS_FIELD,
 )
 from server import dialects
+from server.connector.control_models import Split
 from server.plugin.engine_tokens import VllmEngine
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
@@ -197,7 +198,9 @@ class _ResponseRewriter:
         if kvb is None or kvb.control is None:
             return None
         try:
-            self._split = await kvb.control.call("split", tag=self._tag)
+            answer = await kvb.control.call(Split(tag=self._tag))
+            if answer.root is not None:
+                self._split = answer.root.model_dump(mode="json")
         except Exception as exc:  # noqa: BLE001 - accounting must never break a response
             logger.debug("kvbranch: no split for %s: %s", self._tag, exc)
         return self._split
