@@ -6,6 +6,7 @@ vLLM server's, token for token. Keeps the README's "Install the client alone" tr
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -44,8 +45,17 @@ def client_venv(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("client-venv")
     venv.create(where, with_pip=True)
     python = where / "bin" / "python"
+    # From a copy of the sources only: a clone's own build/ or .venv must not leak in.
+    source = tmp_path_factory.mktemp("client-src") / "kvbranch"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "benchmarks"
+        ),
+    )
     done = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", f"{ROOT}[langchain]"],
+        [str(python), "-m", "pip", "install", "--quiet", f"{source}[langchain]"],
         capture_output=True,
         text=True,
         timeout=900,
