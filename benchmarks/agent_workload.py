@@ -56,7 +56,7 @@ from benchmarks import common, reporting  # noqa: E402
 from benchmarks.agent_report import plot, report, summarize  # noqa: E402
 from benchmarks.step_profile import StepProfiler  # noqa: E402
 from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
-from server.contract import DEFAULT_BRANCH  # noqa: E402
+from sdk.contract import DEFAULT_BRANCH  # noqa: E402
 
 CONFIG_NAMES = ("plain", "kvbranch", "kvbranch-to-device", "pd", "pd-kvbranch")
 # fmt: off

@@ -38,7 +38,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common, reporting  # noqa: E402
-from server.contract import SESSION_HEADER  # noqa: E402
+from sdk.contract import SESSION_HEADER  # noqa: E402
 
 AIPERF = reporting.BENCH_DIR / ".aiperf-venv" / "bin" / "aiperf"
 #: aiperf's record metrics shown per configuration (its names; values in its units).

@@ -4,7 +4,7 @@ the same core binding, and streaming requests timed to the first content token.
 The benchmarks talk to the server with plain ``httpx`` (OpenAI-compatible HTTP), not through
 the sdk's client, so they measure exactly what a client sees; the stream is parsed by the sdk's
 public SSE parser and every kvbranch wire name (paths, xargs, the ``kvbranch`` split and stats
-fields) comes from :mod:`server.contract`. Reports: :mod:`benchmarks.reporting`; synthetic text:
+fields) comes from :mod:`sdk.contract`. Reports: :mod:`benchmarks.reporting`; synthetic text:
 :mod:`benchmarks.textgen`.
 """
 
@@ -28,8 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.textgen import random_token_ids  # noqa: E402
-from sdk.sse import aiter_sse  # noqa: E402
-from server.contract import (  # noqa: E402
+from sdk.contract import (  # noqa: E402
     BRANCH_XARG,
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
@@ -43,13 +42,14 @@ from server.contract import (  # noqa: E402
     branches_path,
     prefetch_path,
 )
+from sdk.sse import aiter_sse  # noqa: E402
 from server.process import MODEL_NAME, ServerProcess  # noqa: E402
 
 BLOCK_TOKENS = 128
 #: Issue 14: a turn recomputes at most its new tokens (never seen by the server; the previous
 #: reply is not new, the server generated it) plus this much template glue.
 GLUE_TOKENS = 8
-#: vLLM's own OpenAI-body fields that carry a kvbranch session and branch (server/contract.py's
+#: vLLM's own OpenAI-body fields that carry a kvbranch session and branch (sdk/contract's
 #: docstring): the session id, and the extension arguments the branch xarg rides in.
 SESSION_FIELD = "session_id"
 XARGS_FIELD = "vllm_xargs"

@@ -32,7 +32,7 @@ from benchmarks import common, reporting  # noqa: E402
 from benchmarks.reporting import percentile  # noqa: E402
 from benchmarks.textgen import WORDS  # noqa: E402
 from sdk import AsyncKVBranchClient  # noqa: E402
-from server.contract import Stats  # noqa: E402
+from sdk.contract import Stats  # noqa: E402
 
 GIB = 1 << 30
 

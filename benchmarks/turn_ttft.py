@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common, reporting  # noqa: E402
 from benchmarks.step_profile import StepProfiler, request_breakdown, request_table  # noqa: E402
 from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
-from server.contract import DEFAULT_BRANCH  # noqa: E402
+from sdk.contract import DEFAULT_BRANCH  # noqa: E402
 
 #: Issue 14's target: TTFT at turns >= 3 within this factor of prefilling only the new tokens
 #: (and at most ``common.GLUE_TOKENS`` recomputed beyond them).

@@ -18,17 +18,15 @@ parsed by the sdk's own ``sdk.sse``, kept over httpx-sse after measuring both (m
 the format's edge cases and 1.5-2x faster; see that module).
 
 Wire models (``SessionInfo``, ``BranchInfo``, ``PromptSourceSplit``, ...) come from
-:mod:`server.contract`, the single source of truth, and are re-exported here.
+:mod:`sdk.contract`, the single source of truth, and are re-exported here.
 """
+
+from importlib.metadata import PackageNotFoundError, version
 
 from sdk import errors
 from sdk.aclient import AsyncChatStream, AsyncKVBranchClient
 from sdk.client import ChatStream, KVBranchClient
-from sdk.errors import *  # noqa: F403  (the error classes: sdk.errors.__all__)
-from sdk.retry import NO_RETRY, RetryPolicy
-from sdk.session import AsyncBranch, AsyncSession, Branch, Session
-from sdk.types import ChatChunk, ChatResult, ToolCall, ToolCallDelta, Usage
-from server.contract import (
+from sdk.contract import (
     DEFAULT_BRANCH,
     BranchInfo,
     DeleteResult,
@@ -38,8 +36,15 @@ from server.contract import (
     SessionInfo,
     Stats,
 )
+from sdk.errors import *  # noqa: F403  (the error classes: sdk.errors.__all__)
+from sdk.retry import NO_RETRY, RetryPolicy
+from sdk.session import AsyncBranch, AsyncSession, Branch, Session
+from sdk.types import ChatChunk, ChatResult, ToolCall, ToolCallDelta, Usage
 
-__version__ = "0.1.0"
+try:  # one version: the package's own (pyproject.toml)
+    __version__ = version("kvbranch")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     # clients

@@ -10,24 +10,47 @@ import copy
 import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from typing_extensions import Self
 
+from sdk import contract
 from sdk._common import ChatArgs, ChatParams, check_messages
-from sdk._core import Flow
+from sdk._core import Flow, Flows
 from sdk.errors import BadRequestError, NotFoundError
 from sdk.types import ChatResult
-from server import contract
 
-if TYPE_CHECKING:
-    from sdk._session_core import SessionCore
-
-__all__ = ["BranchCore", "MessageInput", "new_branch_id"]
+__all__ = ["BranchCore", "BranchSession", "MessageInput", "new_branch_id"]
 
 logger = logging.getLogger("kvbranch.sdk")
-S = TypeVar("S", bound="SessionCore[Any, Any]")
+T = TypeVar("T")
 MessageInput = str | Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
+
+
+class BranchSession(Protocol):
+    """What a branch needs of its session (:class:`sdk._session_core.SessionCore` has it), so
+    that this module, below the session's, does not import it back."""
+
+    session_id: str
+    branches: dict[str, Any]
+
+    @property
+    def _flows(self) -> Flows: ...
+
+    def _kvbranch_on(self) -> bool: ...
+
+    def _add(self, branch: BranchCore[Any]) -> None: ...
+
+    def _server(
+        self, branch: BranchCore[Any] | None, make: Callable[[], Flow[T]]
+    ) -> Flow[T | None]: ...
+
+    def _fork(
+        self, parent: str, child: BranchCore[Any], parent_len: int | None
+    ) -> Flow[contract.BranchInfo]: ...
+
+
+S = TypeVar("S", bound=BranchSession)
 
 
 def new_branch_id() -> str:

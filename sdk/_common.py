@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from typing_extensions import TypedDict
 
-from server.contract import BRANCH_XARG, CHAT_COMPLETIONS_PATH, MODELS_PATH, check_id
+from sdk.contract import BRANCH_XARG, CHAT_COMPLETIONS_PATH, MODELS_PATH, check_id
 
 __all__ = [
     "ENV_BASE_URL",

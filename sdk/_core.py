@@ -24,6 +24,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 from typing_extensions import Self, Unpack
 
+from sdk import contract
 from sdk._common import (
     CHAT_PATH,
     MODELS_PATH,
@@ -39,7 +40,6 @@ from sdk._common import (
 from sdk.errors import APIResponseError, KVBranchError, NotFoundError, error_from_response
 from sdk.retry import RetryPolicy
 from sdk.types import ChatResult
-from server import contract
 
 __all__ = [
     "Request",

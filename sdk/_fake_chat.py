@@ -11,8 +11,9 @@ from typing import Any
 
 import httpx
 
-from server.contract import RESPONSE_FIELD
-from server.sse import DATA, EVENT_END
+from sdk.contract import RESPONSE_FIELD
+from sdk.contract.wire import SSE_DATA as DATA
+from sdk.contract.wire import SSE_EVENT_END as EVENT_END
 
 __all__ = [
     "EventStream",

@@ -12,24 +12,22 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from typing_extensions import Self
 
+from sdk import contract
+from sdk._branch_core import BranchCore
 from sdk._common import SessionArgs, check_keywords, check_messages
 from sdk._core import ClientCore, Flow, Flows
 from sdk.errors import BadRequestError, ConflictError, KVBranchUnavailableError, NotFoundError
-from server import contract
-
-if TYPE_CHECKING:
-    from sdk._branch_core import BranchCore
 
 __all__ = ["SessionCore"]
 
 logger = logging.getLogger("kvbranch.sdk")
 T = TypeVar("T")
 C = TypeVar("C", bound=ClientCore)
-B = TypeVar("B", bound="BranchCore[Any]")
+B = TypeVar("B", bound=BranchCore[Any])
 
 
 def _local_session_id() -> str:

@@ -1,23 +1,26 @@
 """The state of a streamed chat answer, shared by :class:`sdk.ChatStream` and
 :class:`sdk.AsyncChatStream`: SSE decoding, events to chunks, time to first token, the
 accumulated answer, and the end-of-stream checks. The two stream classes only read bytes
-(``for`` or ``async for``) and feed them here, so the stream's rules are written once."""
+(``for`` or ``async for``) and feed them here, so the stream's rules are written once. Both
+live here, below the clients that open them and the sessions that return them (the clients
+re-export them: ``sdk.client.ChatStream``, ``sdk.aclient.AsyncChatStream``)."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 import httpx
 
 from sdk._common import CHAT_PATH
+from sdk._core import AsyncClosing, Closing, copy_docs
 from sdk.errors import APIResponseError, StreamInterruptedError, error_from_response
 from sdk.sse import ServerSentEvent, SSEDecoder
 from sdk.types import ChatAccumulator, ChatChunk, ChatResult
 
-__all__ = ["StreamState", "event_to_chunk"]
+__all__ = ["StreamState", "ChatStream", "AsyncChatStream", "event_to_chunk"]
 
 Chunks = TypeVar("Chunks")
 
@@ -118,3 +121,84 @@ class StreamState(Generic[Chunks]):
         )
         if self._on_complete is not None:
             self._on_complete(self._result)
+
+
+class ChatStream(StreamState[Iterator[bytes]], Closing):
+    """An open streamed answer. Iterate it for :class:`ChatChunk`\\ s (content deltas,
+    tool-call deltas, finish reason, and last the usage chunk with the kvbranch split).
+
+    ``ttft_s`` is set at the first content or tool-call delta; ``result`` (a
+    :class:`ChatResult`) once the stream finished. A stream that breaks midway raises
+    :class:`~sdk.errors.StreamInterruptedError` and is not retried. Use it as a context
+    manager, or call :meth:`close`, when not reading it to the end.
+    """
+
+    def final(self) -> ChatResult:
+        """Read the rest of the stream; the whole answer."""
+        for _ in self:
+            pass
+        return self.result
+
+    def __iter__(self) -> Iterator[ChatChunk]:
+        self._begin()
+        try:
+            for raw in self._raw_chunks():
+                yield from self._feed(raw)
+                if self._done:
+                    break
+            yield from self._close()
+        finally:
+            self.close()
+        self._finish()
+
+    def _raw_chunks(self) -> Iterator[bytes]:
+        yield self._first
+        try:
+            yield from self._chunks
+        except httpx.HTTPError as exc:
+            raise self._interrupted(exc) from exc
+
+    def close(self) -> None:
+        self._response.close()
+
+
+class AsyncChatStream(StreamState[AsyncIterator[bytes]], AsyncClosing):
+    """An open streamed answer: ``async for chunk in stream``. Same contract as
+    :class:`sdk.client.ChatStream` (``ttft_s``, ``result``, ``final()``, ``aclose()``,
+    ``async with``)."""
+
+    async def final(self) -> ChatResult:
+        async for _ in self:
+            pass
+        return self.result
+
+    def __aiter__(self) -> AsyncIterator[ChatChunk]:
+        self._begin()
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[ChatChunk]:
+        try:
+            async for raw in self._raw_chunks():
+                for chunk in self._feed(raw):
+                    yield chunk
+                if self._done:
+                    break
+            for chunk in self._close():
+                yield chunk
+        finally:
+            await self.aclose()
+        self._finish()
+
+    async def _raw_chunks(self) -> AsyncIterator[bytes]:
+        yield self._first
+        try:
+            async for raw in self._chunks:
+                yield raw
+        except httpx.HTTPError as exc:
+            raise self._interrupted(exc) from exc
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+copy_docs(AsyncChatStream, ChatStream)

@@ -10,38 +10,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import httpx
 from typing_extensions import Unpack
 
+from sdk import contract
 from sdk._common import ChatArgs, ForkArgs, SessionArgs
-from sdk._core import (
-    AsyncClosing,
-    Callback,
-    ClientCore,
-    Done,
-    Flow,
-    Outcome,
-    Request,
-    advance,
-    copy_docs,
-)
-from sdk._stream import StreamState
-from sdk.client import ChatStream, KVBranchClient
+from sdk._core import AsyncClosing, Callback, Done, Flow, Outcome, Request, advance, copy_docs
+from sdk._driver import AsyncDriver
+from sdk._stream import AsyncChatStream
+from sdk.client import KVBranchClient
 from sdk.errors import APIConnectionError, KVBranchError, error_from_response, error_from_transport
-from sdk.types import ChatChunk, ChatResult
-from server import contract
-
-if TYPE_CHECKING:
-    from sdk.session import AsyncSession
+from sdk.session import AsyncSession
+from sdk.types import ChatResult
 
 __all__ = ["AsyncKVBranchClient", "AsyncChatStream"]
 
 T = TypeVar("T")
 
 
-class AsyncKVBranchClient(ClientCore, AsyncClosing):
+class AsyncKVBranchClient(AsyncDriver, AsyncClosing):
     """Asynchronous client of a kvbranch (or any OpenAI-compatible) server; the arguments
     are those of :class:`~sdk.KVBranchClient`, with an ``httpx.AsyncBaseTransport``."""
 
@@ -151,8 +140,6 @@ class AsyncKVBranchClient(ClientCore, AsyncClosing):
     async def session(
         self, session_id: str | None = None, **options: Unpack[SessionArgs]
     ) -> AsyncSession:
-        from sdk.session import AsyncSession
-
         return await self._arun(AsyncSession._opening(self, session_id, options))
 
     async def create_session(
@@ -201,44 +188,4 @@ class AsyncKVBranchClient(ClientCore, AsyncClosing):
         return await self._arun(self._flows.stats())
 
 
-class AsyncChatStream(StreamState[AsyncIterator[bytes]], AsyncClosing):
-    """An open streamed answer: ``async for chunk in stream``. Same contract as
-    :class:`sdk.client.ChatStream` (``ttft_s``, ``result``, ``final()``, ``aclose()``,
-    ``async with``)."""
-
-    async def final(self) -> ChatResult:
-        async for _ in self:
-            pass
-        return self.result
-
-    def __aiter__(self) -> AsyncIterator[ChatChunk]:
-        self._begin()
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[ChatChunk]:
-        try:
-            async for raw in self._raw_chunks():
-                for chunk in self._feed(raw):
-                    yield chunk
-                if self._done:
-                    break
-            for chunk in self._close():
-                yield chunk
-        finally:
-            await self.aclose()
-        self._finish()
-
-    async def _raw_chunks(self) -> AsyncIterator[bytes]:
-        yield self._first
-        try:
-            async for raw in self._chunks:
-                yield raw
-        except httpx.HTTPError as exc:
-            raise self._interrupted(exc) from exc
-
-    async def aclose(self) -> None:
-        await self._response.aclose()
-
-
 copy_docs(AsyncKVBranchClient, KVBranchClient)
-copy_docs(AsyncChatStream, ChatStream)

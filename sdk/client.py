@@ -1,7 +1,7 @@
 """The synchronous kvbranch client (httpx).
 
 :class:`KVBranchClient` speaks the OpenAI chat API to any compatible server, and the kvbranch
-routes (sessions, branches, pins and prefetch, stats; see :mod:`server.contract`) to a kvbranch
+routes (sessions, branches, pins and prefetch, stats; see :mod:`sdk.contract`) to a kvbranch
 server. :meth:`KVBranchClient.session` returns a :class:`sdk.session.Session`, the object most
 users want: it keeps every branch's history and re-sends it, so a server that lost its state
 only costs time.
@@ -15,27 +15,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import httpx
 from typing_extensions import Unpack
 
+from sdk import contract
 from sdk._common import ChatArgs, ForkArgs, SessionArgs
-from sdk._core import Callback, ClientCore, Closing, Done, Flow, Outcome, Request, advance
-from sdk._stream import StreamState, event_to_chunk
+from sdk._core import Callback, Closing, Done, Flow, Outcome, Request, advance
+from sdk._driver import SyncDriver
+from sdk._stream import ChatStream, event_to_chunk
 from sdk.errors import APIConnectionError, KVBranchError, error_from_response, error_from_transport
-from sdk.types import ChatChunk, ChatResult
-from server import contract
-
-if TYPE_CHECKING:
-    from sdk.session import Session
+from sdk.session import Session
+from sdk.types import ChatResult
 
 __all__ = ["KVBranchClient", "ChatStream", "event_to_chunk"]
 
 T = TypeVar("T")
 
 
-class KVBranchClient(ClientCore, Closing):
+class KVBranchClient(SyncDriver, Closing):
     """Synchronous client of a kvbranch (or any OpenAI-compatible) server.
 
     Args:
@@ -170,8 +169,6 @@ class KVBranchClient(ClientCore, Closing):
         an existing server session of that id is attached to. Keywords:
         :class:`~sdk._common.SessionArgs` (``system``, ``messages``, ``auto_pin``,
         ``pin_ttl_s``)."""
-        from sdk.session import Session
-
         return self._run(Session._opening(self, session_id, options))
 
     def create_session(
@@ -226,42 +223,3 @@ class KVBranchClient(ClientCore, Closing):
 
     def stats(self) -> contract.Stats:
         return self._run(self._flows.stats())
-
-
-class ChatStream(StreamState[Iterator[bytes]], Closing):
-    """An open streamed answer. Iterate it for :class:`ChatChunk`\\ s (content deltas,
-    tool-call deltas, finish reason, and last the usage chunk with the kvbranch split).
-
-    ``ttft_s`` is set at the first content or tool-call delta; ``result`` (a
-    :class:`ChatResult`) once the stream finished. A stream that breaks midway raises
-    :class:`~sdk.errors.StreamInterruptedError` and is not retried. Use it as a context
-    manager, or call :meth:`close`, when not reading it to the end.
-    """
-
-    def final(self) -> ChatResult:
-        """Read the rest of the stream; the whole answer."""
-        for _ in self:
-            pass
-        return self.result
-
-    def __iter__(self) -> Iterator[ChatChunk]:
-        self._begin()
-        try:
-            for raw in self._raw_chunks():
-                yield from self._feed(raw)
-                if self._done:
-                    break
-            yield from self._close()
-        finally:
-            self.close()
-        self._finish()
-
-    def _raw_chunks(self) -> Iterator[bytes]:
-        yield self._first
-        try:
-            yield from self._chunks
-        except httpx.HTTPError as exc:
-            raise self._interrupted(exc) from exc
-
-    def close(self) -> None:
-        self._response.close()

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from server.contract import ErrorBody
+from sdk.contract import ErrorBody
 
 __all__ = [
     "KVBranchError",
@@ -217,7 +217,7 @@ def error_from_response(
         return AuthenticationError(message, **kwargs)
     if status == 404:
         path = response.request.url.path if response.request is not None else ""
-        from server.contract import API_PREFIX
+        from sdk.contract import API_PREFIX
 
         # kvbranch answers {"error": {...}}; a server without the routes answers FastAPI's
         # {"detail": "Not Found"} (or anything else).

@@ -14,7 +14,9 @@ client-side only: one warning, no ``session_id``/``vllm_xargs`` sent, and ``pin`
 
 :class:`AsyncSession`/:class:`AsyncBranch` are the same over :class:`AsyncKVBranchClient`.
 All of the logic is in :mod:`sdk._session_core` and :mod:`sdk._branch_core`; the classes here
-only run their flows, one line per method.
+only run their flows, one line per method. They see their client through :mod:`sdk._driver`
+(the interface the clients implement), so this module imports neither client: the clients
+import it, to open sessions.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from typing_extensions import Unpack
 from sdk._branch_core import BranchCore, MessageInput
 from sdk._common import ChatParams
 from sdk._core import copy_docs
+from sdk._driver import AsyncDriver, SyncDriver
 from sdk._session_core import SessionCore
-from sdk.aclient import AsyncChatStream, AsyncKVBranchClient
-from sdk.client import ChatStream, KVBranchClient
+from sdk._stream import AsyncChatStream, ChatStream
+from sdk.contract import BranchInfo, PrefetchResult, SessionInfo
 from sdk.types import ChatResult
-from server.contract import BranchInfo, PrefetchResult, SessionInfo
 
 __all__ = ["Session", "Branch", "AsyncSession", "AsyncBranch"]
 
@@ -85,7 +87,7 @@ class Branch(BranchCore["Session"]):
         return self.session.client._run(self._delete())
 
 
-class Session(SessionCore[KVBranchClient, Branch]):
+class Session(SessionCore[SyncDriver, Branch]):
     """A conversation and its branches (see the module docs). Get one with
     :meth:`KVBranchClient.session`."""
 
@@ -136,7 +138,7 @@ class AsyncBranch(BranchCore["AsyncSession"]):
         return await self.session.client._arun(self._delete())
 
 
-class AsyncSession(SessionCore[AsyncKVBranchClient, AsyncBranch]):
+class AsyncSession(SessionCore[AsyncDriver, AsyncBranch]):
     """:class:`Session` over :class:`AsyncKVBranchClient`."""
 
     _branch_type = AsyncBranch

@@ -1,6 +1,6 @@
 """An in-process fake kvbranch server for tests (no engine, no network): an httpx
 ``MockTransport`` that speaks the chat API (plain and SSE streamed, tool calls), the
-``/v1/kvbranch`` routes of :mod:`server.contract`, and injectable failures.
+``/v1/kvbranch`` routes of :mod:`sdk.contract`, and injectable failures.
 
     fake = FakeKVBranchServer()
     client = KVBranchClient("http://fake", transport=fake.transport(), retry=fast_retry)
@@ -9,7 +9,7 @@
 
 Answers are deterministic functions of the messages (``reply``), so tests can check that a
 conversation continues identically after the fake lost its state. Every kvbranch answer is built
-through the contract's response models (:mod:`server.contract`), so the fake cannot drift from
+through the contract's response models (:mod:`sdk.contract`), so the fake cannot drift from
 the server's wire format. Meant for the sdk's tests and
 for integrations built on the sdk; it is not a model of the real server's cache.
 """
@@ -34,7 +34,7 @@ from sdk._fake_chat import (
     stream_chunks,
     tokens,
 )
-from server.contract import (
+from sdk.contract import (
     API_PREFIX,
     BRANCH_XARG,
     CHAT_COMPLETIONS_PATH,

@@ -1,7 +1,7 @@
 """Typed results of chat completions: :class:`ChatResult` (a whole answer) and
 :class:`ChatChunk` (one streamed delta), plus :class:`ChatAccumulator`, which folds chunks into a
 result. The kvbranch models (``PromptSourceSplit``, ``SessionInfo``, ...) come from
-:mod:`server.contract`, the single source of truth, and are re-exported by ``sdk``.
+:mod:`sdk.contract`, the single source of truth, and are re-exported by ``sdk``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sdk.contract import RESPONSE_FIELD, PromptSourceSplit
 from sdk.errors import APIResponseError
-from server.contract import RESPONSE_FIELD, PromptSourceSplit
 
 __all__ = ["Usage", "ToolCall", "ToolCallDelta", "ChatChunk", "ChatResult", "ChatAccumulator"]
 

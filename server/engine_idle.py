@@ -26,30 +26,18 @@ version the engine is left unchanged and that is logged.
 from __future__ import annotations
 
 import logging
-import os
 import queue
+from collections.abc import Callable
 from typing import Any
+
+from server.engine_patch import install_patch, seconds_from_env
 
 ENV_IDLE_POLL_S = "KVBRANCH_IDLE_POLL_S"
 DEFAULT_IDLE_POLL_MS = 20.0
 
 logger = logging.getLogger("kvbranch.engine_idle")
 
-_PATCHED = "_kvbranch_idle_poll_s"
-
-
-def seconds_from_env(name: str, what: str) -> float | None:
-    """A non-negative number of seconds the launcher put in ``name``, or ``None`` when it is
-    unset or not a number (then ``what`` is left as vLLM has it)."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        logger.warning("kvbranch: %s=%r is not a number; %s left as it is", name, raw, what)
-        return None
-    return max(value, 0.0)
+__all__ = ["install", "idle_poll_seconds", "seconds_from_env", "only_holds", "wait_for_work"]
 
 
 def idle_poll_seconds() -> float | None:
@@ -79,27 +67,12 @@ def wait_for_work(core: Any, seconds: float) -> None:
     core._handle_client_request(*request)
 
 
-def install() -> None:
-    """Called by the plugin entry point in every vLLM process (a no-op outside an engine)."""
-    seconds = idle_poll_seconds()
-    if seconds is None:
-        return
-    try:
-        from vllm.v1.engine.core import EngineCoreProc
-    except ImportError:
-        logger.info("kvbranch: no vLLM EngineCoreProc here; the idle poll unchanged")
-        return
-    original = getattr(EngineCoreProc, "_process_engine_step", None)
-    if original is None or not hasattr(EngineCoreProc, "_handle_client_request"):
-        logger.info("kvbranch: unexpected vLLM EngineCoreProc; the idle poll unchanged")
-        return
-    if getattr(original, _PATCHED, None) is not None:
-        setattr(original, _PATCHED, seconds)
-        return
-
+def _idle_step(
+    original: Callable[[Any], bool], poll_s: Callable[[], float]
+) -> Callable[[Any], bool]:
     def _process_engine_step(self: Any) -> bool:
         model_executed = original(self)
-        poll = getattr(_process_engine_step, _PATCHED)
+        poll = poll_s()
         if not model_executed and poll > 0:
             try:
                 idle = only_holds(self) and self.input_queue.empty()
@@ -109,7 +82,17 @@ def install() -> None:
                 wait_for_work(self, poll)
         return model_executed
 
-    setattr(_process_engine_step, _PATCHED, seconds)
-    _process_engine_step.__doc__ = original.__doc__
-    EngineCoreProc._process_engine_step = _process_engine_step  # type: ignore[method-assign]
-    logger.debug("kvbranch: engine idle poll %.4f s while only holding blocks", seconds)
+    return _process_engine_step
+
+
+def install() -> None:
+    """Called by the plugin entry point in every vLLM process (a no-op outside an engine)."""
+    install_patch(
+        "vllm.v1.engine.core.EngineCoreProc",
+        "_process_engine_step",
+        needs="_handle_client_request",
+        seconds=idle_poll_seconds(),
+        wrap=_idle_step,
+        what="the idle poll",
+        log=logger,
+    )

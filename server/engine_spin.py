@@ -24,10 +24,11 @@ class may differ and the plugin logs that it left vLLM unchanged.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from server import engine_idle
-from server.engine_idle import seconds_from_env
+from server.engine_patch import install_patch, seconds_from_env
 
 ENV_MQ_SPIN_S = "KVBRANCH_MQ_SPIN_S"
 DEFAULT_SPIN_MS = 2.0
@@ -35,12 +36,20 @@ PLUGIN_NAME = "kvbranch_mq_spin"
 
 logger = logging.getLogger("kvbranch.engine_spin")
 
-_PATCHED = "_kvbranch_spin_s"
-
 
 def spin_seconds() -> float | None:
     """The spin window the launcher asked for, or ``None`` (leave vLLM as it is)."""
     return seconds_from_env(ENV_MQ_SPIN_S, "vLLM's spin")
+
+
+def _spin_wait(original: Callable[..., None], spin_s: Callable[[], float]) -> Callable[..., None]:
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        # Readers made before this plugin ran get the window on their first wait.
+        if self.is_reader:
+            self.busy_loop_s = spin_s()
+        original(self, timeout_ms)
+
+    return wait
 
 
 def install() -> None:
@@ -48,29 +57,12 @@ def install() -> None:
     worker (possibly more than once per process). Also sets the engine's idle poll
     (:mod:`server.engine_idle`), the other busy-wait between the engine core and its worker."""
     engine_idle.install()
-    seconds = spin_seconds()
-    if seconds is None:
-        return
-    try:
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-    except ImportError:
-        logger.info("kvbranch: no vLLM SpinCondition here; message-queue spin unchanged")
-        return
-    original = getattr(SpinCondition, "wait", None)
-    if original is None or not hasattr(SpinCondition, "record_read"):
-        logger.info("kvbranch: unexpected vLLM SpinCondition; message-queue spin unchanged")
-        return
-    if getattr(original, _PATCHED, None) is not None:
-        setattr(original, _PATCHED, seconds)
-        return
-
-    def wait(self: Any, timeout_ms: int | None = None) -> None:
-        # Readers made before this plugin ran get the window on their first wait.
-        if self.is_reader:
-            self.busy_loop_s = getattr(wait, _PATCHED)
-        original(self, timeout_ms)
-
-    setattr(wait, _PATCHED, seconds)
-    wait.__doc__ = original.__doc__
-    SpinCondition.wait = wait  # type: ignore[method-assign]
-    logger.debug("kvbranch: vLLM message-queue spin window %.4f s", seconds)
+    install_patch(
+        "vllm.distributed.device_communicators.shm_broadcast.SpinCondition",
+        "wait",
+        needs="record_read",
+        seconds=spin_seconds(),
+        wrap=_spin_wait,
+        what="message-queue spin",
+        log=logger,
+    )

@@ -1,6 +1,6 @@
 """One builder for kvbranch's JSON error responses (server routes, ASGI guard, P/D router).
 
-The body is :func:`server.contract.error_body` — ``{"error": {"message", "type", "param",
+The body is :func:`sdk.contract.error_body` — ``{"error": {"message", "type", "param",
 "code"}}``, OpenAI's shape, so OpenAI clients and the sdk parse it alike. Lives outside
 :mod:`server.plugin` so that the router builds its errors without importing the plugin (or
 vLLM); it needs only Starlette.
@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from server.contract import error_body
+from sdk.contract import error_body
 
 __all__ = ["asgi_error", "error_response", "safe_text", "send_error"]
 

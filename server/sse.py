@@ -14,10 +14,12 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from sdk.contract.wire import SSE_DATA, SSE_EVENT_END
+
 __all__ = ["DATA", "EVENT_END", "EventSplitter", "encode_event", "json_event", "rewrite_events"]
 
-DATA = b"data: "
-EVENT_END = b"\n\n"
+DATA = SSE_DATA
+EVENT_END = SSE_EVENT_END
 _JSON_DATA = DATA + b"{"
 
 #: Rewrites one event; None drops it.

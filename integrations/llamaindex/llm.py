@@ -83,8 +83,8 @@ from sdk import (
     Session,
 )
 from sdk._common import resolve_base_url
+from sdk.contract import check_id
 from sdk.conversation import BranchRef, ClientSet, Conversation, SessionSettings
-from server.contract import check_id
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool

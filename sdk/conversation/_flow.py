@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sdk import DEFAULT_BRANCH, AsyncKVBranchClient, ChatResult, KVBranchClient
-from server.contract import check_id
+from sdk.contract import check_id
 
 __all__ = [
     "BranchRef",
@@ -39,7 +39,7 @@ Flow = Generator[Op, Any, T]
 """An operation written once: yields client calls, is sent their results (or has their errors
 thrown in), returns a ``T``."""
 
-# the characters of server.contract's ID_PATTERN (check_id has the last word)
+# the characters of sdk.contract's ID_PATTERN (check_id has the last word)
 _ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
 
 

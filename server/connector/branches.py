@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Generic, TypeVar, overload
 
+from sdk.contract import DEFAULT_BRANCH  # noqa: F401 - the contract's, re-exported (registry API)
+
 T = TypeVar("T")
 
-DEFAULT_BRANCH = "main"
 DEFAULT_MAX_SESSIONS_PER_TENANT = 1000
 DEFAULT_MAX_BRANCHES_PER_SESSION = 256
 DEFAULT_IDLE_TTL_S = 6 * 3600.0

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from server.connector.control_ops import Op
 from server.connector.metadata import KVBranchMetadata
 from server.connector.planner import Planner
 from server.connector.scheduler_side import KVBranchScheduler
@@ -108,7 +109,7 @@ class KVBranchConnector(KVConnectorBase_V1):
         return self.scheduler_side.planner if self.scheduler_side is not None else None
 
     @property
-    def extra_ops(self) -> dict[str, Any]:
+    def extra_ops(self) -> dict[str, Op[Any]]:
         """Control ops a composing connector adds (P/D: ``claim_hold``); scheduler role."""
         return self.scheduler_side.extra_ops if self.scheduler_side is not None else {}
 

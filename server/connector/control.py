@@ -7,7 +7,12 @@ scheduler only in single-process executors. A Unix socket owned by the scheduler
 every executor and keeps the routes cheap (no engine step involved).
 
 Protocol: one JSON object per line each way: ``{"op": ..., **args}`` →
-``{"ok": true, "result": ...}`` or ``{"ok": false, "status": 404, "message": ...}``.
+``{"ok": true, "result": ...}`` or ``{"ok": false, "status": 404, "message": ...}``. This module
+is the transport (:class:`ControlServer` serves any ``handler(dict)``; ``call_raw`` and
+:func:`call_sync_raw` send any op); the typed ops ride on it: :meth:`AsyncControlClient.call`
+and :func:`call_sync` take a request model of :mod:`server.connector.control_models` and
+return its parsed answer model, and the engine's handler (``control_ops.run_op``) validates
+both sides of each op too.
 
 Where: the socket answers every session op with no credentials of its own, so it lives in a
 private directory (the launcher makes one per server with ``tempfile.mkdtemp``: mode 0700,
@@ -26,18 +31,19 @@ import socketserver
 import stat
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from server.connector.control_models import ControlError, ControlRequest, parse_answer, request_line
+
+__all__ = ["AsyncControlClient", "ControlError", "ControlServer", "call_sync", "call_sync_raw"]
+
+A = TypeVar("A", bound=BaseModel)
 
 logger = logging.getLogger("kvbranch.control")
 
 MAX_LINE = 64 * 1024 * 1024
-
-
-class ControlError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 Handler = Callable[[dict], Any]
@@ -136,14 +142,24 @@ def _unwrap(reply: dict) -> Any:
     raise ControlError(int(reply.get("status", 500)), str(reply.get("message", "error")))
 
 
-def call_sync(path: str, op: str, timeout: float = 5.0, **args: Any) -> Any:
+def call_sync(path: str, request: ControlRequest[A], timeout: float = 5.0) -> A:
+    """One typed op, blocking (for callers outside an event loop)."""
+    return parse_answer(request, _exchange_sync(path, request_line(request), timeout))
+
+
+def call_sync_raw(path: str, op: str, timeout: float = 5.0, **args: Any) -> Any:
+    """Any op, untyped: the transport under :func:`call_sync` (and its tests)."""
+    return _exchange_sync(path, {"op": op, **args}, timeout)
+
+
+def _exchange_sync(path: str, line: dict[str, Any], timeout: float) -> Any:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
         except OSError as exc:
             raise ControlError(503, f"kvbranch connector not reachable: {exc}") from None
-        sock.sendall(json.dumps({"op": op, **args}).encode() + b"\n")
+        sock.sendall(json.dumps(line).encode() + b"\n")
         data = b""
         while not data.endswith(b"\n"):
             chunk = sock.recv(1 << 20)
@@ -160,7 +176,17 @@ class AsyncControlClient:
         self.path = path
         self.timeout = timeout
 
-    async def call(self, op: str, **args: Any) -> Any:
+    async def call(self, request: ControlRequest[A]) -> A:
+        """One typed op: ``request`` on the wire, the answer parsed into its answer model (an
+        answer that does not match is a :class:`ControlError` 500 naming the field)."""
+        return parse_answer(request, await self._exchange(request_line(request)))
+
+    async def call_raw(self, op: str, **args: Any) -> Any:
+        """Any op, untyped: the transport under :meth:`call` (and its tests)."""
+        return await self._exchange({"op": op, **args})
+
+    async def _exchange(self, line: dict[str, Any]) -> Any:
+        op = line.get("op")
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(self.path, limit=MAX_LINE), self.timeout
@@ -168,15 +194,15 @@ class AsyncControlClient:
         except (OSError, asyncio.TimeoutError) as exc:
             raise ControlError(503, f"kvbranch connector not reachable: {exc}") from None
         try:
-            writer.write(json.dumps({"op": op, **args}).encode() + b"\n")
+            writer.write(json.dumps(line).encode() + b"\n")
             await writer.drain()
-            line = await asyncio.wait_for(reader.readline(), self.timeout)
+            reply = await asyncio.wait_for(reader.readline(), self.timeout)
         except asyncio.TimeoutError:
             raise ControlError(504, f"kvbranch connector did not answer {op!r}") from None
         except OSError as exc:  # e.g. the engine went away mid-call
             raise ControlError(503, f"kvbranch connector connection failed: {exc}") from None
         finally:
             writer.close()
-        if not line:
+        if not reply:
             raise ControlError(503, "kvbranch connector closed the control connection")
-        return _unwrap(json.loads(line))
+        return _unwrap(json.loads(reply))

@@ -1,21 +1,54 @@
-"""The control socket's operations (what the HTTP routes ask the scheduler side), as a table:
-op name -> handler. Each handler reads its fields from the request dict and answers with plain
-JSON data; a :class:`~server.connector.sessions.RegistryError` or a missing field becomes a
-4xx in :meth:`KVBranchScheduler.handle_control`, which runs these under the planner's lock.
+"""The control socket's operations (what the HTTP routes ask the scheduler side), as a
+registry: op name -> :class:`Op` (its request model, its answer model, its handler), and
+:func:`run_op`, the engine's side of every call.
 
-Ops a composing connector adds (P/D: ``claim_hold``) live in the scheduler side's
-``extra_ops`` and run outside that lock.
+Why typed: see :mod:`server.connector.control_models`. :func:`run_op` validates the incoming
+line into the op's request model (an unknown op, or a bad, missing or unknown field, is a 400
+naming it), runs the handler, and validates its answer through the answer model before it is
+serialised (a handler whose answer drifted from the model is a 500 naming the field, here in
+the engine, not a surprise in the API process). Handlers get the parsed request and answer
+with plain data or a model; the registry's :class:`~server.connector.sessions.RegistryError`
+becomes its HTTP status.
+
+Ops a composing connector adds (P/D: ``claim_hold``) go in the scheduler side's ``extra_ops``
+as :class:`Op` entries too, with ``locked=False``: they keep their own locks.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
+from pydantic import BaseModel
 
+from server.connector.control_models import (
+    ControlError,
+    ControlRequest,
+    CreateSession,
+    DeleteBranch,
+    DeleteSession,
+    Fork,
+    GetBranch,
+    GetSession,
+    GetStats,
+    Info,
+    ListBranches,
+    Pin,
+    PlanPrefetch,
+    ResetStore,
+    Split,
+    Unpin,
+    check_answer,
+    parse_request,
+)
 from server.connector.planner import Planner
+from server.connector.sessions import RegistryError
+
+logger = logging.getLogger("kvbranch.control")
 
 
 class OpContext(Protocol):
@@ -32,11 +65,52 @@ class OpContext(Protocol):
     def device_resident(self, block_hashes: list[bytes]) -> bool: ...
 
 
-#: (scheduler side, request, owner) -> JSON-able result.
-OpHandler = Callable[[OpContext, dict, "str | None"], Any]
+R = TypeVar("R", bound=ControlRequest[Any])
 
 
-def _info(side: OpContext, req: dict, owner: str | None) -> dict:
+@dataclass(frozen=True)
+class Op(Generic[R]):
+    """One op: the request model (which names the op and its answer model) and the handler,
+    ``(scheduler side, parsed request) -> answer`` (plain data or the answer model)."""
+
+    request: type[R]
+    handler: Callable[[OpContext, R], Any]
+    #: Run under the planner's lock, after expiring idle sessions (the registry's ops).
+    locked: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.request.op
+
+    @property
+    def answer(self) -> type[BaseModel]:
+        return self.request.answer
+
+
+def run_op(side: OpContext, ops: Mapping[str, Op[Any]], line: dict[str, Any]) -> Any:
+    """The engine's side of one call: ``line`` (the decoded JSON object) -> the JSON-able
+    result, both validated through the op's models. Errors are :class:`ControlError`."""
+    request = parse_request(line, {name: op.request for name, op in ops.items()})
+    op = ops[request.op]
+    try:
+        if op.locked:
+            planner = side.planner
+            with planner.lock:
+                planner.registry.expire()
+                result = op.handler(side, request)
+        else:
+            result = op.handler(side, request)
+    except RegistryError as exc:
+        raise ControlError(exc.status, exc.message) from None
+    try:
+        answer = check_answer(op.answer, result, op.name, "kvbranch engine")
+    except ControlError as exc:
+        logger.error("%s", exc.message)  # a bug on this side: say so where it happened
+        raise
+    return answer.model_dump(mode="json")
+
+
+def _info(side: OpContext, req: Info) -> dict:
     return {
         "block_size": side.block_size,
         "block_bytes": side.block_bytes,
@@ -48,79 +122,74 @@ def _info(side: OpContext, req: dict, owner: str | None) -> dict:
     }
 
 
-def _create_session(side: OpContext, req: dict, owner: str | None) -> dict:
+def _create_session(side: OpContext, req: CreateSession) -> dict:
     reg = side.planner.registry
     session = reg.create_session(
-        req.get("session_id"),
-        auto_pin=bool(req.get("auto_pin", True)),
-        pin_ttl_s=req.get("pin_ttl_s"),
-        owner=owner,
+        req.session_id, auto_pin=req.auto_pin, pin_ttl_s=req.pin_ttl_s, owner=req.owner
     )
     return reg.session_info(session)
 
 
-def _get_session(side: OpContext, req: dict, owner: str | None) -> dict:
+def _get_session(side: OpContext, req: GetSession) -> dict:
     reg = side.planner.registry
-    return reg.session_info(reg.get_session(req["session_id"], owner))
+    return reg.session_info(reg.get_session(req.session_id, req.owner))
 
 
-def _delete_session(side: OpContext, req: dict, owner: str | None) -> dict:
-    return {
-        "deleted": req["session_id"],
-        "released_blocks": side.planner.registry.delete_session(req["session_id"], owner),
-    }
+def _delete_session(side: OpContext, req: DeleteSession) -> dict:
+    released = side.planner.registry.delete_session(req.session_id, req.owner)
+    return {"deleted": req.session_id, "released_blocks": released}
 
 
-def _list_branches(side: OpContext, req: dict, owner: str | None) -> list:
+def _list_branches(side: OpContext, req: ListBranches) -> list:
     reg = side.planner.registry
-    session = reg.get_session(req["session_id"], owner)
+    session = reg.get_session(req.session_id, req.owner)
     return [reg.branch_info(b) for b in session.branches.values()]
 
 
-def _get_branch(side: OpContext, req: dict, owner: str | None) -> dict:
+def _get_branch(side: OpContext, req: GetBranch) -> dict:
     reg = side.planner.registry
-    return reg.branch_info(reg.get_branch(req["session_id"], req["branch_id"], owner))
+    return reg.branch_info(reg.get_branch(req.session_id, req.branch_id, req.owner))
 
 
-def _fork(side: OpContext, req: dict, owner: str | None) -> dict:
+def _fork(side: OpContext, req: Fork) -> dict:
     reg = side.planner.registry
     branch = reg.fork(
-        req["session_id"],
-        req.get("parent") or "main",
-        req.get("branch_id"),
-        token_offset=req.get("token_offset"),
-        token_prefix=req.get("token_prefix"),
-        owner=owner,
+        req.session_id,
+        req.parent,
+        req.branch_id,
+        token_offset=req.token_offset,
+        token_prefix=req.token_prefix,
+        owner=req.owner,
     )
     return reg.branch_info(branch)
 
 
-def _delete_branch(side: OpContext, req: dict, owner: str | None) -> dict:
-    released = side.planner.registry.delete_branch(req["session_id"], req["branch_id"], owner)
-    return {"deleted": req["branch_id"], "released_blocks": released}
+def _delete_branch(side: OpContext, req: DeleteBranch) -> dict:
+    released = side.planner.registry.delete_branch(req.session_id, req.branch_id, req.owner)
+    return {"deleted": req.branch_id, "released_blocks": released}
 
 
-def _pin(side: OpContext, req: dict, owner: str | None) -> dict:
+def _pin(side: OpContext, req: Pin) -> dict:
     reg = side.planner.registry
-    return reg.branch_info(reg.pin(req["session_id"], req["branch_id"], float(req["ttl_s"]), owner))
+    return reg.branch_info(reg.pin(req.session_id, req.branch_id, req.ttl_s, req.owner))
 
 
-def _unpin(side: OpContext, req: dict, owner: str | None) -> dict:
+def _unpin(side: OpContext, req: Unpin) -> dict:
     reg = side.planner.registry
-    return reg.branch_info(reg.unpin(req["session_id"], req["branch_id"], owner))
+    return reg.branch_info(reg.unpin(req.session_id, req.branch_id, req.owner))
 
 
-def _prefetch_plan(side: OpContext, req: dict, owner: str | None) -> dict:
+def _prefetch_plan(side: OpContext, req: PlanPrefetch) -> dict:
     """Where the branch's blocks are: the device cache (nothing to run), the host store (nothing
     to run either unless ``to_device``: the next turn loads them in one copy, while an engine
     step would take the engine from other sessions and the device blocks it fills may well be
     evicted again before the turn comes), or neither (the engine runs it)."""
     planner = side.planner
-    branch = planner.registry.get_branch(req["session_id"], req["branch_id"], owner)
+    branch = planner.registry.get_branch(req.session_id, req.branch_id, req.owner)
     location = None
     if side.device_resident(branch.block_hashes):
         location = "device"
-    elif not req.get("to_device") and side.enabled:
+    elif not req.to_device and side.enabled:
         keys = list(branch.block_hashes)
         if branch.tail_key is not None:
             keys.append(branch.tail_key)
@@ -135,41 +204,48 @@ def _prefetch_plan(side: OpContext, req: dict, owner: str | None) -> dict:
     }
 
 
-def _split(side: OpContext, req: dict, owner: str | None) -> dict | None:
-    return side.planner.split_for(str(req.get("tag", "")))
+def _split(side: OpContext, req: Split) -> dict | None:
+    return side.planner.split_for(req.tag)
 
 
-def _stats(side: OpContext, req: dict, owner: str | None) -> dict:
-    return stats_of(side, owner, all_owners=bool(req.get("all_owners")))
+def _stats(side: OpContext, req: GetStats) -> dict:
+    return stats_of(side, req.owner, all_owners=req.all_owners)
 
 
-def _reset_store(side: OpContext, req: dict, owner: str | None) -> dict:
+def _reset_store(side: OpContext, req: ResetStore) -> dict:
     return {"dropped_blocks": side.planner.reset_store()}
 
 
-OPS: dict[str, OpHandler] = {
-    "info": _info,
-    "create_session": _create_session,
-    "get_session": _get_session,
-    "delete_session": _delete_session,
-    "list_branches": _list_branches,
-    "get_branch": _get_branch,
-    "fork": _fork,
-    "delete_branch": _delete_branch,
-    "pin": _pin,
-    "unpin": _unpin,
-    "prefetch_plan": _prefetch_plan,
-    "split": _split,
-    "stats": _stats,
-    "reset_store": _reset_store,
-}
+def registry(*ops: Op[Any]) -> dict[str, Op[Any]]:
+    """``{op name: op}``; one entry per op name."""
+    table = {op.name: op for op in ops}
+    assert len(table) == len(ops), "two ops with one name"
+    return table
+
+
+OPS: dict[str, Op[Any]] = registry(
+    Op(Info, _info),
+    Op(CreateSession, _create_session),
+    Op(GetSession, _get_session),
+    Op(DeleteSession, _delete_session),
+    Op(ListBranches, _list_branches),
+    Op(GetBranch, _get_branch),
+    Op(Fork, _fork),
+    Op(DeleteBranch, _delete_branch),
+    Op(Pin, _pin),
+    Op(Unpin, _unpin),
+    Op(PlanPrefetch, _prefetch_plan),
+    Op(Split, _split),
+    Op(GetStats, _stats),
+    Op(ResetStore, _reset_store),
+)
 
 
 #: Sessions ``/v1/kvbranch/stats`` describes (the caller's most recently used ones), and the
 #: block-hash lookups its descriptions may make: it runs under the planner's lock in the engine
 #: core, so 1000 sessions x 256 branches x 512 blocks must not be walked (that stalls every
-#: step for seconds). Past the budget, block counts are ``None``; one session's own routes
-#: (``GET /v1/kvbranch/sessions/{id}``) still count them all.
+#: step for seconds). Past the budget, block counts are left out (the answer model reads 0);
+#: one session's own routes (``GET /v1/kvbranch/sessions/{id}``) still count them all.
 STATS_MAX_SESSIONS = 100
 STATS_WALK_BUDGET = 200_000
 

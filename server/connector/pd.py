@@ -16,7 +16,7 @@
    * **token-prefix check**: D's returned transfer params carry the token ids its blocks hold;
      P pulls only the longest prefix of its prompt that equals them (upstream reads the first
      ``min(remote_num_tokens, prompt_len)`` positions unchecked, so a re-rendered chat history
-     silently gets wrong KV — PD_NOTES pitfall 5). Params without token ids pull nothing.
+     silently gets wrong KV — docs/pd_notes.md pitfall 5). Params without token ids pull nothing.
      A request that reads no prefix cache (prompt logprobs) pulls nothing.
    * **hooks that never kill the engine**: an exception of ours or of upstream's on vLLM's
      scheduler thread declines the handle instead; a read the scheduler waits on but
@@ -57,6 +57,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 
 from server.connector.connector import KVBranchConnector
 from server.connector.control import ControlError
+from server.connector.control_models import ClaimHold
+from server.connector.control_ops import Op
 from server.connector.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
 from server.connector.read_bounds import fail_slow_reads, report_unqueued
 from server.connector.transfer_auth import (
@@ -581,10 +583,10 @@ class VerifiedNixlConnector(NixlConnector):
         return params
 
     # --- holds: claims and release under pressure ----------------------------------------
-    def claim_hold(self, req: dict) -> dict:
+    def claim_hold(self, req: ClaimHold) -> dict:
         """Control op: the router claims D's handle right before P's pull."""
-        handle = req.get("handle")
-        if not isinstance(handle, dict) or not is_sealed(handle, self.secret):
+        handle = req.handle
+        if not is_sealed(handle, self.secret):
             raise ControlError(400, "handle: not a transfer handle issued by this cluster")
         if transfer_expired(handle):
             raise ControlError(410, "handle expired: the hold has ended")
@@ -676,7 +678,10 @@ class KVBranchPDConnector(MultiConnector):
         self._waiting: dict[str, Any] = {}
         self.stalled_steps = 0
         if isinstance(self._nixl, VerifiedNixlConnector):
-            self._kvbranch.extra_ops["claim_hold"] = self._nixl.claim_hold
+            nixl = self._nixl
+            self._kvbranch.extra_ops[ClaimHold.op] = Op(
+                ClaimHold, lambda _side, req: nixl.claim_hold(req), locked=False
+            )
             self._kvbranch.extra_stats["pd"] = self._pd_stats
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -711,9 +716,9 @@ class KVBranchPDConnector(MultiConnector):
             logger.exception("kvbranch: releasing holds for waiting work failed")
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing to compute, yet the engine keeps stepping: D while it holds a turn's
-            # blocks for P, P while it waits for a pull (PD_NOTES pitfall 7). Unthrottled, those
-            # empty steps spin a core for the whole hold; a few ms per step costs a pull or a
-            # new request at most that much.
+            # blocks for P, P while it waits for a pull (docs/pd_notes.md pitfall 7).
+            # Unthrottled, those empty steps spin a core for the whole hold; a few ms per step
+            # costs a pull or a new request at most that much.
             time.sleep(IDLE_STEP_SLEEP_S)
         return super().build_connector_meta(scheduler_output)
 

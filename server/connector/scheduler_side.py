@@ -13,15 +13,14 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from server.connector.block_index import HostBlockIndex
-from server.connector.control import ControlError, ControlServer, engine_socket_path
-from server.connector.control_ops import OPS
+from server.connector.control import ControlServer, engine_socket_path
+from server.connector.control_ops import OPS, Op, run_op
 from server.connector.metadata import KVBranchMetadata
 from server.connector.planner import Planner
 from server.connector.sessions import (
     DEFAULT_IDLE_TTL_S,
     DEFAULT_MAX_BRANCHES_PER_SESSION,
     DEFAULT_MAX_SESSIONS_PER_TENANT,
-    RegistryError,
     SessionRegistry,
 )
 
@@ -48,7 +47,7 @@ class KVBranchScheduler:
         self.num_slots = num_slots
         self.enabled = enabled
         #: Control ops and stats sections contributed by a composing connector (P/D: holds).
-        self.extra_ops: dict[str, Any] = {}
+        self.extra_ops: dict[str, Op[Any]] = {}
         self.extra_stats: dict[str, Any] = {}
         #: vLLM's KV cache manager (bound by the facade): the device-residency probe.
         self.kv_cache_manager: Any = None
@@ -127,22 +126,9 @@ class KVBranchScheduler:
 
     # --- control socket ------------------------------------------------------------------------
     def handle_control(self, req: dict) -> Any:
-        op = req["op"]
-        handler = OPS.get(op)
-        if handler is not None:
-            planner = self.planner
-            with planner.lock:
-                planner.registry.expire()
-                try:
-                    return handler(self, req, req.get("owner"))
-                except RegistryError as exc:
-                    raise ControlError(exc.status, exc.message) from None
-                except KeyError as exc:
-                    raise ControlError(400, f"missing field {exc.args[0]!r}") from None
-        extra = self.extra_ops.get(op)
-        if extra is not None:
-            return extra(req)
-        raise ControlError(400, f"unknown control op {op!r}")
+        """One control line (a decoded JSON object) -> its JSON-able answer: the op table and
+        the composing connector's ops, typed and validated by :func:`run_op`."""
+        return run_op(self, {**OPS, **self.extra_ops} if self.extra_ops else OPS, req)
 
     def device_resident(self, block_hashes: list[bytes]) -> bool:
         """Whether every full block of a branch is still in vLLM's device prefix cache.

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import islice
 
+from sdk.contract import ALREADY_EXISTS  # the router converges retries on this wording
 from server.connector.block_index import HostBlockIndex
 from server.connector.branches import (  # noqa: F401 - re-exported: the registry's API
     DEFAULT_BRANCH,
@@ -41,7 +42,6 @@ from server.connector.branches import (  # noqa: F401 - re-exported: the registr
     new_id,
 )
 from server.connector.leases import PinLeases
-from server.contract import ALREADY_EXISTS  # the router converges retries on this wording
 
 
 class SessionRegistry:
@@ -348,7 +348,7 @@ class SessionRegistry:
         branch.tail_key, branch.tail_start = tail if tail is not None else (None, 0)
         branch.cache_salt = cache_salt
         branch.requests += 1
-        # A client's retention hint (server/plugin/dialects.py) sets the lease; like any
+        # A client's retention hint (server/dialects/) sets the lease; like any
         # automatic pin it degrades when the budget is full, it never fails the request.
         ttl = pin_ttl_s or branch.pin_ttl_s or session.pin_ttl_s
         if pin_ttl_s or branch.pin_expires_at is not None or session.auto_pin:

@@ -41,6 +41,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from sdk.contract import CLAIM_FIELD
+
 logger = logging.getLogger("kvbranch.transfer_auth")
 
 #: Environment variable with the cluster secret (hex or any string), the same on P and D.
@@ -53,7 +55,7 @@ EXPIRES_FIELD = "kvbranch_expires_at"
 TOKENS_FIELD = "kvbranch_token_ids"
 HASHES_FIELD = "kvbranch_block_hashes"
 IDENTITY_FIELD = "kvbranch_identity"
-CLAIM_FIELD = "kvbranch_claim"
+#: (:data:`CLAIM_FIELD`, the field of D's sealed claim, is the contract's: the router reads it.)
 
 #: NIXL's fields that name a peer's blocks: which engine, where, which blocks, until when.
 REMOTE_BLOCK_FIELDS = (

@@ -24,7 +24,7 @@ from typing import Any
 from server.cluster_auth import ROUTER_PROOF_HEADER, verify
 
 __all__ = ["ROUTER_PROOF_HEADER", "claim_refusal", "from_router", "is_dev_path", "transfer_refusal"]
-from server.contract import (
+from sdk.contract import (
     EXTRA_ARGS_FIELD,
     HOLD_CLAIM_PATH,
     NESTED_XARGS_PATH,

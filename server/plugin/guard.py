@@ -11,11 +11,11 @@ vLLM's own key check, where it applies, runs before it).
 * **Ids on generating requests**: the session id (``session_id`` in the body, the
   ``X-Session-ID`` header, or ``session_id`` in the extension args — vLLM's own three sources)
   and the branch id (``kvbranch_branch`` in the extension args or the ``X-KVBranch-Branch``
-  header) must be :func:`server.contract.check_id` ids, else 400 naming the field. Without
+  header) must be :func:`sdk.contract.check_id` ids, else 400 naming the field. Without
   this, a request with a session id that no route can address (``../x``, a space, 10 000
   characters) would create a session — and auto-pin its blocks — that nobody could ever get
   or delete.
-* **Hostile JSON**: a body nested deeper than :data:`server.contract.wire.MAX_JSON_DEPTH`, or
+* **Hostile JSON**: a body nested deeper than :data:`sdk.contract.wire.MAX_JSON_DEPTH`, or
   with a lone UTF-16 surrogate in any string, is a 400 naming where
   (:mod:`server.plugin.json_body`): past this layer both would raise (``RecursionError``,
   ``UnicodeEncodeError``): a 500, and a dropped keep-alive connection.
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.contract import (
+from sdk.contract import (
     API_PREFIX,
     BRANCH_HEADER,
     BRANCH_XARG,
@@ -52,8 +52,9 @@ from server.contract import (
     check_cache_salt,
     check_id,
 )
+from server import dialects
 from server.errors import send_error
-from server.plugin import cluster_gate, dialects, json_body
+from server.plugin import cluster_gate, json_body
 from server.plugin.middleware import xargs_of
 from server.plugin.request import drain, header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
@@ -188,7 +189,7 @@ class KVBranchGuard:
                     if refusal is not None:
                         await self._reply(send, 403, refusal[1], refusal[0])
                         return
-                if problem is None:  # cache hints (prompt_cache_*, cache_control): dialects.py
+                if problem is None:  # cache hints (prompt_cache_*, cache_control): the registry
                     problem = dialects.problem(payload, path)
                 if problem is None and keys:
                     try:

@@ -3,7 +3,7 @@ conversation right before the prefill instance pulls it, so that the decode inst
 release those blocks for new work while they are being read (see
 :mod:`server.connector.transfer_auth`). 410 when the hold is already gone: the turn recomputes.
 
-Body :class:`~server.contract.HoldClaimRequest`, answer :class:`~server.contract.HoldClaimResult`.
+Body :class:`~sdk.contract.HoldClaimRequest`, answer :class:`~sdk.contract.HoldClaimResult`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 
+from sdk.contract import CLAIM_HANDLE_FIELD, HOLD_CLAIM_PATH
 from server.connector.control import ControlError
-from server.contract import CLAIM_HANDLE_FIELD, HOLD_CLAIM_PATH, HoldClaimResult
+from server.connector.control_models import ClaimHold
 from server.errors import error_response
 
 router = APIRouter(tags=["kvbranch"])
@@ -30,7 +31,7 @@ async def claim_hold(request: Request, body: Any = Body(...)) -> Response:  # no
     if kvb.control is None:
         return error_response(503, "the kvbranch connector is not loaded on this server")
     try:
-        result = await kvb.control.call("claim_hold", handle=body[CLAIM_HANDLE_FIELD])
+        result = await kvb.control.call(ClaimHold(handle=body[CLAIM_HANDLE_FIELD]))
     except ControlError as exc:
         return error_response(exc.status, exc.message)
-    return JSONResponse(HoldClaimResult.model_validate(result).model_dump(mode="json"))
+    return JSONResponse(result.model_dump(mode="json"))  # a HoldClaimResult, parsed already

@@ -27,7 +27,7 @@ from collections import deque
 from itertools import chain, compress
 from typing import Any
 
-from server.contract.wire import MAX_JSON_DEPTH, has_lone_surrogate
+from sdk.contract.wire import MAX_JSON_DEPTH, has_lone_surrogate
 
 __all__ = ["MAX_JSON_DEPTH", "parse", "problem_of"]
 

@@ -18,7 +18,9 @@ from typing import Any
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from sdk.contract import PDStats
 from server.connector.control import AsyncControlClient, ControlError, call_sync
+from server.connector.control_models import EngineStats, GetStats
 
 logger = logging.getLogger("kvbranch.metrics")
 _registered: dict[str, KVBranchCollector] = {}
@@ -31,124 +33,123 @@ METRICS_PATH = "/metrics"
 class KVBranchCollector:
     def __init__(self, control_path: str) -> None:
         self.control_path = control_path
-        self._snapshot: tuple[float, dict] | None = None
+        #: (when, the stats or None when the connector did not answer)
+        self._snapshot: tuple[float, EngineStats | None] | None = None
 
     async def refresh(self) -> None:
         """Fetch the stats without blocking the event loop (the refresh layer calls it)."""
         client = AsyncControlClient(self.control_path, timeout=SCRAPE_TIMEOUT_S)
         try:
-            stats = await client.call("stats", all_owners=True)
+            stats = await client.call(GetStats(all_owners=True))
         except (ControlError, OSError, ValueError, TimeoutError) as exc:
             logger.debug("kvbranch metrics unavailable: %s", exc)
-            self._snapshot = (time.monotonic(), {})  # "down", without a blocking retry
+            self._snapshot = (time.monotonic(), None)  # "down", without a blocking retry
             return
-        self._snapshot = (time.monotonic(), stats if isinstance(stats, dict) else {})
+        self._snapshot = (time.monotonic(), stats)
 
-    def _stats(self) -> dict:
+    def _stats(self) -> EngineStats:
         snapshot, self._snapshot = self._snapshot, None  # each snapshot serves one scrape
         if snapshot is not None and time.monotonic() - snapshot[0] < FRESH_S:
-            if not snapshot[1]:
+            if snapshot[1] is None:
                 raise ControlError(503, "the connector did not answer")
             return snapshot[1]
-        stats = call_sync(self.control_path, "stats", timeout=SCRAPE_TIMEOUT_S, all_owners=True)
-        return stats if isinstance(stats, dict) else {}
+        return call_sync(self.control_path, GetStats(all_owners=True), timeout=SCRAPE_TIMEOUT_S)
 
     def collect(self):
         try:
             stats = self._stats()
-            stats["store"]  # noqa: B018 - a reply without the store is no reply
-        except (ControlError, OSError, ValueError, KeyError) as exc:
+        except (ControlError, OSError, ValueError) as exc:
             logger.debug("kvbranch metrics unavailable: %s", exc)
             up = GaugeMetricFamily("kvbranch_connector_up", "1 when the connector answers")
             up.add_metric([], 0)
             yield up
             return
-        store = stats["store"]
+        store = stats.store
         up = GaugeMetricFamily("kvbranch_connector_up", "1 when the connector answers")
         up.add_metric([], 1)
         yield up
         tokens = CounterMetricFamily(
             "kvbranch_prompt_tokens", "Prompt tokens by where their KV came from", labels=["source"]
         )
-        for source, value in stats["hits_tokens"].items():
+        for source, value in stats.hits_tokens.items():
             tokens.add_metric([source], value)
         yield tokens
         for name, doc, value in [
-            ("kvbranch_requests", "Completed requests seen by the connector", stats["requests"]),
-            ("kvbranch_prefetches", "Prefetch requests run", stats["prefetches"]),
-            ("kvbranch_store_evictions", "Host store LRU evictions", store["evictions"]),
-            ("kvbranch_store_saved_blocks", "Blocks copied device to host", store["saved_blocks"]),
+            ("kvbranch_requests", "Completed requests seen by the connector", stats.requests),
+            ("kvbranch_prefetches", "Prefetch requests run", stats.prefetches),
+            ("kvbranch_store_evictions", "Host store LRU evictions", store.evictions),
+            ("kvbranch_store_saved_blocks", "Blocks copied device to host", store.saved_blocks),
             (
                 "kvbranch_store_loaded_blocks",
                 "Blocks copied host to device",
-                store["loaded_blocks"],
+                store.loaded_blocks,
             ),
             (
                 "kvbranch_pins_degraded",
                 "Leases demoted to LRU by the pin budget",
-                stats["pins_degraded"],
+                stats.pins_degraded,
             ),
-            ("kvbranch_pins_refused", "Explicit pins refused (over budget)", stats["pins_refused"]),
+            ("kvbranch_pins_refused", "Explicit pins refused (over budget)", stats.pins_refused),
         ]:
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
         for name, doc, value in [
-            ("kvbranch_store_used_bytes", "Host store bytes in use", store["used_bytes"]),
+            ("kvbranch_store_used_bytes", "Host store bytes in use", store.used_bytes),
             (
                 "kvbranch_store_capacity_bytes",
                 "Host store capacity",
-                store["capacity_blocks"] * store["block_bytes"],
+                store.capacity_blocks * store.block_bytes,
             ),
-            ("kvbranch_pinned_bytes", "Bytes held by pins", store["pinned_bytes"]),
-            ("kvbranch_pin_budget_bytes", "Pin budget", store["pin_budget_bytes"]),
-            ("kvbranch_sessions", "Live sessions", stats.get("num_sessions", 0)),
+            ("kvbranch_pinned_bytes", "Bytes held by pins", store.pinned_bytes),
+            ("kvbranch_pin_budget_bytes", "Pin budget", store.pin_budget_bytes),
+            ("kvbranch_sessions", "Live sessions", stats.num_sessions),
         ]:
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
-        yield from _pd_metrics(stats.get("pd"))
+        yield from _pd_metrics(stats.pd)
 
 
-def _pd_metrics(pd: dict | None):
+def _pd_metrics(pd: PDStats | None):
     """P/D instances: holds (a lease on device blocks), how often they yielded to new work,
     steps where a waiting request found the device cache full, and declined handles."""
-    if not isinstance(pd, dict):
+    if pd is None:
         return
-    for name, doc, key in [
-        ("kvbranch_pd_holds", "Conversations held on the device for a peer's pull", "holds"),
-        ("kvbranch_pd_held_blocks", "Device blocks held for a peer's pull", "held_blocks"),
+    for name, doc, value in [
+        ("kvbranch_pd_holds", "Conversations held on the device for a peer's pull", pd.holds),
+        ("kvbranch_pd_held_blocks", "Device blocks held for a peer's pull", pd.held_blocks),
     ]:
         family = GaugeMetricFamily(name, doc)
-        family.add_metric([], pd.get(key, 0))
+        family.add_metric([], value)
         yield family
-    for name, doc, key in [
+    for name, doc, value in [
         (
             "kvbranch_pd_holds_released",
             "Holds released early because new work needed the blocks",
-            "holds_released_for_new_work",
+            pd.holds_released_for_new_work,
         ),
         (
             "kvbranch_pd_stalled_steps",
             "Steps where a waiting request could not get device blocks while holds existed",
-            "stalled_steps",
+            pd.stalled_steps,
         ),
-        ("kvbranch_pd_claims", "Holds claimed for a pull", "claims"),
+        ("kvbranch_pd_claims", "Holds claimed for a pull", pd.claims),
         (
             "kvbranch_pd_claims_refused",
             "Claims refused (hold released, expired or used)",
-            "claims_refused",
+            pd.claims_refused,
         ),
     ]:
         family = CounterMetricFamily(name, doc)
-        family.add_metric([], pd.get(key, 0))
+        family.add_metric([], value)
         yield family
     declined = CounterMetricFamily(
         "kvbranch_pd_handles_declined",
         "Peer transfer handles declined (the prompt recomputed)",
         labels=["reason"],
     )
-    for reason, value in (pd.get("handles_declined") or {}).items():
+    for reason, value in pd.handles_declined.items():
         declined.add_metric([reason], value)
     yield declined
 

@@ -1,6 +1,6 @@
 """ASGI middleware around vLLM's completion routes.
 
-On the way in, on every generating route (:data:`server.contract.GENERATE_PATHS`), it drops
+On the way in, on every generating route (:data:`sdk.contract.GENERATE_PATHS`), it drops
 kvbranch's internal fields from the client's extension args (:data:`INTERNAL_XARGS`: only the
 server sets them), stamps a server-made tag (to find the request's accounting afterwards),
 copies the ``X-KVBranch-Branch`` header into the extension args, and, when the server has API
@@ -26,7 +26,7 @@ import logging
 import uuid
 from typing import Any
 
-from server.contract import (
+from sdk.contract import (
     BRANCH_HEADER,
     BRANCH_XARG,
     CACHE_SALT_FIELD,
@@ -40,12 +40,15 @@ from server.contract import (
     OWNER_XARG,
     RESPONSE_FIELD,
     SAMPLING_PARAMS_FIELD,
+    SESSION_HEADER,
     TAG_XARG,
     TRANSFER_PARAMS_FIELD,
     USAGE_FIELD,
     XARGS_FIELD,
 )
-from server.plugin import dialects
+from server import dialects
+from server.connector.control_models import Split
+from server.plugin.engine_tokens import VllmEngine
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
 from server.sse import EVENT_END, EventSplitter, encode_event, json_event
@@ -149,7 +152,7 @@ class KVBranchMiddleware:
             payload = None if request_body.more else json.loads(body)
         except ValueError:
             payload = None
-        usage_rewrite = None  # cache-hint dialects (dialects.py): session, pin, usage
+        usage_rewrite = None  # cache-hint dialects (server/dialects/): session, pin, usage
         if isinstance(payload, dict):
             payload = rewrite_request(
                 payload,
@@ -158,9 +161,7 @@ class KVBranchMiddleware:
                 owner=owner_of(header(scope, "authorization"), app_args_of(scope)),
                 path=path,
             )
-            usage_rewrite = dialects.apply(
-                payload, path, header(scope, dialects.SESSION_HEADER)
-            ).usage
+            usage_rewrite = dialects.apply(payload, path, header(scope, SESSION_HEADER)).usage
             body = request_body.data = json.dumps(payload).encode()
             if path in _NO_XARGS_PATHS:
                 tag = ""  # it could not be carried: no split to look up
@@ -179,7 +180,7 @@ class _ResponseRewriter:
     def __init__(self, scope: dict, send: Any, tag: str) -> None:
         self._send = send
         self._tag = tag
-        self.usage_rewrite: Any = None  # a dialect's usage (dialects.AnthropicUsage)
+        self.usage_rewrite: dialects.UsageRewrite | None = None  # a dialect's, per request
         self._start: dict | None = None
         self._mode = "pass"
         self._buffer = b""  # a JSON body until it is whole
@@ -187,6 +188,7 @@ class _ResponseRewriter:
         self._split: dict | None = None
         self._split_fetched = False
         self._app_state = scope.get("app").state if scope.get("app") is not None else None
+        self._engine = VllmEngine(self._app_state)  # what a usage rewrite asks of vLLM
 
     async def _fetch_split(self) -> dict | None:
         if self._split_fetched or not self._tag:
@@ -196,7 +198,9 @@ class _ResponseRewriter:
         if kvb is None or kvb.control is None:
             return None
         try:
-            self._split = await kvb.control.call("split", tag=self._tag)
+            answer = await kvb.control.call(Split(tag=self._tag))
+            if answer.root is not None:
+                self._split = answer.root.model_dump(mode="json")
         except Exception as exc:  # noqa: BLE001 - accounting must never break a response
             logger.debug("kvbranch: no split for %s: %s", self._tag, exc)
         return self._split
@@ -230,7 +234,7 @@ class _ResponseRewriter:
                 event = add_split_to_event(event, await self._fetch_split())
                 if self.usage_rewrite is not None:
                     event = await self.usage_rewrite.rewrite_event(
-                        event, await self._fetch_split(), self._app_state
+                        event, await self._fetch_split(), self._engine
                     )
             events.append(event)
         out = b"".join(event + EVENT_END for event in events)
@@ -248,7 +252,7 @@ class _ResponseRewriter:
                     attach_split(payload, split)
                     body = json.dumps(payload).encode()
                 if self.usage_rewrite is not None and await self.usage_rewrite.rewrite(
-                    payload, split, self._app_state
+                    payload, split, self._engine
                 ):
                     body = json.dumps(payload).encode()
         except ValueError:

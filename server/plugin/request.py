@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from server.contract import MAX_BODY_BYTES
+from sdk.contract import MAX_BODY_BYTES
 
 __all__ = ["RequestBody", "drain", "header", "read_body", "route_path"]
 

@@ -1,9 +1,10 @@
-"""The ``/v1/kvbranch`` HTTP routes (see :mod:`server.contract` for the wire contract).
+"""The ``/v1/kvbranch`` HTTP routes (see :mod:`sdk.contract` for the wire contract).
 
-Each route asks the connector (over its control socket) and answers through the contract's
-response model: :func:`_answer` validates what the connector returned, so a field that drifted
-between the connector and the contract fails here, loudly, instead of reaching a client.
-Errors are :func:`server.errors.error_response`.
+Each route asks the connector one typed control op (a request model of
+:mod:`server.connector.control_models`; the client parses the answer into the op's answer
+model, strictly, so a field that drifted between the engine and the API process fails there)
+and answers through the contract's response model (:func:`_answer`: for most routes the
+answer model *is* that model). Errors are :func:`server.errors.error_response`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Body, Path, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel
 
-from server import __version__
-from server.connector.control import ControlError
-from server.contract import (
+from sdk.contract import (
     API_PREFIX,
     ID_PATTERN,
     PROTOCOL_VERSION,
@@ -36,6 +35,23 @@ from server.contract import (
     SessionInfo,
     Stats,
 )
+from server import __version__
+from server.connector.control import ControlError
+from server.connector.control_models import (
+    ControlRequest,
+    CreateSession,
+    DeleteBranch,
+    DeleteSession,
+    Fork,
+    GetBranch,
+    GetSession,
+    GetStats,
+    Info,
+    ListBranches,
+    Pin,
+    PlanPrefetch,
+    Unpin,
+)
 from server.errors import error_response
 from server.plugin.state import PluginState
 from server.plugin.tenancy import app_args_of, owner_of
@@ -48,12 +64,15 @@ SessionId = Path(..., pattern=ID_PATTERN, description="session id")
 BranchId = Path(..., pattern=ID_PATTERN, description="branch id")
 NewSession = Body(default_factory=CreateSessionRequest)
 
-_BRANCH_LIST = TypeAdapter(list[BranchInfo])
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Response]])
+A = TypeVar("A", bound=BaseModel)
 
 
 def _answer(model: type[BaseModel], data: Any, status: int = 200) -> JSONResponse:
-    """``data`` as the contract's ``model`` says (validated, then serialized)."""
+    """``data`` as the contract's ``model`` says (validated, then serialized; an answer model
+    that adds engine-only fields, like ``EngineStats``, is cut down to the public ones)."""
+    if isinstance(data, BaseModel) and type(data) is not model:
+        data = data.model_dump()
     return JSONResponse(model.model_validate(data).model_dump(mode="json"), status_code=status)
 
 
@@ -62,7 +81,8 @@ def _kvb(request: Request) -> PluginState:
     return state
 
 
-async def _call(request: Request, op: str, **args: Any) -> Any:
+async def _call(request: Request, op: ControlRequest[A]) -> A:
+    """``op`` on behalf of the caller's tenant."""
     kvb = _kvb(request)
     if kvb.control is None:
         raise ControlError(
@@ -70,7 +90,8 @@ async def _call(request: Request, op: str, **args: Any) -> Any:
             "the kvbranch connector is not loaded on this server (started with --no-connector)",
         )
     owner = owner_of(request.headers.get("authorization"), app_args_of(request.app))
-    return await kvb.control.call(op, owner=owner, **args)
+    op.owner = owner
+    return await kvb.control.call(op)
 
 
 def _routed(handler: Handler) -> Handler:
@@ -93,14 +114,14 @@ async def health(request: Request) -> Response:
     status: Literal["ok", "degraded"] = "ok"
     if kvb.control is not None:
         try:
-            info = await kvb.control.call("info")
+            info = await kvb.control.call(Info())
             connector = ConnectorInfo(
-                loaded=bool(info["enabled"]),
+                loaded=info.enabled,
                 name=connector.name,
-                block_size=info["block_size"],
-                store_capacity_bytes=info["store_capacity_bytes"],
-                pin_budget_bytes=info["pin_budget_bytes"],
-                platform=info["platform"],
+                block_size=info.block_size,
+                store_capacity_bytes=info.store_capacity_bytes,
+                pin_budget_bytes=info.pin_budget_bytes,
+                platform=info.platform,
             )
         except ControlError:
             status = "degraded"
@@ -120,29 +141,21 @@ async def health(request: Request) -> Response:
 @router.get("/stats", response_model=Stats)
 @_routed
 async def stats(request: Request) -> Response:
-    return _answer(Stats, await _call(request, "stats"))
+    return _answer(Stats, await _call(request, GetStats()))
 
 
 @router.post("/sessions", response_model=SessionInfo, status_code=201)
 @_routed
 async def create_session(request: Request, body: CreateSessionRequest = NewSession) -> Response:
-    result = await _call(
-        request,
-        "create_session",
-        session_id=body.session_id,
-        auto_pin=body.auto_pin,
-        pin_ttl_s=body.pin_ttl_s,
-    )
-    return _answer(SessionInfo, result, 201)
+    op = CreateSession(session_id=body.session_id, auto_pin=body.auto_pin, pin_ttl_s=body.pin_ttl_s)
+    return _answer(SessionInfo, await _call(request, op), 201)
 
 
 @router.get("/sessions/{session_id}/branches", response_model=list[BranchInfo])
 @_routed
 async def list_branches(request: Request, session_id: str = SessionId) -> Response:
-    branches = _BRANCH_LIST.validate_python(
-        await _call(request, "list_branches", session_id=session_id)
-    )
-    return JSONResponse(_BRANCH_LIST.dump_python(branches, mode="json"))
+    branches = await _call(request, ListBranches(session_id=session_id))
+    return JSONResponse(branches.model_dump(mode="json"))
 
 
 @router.post("/sessions/{session_id}/branches", response_model=BranchInfo, status_code=201)
@@ -156,16 +169,14 @@ async def fork_branch(request: Request, body: ForkRequest, session_id: str = Ses
         if isinstance(rendered, Response):
             return rendered
         token_prefix = rendered
-    result = await _call(
-        request,
-        "fork",
+    op = Fork(
         session_id=session_id,
         parent=body.parent,
         branch_id=body.branch_id,
         token_offset=body.token_offset,
         token_prefix=token_prefix,
     )
-    return _answer(BranchInfo, result, 201)
+    return _answer(BranchInfo, await _call(request, op), 201)
 
 
 async def _render(request: Request, messages: list[dict[str, Any]]) -> list[int] | Response:
@@ -198,10 +209,8 @@ async def _render(request: Request, messages: list[dict[str, Any]]) -> list[int]
 async def pin_branch(
     request: Request, body: PinRequest, session_id: str = SessionId, branch_id: str = BranchId
 ) -> Response:
-    result = await _call(
-        request, "pin", session_id=session_id, branch_id=branch_id, ttl_s=body.ttl_s
-    )
-    return _answer(BranchInfo, result)
+    op = Pin(session_id=session_id, branch_id=branch_id, ttl_s=body.ttl_s)
+    return _answer(BranchInfo, await _call(request, op))
 
 
 @router.post(
@@ -221,21 +230,19 @@ async def prefetch_branch(
     last sequence as a 1-token request in the background, so that its blocks come from the
     device cache or the host store (or are recomputed) and stay cached for the next turn."""
     to_device = body.to_device if body is not None else False
-    plan = await _call(
-        request, "prefetch_plan", session_id=session_id, branch_id=branch_id, to_device=to_device
-    )
-    tokens: list[int] = plan["token_ids"]
+    op = PlanPrefetch(session_id=session_id, branch_id=branch_id, to_device=to_device)
+    plan = await _call(request, op)
+    tokens = plan.token_ids
     kvb = _kvb(request)
     limit = kvb.max_model_len - 1
     if len(tokens) > limit:
         tokens = tokens[:limit]
     status = "scheduled" if len(tokens) > 1 else "nothing_to_do"
     if status == "scheduled":
-        status = {"device": "already_resident", "host": "in_host_store"}.get(
-            plan.get("location"), status
-        )
+        if plan.location is not None:
+            status = {"device": "already_resident", "host": "in_host_store"}[plan.location]
     if status == "scheduled":
-        kvb.start_prefetch(tokens, plan.get("cache_salt"))
+        kvb.start_prefetch(tokens, plan.cache_salt)
     result = {
         "session_id": session_id,
         "branch_id": branch_id,
@@ -246,34 +253,46 @@ async def prefetch_branch(
 
 
 # --- the routes that are one control op answered by one model ------------------------------
-def _session_op(op: str, model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
+def _session_op(op: type[SessionOp], model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
     async def handler(request: Request, session_id: str = SessionId) -> Response:
-        return _answer(model, await _call(request, op, session_id=session_id))
+        return _answer(model, await _call(request, op(session_id=session_id)))
 
     return _routed(handler)
 
 
-def _branch_op(op: str, model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
+def _branch_op(op: type[BranchOp], model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
     async def handler(
         request: Request, session_id: str = SessionId, branch_id: str = BranchId
     ) -> Response:
-        result = await _call(request, op, session_id=session_id, branch_id=branch_id)
-        return _answer(model, result)
+        return _answer(model, await _call(request, op(session_id=session_id, branch_id=branch_id)))
 
     return _routed(handler)
 
 
+SessionOp = GetSession | DeleteSession
+BranchOp = GetBranch | DeleteBranch | Unpin
 _SESSION = "/sessions/{session_id}"
 _BRANCH = _SESSION + "/branches/{branch_id}"
-_SIMPLE_ROUTES: tuple[tuple[str, str, str, type[BaseModel]], ...] = (
-    ("GET", _SESSION, "get_session", SessionInfo),
-    ("DELETE", _SESSION, "delete_session", DeleteResult),
-    ("GET", _BRANCH, "get_branch", BranchInfo),
-    ("DELETE", _BRANCH, "delete_branch", DeleteResult),
-    ("DELETE", _BRANCH + "/pin", "unpin", BranchInfo),
-)
-for _method, _path, _op, _model in _SIMPLE_ROUTES:
-    _make = _branch_op if "{branch_id}" in _path else _session_op
+for _method, _session_req, _session_model in (
+    ("GET", GetSession, SessionInfo),
+    ("DELETE", DeleteSession, DeleteResult),
+):
     router.add_api_route(
-        _path, _make(_op, _model), methods=[_method], response_model=_model, name=_op
+        _SESSION,
+        _session_op(_session_req, _session_model),
+        methods=[_method],
+        response_model=_session_model,
+        name=_session_req.op,
+    )
+for _method, _path, _branch_req, _branch_model in (
+    ("GET", _BRANCH, GetBranch, BranchInfo),
+    ("DELETE", _BRANCH, DeleteBranch, DeleteResult),
+    ("DELETE", _BRANCH + "/pin", Unpin, BranchInfo),
+):
+    router.add_api_route(
+        _path,
+        _branch_op(_branch_req, _branch_model),
+        methods=[_method],
+        response_model=_branch_model,
+        name=_branch_req.op,
     )

@@ -9,7 +9,8 @@ import os
 import uuid
 from typing import Any
 
-from server.contract import PREFETCH_XARG
+from sdk.contract import PREFETCH_XARG
+from server.connector.control import AsyncControlClient
 from server.settings import ENV_ROLE
 
 logger = logging.getLogger("kvbranch.routes")
@@ -19,7 +20,11 @@ class PluginState:
     """What the routes need from the engine and the connector, made once per app."""
 
     def __init__(
-        self, engine_client: Any, control: Any, model_name: str, max_model_len: int
+        self,
+        engine_client: Any,
+        control: AsyncControlClient | None,
+        model_name: str,
+        max_model_len: int,
     ) -> None:
         import vllm
 

@@ -20,8 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from server.connector.sessions import new_id
-from server.contract import (
+from sdk.contract import (
     ALREADY_EXISTS,
     API_PREFIX,
     HEALTH_PATH,
@@ -32,6 +31,7 @@ from server.contract import (
     check_id,
     error_body,
 )
+from server.connector.sessions import new_id
 from server.errors import error_response
 from server.router import relay
 from server.router.edge import (

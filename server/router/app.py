@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from server.contract import (
+from sdk.contract import (
     API_PREFIX,
     COMPLETION_PATHS,
     HEALTH_PATH,

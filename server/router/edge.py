@@ -12,7 +12,7 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from server.contract import BRANCH_HEADER, MAX_BODY_BYTES, SESSION_HEADER
+from sdk.contract import BRANCH_HEADER, MAX_BODY_BYTES, SESSION_HEADER
 from server.errors import error_response
 from server.router.limits import BODY_TIMEOUT_S
 from server.tenants import scope_of

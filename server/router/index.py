@@ -5,7 +5,7 @@ Fed by the engines themselves: every decode response carries the transfer params
 connector returned (block ids, the token ids those blocks encode, the peer's address), and the
 router files them here under (tenant, session, branch). An entry is single-use — once P has
 read D's blocks, D frees them — so :meth:`ClusterIndex.take` removes it; it also expires a
-margin before D's own hold ends (PD_NOTES pitfall 7), and it is void when D restarted since.
+margin before D's own hold ends (docs/pd_notes.md pitfall 7), and it is void when D restarted since.
 
 The index is bounded two ways, so state a client can create stays bounded however many
 sessions come and go unread: expired entries are swept on a timer (the router's lifespan runs
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from server.contract import REMOTE_NUM_TOKENS
+from sdk.contract import REMOTE_NUM_TOKENS
 
 Key = tuple[str, str, str]  # (tenant, session id, branch id)
 

@@ -33,7 +33,7 @@ _CLUSTER_FLAGS = {
 
 
 def router_ttl(args: argparse.Namespace) -> float:
-    # Offer D's blocks only while D surely still holds them (PD_NOTES pitfall 7).
+    # Offer D's blocks only while D surely still holds them (docs/pd_notes.md pitfall 7).
     return max(args.pd_hold_ttl_s - 5.0, args.pd_hold_ttl_s / 2)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from server.contract import RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
+from sdk.contract import RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
 from server.sse import EventSplitter, Rewrite, encode_event, json_event, rewrite_events
 
 #: Called with the transfer params an answer carried (whatever they are; the caller checks).

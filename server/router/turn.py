@@ -31,7 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from server.contract import (
+from sdk.contract import (
     BRANCH_HEADER,
     BRANCH_XARG,
     CLAIM_FIELD,
@@ -47,6 +47,7 @@ from server.contract import (
     HoldClaimRequest,
     HoldClaimResult,
 )
+from server import dialects
 from server.errors import error_response
 from server.router import relay
 from server.router.edge import (
@@ -87,10 +88,13 @@ def _transport_failure(exc: httpx.HTTPError) -> _Fallback:
 
 
 def turn_key(payload: dict[str, Any], request: Request) -> Key | None:
-    """(tenant, session, branch) of a turn, from the body or the headers; None without a
-    session (such a turn is routed, but nothing is held for it)."""
-    session = payload.get("session_id") or request.headers.get(SESSION_HEADER)
-    if not isinstance(session, str) or not session:
+    """(tenant, session, branch) of a turn; None without a session (such a turn is routed,
+    but nothing is held for it). The session is the one the instance gives the request
+    (:func:`server.dialects.session_of`): the one it names (body, ``X-Session-ID``,
+    ``vllm_xargs``), else the one its cache hints derive (``prompt_cache_key``, Anthropic
+    breakpoints) — so affinity and the D→P pull follow the instance's own session."""
+    session = dialects.session_of(payload, request.url.path, request.headers.get(SESSION_HEADER))
+    if session is None:
         return None
     xargs = payload.get("vllm_xargs")
     branch = xargs.get(BRANCH_XARG) if isinstance(xargs, dict) else None

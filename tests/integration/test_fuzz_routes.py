@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from server.contract import ID_PATTERN
+from sdk.contract import ID_PATTERN
 from tests.integration.helpers import chat
 
 MAX_EXAMPLES = 40
@@ -48,7 +48,7 @@ FUZZ = settings(
 )
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)  # hang guard only
 ID_RE = re.compile(ID_PATTERN)
-LIMIT = 32 * 1024 * 1024  # server.contract.MAX_BODY_BYTES
+LIMIT = 32 * 1024 * 1024  # sdk.contract.MAX_BODY_BYTES
 
 
 # --- the server state this module makes (and must clean up) ----------------------------------

@@ -72,14 +72,16 @@ def pd():
         cluster.stop()
 
 
-def _turn(router, messages, session, *, stream=False, branch=None):
-    """One turn through the router: (text, split, route header, usage)."""
+def _turn(router, messages, session, *, stream=False, branch=None, **extra):
+    """One turn through the router: (text, split, route header, usage). ``session`` None: the
+    body names none (``extra`` may carry a cache hint instead)."""
     body = {
         "model": router.model,
         "messages": messages,
         "temperature": 0,
         "max_tokens": MAX_TOKENS,
-        "session_id": session,
+        **({"session_id": session} if session is not None else {}),
+        **extra,
     }
     if branch:
         body["vllm_xargs"] = {"kvbranch_branch": branch}
@@ -187,6 +189,28 @@ def test_forks_and_session_routes_work_through_the_router(pd, plain_server):
         stats = c.get("/v1/kvbranch/stats").json()
         assert not [e for e in stats["cluster"]["index"] if e["session_id"] == "pd-routes"]
         assert c.get("/v1/kvbranch/sessions/pd-routes").status_code == 404
+
+
+@pytest.mark.parametrize("cache_key", ["pd-agent-42", "pd agent/42 (not an id)"])
+def test_a_prompt_cache_key_turn_is_pulled_like_a_session(pd, plain_server, cache_key):
+    """No session id, only OpenAI's prompt_cache_key: the router keys the turn by the session
+    the instances derive from it (the key, or pck-<digest>), so turn 2 pulls from D."""
+    messages = _conversation(seed=304 if " " in cache_key else 305)
+    text, _, route, _ = _turn(pd.router, messages, None, prompt_cache_key=cache_key)
+    assert route == "pd"
+    messages += [
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": FOLLOW_UPS[0]},
+    ]
+    text2, split, route, _ = _turn(pd.router, messages, None, prompt_cache_key=cache_key)
+    assert route == "pd+pull" and split["remote_hit_tokens"] > 0
+    assert text2 == text_of(chat(plain_server, messages, max_tokens=MAX_TOKENS))
+    session = split["session_id"]  # the instance's own session for the key
+    assert session.startswith("pck-") if " " in cache_key else session == cache_key
+    with client(pd.router) as c:
+        index = c.get("/v1/kvbranch/stats").json()["cluster"]["index"]
+    held = [e for e in index if e["session_id"] == session]  # filed under that very session
+    assert held and held[0]["decode"] == pd.decode.url
 
 
 def test_bad_input_to_the_router_is_a_clear_4xx(pd):

@@ -23,12 +23,12 @@ import time
 import httpx
 import pytest
 
+from sdk.contract import HOLD_CLAIM_PATH
 from server.connector.transfer_auth import (
     EXPIRES_FIELD,
     MAC_FIELD,
     seal,
 )
-from server.contract import HOLD_CLAIM_PATH
 from tests.integration.helpers import chat, client, system_prompt, text_of
 from tests.integration.trust_cluster import CLUSTER_SECRET, as_router
 

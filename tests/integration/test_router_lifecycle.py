@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from server.contract import SESSIONS_PATH, session_path
+from sdk.contract import SESSIONS_PATH, session_path
 from tests.integration.helpers import size_args
 from tests.server_process import ServerProcess
 

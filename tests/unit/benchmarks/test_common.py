@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from benchmarks import common
-from server.contract import BRANCH_XARG, CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, RESPONSE_FIELD
+from sdk.contract import BRANCH_XARG, CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, RESPONSE_FIELD
 
 
 def _sse(chunks: list[dict]) -> bytes:

@@ -23,7 +23,8 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry
 
-from server.contract import Stats, StoreStats
+from sdk.contract import PDStats
+from server.connector.control_models import EngineStats, EngineStoreStats
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "kvbranch.json"
 
@@ -59,24 +60,19 @@ def _series(registry: CollectorRegistry) -> set[str]:
     }
 
 
-class _Stats(dict):
-    """A connector stats answer: the contract's fields, zero where a number goes."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return super().get(key, default if default is not None else 0)
-
-
-def _fake_stats() -> dict[str, Any]:
-    store = {name: 1 for name in StoreStats.model_fields}
-    stats = _Stats({name: 0 for name in Stats.model_fields})
+def _fake_stats() -> EngineStats:
+    """A connector stats answer: every field of the control op's answer model, zero where a
+    number goes (so that a field the collector reads and the model lacks fails here)."""
+    store = dict.fromkeys(EngineStoreStats.model_fields, 1)
+    pd = dict(dict.fromkeys(PDStats.model_fields, 0), handles_declined={"expired": 1})
+    stats: dict[str, Any] = dict.fromkeys(EngineStats.model_fields, 0)
     stats.update(
         store=store,
         sessions=[],
-        num_sessions=0,
         hits_tokens={"device": 1, "host": 1, "remote": 1, "recomputed": 1},
-        pd=_Stats(handles_declined={"expired": 1}),
+        pd=pd,
     )
-    return stats
+    return EngineStats.model_validate(stats)
 
 
 def kvbranch_series(monkeypatch: pytest.MonkeyPatch) -> set[str]:

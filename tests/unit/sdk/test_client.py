@@ -17,8 +17,8 @@ from sdk import (
     RateLimitError,
     ServerError,
 )
+from sdk.contract import BRANCH_XARG, RESPONSE_FIELD
 from sdk.testing import FakeKVBranchServer, FakeToolCall, Reply
-from server.contract import BRANCH_XARG, RESPONSE_FIELD
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from sdk import NO_RETRY, BadRequestError
+from sdk.contract import BRANCH_XARG
 from sdk.conversation import (
     BranchRef,
     ClientSet,
@@ -22,7 +23,6 @@ from sdk.conversation import (
     coerce_id,
 )
 from sdk.testing import FakeKVBranchServer, FakeToolCall, Reply, default_reply
-from server.contract import BRANCH_XARG
 
 SID = "conv-1"
 

@@ -13,8 +13,8 @@ from sdk import (
     ServerError,
     StreamInterruptedError,
 )
+from sdk.contract import BRANCH_XARG
 from sdk.testing import FakeKVBranchServer, FakeToolCall, Reply
-from server.contract import BRANCH_XARG
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 from sdk import NO_RETRY, APIResponseError
+from sdk.contract import RESPONSE_FIELD
 from sdk.types import ChatChunk, ChatResult
-from server.contract import RESPONSE_FIELD
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 SPLIT = {

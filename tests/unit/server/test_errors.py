@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from server.contract import ErrorBody, error_body, error_type
+from sdk.contract import ErrorBody, error_body, error_type
 from server.errors import asgi_error, error_response, send_error
 
 

@@ -33,8 +33,8 @@ from integrations.llamaindex._convert import (  # noqa: E402
     tool_kwargs,
 )
 from sdk import BadRequestError, KVBranchClient  # noqa: E402
+from sdk.contract import BRANCH_XARG  # noqa: E402
 from sdk.testing import FakeKVBranchServer, FakeToolCall, Reply  # noqa: E402
-from server.contract import BRANCH_XARG  # noqa: E402
 
 WEATHER = {"Paris": "sunny, 21 C", "Oslo": "snow, -3 C"}
 

@@ -1,4 +1,5 @@
-"""The control socket: a real Unix socket server, its sync and async clients, error mapping."""
+"""The control socket's transport: a real Unix socket server, its sync and async clients (the
+untyped ``call_raw`` ops under the typed calls: see test_control_ops.py), error mapping."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from server.connector.control import AsyncControlClient, ControlError, ControlServer, call_sync
+from server.connector.control import AsyncControlClient, ControlError, ControlServer, call_sync_raw
 
 
 def handler(request: dict):
@@ -60,12 +61,12 @@ def raw_exchange(path: str, payload: bytes) -> dict:
 
 # --- sync client ------------------------------------------------------------------------------
 def test_call_sync_round_trip(server):
-    assert call_sync(server.path, "echo", a=1, b=[1, 2], c={"d": "é"}) == {
+    assert call_sync_raw(server.path, "echo", a=1, b=[1, 2], c={"d": "é"}) == {
         "a": 1,
         "b": [1, 2],
         "c": {"d": "é"},
     }
-    assert call_sync(server.path, "none") is None
+    assert call_sync_raw(server.path, "none") is None
 
 
 def test_socket_is_private(server):
@@ -76,37 +77,37 @@ def test_socket_is_private(server):
 
 def test_errors_map_to_control_error_with_status(server):
     with pytest.raises(ControlError) as exc:
-        call_sync(server.path, "missing", id="s1")
+        call_sync_raw(server.path, "missing", id="s1")
     assert exc.value.status == 404
     assert exc.value.message == "session 's1' not found"
     assert str(exc.value) == "session 's1' not found"
     with pytest.raises(ControlError) as exc:
-        call_sync(server.path, "conflict")
+        call_sync_raw(server.path, "conflict")
     assert exc.value.status == 409
 
 
 def test_unknown_op_is_handler_defined_400(server):
     with pytest.raises(ControlError) as exc:
-        call_sync(server.path, "frobnicate")
+        call_sync_raw(server.path, "frobnicate")
     assert exc.value.status == 400
     assert "frobnicate" in exc.value.message
 
 
 def test_handler_exception_is_500_and_server_survives(server):
     with pytest.raises(ControlError) as exc:
-        call_sync(server.path, "boom")
+        call_sync_raw(server.path, "boom")
     assert exc.value.status == 500
     assert "kaput" in exc.value.message
-    assert call_sync(server.path, "echo", ok=True) == {"ok": True}
+    assert call_sync_raw(server.path, "echo", ok=True) == {"ok": True}
 
 
 def test_large_result(server):
-    assert call_sync(server.path, "big", n=3_000_000) == "x" * 3_000_000
+    assert call_sync_raw(server.path, "big", n=3_000_000) == "x" * 3_000_000
 
 
 def test_unreachable_socket_is_503(tmp_path):
     with pytest.raises(ControlError) as exc:
-        call_sync(str(tmp_path / "nobody.sock"), "echo")
+        call_sync_raw(str(tmp_path / "nobody.sock"), "echo")
     assert exc.value.status == 503
 
 
@@ -117,7 +118,7 @@ def test_close_removes_socket(tmp_path):
     srv.close()
     assert not os.path.exists(path)
     with pytest.raises(ControlError) as exc:
-        call_sync(path, "echo")
+        call_sync_raw(path, "echo")
     assert exc.value.status == 503
 
 
@@ -127,7 +128,7 @@ def test_stale_socket_file_is_replaced(tmp_path):
         fh.write("stale")
     srv = ControlServer(path, handler)
     try:
-        assert call_sync(path, "echo", x=1) == {"x": 1}
+        assert call_sync_raw(path, "echo", x=1) == {"x": 1}
     finally:
         srv.close()
 
@@ -145,7 +146,7 @@ def test_malformed_json_is_400_and_server_survives(server):
     reply = raw_exchange(server.path, b"this is not json\n")
     assert reply["ok"] is False
     assert reply["status"] == 400
-    assert call_sync(server.path, "echo", still="up") == {"still": "up"}
+    assert call_sync_raw(server.path, "echo", still="up") == {"still": "up"}
 
 
 def test_several_requests_on_one_connection(server):
@@ -171,14 +172,14 @@ def test_async_client_round_trip_and_errors(server):
     client = AsyncControlClient(server.path)
 
     async def main():
-        assert await client.call("echo", tag="t1") == {"tag": "t1"}
+        assert await client.call_raw("echo", tag="t1") == {"tag": "t1"}
         with pytest.raises(ControlError) as exc:
-            await client.call("missing", id="q")
+            await client.call_raw("missing", id="q")
         assert exc.value.status == 404
         with pytest.raises(ControlError) as exc:
-            await client.call("boom")
+            await client.call_raw("boom")
         assert exc.value.status == 500
-        assert await client.call("big", n=2_000_000) == "x" * 2_000_000
+        assert await client.call_raw("big", n=2_000_000) == "x" * 2_000_000
 
     asyncio.run(main())
 
@@ -188,7 +189,7 @@ def test_burst_of_concurrent_async_calls(server):
     client = AsyncControlClient(server.path)
 
     async def main():
-        return await asyncio.gather(*(client.call("echo", i=i) for i in range(64)))
+        return await asyncio.gather(*(client.call_raw("echo", i=i) for i in range(64)))
 
     assert asyncio.run(main()) == [{"i": i} for i in range(64)]
 
@@ -197,7 +198,7 @@ def test_concurrent_sync_calls_from_threads(server):
     results: dict[int, object] = {}
 
     def worker(i: int) -> None:
-        results[i] = call_sync(server.path, "echo", i=i)
+        results[i] = call_sync_raw(server.path, "echo", i=i)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
     for t in threads:
@@ -212,7 +213,7 @@ def test_async_client_unreachable_is_503(tmp_path):
 
     async def main():
         with pytest.raises(ControlError) as exc:
-            await client.call("echo")
+            await client.call_raw("echo")
         assert exc.value.status == 503
 
     asyncio.run(main())
@@ -223,12 +224,12 @@ def test_async_client_timeout_is_504(server):
 
     async def main():
         with pytest.raises(ControlError) as exc:
-            await client.call("slow", s=0.3)
+            await client.call_raw("slow", s=0.3)
         assert exc.value.status == 504
 
     asyncio.run(main())
     # the server thread that was still busy does not block others
-    assert call_sync(server.path, "echo", after="timeout") == {"after": "timeout"}
+    assert call_sync_raw(server.path, "echo", after="timeout") == {"after": "timeout"}
 
 
 def test_async_client_connection_closed_without_reply_is_503(tmp_path):
@@ -248,7 +249,7 @@ def test_async_client_connection_closed_without_reply_is_503(tmp_path):
 
         async def main():
             with pytest.raises(ControlError) as exc:
-                await AsyncControlClient(path, timeout=2.0).call("echo")
+                await AsyncControlClient(path, timeout=2.0).call_raw("echo")
             assert exc.value.status == 503
 
         asyncio.run(main())
@@ -261,7 +262,7 @@ def test_handler_sees_op_and_args(tmp_path):
     seen = []
     srv = ControlServer(str(tmp_path / "h.sock"), lambda req: seen.append(req) or len(seen))
     try:
-        assert call_sync(srv.path, "split", tag="abc") == 1
+        assert call_sync_raw(srv.path, "split", tag="abc") == 1
         assert seen == [{"op": "split", "tag": "abc"}]
     finally:
         srv.close()
@@ -294,7 +295,7 @@ def test_binds_in_a_private_directory(tmp_path):
     private.mkdir(mode=0o700)
     srv = ControlServer(str(private / "c.sock"), handler)
     try:
-        assert call_sync(srv.path, "echo", x=1) == {"x": 1}
+        assert call_sync_raw(srv.path, "echo", x=1) == {"x": 1}
     finally:
         srv.close()
 

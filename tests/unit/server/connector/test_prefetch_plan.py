@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from server.connector.control_models import PlanPrefetch
 from server.connector.control_ops import OPS
 from tests.unit.server.connector.fakes import BS, make_planner
 from tests.unit.server.connector.test_tails import HISTORY, REPLY, FakeRequest, finish
@@ -31,7 +32,8 @@ def stored_branch():
 
 
 def plan(side, **extra):
-    return OPS["prefetch_plan"](side, {"session_id": "s", "branch_id": "main", **extra}, None)
+    request = PlanPrefetch(session_id="s", branch_id="main", **extra)
+    return OPS[PlanPrefetch.op].handler(side, request)
 
 
 def test_a_branch_the_host_store_holds_runs_nothing_and_is_kept_warm():

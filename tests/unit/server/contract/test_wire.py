@@ -1,10 +1,10 @@
-"""server.contract.wire: the id and salt checks take the whole value."""
+"""sdk.contract.wire: the id and salt checks take the whole value."""
 
 from __future__ import annotations
 
 import pytest
 
-from server.contract.wire import check_cache_salt, check_id, has_lone_surrogate
+from sdk.contract.wire import check_cache_salt, check_id, has_lone_surrogate
 
 
 @pytest.mark.parametrize("value", ["abc", "a" * 128, "A.b_c:d-1", "0"])

@@ -9,6 +9,7 @@ import json
 import os
 import tempfile
 
+from server.connector.control_models import EngineStats, EngineStoreStats
 from server.plugin import metrics
 
 
@@ -23,8 +24,11 @@ def _serve_stats(path: str, stats: dict, seen: list[str]):
     return asyncio.start_unix_server(handle, path)
 
 
+#: A whole ``stats`` answer (the collector parses it into ``EngineStats``, strictly).
 STATS = {
+    **dict.fromkeys(EngineStats.model_fields, 0),
     "store": {
+        **dict.fromkeys(EngineStoreStats.model_fields, 0),
         "evictions": 1,
         "saved_blocks": 2,
         "loaded_blocks": 3,
@@ -36,9 +40,8 @@ STATS = {
     },
     "hits_tokens": {"device": 9},
     "requests": 10,
-    "prefetches": 0,
-    "pins_degraded": 0,
-    "pins_refused": 0,
+    "sessions": [],
+    "pd": None,
 }
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from sdk.contract import BRANCH_HEADER, RESPONSE_FIELD
+from server.connector.control_models import ControlRequest, parse_answer
 from server.connector.planner import BRANCH_XARG, OWNER_XARG, TAG_XARG
-from server.contract import BRANCH_HEADER, RESPONSE_FIELD
 from server.plugin.middleware import KVBranchMiddleware, add_split_to_event, rewrite_request
 from server.plugin.tenancy import ENV_API_KEYS, owner_of
 
@@ -19,6 +21,7 @@ SPLIT = {
     "prompt_tokens": 10,
     "device_hit_tokens": 4,
     "host_hit_tokens": 4,
+    "remote_hit_tokens": 0,
     "recomputed_tokens": 2,
 }
 
@@ -150,11 +153,12 @@ class FakeControl:
         self.error = error
         self.calls: list[tuple[str, dict]] = []
 
-    async def call(self, op: str, **args):
-        self.calls.append((op, args))
+    async def call(self, request: ControlRequest[Any]) -> Any:
+        """As the real client: the request's fields recorded, the answer parsed."""
+        self.calls.append((request.op, request.model_dump(exclude_unset=True)))
         if self.error is not None:
             raise self.error
-        return self.result
+        return parse_answer(request, self.result)
 
 
 def fake_app_state(control) -> SimpleNamespace:
@@ -402,6 +406,24 @@ def test_control_error_leaves_response_intact():
     sent = run_asgi(app, control=control)
     assert response_body(sent) == raw
     assert len(control.calls) == 1
+
+
+def test_a_split_with_transfer_params_puts_them_where_vllm_does():
+    """P/D: the engine's split carries the transfer connector's params (typed as
+    ``RequestSplit.kv_transfer_params``); they go top-level, and the split stays the public one."""
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
+    raw = b'{"usage": {"prompt_tokens": 1}}'
+    app = FakeApp(200, b"application/json", [raw])
+    sent = run_asgi(app, control=FakeControl(result=dict(SPLIT, kv_transfer_params=params)))
+    out = json.loads(response_body(sent))
+    assert out["kv_transfer_params"] == params and out[RESPONSE_FIELD] == SPLIT
+
+
+def test_a_split_that_drifted_leaves_response_intact():
+    raw = b'{"usage": {"prompt_tokens": 1}}'
+    app = FakeApp(200, b"application/json", [raw])
+    drifted = {k: v for k, v in SPLIT.items() if k != "host_hit_tokens"}
+    assert response_body(run_asgi(app, control=FakeControl(result=drifted))) == raw
 
 
 def test_no_split_available_leaves_response_intact():

@@ -7,7 +7,7 @@ import asyncio
 import json
 from typing import Any
 
-from server.contract import GENERATE_PATHS
+from sdk.contract import GENERATE_PATHS
 from server.plugin.guard import KVBranchGuard
 from server.plugin.middleware import KVBranchMiddleware
 from server.plugin.request import read_body

@@ -1,6 +1,7 @@
 """The ``/v1/kvbranch`` routes answer through the contract's models, and their errors are the
-one error shape (server.errors). The connector is a fake control client (pure logic); the
-routes, FastAPI and the models are the real ones."""
+one error shape (server.errors). The connector is a fake control client (pure logic) that
+parses its canned answers as the real one does; the routes, FastAPI and the models are the
+real ones."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from server.connector.control import ControlError
-from server.contract import (
+from sdk.contract import (
     CLAIM_FIELD,
     HEALTH_PATH,
     HOLD_CLAIM_PATH,
@@ -29,6 +29,8 @@ from server.contract import (
     prefetch_path,
     session_path,
 )
+from server.connector.control import ControlError
+from server.connector.control_models import ControlRequest, parse_answer
 from server.plugin.holds import router as holds_router
 from server.plugin.routes import router
 
@@ -56,6 +58,7 @@ STORE = dict.fromkeys(
         "evictions",
         "saved_blocks",
         "loaded_blocks",
+        "pin_budget_used_bytes",
     ),
     0,
 )
@@ -67,6 +70,8 @@ class FakeControl:
             "info": {
                 "enabled": True,
                 "block_size": 128,
+                "block_bytes": 1,
+                "num_slots": 10,
                 "store_capacity_bytes": 10,
                 "pin_budget_bytes": 5,
                 "platform": "cpu",
@@ -89,6 +94,8 @@ class FakeControl:
                 "pins_refused": 0,
                 "prefetches": 0,
                 "sessions": [SESSION],
+                "num_sessions": 1,
+                "remote_failed_tokens": 0,
                 "time": 5.0,
                 "pd": {
                     "holds": 1,
@@ -106,12 +113,12 @@ class FakeControl:
         }
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
-    async def call(self, op: str, **args: Any) -> Any:
-        self.calls.append((op, args))
-        answer = self.answers[op]
+    async def call(self, request: ControlRequest[Any]) -> Any:
+        self.calls.append((request.op, request.model_dump(exclude_unset=True)))
+        answer = self.answers[request.op]
         if isinstance(answer, ControlError):
             raise answer
-        return answer
+        return parse_answer(request, answer)
 
 
 @pytest.fixture

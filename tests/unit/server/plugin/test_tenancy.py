@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.contract import (
+from sdk.contract import (
     BRANCH_XARG,
     COMPLETION_PATHS,
     GENERATE_PATHS,

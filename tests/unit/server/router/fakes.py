@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from server.contract import HEALTH_PATH
+from sdk.contract import HEALTH_PATH
 from server.router.app import Router, build_app
 
 P, D = "http://p.test:1", "http://d.test:2"

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from server.contract import HEALTH_PATH, SESSIONS_PATH, STATS_PATH, session_path
+from sdk.contract import HEALTH_PATH, SESSIONS_PATH, STATS_PATH, session_path
 from server.router.app import Router
 from server.tenants import scope_of
 from tests.unit.server.router.fakes import D, Fakes, P, call, err, json_reply, make_router, refused

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.contract import SESSIONS_PATH
+from sdk.contract import SESSIONS_PATH
 from server.router import edge
 from tests.unit.server.router.fakes import Fakes, call, make_router
 

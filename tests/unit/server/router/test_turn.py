@@ -1,6 +1,7 @@
 """A completion turn through fake P and D instances: which instance gets what, the route header,
 D's params filed for the next turn and taken out of the answer, the claim before a pull, the
-fallbacks, and the stream relay (usage chunk dropped unless asked for, P's split put in)."""
+fallbacks, the stream relay (usage chunk dropped unless asked for, P's split put in), and the
+turn's key from the clients' cache hints (the instance's own session: server/dialects/)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,21 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.requests import Request
 
-from server.contract import HOLD_CLAIM_PATH, RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
+from sdk.contract import (
+    BRANCH_HEADER,
+    HOLD_CLAIM_PATH,
+    MESSAGES_PATH,
+    RESPONSE_FIELD,
+    SESSION_HEADER,
+    SESSION_XARG,
+    TRANSFER_PARAMS_FIELD,
+)
+from server import dialects
+from server.router.turn import turn_key
 from server.tenants import scope_of
+from tests.unit.server.dialects.bodies import conversation
 from tests.unit.server.router.fakes import D, Fakes, P, base_of, call, json_reply, make_router
 
 CHAT = "/v1/chat/completions"
@@ -352,3 +365,79 @@ def test_a_streamed_turn_ds_own_4xx_comes_back_as_is():
     r = _turn(make_router(fakes), stream=True)
     assert r.status_code == 400 and r.json()["error"]["message"] == "bad logit_bias"
     assert r.headers[ROUTE] == "pd"
+
+
+# --- the turn's key from the clients' cache hints (server/dialects/) ---------------------------
+def _hinted_turn(router, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    return call(router, "POST", CHAT, json=body, headers=headers or {})
+
+
+@pytest.mark.parametrize("cache_key", ["agent-42", "alice@example.com/agent 1"])
+def test_a_prompt_cache_key_turn_is_held_and_pulled_under_the_instances_session(cache_key):
+    """No session_id: the router keys the turn by the session the instance derives from
+    prompt_cache_key (the key itself when it is an id, else pck-<digest>), so D's hold is
+    filed and the next turn pulls it."""
+    fakes = PD()
+    router = make_router(fakes)
+    instance_body = {"prompt_cache_key": cache_key}
+    dialects.apply(instance_body, CHAT)  # what the instance does with the same body
+    session = instance_body["session_id"]
+    assert session == cache_key or session.startswith("pck-")
+    r = _hinted_turn(router, prompt_cache_key=cache_key)
+    assert r.status_code == 200 and r.headers[ROUTE] == "pd"
+    assert router.index.peek((scope_of(None), session, "main")) is not None
+    r = _hinted_turn(router, prompt_cache_key=cache_key)
+    assert r.headers[ROUTE] == "pd+pull" and fakes.claims == [{"handle": D_PARAMS}]
+    # the body goes on as the client sent it: the instance derives the session itself
+    assert all(b["prompt_cache_key"] == cache_key for b in fakes.bodies(P) + fakes.bodies(D))
+    assert all("session_id" not in b for b in fakes.bodies(P) + fakes.bodies(D))
+
+
+def test_a_prompt_cache_key_is_scoped_to_the_key_and_an_explicit_session_wins():
+    fakes = PD()
+    router = make_router(fakes)
+    auth = {"Authorization": "Bearer sk-a"}
+    _hinted_turn(router, auth, prompt_cache_key="agent-42")
+    assert router.index.peek((scope_of("Bearer sk-a"), "agent-42", "main")) is not None
+    assert router.index.peek((scope_of(None), "agent-42", "main")) is None
+    _hinted_turn(router, prompt_cache_key="agent-42", session_id="s1")
+    assert router.index.peek(KEY) is not None
+    _hinted_turn(router, {SESSION_HEADER: "h1"}, prompt_cache_key="k2")
+    assert router.index.peek((scope_of(None), "h1", "main")) is not None
+    assert router.index.peek((scope_of(None), "k2", "main")) is None
+    # a bad hint (the instance answers it with a 400): no derived key, nothing held
+    fakes.answer[P] = lambda r: json_reply(400, {"error": {"message": "bad hint"}})
+    r = _hinted_turn(router, prompt_cache_key="k3", prompt_cache_retention="forever")
+    assert r.status_code == 400 and router.index.peek((scope_of(None), "k3", "main")) is None
+
+
+def _request(path: str, headers: dict[str, str]) -> Request:
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "method": "POST", "path": path, "headers": raw})
+
+
+def test_an_anthropic_messages_turn_is_keyed_by_its_breakpoint_session():
+    """The key of a /v1/messages turn with cache_control breakpoints is the instance's cc-
+    session, the same for every turn of the conversation (the router does not route
+    /v1/messages yet: this is the key it will use)."""
+    keys = set()
+    for request in conversation(3):
+        key = turn_key(request, _request(MESSAGES_PATH, {BRANCH_HEADER: "b2"}))
+        dialects.apply(request, MESSAGES_PATH)  # the instance's session for the same body
+        assert key == (scope_of(None), request["vllm_xargs"][SESSION_XARG], "b2")
+        keys.add(key)
+    (key,) = keys
+    assert key[1].startswith("cc-")
+    auth = {"Authorization": "Bearer sk-a"}
+    assert turn_key(conversation(1)[0], _request(MESSAGES_PATH, auth)) == (
+        scope_of("Bearer sk-a"),
+        key[1],
+        "main",
+    )
+    # an explicit session wins; a body session_id is not one on /v1/messages
+    first = conversation(1)[0]
+    assert turn_key(first, _request(MESSAGES_PATH, {SESSION_HEADER: "conv-1"}))[1] == "conv-1"
+    assert turn_key(dict(first, session_id="x"), _request(MESSAGES_PATH, {}))[1] == key[1]
+    no_breakpoint = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    assert turn_key(no_breakpoint, _request(MESSAGES_PATH, {})) is None

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from server.contract.wire import (
+from sdk.contract.wire import (
     CLAIM_FIELD,
     CLAIM_HANDLE_FIELD,
     DEFAULT_BRANCH,

@@ -1,8 +1,10 @@
-"""The wire contract between kvbranch clients (sdk/) and the server: route paths, request and
+"""The wire contract between kvbranch clients and the server: route paths, request and
 response bodies, and how a chat request carries its session and branch.
 
-This module is the single source of truth: the server's routes validate against these models,
-and the sdk imports them (it depends on pydantic only — no engine imports here, ever).
+The client owns it (as ``openai``'s types are the client's, and vLLM's server builds on them):
+the sdk speaks it, and ``server/`` implements it — its routes validate against these models,
+its router and plugin read every wire name from here. It depends on pydantic only (no engine
+import, no server import, ever), so an agent app that installs the client gets no server.
 
 How a chat completion names its session and branch (OpenAI-compatible body):
 
@@ -19,7 +21,7 @@ object (:class:`PromptSourceSplit`) — in the JSON body, and in the final usage
 vLLM's own number (device hits + host-store loads).
 """
 
-from server.contract.models import (
+from sdk.contract.models import (
     ERROR_TYPES,
     BranchInfo,
     ClusterInfo,
@@ -48,7 +50,7 @@ from server.contract.models import (
     error_body,
     error_type,
 )
-from server.contract.wire import (
+from sdk.contract.wire import (
     ALREADY_EXISTS,
     API_PREFIX,
     BRANCH_HEADER,

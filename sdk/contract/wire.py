@@ -1,6 +1,6 @@
 """Wire names of the kvbranch contract: route paths, headers, extension args, fields, limits and
 the id/salt checks. Pure constants and functions (no pydantic, no engine): the server, the
-router, the sdk and the benchmarks import every name from here (through :mod:`server.contract`)
+router, the sdk and the benchmarks import every name from here (through :mod:`sdk.contract`)
 so that a renamed field cannot drift between them."""
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ NESTED_XARGS_PATH = "/inference/v1/generate"
 #: Set by the server (never by clients): the caller's tenant, and the prefetch marker.
 OWNER_XARG = "kvbranch_owner"
 PREFETCH_XARG = "kvbranch_prefetch"
-#: Cache-hint dialects (server/plugin/dialects.py): the routes, the clients' own fields, vLLM's
+#: Cache-hint dialects (server/dialects/): the routes, the clients' own fields, vLLM's
 #: extension-arg name for a session id (the only way ``/v1/messages`` carries one), the pin
 #: lease (seconds) the server derives from a retention/ttl hint, and the prefixes of session ids
 #: derived from a ``prompt_cache_key`` that is not an id or from an Anthropic breakpoint prefix.
@@ -119,6 +119,10 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 #: In a 409's message when a create finds its id taken (the router's fan-out counts that as
 #: "already created" so a retry converges; other 409s, e.g. quotas, are failures).
 ALREADY_EXISTS = "already exists"
+
+#: Server-sent events: a data line's prefix and the blank line that ends an event.
+SSE_DATA = b"data: "
+SSE_EVENT_END = b"\n\n"
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _ID_RE = re.compile(ID_PATTERN)

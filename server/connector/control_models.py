@@ -1,0 +1,286 @@
+"""The control socket's ops, typed: one pydantic model per request and per answer.
+
+Why: the API process (routes, middleware, metrics, hold claims) and the engine core (the op
+handlers in ``control_ops.py``) are two processes of one install that speak JSON lines to each
+other. With bare op names, kwargs and hand-built dicts a renamed field only showed up as a
+``KeyError`` (or a silent default) somewhere downstream. Here each op is a request class that
+names its op and, through its type parameter, its answer model; both ends build and parse
+through them (:func:`request_line`, :func:`parse_request`, :func:`parse_answer`), strictly
+(unknown fields are errors, at every depth), so a drifted field fails at the boundary, naming it.
+
+Where an answer *is* a public response (``SessionInfo``, ``BranchInfo``, ``DeleteResult``,
+``HoldClaimResult``, ``Stats`` plus what only the engine reports) the contract's model is the
+answer model: no second copy to keep in step. Pure pydantic + :mod:`sdk.contract` (no engine,
+no torch): the API process imports it without the connector.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, RootModel, ValidationError
+
+from sdk.contract import (
+    DEFAULT_BRANCH,
+    TRANSFER_PARAMS_FIELD,
+    BranchInfo,
+    DeleteResult,
+    HoldClaimResult,
+    PromptSourceSplit,
+    SessionInfo,
+    Stats,
+    StoreStats,
+)
+
+
+class ControlError(Exception):
+    """A control op's failure with the HTTP status the routes answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+#: Both ends run from one install, so neither tolerates a field the other does not know.
+STRICT: Literal["forbid"] = "forbid"
+
+A = TypeVar("A", bound=BaseModel)
+
+
+def describe(exc: ValidationError) -> str:
+    """``field 'a.0.b': message; ...``: pydantic's errors, each naming its field."""
+    parts = []
+    for error in exc.errors():
+        loc = ".".join(str(p) for p in error["loc"]) or "(root)"
+        parts.append(f"field {loc!r}: {error['msg']}")
+    return "; ".join(parts)
+
+
+# --- answers only the engine gives ---------------------------------------------------------------
+class _Internal(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineInfo(_Internal):
+    """``info``: what ``/v1/kvbranch/health`` reports of the connector."""
+
+    block_size: int
+    block_bytes: int
+    num_slots: int
+    enabled: bool
+    store_capacity_bytes: int
+    pin_budget_bytes: int
+    platform: Literal["cuda", "cpu"]
+
+
+BranchList = RootModel[list[BranchInfo]]
+
+
+class PrefetchPlan(_Internal):
+    """``prefetch_plan``: the branch's last sequence, and where its blocks already are
+    (``None``: neither the device cache nor the host store holds all of them)."""
+
+    token_ids: list[int]
+    cache_salt: str | None = None
+    location: Literal["device", "host"] | None = None
+
+
+class RequestSplit(PromptSourceSplit):
+    """A finished request's split as the engine keeps it: the public split, plus the transfer
+    params a P/D transfer connector returned (the middleware moves them where vLLM puts them)."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+assert TRANSFER_PARAMS_FIELD in RequestSplit.model_fields, "RequestSplit: TRANSFER_PARAMS_FIELD"
+
+#: ``None`` when the engine has no split under that tag (yet, or any more).
+SplitAnswer = RootModel[RequestSplit | None]
+
+
+class EngineStoreStats(StoreStats):
+    pin_budget_used_bytes: int
+
+
+class EngineStats(Stats):
+    """``stats``: the public :class:`~sdk.contract.Stats` plus what only metrics read."""
+
+    store: EngineStoreStats
+    num_sessions: int
+    remote_failed_tokens: int
+    time: float
+
+
+class ResetResult(_Internal):
+    dropped_blocks: int
+
+
+# --- requests ----------------------------------------------------------------------------------
+class ControlRequest(BaseModel, Generic[A]):
+    """One op's request. Subclasses set :attr:`op` and parametrize the base with their answer
+    model (``class GetSession(ControlRequest[SessionInfo])``): the type checker then knows what
+    ``await client.call(GetSession(...))`` returns, and :attr:`answer` is read from it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: ClassVar[str]
+    answer: ClassVar[type[BaseModel]]
+    #: The tenant the API process resolved from the caller's key (None without tenants).
+    owner: str | None = None
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        for base in cls.__mro__:
+            meta = getattr(base, "__pydantic_generic_metadata__", None) or {}
+            if meta.get("origin") is ControlRequest and meta.get("args"):
+                cls.answer = meta["args"][0]
+                return
+
+
+class Info(ControlRequest[EngineInfo]):
+    op = "info"
+
+
+class CreateSession(ControlRequest[SessionInfo]):
+    op = "create_session"
+    session_id: str | None = None
+    auto_pin: bool = True
+    pin_ttl_s: float | None = None
+
+
+class GetSession(ControlRequest[SessionInfo]):
+    op = "get_session"
+    session_id: str
+
+
+class DeleteSession(ControlRequest[DeleteResult]):
+    op = "delete_session"
+    session_id: str
+
+
+class ListBranches(ControlRequest[BranchList]):
+    op = "list_branches"
+    session_id: str
+
+
+class GetBranch(ControlRequest[BranchInfo]):
+    op = "get_branch"
+    session_id: str
+    branch_id: str
+
+
+class Fork(ControlRequest[BranchInfo]):
+    op = "fork"
+    session_id: str
+    parent: str = DEFAULT_BRANCH
+    branch_id: str | None = None
+    token_offset: int | None = None
+    #: The rendered chat messages to fork at (the API process tokenizes them).
+    token_prefix: list[int] | None = None
+
+
+class DeleteBranch(ControlRequest[DeleteResult]):
+    op = "delete_branch"
+    session_id: str
+    branch_id: str
+
+
+class Pin(ControlRequest[BranchInfo]):
+    op = "pin"
+    session_id: str
+    branch_id: str
+    ttl_s: float
+
+
+class Unpin(ControlRequest[BranchInfo]):
+    op = "unpin"
+    session_id: str
+    branch_id: str
+
+
+class PlanPrefetch(ControlRequest[PrefetchPlan]):
+    op = "prefetch_plan"
+    session_id: str
+    branch_id: str
+    to_device: bool = False
+
+
+class Split(ControlRequest[SplitAnswer]):
+    """The middleware's look-up of one finished request's prompt-source split, by its tag."""
+
+    op = "split"
+    tag: str
+
+
+class GetStats(ControlRequest[EngineStats]):
+    op = "stats"
+    #: The admin view (metrics): no per-session listing.
+    all_owners: bool = False
+
+
+class ResetStore(ControlRequest[ResetResult]):
+    op = "reset_store"
+
+
+class ClaimHold(ControlRequest[HoldClaimResult]):
+    """P/D decode instances: the router's claim (``holds.py``); handled by ``pd.py``."""
+
+    op = "claim_hold"
+    handle: dict[str, Any]
+
+
+#: Every op's request class by op name (the P/D ``claim_hold`` included).
+REQUESTS: dict[str, type[ControlRequest[Any]]] = {}
+
+
+def _collect(cls: type[ControlRequest[Any]]) -> None:
+    for sub in cls.__subclasses__():
+        if "op" in sub.__dict__:
+            REQUESTS[sub.op] = sub
+        _collect(sub)
+
+
+_collect(ControlRequest)
+
+
+# --- both ends -----------------------------------------------------------------------------------
+def request_line(request: ControlRequest[Any]) -> dict[str, Any]:
+    """The wire object of ``request``: ``{"op": ..., **fields}``."""
+    return {"op": request.op, **request.model_dump(mode="json")}
+
+
+def parse_request(
+    line: dict[str, Any], requests: dict[str, type[ControlRequest[Any]]] = REQUESTS
+) -> ControlRequest[Any]:
+    """The server's side: ``line`` as its op's request model; an unknown op or a bad, missing
+    or unknown field is a :class:`ControlError` 400 that names it."""
+    fields = dict(line)
+    op = fields.pop("op", None)
+    cls = requests.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ControlError(400, f"unknown control op {op!r}")
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as exc:
+        raise ControlError(400, f"control op {op!r}: {describe(exc)}") from None
+
+
+def check_answer(model: type[A], data: Any, op: str, who: str) -> A:
+    """``data`` as ``model``, strictly; a mismatch is a :class:`ControlError` 500 naming the
+    field (``who``: which end refused it, for the message)."""
+    try:
+        return model.model_validate(data, extra=STRICT)
+    except ValidationError as exc:
+        raise ControlError(
+            500,
+            f"{who}: the answer to control op {op!r} does not match {model.__name__}: "
+            f"{describe(exc)}",
+        ) from None
+
+
+def parse_answer(request: ControlRequest[A], data: Any) -> A:
+    """The client's side: the engine's ``result`` as ``request``'s answer model."""
+    answer: A = check_answer(request.answer, data, request.op, "kvbranch API")  # type: ignore[assignment]
+    return answer

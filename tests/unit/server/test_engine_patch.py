@@ -1,0 +1,73 @@
+"""The one installer both engine plugins use (:mod:`server.engine_patch`), on a stand-in class
+(the plugins' own tests run it on vLLM's real classes)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from server import engine_idle, engine_patch, engine_spin
+
+
+class Target:
+    def step(self, x: int) -> int:
+        """The original's docs."""
+        return x + 1
+
+    def helper(self) -> None:
+        pass
+
+
+def _wrap(original, seconds):
+    def step(self, x):
+        return original(self, x) * 100 + int(seconds() * 10)
+
+    return step
+
+
+@pytest.fixture
+def module(monkeypatch):
+    mod = types.ModuleType("fake_vllm_mod")
+    cls = type("Target", (Target,), {})
+    mod.Target = cls
+    monkeypatch.setitem(sys.modules, "fake_vllm_mod", mod)
+    return cls
+
+
+def _install(seconds, needs="helper"):
+    return engine_patch.install_patch(
+        "fake_vllm_mod.Target", "step", needs=needs, seconds=seconds, wrap=_wrap, what="x"
+    )
+
+
+def test_wraps_once_keeps_the_docs_and_reads_the_latest_value(module):
+    assert _install(0.5)
+    first = module.step
+    assert module().step(1) == 205
+    assert module.step.__doc__ == "The original's docs."
+    assert _install(0.3)
+    assert module.step is first
+    assert module().step(1) == 203
+
+
+def test_no_value_or_another_shape_leaves_the_class(module):
+    before = module.step
+    assert not _install(None)
+    assert not _install(0.5, needs="missing")
+    assert module.step is before
+
+
+def test_no_module_or_class_is_logged_not_raised(caplog):
+    caplog.set_level("INFO", logger="kvbranch.engine_patch")
+    wrap = engine_patch.install_patch
+    assert not wrap("no_such_mod_xyz.Cls", "m", needs="n", seconds=1.0, wrap=_wrap, what="x")
+    assert not wrap("sys.NoSuchClass", "m", needs="n", seconds=1.0, wrap=_wrap, what="x")
+    assert "no vLLM Cls here; x unchanged" in caplog.text
+
+
+def test_both_plugins_use_it():
+    assert engine_idle.seconds_from_env is engine_patch.seconds_from_env
+    for plugin in (engine_idle, engine_spin):
+        assert plugin.install_patch is engine_patch.install_patch
