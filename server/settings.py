@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     tenants = parser.add_argument_group(
         "tenants",
         "With API keys (--api-key, keys after '--', or VLLM_API_KEY) every key is a tenant with "
-        "its own session ids, cache salt and quotas. See README 'Tenants and security'.",
+        "its own session ids, cache salt and quotas. See docs/security.md.",
     )
     tenants.add_argument(
         "--max-sessions-per-tenant",
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill to P and decode to D. P and D act only on transfer handles sealed with the "
         "cluster secret: set KVBRANCH_CLUSTER_SECRET to the same value on every instance "
         "(--disagg makes one; instances on one machine otherwise share a private per-user "
-        "file). See README 'Prefill/decode disaggregation'.",
+        "file). See docs/pd.md.",
     )
     pd.add_argument(
         "--disagg",

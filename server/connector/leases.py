@@ -1,13 +1,13 @@
 """Pins as leases inside a byte budget: which branches hold host blocks against eviction, for
 how long, and who gives way when a new pin does not fit.
 
-Policy (documented in the README): pins are *leases*. Using a branch renews its lease. The pin
-budget is a cap on the distinct blocks all pins hold; when a new or growing pin does not fit,
-the oldest other leases are demoted to plain LRU retention ("degraded") until it fits. Only an
-explicit pin of a branch that alone exceeds the whole budget (or its tenant's share) is refused
-(HTTP 409). A chat request never fails because of a pin: its automatic pin degrades instead.
-Each tenant may hold a share of the budget; beyond it, the tenant's own oldest leases degrade
-first.
+Policy (documented in docs/architecture.md, "Pin policy"): pins are *leases*. Using a branch
+renews its lease. The pin budget is a cap on the distinct blocks all pins hold; when a new or
+growing pin does not fit, the oldest other leases are demoted to plain LRU retention
+("degraded") until it fits. Only an explicit pin of a branch that alone exceeds the whole
+budget (or its tenant's share) is refused (HTTP 409). A chat request never fails because of a
+pin: its automatic pin degrades instead. Each tenant may hold a share of the budget; beyond it,
+the tenant's own oldest leases degrade first.
 
 Expiry never walks all branches: lease deadlines sit in a heap (stale entries are skipped and
 compacted away).
