@@ -14,14 +14,7 @@ from typing import Any
 import pytest
 
 from sdk.contract import CLAIM_FIELD, BranchInfo, HoldClaimResult, SessionInfo
-from server.connector.control import (
-    AsyncControlClient,
-    ControlError,
-    ControlServer,
-    call_sync,
-    call_sync_raw,
-)
-from server.connector.control_models import (
+from server.connector.control.models import (
     REQUESTS,
     ClaimHold,
     CreateSession,
@@ -44,8 +37,15 @@ from server.connector.control_models import (
     parse_request,
     request_line,
 )
-from server.connector.control_ops import OPS, Op, run_op
-from server.connector.scheduler_side import KVBranchScheduler
+from server.connector.control.ops import OPS, Op, run_op
+from server.connector.control.transport import (
+    AsyncControlClient,
+    ControlError,
+    ControlServer,
+    call_sync,
+    call_sync_raw,
+)
+from server.connector.engine.scheduler_side import KVBranchScheduler
 
 BS = 4
 
@@ -258,10 +258,10 @@ def test_the_real_pd_claim_answers_the_contracts_claim():
     import time
     from types import SimpleNamespace
 
-    from server.connector.control_models import check_answer
-    from server.connector.hold_registry import Hold, HoldRegistry
-    from server.connector.pd import VerifiedNixlConnector
-    from server.connector.transfer_auth import EXPIRES_FIELD, MAC_FIELD, seal
+    from server.connector.control.models import check_answer
+    from server.connector.pd.hold_registry import Hold, HoldRegistry
+    from server.connector.pd.transfer_auth import EXPIRES_FIELD, MAC_FIELD, seal
+    from server.connector.pd.verified_nixl import VerifiedNixlConnector
 
     secret = b"s" * 32
     handle = seal({"remote_request_id": "r1", EXPIRES_FIELD: time.time() + 60}, secret)

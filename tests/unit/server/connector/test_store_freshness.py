@@ -10,10 +10,10 @@ from typing import Any
 
 from vllm.sampling_params import SamplingParams
 
-from server.connector.planner import BRANCH_XARG
-from server.connector.scheduler_side import KVBranchScheduler
-from server.connector.sessions import DEFAULT_BRANCH
-from server.connector.tails import identity_of
+from server.connector.core.planner import BRANCH_XARG
+from server.connector.core.sessions import DEFAULT_BRANCH
+from server.connector.core.tails import identity_of
+from server.connector.engine.scheduler_side import KVBranchScheduler
 from server.plugin import engine_changes
 from tests.unit.server.connector.fakes import BS
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from server.connector.block_index import HostBlockIndex
-from server.connector.control import ControlServer, engine_socket_path
-from server.connector.control_ops import OPS, Op, run_op
-from server.connector.metadata import KVBranchMetadata
-from server.connector.planner import Planner
-from server.connector.sessions import (
+from server.connector.control.ops import OPS, Op, run_op
+from server.connector.control.transport import ControlServer, engine_socket_path
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.metadata import KVBranchMetadata
+from server.connector.core.planner import Planner
+from server.connector.core.sessions import (
     DEFAULT_IDLE_TTL_S,
     DEFAULT_MAX_BRANCHES_PER_SESSION,
     DEFAULT_MAX_SESSIONS_PER_TENANT,

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from itertools import islice
 
 from sdk.contract import ALREADY_EXISTS  # the router converges retries on this wording
-from server.connector.block_index import HostBlockIndex
-from server.connector.branches import (  # noqa: F401 - re-exported: the registry's API
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.branches import (  # noqa: F401 - re-exported: the registry's API
     DEFAULT_BRANCH,
     DEFAULT_IDLE_TTL_S,
     DEFAULT_MAX_BRANCHES_PER_SESSION,
@@ -41,7 +41,7 @@ from server.connector.branches import (  # noqa: F401 - re-exported: the registr
     SharedSeq,
     new_id,
 )
-from server.connector.leases import PinLeases
+from server.connector.core.leases import PinLeases
 
 
 class SessionRegistry:
