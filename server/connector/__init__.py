@@ -9,6 +9,9 @@
 * ``pd/``      — P/D: NIXL composed with this connector, split by job (composition, verified
   NIXL child, sealed handles, params, holds, read bounds)
 
+``config`` — the typed ``kv_connector_extra_config`` of each connector (``ConnectorConfig``,
+``NixlChildConfig``): every key our code reads and its default, written once.
+
 Shims (module paths users' configs and our launcher name; re-exports only):
 ``connector`` (``kv_connector_module_path``: ``KVBranchConnector``), ``pd`` (the package,
 ``KVBranchPDConnector``), ``transfer_auth`` (→ ``pd/transfer_auth``).

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from server.connector.config import ConnectorConfig
 from server.connector.control.ops import Op
 from server.connector.core.metadata import KVBranchMetadata
 from server.connector.core.planner import Planner
@@ -51,8 +52,6 @@ logger = logging.getLogger("kvbranch.connector")
 # The pure layer's metadata is a plain dataclass; vLLM's base is an ABC with no members.
 KVConnectorMetadata.register(KVBranchMetadata)
 
-DEFAULT_HOST_STORE_BYTES = 2 << 30
-
 
 def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one block across all layers of the (single) KV cache group."""
@@ -69,7 +68,7 @@ class KVBranchConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
         groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
         enabled = len(groups) == 1
@@ -80,7 +79,7 @@ class KVBranchConnector(KVConnectorBase_V1):
                 len(groups),
             )
         block_bytes = block_bytes_of(kv_cache_config) if enabled else 0
-        store_bytes = int(extra.get("host_store_bytes", DEFAULT_HOST_STORE_BYTES))
+        store_bytes = config.host_store_bytes
         num_slots = store_bytes // block_bytes if enabled else 0
         self.scheduler_side: KVBranchScheduler | None = None
         self.worker_side: KVBranchWorker | None = None
@@ -99,8 +98,7 @@ class KVBranchConnector(KVConnectorBase_V1):
                 block_bytes=block_bytes,
                 num_slots=num_slots,
                 enabled=enabled,
-                extra=extra,
-                store_bytes=store_bytes,
+                config=config,
                 engine_index=int(engine or 0),
             )
         else:

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as nixl_base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
+from server.connector.config import NixlChildConfig
 from server.connector.control.models import ClaimHold
 from server.connector.control.transport import ControlError
 from server.connector.pd.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
@@ -96,16 +97,7 @@ logger = logging.getLogger("kvbranch.pd")
 
 #: NIXL's own keys and ours, the only ones a router needs to carry from D to P.
 NIXL_PARAM_KEYS = tuple(sorted(INCOMING_KEYS))
-DEFAULT_CLAIM_TTL_S = 30.0
-#: A read NIXL's worker started but has not finished after this long is failed (vLLM then
-#: recomputes those blocks): upstream bounds handshakes (5 s) and D's deadline before a read
-#: starts, not a read in flight. It is also what makes D's claim a fence, not only a time
-#: margin: P starts a pull only while the claim has ``CLAIM_MARGIN_S`` left, and D releases a
-#: claimed hold no earlier than ``CLAIM_MARGIN_S`` after the claim ends; a read still in flight
-#: ``CLAIM_MARGIN_S`` after it started is failed (recompute) — before D can reuse the blocks,
-#: as long as an engine step takes less than that. (A read of one conversation's KV takes
-#: milliseconds on loopback, well under a second over a network.)
-DEFAULT_PULL_TIMEOUT_S = CLAIM_MARGIN_S
+# The defaults of claim_ttl_s, decoder_kv_blocks_ttl, pull_timeout_s: server/connector/config.py.
 #: Requests whose verdict is kept at once (each entry ends with its request; the bound only
 #: matters if vLLM never reported some request finished).
 MAX_TRACKED_REQUESTS = 65536
@@ -175,10 +167,12 @@ class VerifiedNixlConnector(NixlConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        config = NixlChildConfig.from_extra(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
         affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         patched = False
-        if not extra.get("nixl_progress_thread", False):
+        if not config.nixl_progress_thread:
             # vLLM builds the agent config inside the worker's __init__ and offers no switch.
             original = nixl_base_worker.nixl_agent_config
             nixl_base_worker.nixl_agent_config = _agent_config_without_progress_thread(original)
@@ -198,9 +192,9 @@ class VerifiedNixlConnector(NixlConnector):
         self.compat = compat_of(vllm_config)
         self.secret = load_cluster_secret()
         self.consumed = ConsumedHandles()
-        self.holds = HoldRegistry(float(extra.get("claim_ttl_s", DEFAULT_CLAIM_TTL_S)))
-        self.hold_ttl_s = float(extra.get("decoder_kv_blocks_ttl", 480))
-        self.pull_timeout_s = float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S))
+        self.holds = HoldRegistry(config.claim_ttl_s)
+        self.hold_ttl_s = float(config.decoder_kv_blocks_ttl)
+        self.pull_timeout_s = config.pull_timeout_s
         self.declined: dict[str, int] = {}
         self._init_tracking()
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from sdk.contract import CLAIM_FIELD, BranchInfo, HoldClaimResult, SessionInfo
+from server.connector.config import ConnectorConfig
 from server.connector.control.models import (
     REQUESTS,
     ClaimHold,
@@ -58,8 +59,14 @@ def make_side(tmp_path: Any, **extra: Any) -> KVBranchScheduler:
         block_bytes=1,
         num_slots=16,
         enabled=True,
-        extra={"pin_budget_bytes": 8, "control_socket": str(folder / "c.sock"), **extra},
-        store_bytes=16,
+        config=ConnectorConfig.from_extra(
+            {
+                "host_store_bytes": 16,
+                "pin_budget_bytes": 8,
+                "control_socket": str(folder / "c.sock"),
+                **extra,
+            }
+        ),
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm.sampling_params import SamplingParams
 
+from server.connector.config import ConnectorConfig
 from server.connector.core.planner import BRANCH_XARG
 from server.connector.core.sessions import DEFAULT_BRANCH
 from server.connector.core.tails import identity_of
@@ -42,8 +43,7 @@ def make_side(num_slots: int = 64) -> KVBranchScheduler:
         block_bytes=1,
         num_slots=num_slots,
         enabled=True,
-        extra={"pin_budget_bytes": 32},
-        store_bytes=num_slots,
+        config=ConnectorConfig(host_store_bytes=num_slots, pin_budget_bytes=32),
     )
 
 
