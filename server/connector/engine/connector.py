@@ -22,12 +22,6 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from server.connector.config import ConnectorConfig
 from server.connector.control.ops import Op
@@ -37,15 +31,23 @@ from server.connector.engine.scheduler_side import KVBranchScheduler
 from server.connector.engine.stats import KVBranchPromMetrics, KVBranchTransferStats
 from server.connector.engine.step_trace import StepTrace, scheduled_token_split
 from server.connector.engine.worker_side import KVBranchWorker
+from server.connector.vllm_compat import (
+    CacheHitSource,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
+    from server.connector.vllm_compat import (
+        AttentionMetadata,
+        ForwardContext,
+        KVCacheBlocks,
+        KVCacheConfig,
+        Request,
+        SchedulerOutput,
+        VllmConfig,
+    )
 
 logger = logging.getLogger("kvbranch.connector")
 

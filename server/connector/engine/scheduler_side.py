@@ -21,7 +21,7 @@ from server.connector.core.planner import Planner
 from server.connector.core.sessions import SessionRegistry
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from server.connector.vllm_compat import SchedulerOutput
 
 logger = logging.getLogger("kvbranch.connector")
 

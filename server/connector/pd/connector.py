@@ -16,22 +16,27 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
-
 from server.connector.control.models import ClaimHold
 from server.connector.control.ops import Op
 from server.connector.engine.connector import KVBranchConnector
 from server.connector.pd.verified_nixl import NIXL_PARAM_KEYS, VerifiedNixlConnector
+from server.connector.vllm_compat import (
+    MultiConnector,
+    NixlConnector,
+    child_index_of,
+    children_of,
+    register_connector_by_name,
+)
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
+    from server.connector.vllm_compat import (
+        KVCacheBlocks,
+        KVCacheConfig,
+        KVConnectorRole,
+        Request,
+        SchedulerOutput,
+        VllmConfig,
+    )
 
 logger = logging.getLogger("kvbranch.pd")
 
@@ -47,18 +52,17 @@ class KVBranchPDConnector(MultiConnector):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        children = children_of(self)
         self._nixl_index = next(
-            (i for i, c in enumerate(self._connectors) if isinstance(c, NixlConnector)), None
+            (i for i, c in enumerate(children) if isinstance(c, NixlConnector)), None
         )
-        self._kvbranch = next(
-            (c for c in self._connectors if isinstance(c, KVBranchConnector)), None
-        )
+        self._kvbranch = next((c for c in children if isinstance(c, KVBranchConnector)), None)
         if self._nixl_index is None or self._kvbranch is None:
             raise ValueError(
                 "KVBranchPDConnector needs a NixlConnector and a "
                 "KVBranchConnector among its connectors"
             )
-        self._nixl = self._connectors[self._nixl_index]
+        self._nixl = children[self._nixl_index]
         self.block_size = vllm_config.cache_config.block_size
         #: Requests the scheduler looked at this step and has not (yet) allocated.
         self._waiting: dict[str, Any] = {}
@@ -142,7 +146,7 @@ class KVBranchPDConnector(MultiConnector):
         if (
             planner is not None
             and num_external_tokens
-            and self._requests_to_connector.get(request.request_id) == self._nixl_index
+            and child_index_of(self, request.request_id) == self._nixl_index
         ):
             try:
                 planner.note_remote_hit(request, num_external_tokens)
@@ -174,8 +178,7 @@ def _register_by_name() -> None:
         ("KVBranchConnector", "server.connector.engine.connector"),
         ("KVBranchPDConnector", __name__),
     ):
-        if name not in KVConnectorFactory._registry:
-            KVConnectorFactory.register_connector(name, module, name)
+        register_connector_by_name(name, module)
 
 
 _register_by_name()

@@ -52,9 +52,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as nixl_base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
-
 from server.connector.config import NixlChildConfig
 from server.connector.control.models import ClaimHold
 from server.connector.control.transport import ControlError
@@ -86,12 +83,18 @@ from server.connector.pd.transfer_params import (
     strip,
     trim_block_ids,
 )
+from server.connector.vllm_compat import (
+    NixlConnector,
+    announce_in_batch,
+    forget_unprocessed,
+    lease_duration_s,
+    nixl_progress_thread_off,
+    set_send_deadline,
+    waits_for_read,
+)
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
+    from server.connector.vllm_compat import KVCacheConfig, KVConnectorRole, Request, VllmConfig
 
 logger = logging.getLogger("kvbranch.pd")
 
@@ -116,17 +119,6 @@ DECLINE_REASONS = {
 }
 #: D stamps its handle to expire this long before its own hold ends.
 EXPIRY_MARGIN_S = 2.0
-
-
-def _agent_config_without_progress_thread(original: Any) -> Any:
-    if original is None:
-        return None
-
-    def make(*args: Any, **kwargs: Any) -> Any:
-        kwargs["enable_prog_thread"] = False
-        return original(*args, **kwargs)
-
-    return make
 
 
 def _finished(request: Any) -> bool:
@@ -171,17 +163,13 @@ class VerifiedNixlConnector(NixlConnector):
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )
         affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        patched = False
-        if not config.nixl_progress_thread:
-            # vLLM builds the agent config inside the worker's __init__ and offers no switch.
-            original = nixl_base_worker.nixl_agent_config
-            nixl_base_worker.nixl_agent_config = _agent_config_without_progress_thread(original)
-            patched = True
+        quiet = (
+            contextlib.nullcontext() if config.nixl_progress_thread else nixl_progress_thread_off()
+        )
         try:
-            super().__init__(vllm_config, role, kv_cache_config)
+            with quiet:
+                super().__init__(vllm_config, role, kv_cache_config)
         finally:
-            if patched:
-                nixl_base_worker.nixl_agent_config = original
             if affinity is not None and os.sched_getaffinity(0) != affinity:
                 os.sched_setaffinity(0, affinity)
                 logger.info(
@@ -441,7 +429,7 @@ class VerifiedNixlConnector(NixlConnector):
             if (
                 num_external_tokens
                 and sched is not None
-                and request.request_id not in sched._reqs_need_recv
+                and not waits_for_read(sched, request.request_id)
             ):
                 # The scheduler now waits for a read (this connector said "load async") that
                 # upstream did not queue (it failed, or a path of its skips the read): that
@@ -463,7 +451,7 @@ class VerifiedNixlConnector(NixlConnector):
                 # D declined read nothing, yet D holds their blocks too: unannounced, those
                 # blocks were never freed, not by P's read, not by the hold's TTL, not by a
                 # release under pressure, until D's cache filled and new turns waited forever.
-                sched._reqs_in_batch.add(request.request_id)
+                announce_in_batch(sched, request.request_id)
         except Exception:
             self._hook_failed(request, "update_state_after_alloc")
 
@@ -488,7 +476,7 @@ class VerifiedNixlConnector(NixlConnector):
         only aborted ones: a session-less D turn stayed in the worker's set for good)."""
         sched = self.connector_scheduler
         if sched is not None and not delay and request.kv_transfer_params:
-            sched._reqs_not_processed.add(request.request_id)
+            forget_unprocessed(sched, request.request_id)
 
     # --- issuing handles ------------------------------------------------------------------
     def request_finished(
@@ -558,7 +546,7 @@ class VerifiedNixlConnector(NixlConnector):
         params[IDENTITY_FIELD] = identity_of(request, self.compat)
         is_d = bool(params.get("do_remote_decode"))
         sched = self.connector_scheduler
-        lease = self.hold_ttl_s if is_d else float(getattr(sched, "_kv_lease_duration", 60) or 60)
+        lease = self.hold_ttl_s if is_d else lease_duration_s(sched)
         params[EXPIRES_FIELD] = round(time.time() + lease - EXPIRY_MARGIN_S, 3)
         seal(params, self.secret)
         if is_d:
@@ -600,8 +588,8 @@ class VerifiedNixlConnector(NixlConnector):
                 # Announced again, so that the worker tracks it even if it never did (a
                 # released hold the worker ignored would keep its blocks for good); it is still
                 # held here, so the worker reports it sent exactly once.
-                sched._reqs_in_batch.add(request_id)
-                sched._reqs_need_send[request_id] = past
+                announce_in_batch(sched, request_id)
+                set_send_deadline(sched, request_id, past)
             logger.warning(
                 "kvbranch: released %d held conversation(s) for new work (device "
                 "KV full); their next turn recomputes or uses the host store",

@@ -122,3 +122,54 @@ def test_connectors_registered_by_name():
 
     for name in ("KVBranchConnector", "VerifiedNixlConnector", "KVBranchPDConnector"):
         assert KVConnectorFactory.get_connector_class_by_name(name).__name__ == name
+
+
+# --- vLLM is touched in one module ---------------------------------------------------------
+COMPAT = CONNECTOR / "vllm_compat.py"
+#: Modules that still import vLLM themselves, each with its reason. Empty: keep it so.
+VLLM_ALLOWED: dict[str, str] = {}
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in CONNECTOR.rglob("*.py") if p != COMPAT), ids=lambda p: str(p)
+)
+def test_only_the_compat_module_imports_vllm(path):
+    rel = str(path.relative_to(CONNECTOR))
+    found = sorted(m for m in imports_of(path) if m.split(".")[0] == "vllm")
+    if rel in VLLM_ALLOWED:
+        return
+    assert not found, (
+        f"server/connector/{rel} imports {found}: import them from "
+        "server.connector.vllm_compat (add them there), or list the module in VLLM_ALLOWED "
+        "with a reason"
+    )
+
+
+def test_the_pin_is_pyprojects():
+    import re
+
+    from server.connector.vllm_compat import PINNED_VLLM
+
+    pins = set(re.findall(r'"vllm(?:-cpu)?==([^"]+)"', (ROOT / "pyproject.toml").read_text()))
+    assert pins == {PINNED_VLLM}
+
+
+def test_another_vllm_is_refused_by_name():
+    from server.connector.vllm_compat import PINNED_VLLM, VllmVersionError, check_version
+
+    check_version(PINNED_VLLM)
+    check_version(PINNED_VLLM + "+cpu")  # the CPU wheel's local label
+    with pytest.raises(VllmVersionError) as e:
+        check_version("0.33.1")
+    assert f"vllm=={PINNED_VLLM}" in str(e.value) and "0.33.1" in str(e.value)
+
+
+def test_nixl_progress_thread_off_restores():
+    from server.connector import vllm_compat
+
+    module = vllm_compat.nixl_base_worker
+    original = module.nixl_agent_config
+    with vllm_compat.nixl_progress_thread_off():
+        if original is not None:
+            assert module.nixl_agent_config is not original
+    assert module.nixl_agent_config is original
