@@ -12,6 +12,9 @@
 ``config`` — the typed ``kv_connector_extra_config`` of each connector (``ConnectorConfig``,
 ``NixlChildConfig``): every key our code reads and its default, written once.
 
+``vllm_compat`` — the one module here that imports vLLM (and touches its private attributes);
+the pin, ``vllm==0.32.0``, is checked there at import.
+
 Shims (module paths users' configs and our launcher name; re-exports only):
 ``connector`` (``kv_connector_module_path``: ``KVBranchConnector``), ``pd`` (the package,
 ``KVBranchPDConnector``), ``transfer_auth`` (→ ``pd/transfer_auth``).

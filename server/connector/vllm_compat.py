@@ -7,8 +7,9 @@ checks it against ``pyproject.toml``'s ``vllm==`` pin and that no other connecto
 imports ``vllm``). Another vLLM fails at import with an error naming both versions: these hooks
 and private attributes are 0.32's; on another release they may silently do nothing or worse.
 
-NIXL's pieces (``NixlConnector``, its ``base_worker`` module) are resolved on first use
-(PEP 562), so an engine without P/D does not import vLLM's NIXL connector.
+NIXL's pieces (``NixlConnector``, its ``base_worker`` module) and the hooks' annotation types
+are resolved on first use (PEP 562), so an engine without P/D does not import vLLM's NIXL
+connector.
 """
 
 from __future__ import annotations
@@ -95,12 +96,21 @@ def check_version(installed: str | None = None) -> None:
 
 check_version()
 
-_LAZY = {
+_LAZY: dict[str, tuple[str, str | None]] = {
     "NixlConnector": (
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
         "NixlConnector",
     ),
     "nixl_base_worker": ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", None),
+    # Types the connector's hooks are annotated with (imported under TYPE_CHECKING there;
+    # resolvable here at run time too, e.g. for ``typing.get_type_hints``).
+    "AttentionMetadata": ("vllm.v1.attention.backend", "AttentionMetadata"),
+    "ForwardContext": ("vllm.forward_context", "ForwardContext"),
+    "KVCacheBlocks": ("vllm.v1.core.kv_cache_manager", "KVCacheBlocks"),
+    "KVCacheConfig": ("vllm.v1.kv_cache_interface", "KVCacheConfig"),
+    "Request": ("vllm.v1.request", "Request"),
+    "SchedulerOutput": ("vllm.v1.core.sched.output", "SchedulerOutput"),
+    "VllmConfig": ("vllm.config", "VllmConfig"),
 }
 
 

@@ -14,6 +14,8 @@ the nouns (sessions, branches, errors) in ``branches.py``, re-exported here. Idl
 expire from the front of an ordered dict by last use, so expiry never walks all sessions.
 
 Pure logic over :class:`HostBlockIndex`; the clock is injectable so tests need no sleeping.
+(About 400 lines: one class, the registry's operations on sessions and branches; the pins
+and the nouns are split out to ``leases.py`` and ``branches.py`` already.)
 """
 
 from __future__ import annotations

@@ -173,3 +173,11 @@ def test_nixl_progress_thread_off_restores():
         if original is not None:
             assert module.nixl_agent_config is not original
     assert module.nixl_agent_config is original
+
+
+def test_every_compat_name_resolves():
+    """A vLLM upgrade that moved one of these fails here, not in an engine process."""
+    from server.connector import vllm_compat
+
+    for name in vllm_compat.__all__:
+        assert getattr(vllm_compat, name) is not None, name
