@@ -11,7 +11,7 @@ Protocol: one JSON object per line each way: ``{"op": ..., **args}`` →
 is the transport (:class:`ControlServer` serves any ``handler(dict)``; ``call_raw`` and
 :func:`call_sync_raw` send any op); the typed ops ride on it: :meth:`AsyncControlClient.call`
 and :func:`call_sync` take a request model of :mod:`server.connector.control.models` and
-return its parsed answer model, and the engine's handler (``control_ops.run_op``) validates
+return its parsed answer model, and the engine's handler (``control.ops.run_op``) validates
 both sides of each op too.
 
 Where: the socket answers every session op with no credentials of its own, so it lives in a

@@ -79,7 +79,7 @@ def side(tmp_path):
 
 # --- the registry -------------------------------------------------------------------------------
 def test_every_op_has_one_request_model_one_answer_model_and_one_handler():
-    assert set(REQUESTS) == {*OPS, ClaimHold.op}  # claim_hold: P/D adds it (pd.py)
+    assert set(REQUESTS) == {*OPS, ClaimHold.op}  # claim_hold: P/D adds it (pd/verified_nixl.py)
     assert len(REQUESTS) == 15
     for name, op in OPS.items():
         assert op.name == name and op.request is REQUESTS[name]
