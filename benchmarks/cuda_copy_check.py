@@ -1,4 +1,5 @@
-"""CUDA checks and timings of the host store's block copies (``server/connector/host_pool.py``).
+"""CUDA checks and timings of the host store's block copies
+(``server/connector/engine/host_pool.py``).
 
 Torch only (no vLLM import), so it runs on any CUDA machine with torch:
 
@@ -42,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import reporting  # noqa: E402  (standard library only)
-from server.connector.host_pool import HostKVPool  # noqa: E402  (torch only)
+from server.connector.engine.host_pool import HostKVPool  # noqa: E402  (torch only)
 
 LAYOUTS = ("blocks_first", "kv_first")  # [blocks, 2, bs, heads, hd] and [2, blocks, bs, ...]
 

@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server.connector.step_trace import ENV_STEP_TRACE  # noqa: E402
+from server.connector.engine.step_trace import ENV_STEP_TRACE  # noqa: E402
 
 #: vLLM histograms read from ``/metrics`` (sums and counts over all label sets).
 HISTOGRAMS = (

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.connector.config import ConnectorConfig, NixlChildConfig
 from server.engine_idle import ENV_IDLE_POLL_S
 from server.engine_spin import ENV_MQ_SPIN_S
 from server.engine_spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
@@ -177,9 +178,9 @@ def plan_launch(
         # A fresh private directory (mode 0700, unpredictable name) per server: the socket
         # serves session ops to whoever can connect, and the connector refuses any other.
         control_socket = os.path.join(tempfile.mkdtemp(prefix="kvbranch-"), "control.sock")
-        extra = {
-            "host_store_bytes": int(args.host_store_gib * GIB),
-            "pin_budget_bytes": int(
+        extra = ConnectorConfig(
+            host_store_bytes=int(args.host_store_gib * GIB),
+            pin_budget_bytes=int(
                 (
                     args.pin_budget_gib
                     if args.pin_budget_gib is not None
@@ -187,21 +188,21 @@ def plan_launch(
                 )
                 * GIB
             ),
-            "pin_ttl_s": args.pin_ttl_s,
-            "control_socket": control_socket,
+            pin_ttl_s=args.pin_ttl_s,
+            control_socket=control_socket,
             # With keys every request has an owner: one without must not make a session.
-            "tenants": bool(keys),
-            "max_sessions_per_tenant": args.max_sessions_per_tenant,
-            "max_branches_per_session": args.max_branches_per_session,
-            "tenant_pin_share": (
+            tenants=bool(keys),
+            max_sessions_per_tenant=args.max_sessions_per_tenant,
+            max_branches_per_session=args.max_branches_per_session,
+            tenant_pin_share=(
                 args.tenant_pin_share
                 if args.tenant_pin_share is not None
                 else 0.5
                 if len(keys) >= 2
                 else 1.0
             ),
-            "session_idle_ttl_s": args.session_idle_ttl_s,
-        }
+            session_idle_ttl_s=args.session_idle_ttl_s,
+        ).to_extra()
         kv_transfer_config = {
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,
@@ -244,12 +245,13 @@ def plan_launch(
 def pd_transfer_config(args: argparse.Namespace, kvbranch: dict | None) -> dict:
     """NIXL (upstream transport, bidirectional mode) composed with the kvbranch connector;
     the NIXL connector alone with ``--no-connector`` (the plain P/D baseline)."""
-    nixl_extra = {
-        "bidirectional_kv_xfer": not args.no_bidirectional,
-        "decoder_kv_blocks_ttl": int(args.pd_hold_ttl_s),
+    nixl_extra = NixlChildConfig(
+        decoder_kv_blocks_ttl=int(args.pd_hold_ttl_s),
+        # Upstream NixlConnector's own keys (passed through):
+        bidirectional_kv_xfer=not args.no_bidirectional,
         # A pull of one block took 1.5-6 ms here; recomputing even 30 tokens costs more.
-        "kv_recompute_threshold": 0,
-    }
+        kv_recompute_threshold=0,
+    ).to_extra()
     nixl = {
         "kv_connector": NIXL_CONNECTOR_CLASS,
         "kv_connector_module_path": PD_CONNECTOR_MODULE,

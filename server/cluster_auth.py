@@ -3,7 +3,7 @@
 P and D act on ``kv_transfer_params`` (NIXL reads a peer's raw KV memory for them, or keeps
 blocks and exposes them for a peer's read) and on hold claims (D promises to keep blocks). A
 client that can reach an instance's port must not be able to send either: the seal on D's
-handles (:mod:`server.connector.transfer_auth`) protects *what* is read, but a client's own
+handles (:mod:`server.connector.pd.transfer_auth`) protects *what* is read, but a client's own
 params would still make P hold blocks for a decode that never comes, or make upstream's NIXL
 code contact a host of the client's choosing before any check runs.
 

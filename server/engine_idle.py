@@ -4,7 +4,8 @@ In P/D, an engine keeps finished requests whose blocks a peer will read (P's pre
 D read them; D's turns, with kvbranch, until P pulls them back on the next turn or the hold
 ends). vLLM 0.32's engine core keeps stepping while it holds them (``has_requests``), sleeping
 only 1 ms between two empty steps, so that the NIXL worker (whose progress thread is off, see
-``server/connector/pd.py``) notices the peer's reads. Every empty step is a scheduler pass and a
+``server/connector/pd/verified_nixl.py``) notices the peer's reads. Every empty step is a
+scheduler pass and a
 round trip to the worker: a held conversation keeps an idle instance busy for good. On a small
 CPU host that is the core the other instance, the API servers and the router need. Measured
 (``benchmarks/RESULTS.md``, pd_turns readings of 2026-12-01): an idle P/D holding one

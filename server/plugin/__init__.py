@@ -36,7 +36,7 @@ class KVBranchPlugin:
         app.add_middleware(KVBranchGuard)  # added last = outermost: size and id checks first
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        from server.connector.control import AsyncControlClient
+        from server.connector.control.transport import AsyncControlClient
         from server.plugin.metrics import register_collector
         from server.plugin.state import PluginState
 

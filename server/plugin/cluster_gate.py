@@ -68,7 +68,7 @@ def is_dev_path(path: str) -> bool:
 
 @functools.cache
 def _secret() -> bytes:
-    from server.connector.transfer_auth import load_cluster_secret
+    from server.connector.pd.transfer_auth import load_cluster_secret
 
     return load_cluster_secret()
 

@@ -19,8 +19,9 @@ sleep asks it to (``EngineCore._reset_caches``); these paths change weights with
 After such a call succeeds, the engine core resets its connector cache
 (``Scheduler.reset_connector_cache``: the kvbranch connector's ``reset_cache`` forgets every
 block, tail and pin). It runs in the engine core's thread, between steps, like vLLM's own
-resets. Installed by the connector's scheduler role (``connector.py``), which is created in the
-engine core process — the API process, where endpoint plugins load, cannot reach it. Pinned to
+resets. Installed by the connector's scheduler role (``connector/engine/connector.py``),
+which is created in the engine core process — the API process, where endpoint plugins load,
+cannot reach it. Pinned to
 vLLM 0.32's ``EngineCore``; on another version the methods may differ and this logs that it
 left vLLM unchanged.
 """

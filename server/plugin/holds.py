@@ -1,7 +1,7 @@
 """``POST /v1/kvbranch/holds/claim`` (P/D decode instances): the router claims a held
 conversation right before the prefill instance pulls it, so that the decode instance does not
 release those blocks for new work while they are being read (see
-:mod:`server.connector.transfer_auth`). 410 when the hold is already gone: the turn recomputes.
+:mod:`server.connector.pd.transfer_auth`). 410 when the hold is already gone: the turn recomputes.
 
 Body :class:`~sdk.contract.HoldClaimRequest`, answer :class:`~sdk.contract.HoldClaimResult`.
 """
@@ -14,8 +14,8 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 
 from sdk.contract import CLAIM_HANDLE_FIELD, HOLD_CLAIM_PATH
-from server.connector.control import ControlError
-from server.connector.control_models import ClaimHold
+from server.connector.control.models import ClaimHold
+from server.connector.control.transport import ControlError
 from server.errors import error_response
 
 router = APIRouter(tags=["kvbranch"])

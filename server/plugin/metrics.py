@@ -19,8 +19,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sdk.contract import PDStats
-from server.connector.control import AsyncControlClient, ControlError, call_sync
-from server.connector.control_models import EngineStats, GetStats
+from server.connector.control.models import EngineStats, GetStats
+from server.connector.control.transport import AsyncControlClient, ControlError, call_sync
 
 logger = logging.getLogger("kvbranch.metrics")
 _registered: dict[str, KVBranchCollector] = {}

@@ -47,7 +47,7 @@ from sdk.contract import (
     XARGS_FIELD,
 )
 from server import dialects
-from server.connector.control_models import Split
+from server.connector.control.models import Split
 from server.plugin.engine_tokens import VllmEngine
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt

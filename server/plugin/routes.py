@@ -1,7 +1,7 @@
 """The ``/v1/kvbranch`` HTTP routes (see :mod:`sdk.contract` for the wire contract).
 
 Each route asks the connector one typed control op (a request model of
-:mod:`server.connector.control_models`; the client parses the answer into the op's answer
+:mod:`server.connector.control.models`; the client parses the answer into the op's answer
 model, strictly, so a field that drifted between the engine and the API process fails there)
 and answers through the contract's response model (:func:`_answer`: for most routes the
 answer model *is* that model). Errors are :func:`server.errors.error_response`.
@@ -36,8 +36,7 @@ from sdk.contract import (
     Stats,
 )
 from server import __version__
-from server.connector.control import ControlError
-from server.connector.control_models import (
+from server.connector.control.models import (
     ControlRequest,
     CreateSession,
     DeleteBranch,
@@ -52,6 +51,7 @@ from server.connector.control_models import (
     PlanPrefetch,
     Unpin,
 )
+from server.connector.control.transport import ControlError
 from server.errors import error_response
 from server.plugin.state import PluginState
 from server.plugin.tenancy import app_args_of, owner_of

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from sdk.contract import PREFETCH_XARG
-from server.connector.control import AsyncControlClient
+from server.connector.control.transport import AsyncControlClient
 from server.settings import ENV_ROLE
 
 logger = logging.getLogger("kvbranch.routes")

@@ -31,7 +31,7 @@ from sdk.contract import (
     check_id,
     error_body,
 )
-from server.connector.sessions import new_id
+from server.connector.core.sessions import new_id
 from server.errors import error_response
 from server.router import relay
 from server.router.edge import (

@@ -123,7 +123,7 @@ def split_cores(n: int) -> tuple[str, str]:
 
 
 def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]) -> None:
-    from server.connector.transfer_auth import ENV_CLUSTER_SECRET
+    from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
     from server.process import TEARDOWN_S, ServerProcess, free_port
 
     base = instance_argv(ours)
@@ -136,7 +136,8 @@ def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]
         cuda = False
     if not cuda:
         cores = split_cores(len(os.sched_getaffinity(0)))
-    # P and D trust only transfer handles sealed with this secret (server.connector.transfer_auth).
+    # P and D trust only transfer handles sealed with this secret
+    # (server.connector.pd.transfer_auth).
     secret = os.environ.get(ENV_CLUSTER_SECRET) or secrets.token_hex(32)
     listener = bind_listener(args.host, args.port)
     children = []

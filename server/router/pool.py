@@ -34,7 +34,7 @@ import httpx
 
 from sdk.contract import HEALTH_PATH, InstanceInfo
 from server.cluster_auth import ROUTER_PROOF_HEADER, sign
-from server.connector.transfer_auth import load_cluster_secret
+from server.connector.pd.transfer_auth import load_cluster_secret
 from server.router.index import Key
 
 logger = logging.getLogger("kvbranch.router")

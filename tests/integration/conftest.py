@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.connector.transfer_auth import ENV_CLUSTER_SECRET
+from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
 from tests.integration.trust_cluster import CLUSTER_SECRET, KEYS, trust_instance
 from tests.server_process import ServerProcess
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from sdk.contract import HOLD_CLAIM_PATH
-from server.connector.transfer_auth import CLAIM_FIELD, MAC_FIELD
+from server.connector.pd.transfer_auth import CLAIM_FIELD, MAC_FIELD
 from server.router.limits import HEADER_TIMEOUT_S
 from tests.integration.helpers import chat, client, system_prompt, text_of
 from tests.integration.trust_cluster import KEY_B, as_router

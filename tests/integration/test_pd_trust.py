@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from sdk.contract import HOLD_CLAIM_PATH
-from server.connector.transfer_auth import (
+from server.connector.pd.transfer_auth import (
     EXPIRES_FIELD,
     MAC_FIELD,
     seal,

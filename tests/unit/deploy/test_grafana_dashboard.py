@@ -24,7 +24,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sdk.contract import PDStats
-from server.connector.control_models import EngineStats, EngineStoreStats
+from server.connector.control.models import EngineStats, EngineStoreStats
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "kvbranch.json"
 
@@ -76,7 +76,7 @@ def _fake_stats() -> EngineStats:
 
 
 def kvbranch_series(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    from server.connector.stats import KVBranchPromMetrics
+    from server.connector.engine.stats import KVBranchPromMetrics
     from server.plugin import metrics
     from server.router.app import Router
 

@@ -3,9 +3,9 @@ with 4-token blocks, a 1-byte block and a frozen clock so that counts and leases
 
 from __future__ import annotations
 
-from server.connector.block_index import HostBlockIndex
-from server.connector.planner import Planner
-from server.connector.sessions import SessionRegistry
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.planner import Planner
+from server.connector.core.sessions import SessionRegistry
 
 BS = 4
 

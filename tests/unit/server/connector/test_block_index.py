@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.connector.block_index import HostBlockIndex
+from server.connector.core.block_index import HostBlockIndex
 
 BS = 4
 
@@ -320,9 +320,9 @@ def test_slots_stay_consistent_under_churn():
 def test_stats_pinned_bytes_and_pinned_blocks_count_the_same_blocks():
     """A pin taken before its block is stored (a branch's last block, a block the store had
     no room for) holds budget but no host memory: both numbers count stored pinned blocks."""
-    from server.connector.control_ops import stats_of
-    from server.connector.planner import Planner
-    from server.connector.sessions import SessionRegistry
+    from server.connector.control.ops import stats_of
+    from server.connector.core.planner import Planner
+    from server.connector.core.sessions import SessionRegistry
 
     index = HostBlockIndex(4)
     registry = SessionRegistry(

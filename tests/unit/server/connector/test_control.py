@@ -13,7 +13,12 @@ import time
 
 import pytest
 
-from server.connector.control import AsyncControlClient, ControlError, ControlServer, call_sync_raw
+from server.connector.control.transport import (
+    AsyncControlClient,
+    ControlError,
+    ControlServer,
+    call_sync_raw,
+)
 
 
 def handler(request: dict):
@@ -301,7 +306,7 @@ def test_binds_in_a_private_directory(tmp_path):
 
 
 def test_one_socket_per_engine_core():
-    from server.connector.control import engine_socket_path
+    from server.connector.control.transport import engine_socket_path
 
     base = "/run/kvbranch-x/control.sock"
     assert engine_socket_path(base, 0) == base  # the one the API server's routes call

@@ -14,14 +14,8 @@ from typing import Any
 import pytest
 
 from sdk.contract import CLAIM_FIELD, BranchInfo, HoldClaimResult, SessionInfo
-from server.connector.control import (
-    AsyncControlClient,
-    ControlError,
-    ControlServer,
-    call_sync,
-    call_sync_raw,
-)
-from server.connector.control_models import (
+from server.connector.config import ConnectorConfig
+from server.connector.control.models import (
     REQUESTS,
     ClaimHold,
     CreateSession,
@@ -44,8 +38,15 @@ from server.connector.control_models import (
     parse_request,
     request_line,
 )
-from server.connector.control_ops import OPS, Op, run_op
-from server.connector.scheduler_side import KVBranchScheduler
+from server.connector.control.ops import OPS, Op, run_op
+from server.connector.control.transport import (
+    AsyncControlClient,
+    ControlError,
+    ControlServer,
+    call_sync,
+    call_sync_raw,
+)
+from server.connector.engine.scheduler_side import KVBranchScheduler
 
 BS = 4
 
@@ -58,8 +59,14 @@ def make_side(tmp_path: Any, **extra: Any) -> KVBranchScheduler:
         block_bytes=1,
         num_slots=16,
         enabled=True,
-        extra={"pin_budget_bytes": 8, "control_socket": str(folder / "c.sock"), **extra},
-        store_bytes=16,
+        config=ConnectorConfig.from_extra(
+            {
+                "host_store_bytes": 16,
+                "pin_budget_bytes": 8,
+                "control_socket": str(folder / "c.sock"),
+                **extra,
+            }
+        ),
     )
 
 
@@ -72,7 +79,7 @@ def side(tmp_path):
 
 # --- the registry -------------------------------------------------------------------------------
 def test_every_op_has_one_request_model_one_answer_model_and_one_handler():
-    assert set(REQUESTS) == {*OPS, ClaimHold.op}  # claim_hold: P/D adds it (pd.py)
+    assert set(REQUESTS) == {*OPS, ClaimHold.op}  # claim_hold: P/D adds it (pd/verified_nixl.py)
     assert len(REQUESTS) == 15
     for name, op in OPS.items():
         assert op.name == name and op.request is REQUESTS[name]
@@ -258,10 +265,10 @@ def test_the_real_pd_claim_answers_the_contracts_claim():
     import time
     from types import SimpleNamespace
 
-    from server.connector.control_models import check_answer
-    from server.connector.hold_registry import Hold, HoldRegistry
-    from server.connector.pd import VerifiedNixlConnector
-    from server.connector.transfer_auth import EXPIRES_FIELD, MAC_FIELD, seal
+    from server.connector.control.models import check_answer
+    from server.connector.pd.hold_registry import Hold, HoldRegistry
+    from server.connector.pd.transfer_auth import EXPIRES_FIELD, MAC_FIELD, seal
+    from server.connector.pd.verified_nixl import VerifiedNixlConnector
 
     secret = b"s" * 32
     handle = seal({"remote_request_id": "r1", EXPIRES_FIELD: time.time() + 60}, secret)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.connector.host_pool import HostKVPool, find_block_dim
+from server.connector.engine.host_pool import HostKVPool, find_block_dim
 
 NUM_BLOCKS = 6
 NUM_SLOTS = 4

@@ -22,12 +22,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.connector.block_index import HostBlockIndex
-from server.connector.connector import KVBranchConnector
-from server.connector.metadata import KVBranchMetadata
-from server.connector.planner import Planner
-from server.connector.sessions import SessionRegistry
-from server.connector.worker_side import KVBranchWorker
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.metadata import KVBranchMetadata
+from server.connector.core.planner import Planner
+from server.connector.core.sessions import SessionRegistry
+from server.connector.engine.connector import KVBranchConnector
+from server.connector.engine.worker_side import KVBranchWorker
 
 
 class RecordingPool:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from server.connector.hold_registry import Hold, HoldRegistry
-from server.connector.transfer_auth import (
+from server.connector.pd.hold_registry import Hold, HoldRegistry
+from server.connector.pd.transfer_auth import (
     CLAIM_FIELD,
     EXPIRES_FIELD,
     HASHES_FIELD,
@@ -24,7 +24,7 @@ from server.connector.transfer_auth import (
     make_claim,
     seal,
 )
-from server.connector.transfer_params import identity_of, pullable_tokens, trim_block_ids
+from server.connector.pd.transfer_params import identity_of, pullable_tokens, trim_block_ids
 
 BS = 4
 SECRET = b"s" * 32
@@ -242,7 +242,7 @@ class FinishedRequest:
 
 
 def _verified(sched: FakeNixlScheduler):
-    from server.connector.pd import VerifiedNixlConnector
+    from server.connector.pd.verified_nixl import VerifiedNixlConnector
 
     connector = object.__new__(VerifiedNixlConnector)  # no engine: the decisions only
     connector.connector_scheduler = sched

@@ -18,9 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 from vllm.v1.request import RequestStatus
 
-from server.connector.hold_registry import HoldRegistry
-from server.connector.pd import VerifiedNixlConnector
-from server.connector.transfer_auth import (
+from server.connector.pd.hold_registry import HoldRegistry
+from server.connector.pd.transfer_auth import (
     CLAIM_FIELD,
     EXPIRES_FIELD,
     HASHES_FIELD,
@@ -31,7 +30,8 @@ from server.connector.transfer_auth import (
     make_claim,
     seal,
 )
-from server.connector.transfer_params import INCOMING_KEYS, identity_of, sanitize
+from server.connector.pd.transfer_params import INCOMING_KEYS, identity_of, sanitize
+from server.connector.pd.verified_nixl import VerifiedNixlConnector
 
 BS = 4
 SECRET = b"k" * 32

@@ -7,15 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.connector.block_index import HostBlockIndex
-from server.connector.planner import (
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.planner import (
     BRANCH_XARG,
     OWNER_XARG,
     PREFETCH_XARG,
     TAG_XARG,
     Planner,
 )
-from server.connector.sessions import DEFAULT_BRANCH, SessionRegistry
+from server.connector.core.sessions import DEFAULT_BRANCH, SessionRegistry
 from tests.unit.server.connector.fakes import BS, make_planner
 
 

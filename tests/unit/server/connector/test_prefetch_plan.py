@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from server.connector.control_models import PlanPrefetch
-from server.connector.control_ops import OPS
+from server.connector.control.models import PlanPrefetch
+from server.connector.control.ops import OPS
 from tests.unit.server.connector.fakes import BS, make_planner
 from tests.unit.server.connector.test_tails import HISTORY, REPLY, FakeRequest, finish
 

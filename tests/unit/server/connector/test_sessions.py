@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.connector.block_index import HostBlockIndex
-from server.connector.sessions import (
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.sessions import (
     DEFAULT_BRANCH,
     Conflict,
     NotFound,
@@ -597,8 +597,8 @@ def test_branch_info_and_session_info():
 
 
 def test_request_running_at_delete_does_not_resurrect_the_session():
-    from server.connector.block_index import HostBlockIndex
-    from server.connector.sessions import SessionRegistry
+    from server.connector.core.block_index import HostBlockIndex
+    from server.connector.core.sessions import SessionRegistry
 
     now = [100.0]
     registry = SessionRegistry(

@@ -7,9 +7,9 @@ import tracemalloc
 
 import pytest
 
-from server.connector.block_index import HostBlockIndex
-from server.connector.branches import MAX_SEGMENTS, SharedSeq
-from server.connector.sessions import DEFAULT_BRANCH, SessionRegistry
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.branches import MAX_SEGMENTS, SharedSeq
+from server.connector.core.sessions import DEFAULT_BRANCH, SessionRegistry
 
 BS, N = 16, 8192
 

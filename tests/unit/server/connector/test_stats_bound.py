@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from server.connector import control_ops
-from server.connector.block_index import HostBlockIndex
-from server.connector.planner import Planner
-from server.connector.sessions import DEFAULT_BRANCH, SessionRegistry
+from server.connector.control import ops as control_ops
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.planner import Planner
+from server.connector.core.sessions import DEFAULT_BRANCH, SessionRegistry
 
 BS = 16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from server.connector.step_trace import ENV_STEP_TRACE, StepTrace, scheduled_token_split
+from server.connector.engine.step_trace import ENV_STEP_TRACE, StepTrace, scheduled_token_split
 
 
 def test_off_without_the_variable(monkeypatch, tmp_path):

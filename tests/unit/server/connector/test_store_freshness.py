@@ -10,10 +10,11 @@ from typing import Any
 
 from vllm.sampling_params import SamplingParams
 
-from server.connector.planner import BRANCH_XARG
-from server.connector.scheduler_side import KVBranchScheduler
-from server.connector.sessions import DEFAULT_BRANCH
-from server.connector.tails import identity_of
+from server.connector.config import ConnectorConfig
+from server.connector.core.planner import BRANCH_XARG
+from server.connector.core.sessions import DEFAULT_BRANCH
+from server.connector.core.tails import identity_of
+from server.connector.engine.scheduler_side import KVBranchScheduler
 from server.plugin import engine_changes
 from tests.unit.server.connector.fakes import BS
 
@@ -42,8 +43,7 @@ def make_side(num_slots: int = 64) -> KVBranchScheduler:
         block_bytes=1,
         num_slots=num_slots,
         enabled=True,
-        extra={"pin_budget_bytes": 32},
-        store_bytes=num_slots,
+        config=ConnectorConfig(host_store_bytes=num_slots, pin_budget_bytes=32),
     )
 
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.connector.block_index import MAX_TAILS_PER_PARENT
-from server.connector.planner import BRANCH_XARG, PREFETCH_XARG, Planner
-from server.connector.tails import finished_tail, identity_of, parent_key, tail_key
+from server.connector.core.block_index import MAX_TAILS_PER_PARENT
+from server.connector.core.planner import BRANCH_XARG, PREFETCH_XARG, Planner
+from server.connector.core.tails import finished_tail, identity_of, parent_key, tail_key
 from tests.unit.server.connector.fakes import BS, make_planner
 
 

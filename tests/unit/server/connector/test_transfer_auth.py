@@ -8,7 +8,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.connector.transfer_auth import (
+from server.connector.pd.transfer_auth import (
     CLAIM_FIELD,
     EXPIRES_FIELD,
     MAC_FIELD,

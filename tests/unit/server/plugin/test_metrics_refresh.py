@@ -9,7 +9,7 @@ import json
 import os
 import tempfile
 
-from server.connector.control_models import EngineStats, EngineStoreStats
+from server.connector.control.models import EngineStats, EngineStoreStats
 from server.plugin import metrics
 
 

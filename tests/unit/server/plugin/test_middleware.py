@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from sdk.contract import BRANCH_HEADER, RESPONSE_FIELD
-from server.connector.control_models import ControlRequest, parse_answer
-from server.connector.planner import BRANCH_XARG, OWNER_XARG, TAG_XARG
+from server.connector.control.models import ControlRequest, parse_answer
+from server.connector.core.planner import BRANCH_XARG, OWNER_XARG, TAG_XARG
 from server.plugin.middleware import KVBranchMiddleware, add_split_to_event, rewrite_request
 from server.plugin.tenancy import ENV_API_KEYS, owner_of
 

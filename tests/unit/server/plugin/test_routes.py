@@ -29,8 +29,8 @@ from sdk.contract import (
     prefetch_path,
     session_path,
 )
-from server.connector.control import ControlError
-from server.connector.control_models import ControlRequest, parse_answer
+from server.connector.control.models import ControlRequest, parse_answer
+from server.connector.control.transport import ControlError
 from server.plugin.holds import router as holds_router
 from server.plugin.routes import router
 

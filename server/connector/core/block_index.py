@@ -1,6 +1,6 @@
 """Scheduler-side index of the host block store: which block hash lives in which host slot.
 
-The KV data itself lives in the worker (``host_pool.py``); the scheduler decides where each
+The KV data itself lives in the worker (``engine/host_pool.py``); the scheduler decides where each
 block goes and tells the worker through connector metadata. Keeping the index on the scheduler
 side means ``get_num_new_matched_tokens`` answers without crossing a process boundary.
 

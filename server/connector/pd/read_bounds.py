@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from server.connector.vllm_compat import RequestStatus, fail_read, read_failed, reads_in_flight
+
 logger = logging.getLogger("kvbranch.pd")
 
 
@@ -29,8 +31,6 @@ def report_unqueued(pending: dict[str, tuple[Any, int]], connector_output: Any) 
     """Add ``pending`` (request id -> (request, tokens valid locally)) to the step's
     ``finished_recving``, each request's computed tokens cut to its local ones. Skips a
     request reported already or no longer waiting (nor finished). Returns how many."""
-    from vllm.v1.request import RequestStatus
-
     done = set(connector_output.finished_recving or ())
     added = 0
     for request_id, (request, local) in pending.items():
@@ -51,13 +51,13 @@ def fail_slow_reads(worker: Any, started: dict[str, float], now: float, timeout_
     """Fail the reads of NIXL's pull ``worker`` in flight for ``timeout_s`` or longer
     (``started``: request id -> when first seen in flight, kept by the caller). Returns how
     many were failed now."""
-    transfers: dict[str, list[int]] = worker._recving_transfers
+    transfers = reads_in_flight(worker)
     for request_id in [r for r in started if r not in transfers]:
         del started[request_id]
     failed = 0
     for request_id, handles in list(transfers.items()):
         since = started.setdefault(request_id, now)
-        if now - since < timeout_s or request_id in worker._recv_failures:
+        if now - since < timeout_s or read_failed(worker, request_id):
             continue
         failed += 1
         logger.warning(
@@ -66,8 +66,7 @@ def fail_slow_reads(worker: Any, started: dict[str, float], now: float, timeout_
             request_id,
             now - since,
         )
-        kept = [h for h in handles if not worker._handle_failed_transfer(request_id, h)]
-        worker._recv_failures.add(request_id)
+        kept = fail_read(worker, request_id, handles)
         if kept:
             transfers[request_id] = kept
         else:

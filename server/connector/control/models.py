@@ -1,7 +1,7 @@
 """The control socket's ops, typed: one pydantic model per request and per answer.
 
 Why: the API process (routes, middleware, metrics, hold claims) and the engine core (the op
-handlers in ``control_ops.py``) are two processes of one install that speak JSON lines to each
+handlers in ``control/ops.py``) are two processes of one install that speak JSON lines to each
 other. With bare op names, kwargs and hand-built dicts a renamed field only showed up as a
 ``KeyError`` (or a silent default) somewhere downstream. Here each op is a request class that
 names its op and, through its type parameter, its answer model; both ends build and parse
@@ -225,7 +225,8 @@ class ResetStore(ControlRequest[ResetResult]):
 
 
 class ClaimHold(ControlRequest[HoldClaimResult]):
-    """P/D decode instances: the router's claim (``holds.py``); handled by ``pd.py``."""
+    """P/D decode instances: the router's claim (``holds.py``); handled in
+    ``pd/verified_nixl.py``."""
 
     op = "claim_hold"
     handle: dict[str, Any]

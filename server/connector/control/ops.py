@@ -2,12 +2,12 @@
 registry: op name -> :class:`Op` (its request model, its answer model, its handler), and
 :func:`run_op`, the engine's side of every call.
 
-Why typed: see :mod:`server.connector.control_models`. :func:`run_op` validates the incoming
+Why typed: see :mod:`server.connector.control.models`. :func:`run_op` validates the incoming
 line into the op's request model (an unknown op, or a bad, missing or unknown field, is a 400
 naming it), runs the handler, and validates its answer through the answer model before it is
 serialised (a handler whose answer drifted from the model is a 500 naming the field, here in
 the engine, not a surprise in the API process). Handlers get the parsed request and answer
-with plain data or a model; the registry's :class:`~server.connector.sessions.RegistryError`
+with plain data or a model; the registry's :class:`~server.connector.core.sessions.RegistryError`
 becomes its HTTP status.
 
 Ops a composing connector adds (P/D: ``claim_hold``) go in the scheduler side's ``extra_ops``
@@ -25,7 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from pydantic import BaseModel
 
-from server.connector.control_models import (
+from server.connector.control.models import (
     ControlError,
     ControlRequest,
     CreateSession,
@@ -45,8 +45,8 @@ from server.connector.control_models import (
     check_answer,
     parse_request,
 )
-from server.connector.planner import Planner
-from server.connector.sessions import RegistryError
+from server.connector.core.planner import Planner
+from server.connector.core.sessions import RegistryError
 
 logger = logging.getLogger("kvbranch.control")
 

@@ -3,8 +3,8 @@
 
 The planner answers vLLM's scheduler hooks (matched tokens, allocations, finished requests)
 and builds each step's :class:`KVBranchMetadata`; this object adds what is not planning:
-settings from ``kv_connector_extra_config``, the control socket and its op table
-(``control_ops.py``), the device-residency probe behind prefetch, and store resets.
+settings (a :class:`~server.connector.config.ConnectorConfig`), the control socket and its op
+table (``control/ops.py``), the device-residency probe behind prefetch, and store resets.
 """
 
 from __future__ import annotations
@@ -12,20 +12,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from server.connector.block_index import HostBlockIndex
-from server.connector.control import ControlServer, engine_socket_path
-from server.connector.control_ops import OPS, Op, run_op
-from server.connector.metadata import KVBranchMetadata
-from server.connector.planner import Planner
-from server.connector.sessions import (
-    DEFAULT_IDLE_TTL_S,
-    DEFAULT_MAX_BRANCHES_PER_SESSION,
-    DEFAULT_MAX_SESSIONS_PER_TENANT,
-    SessionRegistry,
-)
+from server.connector.config import ConnectorConfig
+from server.connector.control.ops import OPS, Op, run_op
+from server.connector.control.transport import ControlServer, engine_socket_path
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.metadata import KVBranchMetadata
+from server.connector.core.planner import Planner
+from server.connector.core.sessions import SessionRegistry
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from server.connector.vllm_compat import SchedulerOutput
 
 logger = logging.getLogger("kvbranch.connector")
 
@@ -38,8 +34,7 @@ class KVBranchScheduler:
         block_bytes: int,
         num_slots: int,
         enabled: bool,
-        extra: dict[str, Any],
-        store_bytes: int,
+        config: ConnectorConfig,
         engine_index: int = 0,
     ) -> None:
         self.block_size = block_size
@@ -56,22 +51,17 @@ class KVBranchScheduler:
             index,
             block_size=block_size,
             block_bytes=max(block_bytes, 1),
-            pin_budget_bytes=int(extra.get("pin_budget_bytes", store_bytes // 2)),
-            default_ttl_s=float(extra.get("pin_ttl_s", 300.0)),
-            # Tenants (the launcher's flags; the registry's defaults otherwise).
-            max_sessions_per_tenant=int(
-                extra.get("max_sessions_per_tenant", DEFAULT_MAX_SESSIONS_PER_TENANT)
-            ),
-            max_branches_per_session=int(
-                extra.get("max_branches_per_session", DEFAULT_MAX_BRANCHES_PER_SESSION)
-            ),
-            tenant_pin_share=float(extra.get("tenant_pin_share", 1.0)),
-            idle_ttl_s=float(extra.get("session_idle_ttl_s", DEFAULT_IDLE_TTL_S)),
-            require_owner=bool(extra.get("tenants", False)),
+            pin_budget_bytes=config.pin_budget,
+            default_ttl_s=config.pin_ttl_s,
+            max_sessions_per_tenant=config.max_sessions_per_tenant,
+            max_branches_per_session=config.max_branches_per_session,
+            tenant_pin_share=config.tenant_pin_share,
+            idle_ttl_s=config.session_idle_ttl_s,
+            require_owner=config.tenants,
         )
         self.planner = Planner(index, registry, block_size)
         self.control: ControlServer | None = None
-        path = extra.get("control_socket")
+        path = config.control_socket
         if path:
             # One socket per engine core; the directory must be private (ControlServer
             # refuses to bind otherwise: the socket serves session ops to whoever connects).

@@ -1,5 +1,5 @@
 """D's holds: the blocks of a finished turn that D keeps for P's next pull, as a lease that
-yields to new work (split out of :mod:`server.connector.pd`, which composes it).
+yields to new work (split out of :mod:`server.connector.pd.verified_nixl`, which uses it).
 
 The router claims a hold (control thread) right before P pulls; the scheduler thread releases
 the oldest unclaimed holds when new work needs D's device blocks. One lock orders the two.

@@ -11,7 +11,7 @@ hook sees the dict, :func:`sanitize` keeps only :data:`INCOMING_KEYS`: the keys 
 connector reads from a peer's handle (``nixl/pull_scheduler.py``, ``nixl/base_scheduler.py``,
 ``nixl/metadata.py`` in vLLM 0.32) and our sealed fields and claim. Markers set later by
 upstream on the (now server-owned) dict keep working; the verification state itself lives on
-the server (:class:`server.connector.pd.VerifiedNixlConnector`), never in the dict.
+the server (:class:`server.connector.pd.verified_nixl.VerifiedNixlConnector`), never in the dict.
 
 ``remote_block_size`` is read by upstream's metadata but never issued by upstream's
 ``request_finished`` (so no router carries it) and sits outside our seal: dropped.
@@ -26,7 +26,7 @@ import hashlib
 import json
 from typing import Any
 
-from server.connector.transfer_auth import (
+from server.connector.pd.transfer_auth import (
     CLAIM_FIELD,
     HASHES_FIELD,
     IDENTITY_FIELD,

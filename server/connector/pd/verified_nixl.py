@@ -1,4 +1,6 @@
-"""Prefill/decode disaggregation: vLLM's NIXL transport composed with the kvbranch connector.
+"""P/D, the NIXL child: upstream ``NixlConnector`` with verified, claimed, single-use handles.
+
+(The composition, ``KVBranchPDConnector``, is in :mod:`server.connector.pd.connector`.)
 
 ``KVBranchPDConnector`` is a ``MultiConnector`` of two children, in this order:
 
@@ -10,8 +12,8 @@
      allow-list before upstream reads them (no client-set marker survives: issue 22), a
      handle naming a peer must be sealed, fresh, claimed (P), unused and of this engine's
      identity (tenant, adapter, model, KV dtype, block size), and the verdict is kept here,
-     per engine request, not in the params (:mod:`~server.connector.transfer_params`,
-     :mod:`~server.connector.transfer_auth`). A declined handle is stripped of every field
+     per engine request, not in the params (:mod:`~server.connector.pd.transfer_params`,
+     :mod:`~server.connector.pd.transfer_auth`). A declined handle is stripped of every field
      that names a peer: the request recomputes and NIXL contacts nobody.
    * **token-prefix check**: D's returned transfer params carry the token ids its blocks hold;
      P pulls only the longest prefix of its prompt that equals them (upstream reads the first
@@ -25,7 +27,7 @@
    * NIXL's UCX **progress thread off** (pitfall 3: it busy-spins and halves a shared core; the
      engine polls NIXL every step anyway), and the forward thread's **CPU affinity kept**
      (pitfall 4: NIXL's worker re-pins it to the last core of each NUMA node).
-2. :class:`~server.connector.connector.KVBranchConnector` — the host block store, sessions,
+2. :class:`~server.connector.engine.connector.KVBranchConnector` — the host block store, sessions,
    pins, forks, prefetch, unchanged. MultiConnector asks NIXL first, so a D→P pull (which also
    covers the partial last block and D's generated tokens) wins over a host-store hit.
 
@@ -34,10 +36,10 @@ from a peer as ``remote_hit_tokens``, and the finished request's transfer params
 kept by request tag so that a *streaming* response can still return them (vLLM 0.32 returns
 ``kv_transfer_params`` only on non-streaming responses — pitfall 2).
 
-(Over 400 lines on purpose: the two connector classes override NIXL's hooks that must see the
-same handle checks and hold registry within one request's life; the pure handle logic lives in
+(Over 400 lines on purpose: the class overrides NIXL's hooks that must all see the same handle
+checks and hold registry within one request's life; the pure handle logic lives in
 ``transfer_params.py`` and ``transfer_auth.py``, the holds in ``hold_registry.py``. Splitting
-the subclasses apart would spread one request's verification over files.)
+the hooks apart would spread one request's verification over files.)
 """
 
 from __future__ import annotations
@@ -50,18 +52,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as nixl_base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
-
-from server.connector.connector import KVBranchConnector
-from server.connector.control import ControlError
-from server.connector.control_models import ClaimHold
-from server.connector.control_ops import Op
-from server.connector.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
-from server.connector.read_bounds import fail_slow_reads, report_unqueued
-from server.connector.transfer_auth import (
+from server.connector.config import NixlChildConfig
+from server.connector.control.models import ClaimHold
+from server.connector.control.transport import ControlError
+from server.connector.pd.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
+from server.connector.pd.read_bounds import fail_slow_reads, report_unqueued
+from server.connector.pd.transfer_auth import (
     CLAIM_FIELD,
     EXPIRES_FIELD,
     HASHES_FIELD,
@@ -75,8 +71,8 @@ from server.connector.transfer_auth import (
     make_claim,
     seal,
 )
-from server.connector.transfer_auth import expired as transfer_expired
-from server.connector.transfer_params import (
+from server.connector.pd.transfer_auth import expired as transfer_expired
+from server.connector.pd.transfer_params import (
     INCOMING_KEYS,
     block_hashes_hex,
     compat_of,
@@ -87,30 +83,24 @@ from server.connector.transfer_params import (
     strip,
     trim_block_ids,
 )
+from server.connector.vllm_compat import (
+    NixlConnector,
+    announce_in_batch,
+    forget_unprocessed,
+    lease_duration_s,
+    nixl_progress_thread_off,
+    set_send_deadline,
+    waits_for_read,
+)
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
+    from server.connector.vllm_compat import KVCacheConfig, KVConnectorRole, Request, VllmConfig
 
 logger = logging.getLogger("kvbranch.pd")
 
-IDLE_STEP_SLEEP_S = 0.005
 #: NIXL's own keys and ours, the only ones a router needs to carry from D to P.
 NIXL_PARAM_KEYS = tuple(sorted(INCOMING_KEYS))
-DEFAULT_CLAIM_TTL_S = 30.0
-#: A read NIXL's worker started but has not finished after this long is failed (vLLM then
-#: recomputes those blocks): upstream bounds handshakes (5 s) and D's deadline before a read
-#: starts, not a read in flight. It is also what makes D's claim a fence, not only a time
-#: margin: P starts a pull only while the claim has ``CLAIM_MARGIN_S`` left, and D releases a
-#: claimed hold no earlier than ``CLAIM_MARGIN_S`` after the claim ends; a read still in flight
-#: ``CLAIM_MARGIN_S`` after it started is failed (recompute) — before D can reuse the blocks,
-#: as long as an engine step takes less than that. (A read of one conversation's KV takes
-#: milliseconds on loopback, well under a second over a network.)
-DEFAULT_PULL_TIMEOUT_S = CLAIM_MARGIN_S
+# The defaults of claim_ttl_s, decoder_kv_blocks_ttl, pull_timeout_s: server/connector/config.py.
 #: Requests whose verdict is kept at once (each entry ends with its request; the bound only
 #: matters if vLLM never reported some request finished).
 MAX_TRACKED_REQUESTS = 65536
@@ -129,17 +119,6 @@ DECLINE_REASONS = {
 }
 #: D stamps its handle to expire this long before its own hold ends.
 EXPIRY_MARGIN_S = 2.0
-
-
-def _agent_config_without_progress_thread(original: Any) -> Any:
-    if original is None:
-        return None
-
-    def make(*args: Any, **kwargs: Any) -> Any:
-        kwargs["enable_prog_thread"] = False
-        return original(*args, **kwargs)
-
-    return make
 
 
 def _finished(request: Any) -> bool:
@@ -170,7 +149,7 @@ class _Seen:
 
 class VerifiedNixlConnector(NixlConnector):
     """Upstream ``NixlConnector`` with verified, claimed, single-use handles and CPU-friendly
-    threading (see the module docstring and :mod:`server.connector.transfer_auth`).
+    threading (see the module docstring and :mod:`server.connector.pd.transfer_auth`).
 
     Every scheduler hook first *admits* the request (once: :meth:`_admit`), then calls
     upstream. No exception of ours or of upstream's on a hostile handle leaves a hook: the
@@ -180,19 +159,17 @@ class VerifiedNixlConnector(NixlConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        config = NixlChildConfig.from_extra(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
         affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        patched = False
-        if not extra.get("nixl_progress_thread", False):
-            # vLLM builds the agent config inside the worker's __init__ and offers no switch.
-            original = nixl_base_worker.nixl_agent_config
-            nixl_base_worker.nixl_agent_config = _agent_config_without_progress_thread(original)
-            patched = True
+        quiet = (
+            contextlib.nullcontext() if config.nixl_progress_thread else nixl_progress_thread_off()
+        )
         try:
-            super().__init__(vllm_config, role, kv_cache_config)
+            with quiet:
+                super().__init__(vllm_config, role, kv_cache_config)
         finally:
-            if patched:
-                nixl_base_worker.nixl_agent_config = original
             if affinity is not None and os.sched_getaffinity(0) != affinity:
                 os.sched_setaffinity(0, affinity)
                 logger.info(
@@ -203,9 +180,9 @@ class VerifiedNixlConnector(NixlConnector):
         self.compat = compat_of(vllm_config)
         self.secret = load_cluster_secret()
         self.consumed = ConsumedHandles()
-        self.holds = HoldRegistry(float(extra.get("claim_ttl_s", DEFAULT_CLAIM_TTL_S)))
-        self.hold_ttl_s = float(extra.get("decoder_kv_blocks_ttl", 480))
-        self.pull_timeout_s = float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S))
+        self.holds = HoldRegistry(config.claim_ttl_s)
+        self.hold_ttl_s = float(config.decoder_kv_blocks_ttl)
+        self.pull_timeout_s = config.pull_timeout_s
         self.declined: dict[str, int] = {}
         self._init_tracking()
 
@@ -222,7 +199,7 @@ class VerifiedNixlConnector(NixlConnector):
     # --- first sight ----------------------------------------------------------------------
     def _admit(self, request: Request) -> _Seen:
         """The server's record of ``request``, made on first sight: the client's params cut
-        to :data:`~server.connector.transfer_params.INCOMING_KEYS` and a handle naming a peer
+        to :data:`~server.connector.pd.transfer_params.INCOMING_KEYS` and a handle naming a peer
         checked, before upstream reads any of it."""
         key = id(request)
         seen = self._seen.get(key)
@@ -452,7 +429,7 @@ class VerifiedNixlConnector(NixlConnector):
             if (
                 num_external_tokens
                 and sched is not None
-                and request.request_id not in sched._reqs_need_recv
+                and not waits_for_read(sched, request.request_id)
             ):
                 # The scheduler now waits for a read (this connector said "load async") that
                 # upstream did not queue (it failed, or a path of its skips the read): that
@@ -474,7 +451,7 @@ class VerifiedNixlConnector(NixlConnector):
                 # D declined read nothing, yet D holds their blocks too: unannounced, those
                 # blocks were never freed, not by P's read, not by the hold's TTL, not by a
                 # release under pressure, until D's cache filled and new turns waited forever.
-                sched._reqs_in_batch.add(request.request_id)
+                announce_in_batch(sched, request.request_id)
         except Exception:
             self._hook_failed(request, "update_state_after_alloc")
 
@@ -499,7 +476,7 @@ class VerifiedNixlConnector(NixlConnector):
         only aborted ones: a session-less D turn stayed in the worker's set for good)."""
         sched = self.connector_scheduler
         if sched is not None and not delay and request.kv_transfer_params:
-            sched._reqs_not_processed.add(request.request_id)
+            forget_unprocessed(sched, request.request_id)
 
     # --- issuing handles ------------------------------------------------------------------
     def request_finished(
@@ -569,7 +546,7 @@ class VerifiedNixlConnector(NixlConnector):
         params[IDENTITY_FIELD] = identity_of(request, self.compat)
         is_d = bool(params.get("do_remote_decode"))
         sched = self.connector_scheduler
-        lease = self.hold_ttl_s if is_d else float(getattr(sched, "_kv_lease_duration", 60) or 60)
+        lease = self.hold_ttl_s if is_d else lease_duration_s(sched)
         params[EXPIRES_FIELD] = round(time.time() + lease - EXPIRY_MARGIN_S, 3)
         seal(params, self.secret)
         if is_d:
@@ -611,8 +588,8 @@ class VerifiedNixlConnector(NixlConnector):
                 # Announced again, so that the worker tracks it even if it never did (a
                 # released hold the worker ignored would keep its blocks for good); it is still
                 # held here, so the worker reports it sent exactly once.
-                sched._reqs_in_batch.add(request_id)
-                sched._reqs_need_send[request_id] = past
+                announce_in_batch(sched, request_id)
+                set_send_deadline(sched, request_id, past)
             logger.warning(
                 "kvbranch: released %d held conversation(s) for new work (device "
                 "KV full); their next turn recomputes or uses the host store",
@@ -651,145 +628,3 @@ class VerifiedNixlConnector(NixlConnector):
         self.reads_timed_out += fail_slow_reads(
             worker, self._read_started, now, self.pull_timeout_s
         )
-
-
-class KVBranchPDConnector(MultiConnector):
-    """``MultiConnector([VerifiedNixlConnector, KVBranchConnector])`` with shared accounting,
-    the router's claim op, and holds that yield to new work."""
-
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        self._nixl_index = next(
-            (i for i, c in enumerate(self._connectors) if isinstance(c, NixlConnector)), None
-        )
-        self._kvbranch = next(
-            (c for c in self._connectors if isinstance(c, KVBranchConnector)), None
-        )
-        if self._nixl_index is None or self._kvbranch is None:
-            raise ValueError(
-                "KVBranchPDConnector needs a NixlConnector and a "
-                "KVBranchConnector among its connectors"
-            )
-        self._nixl = self._connectors[self._nixl_index]
-        self.block_size = vllm_config.cache_config.block_size
-        #: Requests the scheduler looked at this step and has not (yet) allocated.
-        self._waiting: dict[str, Any] = {}
-        self.stalled_steps = 0
-        if isinstance(self._nixl, VerifiedNixlConnector):
-            nixl = self._nixl
-            self._kvbranch.extra_ops[ClaimHold.op] = Op(
-                ClaimHold, lambda _side, req: nixl.claim_hold(req), locked=False
-            )
-            self._kvbranch.extra_stats["pd"] = self._pd_stats
-
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        # MultiConnector binds only its children; the hold release reads the block pool too.
-        super().bind_kv_cache_manager(kv_cache_manager)
-        self._kv_cache_manager = kv_cache_manager
-
-    def _pd_stats(self) -> dict[str, Any]:
-        nixl = self._nixl
-        holds = nixl.holds
-        return {
-            "holds": len(holds),
-            "held_blocks": holds.held_blocks(),
-            "holds_released_for_new_work": holds.released_for_pressure,
-            "claims": holds.claims,
-            "claims_refused": holds.claims_refused,
-            "stalled_steps": self.stalled_steps,
-            "handles_declined": dict(nixl.declined),
-            "reads_not_queued": nixl.reads_not_queued,
-        }
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        self._waiting[request.request_id] = request
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        try:
-            self._yield_holds_to_waiting_work()
-        except Exception:  # the scheduler thread: an exception here kills the engine core
-            logger.exception("kvbranch: releasing holds for waiting work failed")
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            # Nothing to compute, yet the engine keeps stepping: D while it holds a turn's
-            # blocks for P, P while it waits for a pull (docs/pd_notes.md pitfall 7).
-            # Unthrottled, those empty steps spin a core for the whole hold; a few ms per step
-            # costs a pull or a new request at most that much.
-            time.sleep(IDLE_STEP_SLEEP_S)
-        return super().build_connector_meta(scheduler_output)
-
-    def _yield_holds_to_waiting_work(self) -> None:
-        """A request the scheduler tried and could not allocate this step, while the device
-        cache lacks the blocks it needs: release the oldest holds to cover it. (The scheduler
-        has no hook for a failed allocation of a *waiting* request; ``get_num_new_matched_
-        tokens`` without ``update_state_after_alloc`` in the same step is exactly that.)"""
-        waiting, self._waiting = self._waiting, {}
-        manager = self._kv_cache_manager
-        nixl = self._nixl
-        if (
-            not waiting
-            or manager is None
-            or not isinstance(nixl, VerifiedNixlConnector)
-            or not len(nixl.holds)
-        ):
-            return
-        free = manager.block_pool.get_num_free_blocks()
-        need = 0
-        for request in waiting.values():
-            need += (
-                -(-max(request.num_tokens - request.num_computed_tokens, 1) // self.block_size) + 1
-            )
-        if need <= free:
-            return  # not held back by KV (token budget, max-num-seqs): holds stay
-        self.stalled_steps += 1
-        nixl.release_holds(need - free)
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        self._waiting.pop(request.request_id, None)
-        planner = self._kvbranch.planner
-        if (
-            planner is not None
-            and num_external_tokens
-            and self._requests_to_connector.get(request.request_id) == self._nixl_index
-        ):
-            try:
-                planner.note_remote_hit(request, num_external_tokens)
-            except Exception:
-                logger.exception("kvbranch: counting request %s's pull", request.request_id)
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def request_finished(
-        self, request: Request, blocks: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        self._waiting.pop(request.request_id, None)
-        delay, params = super().request_finished(request, blocks)
-        planner = self._kvbranch.planner
-        if planner is not None and params:
-            nixl = {k: v for k, v in params.items() if k in NIXL_PARAM_KEYS}
-            try:
-                if nixl:
-                    planner.remember_transfer_params(request, nixl)
-            except Exception:
-                logger.exception("kvbranch: keeping request %s's params", request.request_id)
-        return delay, params
-
-
-def _register_by_name() -> None:
-    """MultiConnector rebuilds its children's stats in the API server by *registered name*
-    (``KVConnectorFactory.get_connector_class_by_name``), which module-path connectors lack."""
-    for name, module in (
-        ("VerifiedNixlConnector", __name__),
-        ("KVBranchConnector", "server.connector.connector"),
-        ("KVBranchPDConnector", __name__),
-    ):
-        if name not in KVConnectorFactory._registry:
-            KVConnectorFactory.register_connector(name, module, name)
-
-
-_register_by_name()

@@ -10,8 +10,8 @@ Protocol: one JSON object per line each way: ``{"op": ..., **args}`` →
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "status": 404, "message": ...}``. This module
 is the transport (:class:`ControlServer` serves any ``handler(dict)``; ``call_raw`` and
 :func:`call_sync_raw` send any op); the typed ops ride on it: :meth:`AsyncControlClient.call`
-and :func:`call_sync` take a request model of :mod:`server.connector.control_models` and
-return its parsed answer model, and the engine's handler (``control_ops.run_op``) validates
+and :func:`call_sync` take a request model of :mod:`server.connector.control.models` and
+return its parsed answer model, and the engine's handler (``control.ops.run_op``) validates
 both sides of each op too.
 
 Where: the socket answers every session op with no credentials of its own, so it lives in a
@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from server.connector.control_models import ControlError, ControlRequest, parse_answer, request_line
+from server.connector.control.models import ControlError, ControlRequest, parse_answer, request_line
 
 __all__ = ["AsyncControlClient", "ControlError", "ControlServer", "call_sync", "call_sync_raw"]
 

@@ -1,14 +1,16 @@
-"""What the scheduler side tells the worker side each step (pickled across processes)."""
+"""What the scheduler side tells the worker side each step (pickled across processes).
+
+A plain dataclass (this layer imports no vLLM): the engine adapter registers it as a virtual
+subclass of vLLM's ``KVConnectorMetadata`` (an ABC with no members).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
 
 @dataclass
-class KVBranchMetadata(KVConnectorMetadata):
+class KVBranchMetadata:
     #: Host slot -> device block copies to run before this step's forward.
     load_slots: list[int] = field(default_factory=list)
     load_blocks: list[int] = field(default_factory=list)

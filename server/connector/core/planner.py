@@ -23,10 +23,10 @@ from typing import Any
 
 # One home for the extension-arg names (the middleware strips the internal ones from clients).
 from sdk.contract import BRANCH_XARG, OWNER_XARG, PIN_TTL_XARG, PREFETCH_XARG, TAG_XARG  # noqa: F401
-from server.connector.block_index import HostBlockIndex
-from server.connector.metadata import KVBranchMetadata
-from server.connector.sessions import DEFAULT_BRANCH, RegistryError, SessionRegistry
-from server.connector.tails import TailSpec, finished_tail, identity_of, parent_key
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.metadata import KVBranchMetadata
+from server.connector.core.sessions import DEFAULT_BRANCH, RegistryError, SessionRegistry
+from server.connector.core.tails import TailSpec, finished_tail, identity_of, parent_key
 
 logger = logging.getLogger("kvbranch.planner")
 

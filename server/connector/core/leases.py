@@ -19,8 +19,8 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
-from server.connector.block_index import HostBlockIndex
-from server.connector.branches import Branch, Conflict, LeaseKey, SharedSeq
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.branches import Branch, Conflict, LeaseKey, SharedSeq
 
 
 class PinLeases:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+from server.connector.vllm_compat import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )

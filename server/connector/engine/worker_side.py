@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from server.connector.host_pool import HostKVPool
-from server.connector.metadata import KVBranchMetadata
-from server.connector.stats import KVBranchTransferStats
+from server.connector.core.metadata import KVBranchMetadata
+from server.connector.engine.host_pool import HostKVPool
+from server.connector.engine.stats import KVBranchTransferStats
 
 logger = logging.getLogger("kvbranch.connector")
 

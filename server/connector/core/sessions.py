@@ -14,6 +14,8 @@ the nouns (sessions, branches, errors) in ``branches.py``, re-exported here. Idl
 expire from the front of an ordered dict by last use, so expiry never walks all sessions.
 
 Pure logic over :class:`HostBlockIndex`; the clock is injectable so tests need no sleeping.
+(About 400 lines: one class, the registry's operations on sessions and branches; the pins
+and the nouns are split out to ``leases.py`` and ``branches.py`` already.)
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from collections.abc import Callable, Sequence
 from itertools import islice
 
 from sdk.contract import ALREADY_EXISTS  # the router converges retries on this wording
-from server.connector.block_index import HostBlockIndex
-from server.connector.branches import (  # noqa: F401 - re-exported: the registry's API
+from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.branches import (  # noqa: F401 - re-exported: the registry's API
     DEFAULT_BRANCH,
     DEFAULT_IDLE_TTL_S,
     DEFAULT_MAX_BRANCHES_PER_SESSION,
@@ -41,7 +43,7 @@ from server.connector.branches import (  # noqa: F401 - re-exported: the registr
     SharedSeq,
     new_id,
 )
-from server.connector.leases import PinLeases
+from server.connector.core.leases import PinLeases
 
 
 class SessionRegistry:

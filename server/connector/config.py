@@ -1,0 +1,129 @@
+"""The connectors' typed configs: every ``kv_connector_extra_config`` key our code reads, with
+its default, written once here. The launcher (``server/cli.py``) builds them and dumps them into
+vLLM's ``--kv-transfer-config``; each connector parses its dict back through them.
+
+* :class:`ConnectorConfig` — the kvbranch connector's dict. Unknown keys are an error (a typo'd
+  key would otherwise silently run on the default).
+* :class:`NixlChildConfig` — the NIXL child's dict in P/D: our keys typed; upstream
+  ``NixlConnector``'s own keys (``bidirectional_kv_xfer``, ``kv_recompute_threshold``,
+  ``backends``, ...) pass through unchecked, since upstream reads them and owns their defaults
+  (``decoder_kv_blocks_ttl`` is read by both: its default here is upstream's, 480 s).
+
+Pure: pydantic and the core layer's constants, no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from server.connector.core.branches import (
+    DEFAULT_IDLE_TTL_S,
+    DEFAULT_MAX_BRANCHES_PER_SESSION,
+    DEFAULT_MAX_SESSIONS_PER_TENANT,
+)
+from server.connector.pd.hold_registry import CLAIM_MARGIN_S
+
+DEFAULT_HOST_STORE_BYTES = 2 << 30
+
+_C = TypeVar("_C", bound="_ExtraConfig")
+
+
+class ConnectorConfigError(ValueError):
+    """A ``kv_connector_extra_config`` that does not parse: names the connector and the keys."""
+
+
+class _ExtraConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    @classmethod
+    def from_extra(cls: type[_C], extra: Mapping[str, Any] | None) -> _C:
+        """Parse vLLM's ``kv_connector_extra_config`` (``None``: all defaults)."""
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as e:
+            problems = []
+            for err in e.errors():
+                key = ".".join(str(p) for p in err["loc"]) or "(the dict)"
+                if err["type"] == "extra_forbidden":
+                    problems.append(f"unknown key {key!r}")
+                else:
+                    problems.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+            known = ", ".join(sorted(cls.model_fields))
+            raise ConnectorConfigError(
+                f"{cls.__name__} (kv_connector_extra_config of {cls._owner()}): "
+                + "; ".join(problems)
+                + f". Known keys: {known}"
+            ) from None
+
+    @classmethod
+    def _owner(cls) -> str:
+        return "the connector"
+
+    def to_extra(self) -> dict[str, Any]:
+        """The dict to put in ``kv_connector_extra_config`` (JSON-ready; ``None`` left out)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class ConnectorConfig(_ExtraConfig):
+    """The kvbranch connector's settings (``KVBranchConnector``, also as a P/D child)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: Host block store size; the slot count is this over one block's bytes.
+    host_store_bytes: int = Field(default=DEFAULT_HOST_STORE_BYTES, ge=0)
+    #: Bytes pins may hold (TTL leases); ``None``: half the store.
+    pin_budget_bytes: int | None = Field(default=None, ge=0)
+    #: A pin's lease when the request names none.
+    pin_ttl_s: float = Field(default=300.0, gt=0)
+    #: The control socket's path (one per engine core, suffixed); ``None``: no socket.
+    control_socket: str | None = None
+    #: Every request has an owner (API keys): one without must not make a session.
+    tenants: bool = False
+    max_sessions_per_tenant: int = Field(default=DEFAULT_MAX_SESSIONS_PER_TENANT, ge=1)
+    max_branches_per_session: int = Field(default=DEFAULT_MAX_BRANCHES_PER_SESSION, ge=1)
+    #: The share of the pin budget one tenant may hold.
+    tenant_pin_share: float = Field(default=1.0, gt=0, le=1)
+    #: A session untouched this long is dropped.
+    session_idle_ttl_s: float = Field(default=DEFAULT_IDLE_TTL_S, gt=0)
+
+    @classmethod
+    def _owner(cls) -> str:
+        return "KVBranchConnector"
+
+    @property
+    def pin_budget(self) -> int:
+        """The pin budget in bytes, its default resolved."""
+        if self.pin_budget_bytes is None:
+            return self.host_store_bytes // 2
+        return self.pin_budget_bytes
+
+
+class NixlChildConfig(_ExtraConfig):
+    """The NIXL child's settings in P/D (``VerifiedNixlConnector``): ours typed, upstream's
+    passed through (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    #: NIXL's UCX progress thread (off: it busy-spins a shared core — docs/pd_notes.md
+    #: pitfall 3; the engine polls NIXL every step anyway).
+    nixl_progress_thread: bool = False
+    #: How long a router's claim keeps D's hold of a turn's blocks.
+    claim_ttl_s: float = Field(default=30.0, gt=0)
+    #: How long D holds a finished turn's blocks for P (upstream's key and default).
+    decoder_kv_blocks_ttl: int = Field(default=480, gt=0)
+    #: A read NIXL's worker started but has not finished after this long is failed (vLLM then
+    #: recomputes those blocks): upstream bounds handshakes (5 s) and D's deadline before a read
+    #: starts, not a read in flight. It is also what makes D's claim a fence, not only a time
+    #: margin: P starts a pull only while the claim has ``CLAIM_MARGIN_S`` left, and D releases a
+    #: claimed hold no earlier than ``CLAIM_MARGIN_S`` after the claim ends; a read still in flight
+    #: ``CLAIM_MARGIN_S`` after it started is failed (recompute) — before D can reuse the blocks,
+    #: as long as an engine step takes less than that. (A read of one conversation's KV takes
+    #: milliseconds on loopback, well under a second over a network.)
+    pull_timeout_s: float = Field(default=CLAIM_MARGIN_S, gt=0)
+
+    @classmethod
+    def _owner(cls) -> str:
+        return "VerifiedNixlConnector"

@@ -1,0 +1,6 @@
+"""The engine-side control socket the HTTP routes talk to.
+
+* ``transport`` — the socket server, the sync and async typed clients, the socket path
+* ``models``    — each op's request and answer model
+* ``ops``       — the op registry (name → request model, answer model, handler), the dispatcher
+"""

@@ -1,0 +1,215 @@
+"""The one module of ``server/connector`` that touches vLLM: every vLLM class, enum and module
+the connector uses is imported here, and every write or read of a vLLM *private* attribute is a
+function here, so a vLLM upgrade is checked (and fixed) in one place.
+
+The pin is written once, :data:`PINNED_VLLM` (``tests/unit/server/connector/test_layers.py``
+checks it against ``pyproject.toml``'s ``vllm==`` pin and that no other connector module
+imports ``vllm``). Another vLLM fails at import with an error naming both versions: these hooks
+and private attributes are 0.32's; on another release they may silently do nothing or worse.
+
+NIXL's pieces (``NixlConnector``, its ``base_worker`` module) and the hooks' annotation types
+are resolved on first use (PEP 562), so an engine without P/D does not import vLLM's NIXL
+connector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    nixl_base_worker: ModuleType
+
+#: The vLLM release this connector is written against (``pyproject.toml``: ``vllm==``).
+PINNED_VLLM = "0.32.0"
+
+__all__ = [
+    "PINNED_VLLM",
+    "AttentionMetadata",
+    "CacheHitSource",
+    "ForwardContext",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVConnectorBase_V1",
+    "KVConnectorFactory",
+    "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "MultiConnector",
+    "NixlConnector",
+    "Request",
+    "RequestStatus",
+    "SchedulerOutput",
+    "VllmConfig",
+    "nixl_base_worker",
+]
+
+
+class VllmVersionError(ImportError):
+    """The installed vLLM is not the one this connector is pinned to."""
+
+
+def release_of(version: str) -> str:
+    """``0.32.0+cpu`` (the CPU wheel's local label) -> ``0.32.0``."""
+    return version.split("+", 1)[0]
+
+
+def check_version(installed: str | None = None) -> None:
+    installed = vllm.__version__ if installed is None else installed
+    if release_of(installed) != PINNED_VLLM:
+        raise VllmVersionError(
+            f"the kvbranch connector is pinned to vllm=={PINNED_VLLM} (it overrides that "
+            f"release's connector hooks and private scheduler/NIXL state), but vllm "
+            f"{installed} is installed: install vllm=={PINNED_VLLM} "
+            f"(pyproject.toml), or port server/connector/vllm_compat.py"
+        )
+
+
+check_version()
+
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "NixlConnector": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
+        "NixlConnector",
+    ),
+    "nixl_base_worker": ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", None),
+    # Types the connector's hooks are annotated with (imported under TYPE_CHECKING there;
+    # resolvable here at run time too, e.g. for ``typing.get_type_hints``).
+    "AttentionMetadata": ("vllm.v1.attention.backend", "AttentionMetadata"),
+    "ForwardContext": ("vllm.forward_context", "ForwardContext"),
+    "KVCacheBlocks": ("vllm.v1.core.kv_cache_manager", "KVCacheBlocks"),
+    "KVCacheConfig": ("vllm.v1.kv_cache_interface", "KVCacheConfig"),
+    "Request": ("vllm.v1.request", "Request"),
+    "SchedulerOutput": ("vllm.v1.core.sched.output", "SchedulerOutput"),
+    "VllmConfig": ("vllm.config", "VllmConfig"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attr is None else getattr(module, attr)
+
+
+# --- the connector base: the facade (a ``KVConnectorBase_V1`` subclass) reads
+# ``self._kv_transfer_config``, ``self._kv_cache_config`` and ``self._connector_metadata``
+# directly: the base sets them in its ``__init__``/``bind_connector_metadata`` for its
+# subclasses (upstream's own connectors read them the same way).
+
+
+# --- the connector factory ------------------------------------------------------------------
+def register_connector_by_name(name: str, module: str) -> None:
+    """Register ``module``'s class ``name`` with vLLM's factory unless registered already
+    (``register_connector`` raises on a second registration)."""
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module, name)
+
+
+# --- MultiConnector's children --------------------------------------------------------------
+def children_of(multi: MultiConnector) -> list[KVConnectorBase_V1]:
+    return list(multi._connectors)
+
+
+def child_index_of(multi: MultiConnector, request_id: str) -> int | None:
+    """Which child the MultiConnector gave ``request_id``'s external tokens to."""
+    index: int | None = multi._requests_to_connector.get(request_id)
+    return index
+
+
+# --- NIXL: the scheduler's request sets, the worker's reads in flight -------------------------
+def waits_for_read(sched: Any, request_id: str) -> bool:
+    """NIXL's scheduler queued a read for ``request_id``."""
+    return request_id in sched._reqs_need_recv
+
+
+def announce_in_batch(sched: Any, request_id: str) -> None:
+    """Tell NIXL's worker that ``request_id`` is in the batch (it then sets and reaps the
+    lease of the request's blocks once it finishes)."""
+    sched._reqs_in_batch.add(request_id)
+
+
+def forget_unprocessed(sched: Any, request_id: str) -> None:
+    """Have NIXL's worker drop ``request_id`` from its tracking (upstream does it only for
+    aborted requests)."""
+    sched._reqs_not_processed.add(request_id)
+
+
+def set_send_deadline(sched: Any, request_id: str, deadline: float) -> None:
+    """Set when NIXL's worker stops waiting for P to read ``request_id``'s blocks (a
+    ``time.perf_counter()`` value; the worker rebases it onto its clock and reaps it then)."""
+    sched._reqs_need_send[request_id] = deadline
+
+
+def lease_duration_s(sched: Any, default: float = 60.0) -> float:
+    """P's lease of a finished prefill's blocks (NIXL's scheduler; ``default`` when absent)."""
+    return float(getattr(sched, "_kv_lease_duration", default) or default)
+
+
+def reads_in_flight(worker: Any) -> dict[str, list[int]]:
+    """NIXL's worker: request id -> its transfer handles still in flight (the live dict)."""
+    transfers: dict[str, list[int]] = worker._recving_transfers
+    return transfers
+
+
+def read_failed(worker: Any, request_id: str) -> bool:
+    return request_id in worker._recv_failures
+
+
+def fail_read(worker: Any, request_id: str, handles: list[int]) -> list[int]:
+    """Fail ``request_id``'s read through upstream's failure path (vLLM recomputes its
+    blocks); returns the handles upstream could not release (still in flight)."""
+    kept = [h for h in handles if not worker._handle_failed_transfer(request_id, h)]
+    worker._recv_failures.add(request_id)
+    return kept
+
+
+@contextlib.contextmanager
+def nixl_progress_thread_off() -> Iterator[None]:
+    """Within: NIXL agents are built without their UCX progress thread (vLLM builds the agent
+    config inside the worker's ``__init__`` and offers no switch)."""
+    module = importlib.import_module(_LAZY["nixl_base_worker"][0])
+    original = module.nixl_agent_config
+    if original is None:  # NIXL not installed: nothing to patch
+        yield
+        return
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        kwargs["enable_prog_thread"] = False
+        return original(*args, **kwargs)
+
+    module.nixl_agent_config = make
+    try:
+        yield
+    finally:
+        module.nixl_agent_config = original
