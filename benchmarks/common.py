@@ -6,6 +6,8 @@ the sdk's client, so they measure exactly what a client sees; the stream is pars
 public SSE parser and every kvbranch wire name (paths, xargs, the ``kvbranch`` split and stats
 fields) comes from :mod:`sdk.contract`. Reports: :mod:`benchmarks.reporting`; synthetic text:
 :mod:`benchmarks.textgen`.
+(Over 400 lines on purpose: every benchmark's shared parts — servers, the streaming client,
+timings, machine details — in one place, so that each configuration is measured the same way.)
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ names others) and the tables the same benchmarks appended to ``benchmarks/RESULT
 panel shows the latest run of its workload (runs are grouped by sessions x turns, KV budget and
 interleaving), and names its source: the RESULTS.md section or the JSON file. What a source
 lacks (per-turn recomputed tokens of the agent workloads are only in their raw JSON) is printed.
+(Over 400 lines on purpose: one figure per workload family, each with its own readers for the
+raw JSON and for the RESULTS.md tables; split, a reader would drift from the figure it feeds.)
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ forward, and after it.
 
 Raw data: benchmarks/out/turn_ttft-<time>.json; plot: benchmarks/turn_ttft.png; a section is
 appended to benchmarks/RESULTS.md (unless --no-results).
+(Over 400 lines on purpose: the workload, its two references and the report read as one
+script.)
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ could not even connect goes to another live instance of the same role first (not
 so nothing runs twice); a leg that may have run is never re-sent. Every answer's status counts
 toward ejecting an instance that keeps failing (:mod:`server.router.pool`). Every response
 says which way it went in the ``X-KVBranch-Route`` header.
+(Over 400 lines on purpose: one turn's flow — claim, prefill, decode, each fallback and the
+stream — is one class whose steps share the turn's state; the pure parts live in relay, edge,
+index and pool.)
 """
 
 from __future__ import annotations
