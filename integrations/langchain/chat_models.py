@@ -160,6 +160,11 @@ class ChatKVBranch(BaseChatModel):
     server at its first call when the session was not known at fork time)."""
     prefetch_on_tool_call: bool = True
     """After an answer with tool calls, prefetch the branch in the background."""
+    strict_tools: bool | None = None
+    """``strict`` of :meth:`bind_tools` when a binding does not say. ``None``: the tool specs
+    carry none, and a kvbranch server marks them ``strict`` itself (vLLM then constrains the
+    arguments by the tool's JSON schema); ``True`` asks for that of any OpenAI-compatible
+    server, plain vLLM included; ``False`` opts out (free-form arguments)."""
     kvbranch: bool | None = None
     """``True``/``False`` to skip the probe for the kvbranch routes (``None``: probe once)."""
 
@@ -363,12 +368,13 @@ class ChatKVBranch(BaseChatModel):
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (OpenAI tool schemas; pydantic classes, TypedDicts, functions and
         ``BaseTool``\\ s are converted). ``tool_choice``: ``"auto"``, ``"none"``,
-        ``"any"``/``"required"``/``True``, a tool name, or an OpenAI tool_choice dict."""
+        ``"any"``/``"required"``/``True``, a tool name, or an OpenAI tool_choice dict.
+        ``strict``: default :attr:`strict_tools`."""
         return bind_tools_to(
             self,
             tools,
             choice=tool_choice,
-            strict=strict,
+            strict=self.strict_tools if strict is None else strict,
             parallel_tool_calls=parallel_tool_calls,
             **kwargs,
         )

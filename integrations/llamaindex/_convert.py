@@ -29,6 +29,7 @@ __all__ = [
     "tool_kwargs",
     "resolve_tool_choice",
     "tool_schemas",
+    "with_strict",
     "openai_tool_calls",
 ]
 
@@ -267,3 +268,12 @@ def resolve_tool_choice(tool_choice: Any, tool_required: bool) -> Any:
             return tool_choice
         return {"type": "function", "function": {"name": tool_choice}}
     return tool_choice
+
+
+def with_strict(spec: dict[str, Any], strict: bool | None) -> dict[str, Any]:
+    """An OpenAI tool spec with its function's ``strict`` set (a copy; ``None``: as it is, so
+    a spec that says ``strict`` itself keeps it)."""
+    function = spec.get("function")
+    if strict is None or not isinstance(function, dict):
+        return spec
+    return {**spec, "function": {**function, "strict": strict}}

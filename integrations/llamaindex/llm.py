@@ -36,7 +36,11 @@ What the server reports comes back on every ``ChatResponse``/``CompletionRespons
 ``latency_s``; ``raw`` is the server's JSON (the last chunk, for streams).
 
 Tool calls: ``tools``/``tool_choice`` are OpenAI's; ``tool_required=True`` sends
-``tool_choice="required"`` and a tool name forces that tool. Arguments are read leniently (see
+``tool_choice="required"`` and a tool name forces that tool. ``strict_tools`` (or a call's
+``strict``) sets each tool spec's ``strict``: ``None`` (default) sends none, and a kvbranch
+server then marks the tools ``strict`` itself, so vLLM constrains the arguments by the tool's
+JSON schema; ``True`` asks for that from any OpenAI-compatible server (plain vLLM included);
+``False`` opts out (free-form arguments). Arguments are read leniently (see
 :func:`integrations.llamaindex._convert.tool_kwargs`): a model that writes a bare value instead
 of a JSON object gets it mapped onto the tool's single parameter.
 """
@@ -67,7 +71,12 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
-from integrations.llamaindex._convert import openai_tool_calls, resolve_tool_choice, tool_kwargs
+from integrations.llamaindex._convert import (
+    openai_tool_calls,
+    resolve_tool_choice,
+    tool_kwargs,
+    with_strict,
+)
 from integrations.llamaindex._facts import ServerFacts
 from integrations.llamaindex._responses import (
     Turn,
@@ -111,6 +120,9 @@ class KVBranchLLM(FunctionCallingLLM):
         auto_pin, pin_ttl_s: session pin policy (server defaults when ``None``).
         prefetch_on_tool_call: prefetch the branch in the background when an answer calls a
             tool.
+        strict_tools: ``strict`` of every tool spec (a call's ``strict`` overrides it);
+            ``None``: left out (a kvbranch server marks the tools strict), ``True``: the
+            arguments constrained by the tool's schema on any vLLM, ``False``: free-form.
         additional_kwargs: extra request-body parameters of every request.
         transport: an httpx transport for the sdk clients (tests: ``FakeKVBranchServer``).
     """
@@ -139,6 +151,10 @@ class KVBranchLLM(FunctionCallingLLM):
     auto_pin: bool = True
     pin_ttl_s: float | None = Field(default=None, gt=0)
     prefetch_on_tool_call: bool = True
+    strict_tools: bool | None = Field(
+        default=None,
+        description="strict of every tool spec; None: left to the server (kvbranch: strict).",
+    )
     is_function_calling_model: bool = True
     additional_kwargs: dict[str, Any] = Field(default_factory=dict)
     default_headers: dict[str, str] | None = None
@@ -377,12 +393,18 @@ class KVBranchLLM(FunctionCallingLLM):
         allow_parallel_tool_calls: bool = False,
         tool_required: bool = False,
         tool_choice: Any = None,
+        strict: bool | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
         """``{"messages", "tools", "tool_choice", ...}`` for :meth:`chat`: OpenAI tool specs;
         ``tool_choice`` a tool name (forces it), ``"auto"``/``"required"``/``"none"`` or an
-        OpenAI dict; ``tool_required`` without ``tool_choice`` means ``"required"``."""
-        specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
+        OpenAI dict; ``tool_required`` without ``tool_choice`` means ``"required"``;
+        ``strict`` (default :attr:`strict_tools`) each spec's ``strict`` when not ``None``."""
+        strict = self.strict_tools if strict is None else strict
+        specs = [
+            with_strict(tool.metadata.to_openai_tool(skip_length_check=True), strict)
+            for tool in tools
+        ]
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(

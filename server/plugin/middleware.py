@@ -5,7 +5,10 @@ kvbranch's internal fields from the client's extension args (:data:`INTERNAL_XAR
 server sets them), stamps a server-made tag (to find the request's accounting afterwards),
 copies the ``X-KVBranch-Branch`` header into the extension args, and, when the server has API
 keys, stamps the caller's tenant (``owner``) and salts the prefix cache per tenant (vLLM's
-``cache_salt``: the tenant's id combined with the client's own salt, if any). The extension
+``cache_salt``: the tenant's id combined with the client's own salt, if any). Function tools
+the client did not mark ``strict`` are marked ``strict: true``, so vLLM constrains every tool
+call's arguments by the tool's JSON schema for every client (:mod:`server.plugin.tool_schema`
+says why, and why not vLLM's ``--tool-strict-level``). The extension
 args are ``vllm_xargs`` on the OpenAI/Anthropic routes and ``sampling_params.extra_args`` on
 ``/inference/v1/generate``; ``/v1/systemone`` and ``/generative_scoring`` take none from
 clients, so only their salt is set.
@@ -51,6 +54,7 @@ from server.connector.control.models import Split
 from server.plugin.engine_tokens import VllmEngine
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
+from server.plugin.tool_schema import default_strict_tools
 from server.sse import EVENT_END, EventSplitter, encode_event, json_event
 
 __all__ = [
@@ -97,7 +101,10 @@ def rewrite_request(
     owner: str | None,
     path: str = COMPLETION_PATHS[0],
 ) -> dict:
-    """Strip internal fields, add ours (tag, branch, owner) and the tenant salt. Pure."""
+    """Strip internal fields, add ours (tag, branch, owner) and the tenant salt; mark the
+    function tools ``strict`` where the client did not say (:func:`default_strict_tools`).
+    Pure (rewrites ``payload`` in place and returns it)."""
+    default_strict_tools(payload, path)
     if owner:
         payload[CACHE_SALT_FIELD] = tenant_salt(owner, payload.get(CACHE_SALT_FIELD))
     if path in _NO_XARGS_PATHS:

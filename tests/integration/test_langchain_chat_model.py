@@ -2,13 +2,13 @@
 the kvbranch specifics the suite does not cover (cache split, fork, tool-call plumbing and
 prefetch). One server for the whole pytest session (the shared ``kvbranch_server`` fixture).
 
-What the bundled SmolLM2-135M cannot do is declared through the suite's own flags:
-``has_tool_calling``/``has_tool_choice`` are False because, even when vLLM forces a tool call
-(tool_choice="required" or a named tool), its arguments often come back as a bare JSON string
-(``"Paris"``) instead of an object, so every standard tool-calling test would fail on the model,
-not the integration. Tool calls are still exercised below (``test_tool_call_plumbing``) and
-in the unit tests. Structured output uses ``method="json_schema"``, which the server enforces
-by guided decoding.
+Tool calling runs with the suite's own flags on (``has_tool_calling``/``has_tool_choice``):
+the server marks every tool a client did not mark ``strict: false`` as ``strict``
+(:mod:`server.plugin.tool_schema`), so vLLM constrains a call's arguments by the tool's JSON
+schema even though ``ChatKVBranch.bind_tools`` sends no ``strict`` by default. (Before, a forced
+call of the bundled SmolLM2-135M often carried a bare JSON string, ``"Paris"``, instead of an
+object, and the flags were off.) Structured output uses ``method="json_schema"``, which the
+server enforces by guided decoding.
 """
 
 from __future__ import annotations
@@ -20,8 +20,20 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from integrations.langchain import ChatKVBranch
 
 MAX_TOKENS = 48  # enough to close a small JSON object; keeps generations short
+#: A tool call's budget (what ``bind_tools`` binds, as the examples do): the grammar lets the
+#: model put whitespace between JSON tokens, and the 135M model does, so 48 tokens cut the
+#: calls of the suite's tools short (measured: 160 closes them all but the no-argument one).
+TOOL_MAX_TOKENS = 160
 
 # langchain-tests 1.1.9 does not mark its async tests; pyproject sets asyncio_mode = "auto".
+
+
+class SuiteChatKVBranch(ChatKVBranch):
+    """ChatKVBranch whose ``bind_tools`` binds :data:`TOOL_MAX_TOKENS` unless told."""
+
+    def bind_tools(self, tools, **kwargs):  # type: ignore[no-untyped-def, override]
+        kwargs.setdefault("max_tokens", TOOL_MAX_TOKENS)
+        return super().bind_tools(tools, **kwargs)
 
 
 class TestChatKVBranchStandardIntegration(ChatModelIntegrationTests):
@@ -31,7 +43,7 @@ class TestChatKVBranchStandardIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_class(self) -> type[ChatKVBranch]:
-        return ChatKVBranch
+        return SuiteChatKVBranch
 
     @property
     def chat_model_params(self) -> dict:
@@ -48,11 +60,27 @@ class TestChatKVBranchStandardIntegration(ChatModelIntegrationTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        return False  # tool-call arguments of the 135M model are not reliable (see above)
+        return True  # arguments constrained by the schema (see above)
 
     @property
     def has_tool_choice(self) -> bool:
-        return False
+        return True
+
+    @pytest.mark.xfail(
+        reason="SmolLM2-135M fills the empty arguments object with whitespace, which the "
+        "structural tag allows (vLLM's hermes tag sets no max_whitespace_cnt), until max_tokens "
+        "cuts the call off"
+    )
+    def test_tool_calling_with_no_arguments(self, model) -> None:  # type: ignore[no-untyped-def]
+        super().test_tool_calling_with_no_arguments(model)
+
+    @pytest.mark.xfail(
+        reason="tool_choice='auto': SmolLM2-135M's chat template does not show it the tools, and "
+        "it answers in prose; the schema is enforced only once a call begins"
+    )
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model) -> None:  # type: ignore[no-untyped-def]
+        super().test_agent_loop(model)
 
     @property
     def has_structured_output(self) -> bool:
@@ -116,8 +144,8 @@ def test_session_turns_hit_the_cache_and_forks_share_it(kvbranch_server):
 
 
 def test_tool_call_plumbing(kvbranch_server):
-    """A forced tool call comes back as a tool call (valid or, with this small model, often
-    invalid args), streamed as tool_call_chunks, and the branch is prefetched."""
+    """A forced tool call comes back as a tool call whose arguments follow the schema (the
+    server marks the tool strict), streamed as tool_call_chunks, and the branch is prefetched."""
 
     def get_weather(city: str) -> str:
         """Get the weather for a city."""
@@ -126,8 +154,9 @@ def test_tool_call_plumbing(kvbranch_server):
     llm = make(kvbranch_server, session_id="lc-it-tools", max_tokens=128)
     bound = llm.bind_tools([get_weather], tool_choice="get_weather")
     msg = bound.invoke("What is the weather in Paris?")
-    calls = msg.tool_calls + msg.invalid_tool_calls
-    assert calls and calls[0]["name"] == "get_weather"
+    assert not msg.invalid_tool_calls
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(msg.tool_calls[0]["args"].get("city"), str)
     chunks = list(bound.stream("What is the weather in Paris?"))
     assert any(c.tool_call_chunks for c in chunks)
     stats = llm.client.stats()

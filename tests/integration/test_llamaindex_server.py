@@ -2,9 +2,11 @@
 async chat/complete with streaming, the cache split across turns, a fork, and a FunctionAgent
 tool-call round trip (with the background prefetch it triggers).
 
-The bundled SmolLM2-135M answers in prose unless a tool call is forced, and a forced call may
-carry a bare value (``"Paris"``) as its arguments: the agent forces the first step
-(``initial_tool_choice``) and the LLM maps the value onto the tool's single parameter."""
+The bundled SmolLM2-135M answers in prose unless a tool call is forced: the agent forces the
+first step (``initial_tool_choice``). The server marks the tool ``strict`` (the LLM sends no
+``strict``: ``strict_tools=None``), so the call's arguments follow the tool's schema; were they
+a bare value (``"Paris"``, as vLLM allows for a tool without ``strict``), the LLM would map it
+onto the tool's single parameter."""
 
 from __future__ import annotations
 

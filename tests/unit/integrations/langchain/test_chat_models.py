@@ -195,6 +195,21 @@ def test_named_tool_choice():
         make(fake).bind_tools([get_weather], tool_choice="nope")
 
 
+def test_strict_tools_default_leaves_strict_to_the_server():
+    fake = FakeKVBranchServer(reply=tool_reply)
+    make(fake).bind_tools([get_weather], tool_choice="any").invoke("x")
+    assert "strict" not in fake.chat_requests()[-1]["tools"][0]["function"]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_strict_tools_is_the_default_of_bind_tools(strict):
+    fake = FakeKVBranchServer(reply=tool_reply)
+    make(fake, strict_tools=strict).bind_tools([get_weather], tool_choice="any").invoke("x")
+    assert fake.chat_requests()[-1]["tools"][0]["function"]["strict"] is strict
+    make(fake, strict_tools=strict).bind_tools([get_weather], strict=not strict).invoke("x")
+    assert fake.chat_requests()[-1]["tools"][0]["function"]["strict"] is (not strict)
+
+
 def test_prefetch_failure_never_fails_the_turn():
     fake = FakeKVBranchServer(reply=tool_reply)
     base = make(fake, session_id="s4")

@@ -24,7 +24,7 @@ from llama_index.core.base.llms.types import (  # noqa: E402
 )
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW  # noqa: E402
 from llama_index.core.llms.function_calling import FunctionCallingLLM  # noqa: E402
-from llama_index.core.tools import FunctionTool  # noqa: E402
+from llama_index.core.tools import FunctionTool, ToolMetadata  # noqa: E402
 
 from integrations.llamaindex import KVBranchLLM  # noqa: E402
 from integrations.llamaindex._convert import (  # noqa: E402
@@ -418,6 +418,53 @@ def test_prepare_chat_with_tools(fake):
     named = llm._prepare_chat_with_tools([weather_tool], user_msg="x", tool_choice="get_weather")
     assert named["tool_choice"]["function"]["name"] == "get_weather"
     assert "tools" not in llm._prepare_chat_with_tools([], user_msg="x")
+
+
+def test_strict_tools_default_leaves_strict_to_the_server(fake):
+    llm = make_llm(fake)
+    assert llm.strict_tools is None
+    llm.chat_with_tools([weather_tool], user_msg="weather in Paris?", tool_required=True)
+    body = fake.chat_requests()[-1]
+    assert "strict" not in body["tools"][0]["function"]  # a kvbranch server marks it strict
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_strict_tools_sets_every_spec(fake, strict):
+    llm = make_llm(fake, strict_tools=strict)
+    llm.chat_with_tools([weather_tool, add_tool], user_msg="x", tool_required=True)
+    body = fake.chat_requests()[-1]
+    assert [t["function"]["strict"] for t in body["tools"]] == [strict, strict]
+    assert "strict" not in body  # consumed, not sent as a request parameter
+    assert "strict" not in weather_tool.metadata.to_openai_tool()["function"]  # not mutated
+
+
+def test_a_calls_strict_overrides_strict_tools(fake):
+    llm = make_llm(fake, strict_tools=True)
+    kw = llm._prepare_chat_with_tools([weather_tool], user_msg="x", strict=False)
+    assert kw["tools"][0]["function"]["strict"] is False and "strict" not in kw
+    loose = make_llm(fake)
+    kw = loose._prepare_chat_with_tools([weather_tool], user_msg="x", strict=True)
+    assert kw["tools"][0]["function"]["strict"] is True
+
+
+def test_strict_tools_keeps_a_specs_own_strict_when_unset(fake):
+    class LooseMetadata(ToolMetadata):
+        def to_openai_tool(self, skip_length_check: bool = False) -> dict:
+            spec = super().to_openai_tool(skip_length_check=skip_length_check)
+            spec["function"]["strict"] = False
+            return spec
+
+    meta = weather_tool.metadata
+    tool = FunctionTool.from_defaults(
+        get_weather,
+        tool_metadata=LooseMetadata(
+            name=meta.name, description=meta.description, fn_schema=meta.fn_schema
+        ),
+    )
+    kw = make_llm(fake)._prepare_chat_with_tools([tool], user_msg="x")
+    assert kw["tools"][0]["function"]["strict"] is False
+    kw = make_llm(fake, strict_tools=True)._prepare_chat_with_tools([tool], user_msg="x")
+    assert kw["tools"][0]["function"]["strict"] is True
 
 
 @pytest.mark.parametrize("arguments", ['{"city": "Paris"}', '"Paris"'])
