@@ -62,8 +62,13 @@ DEV_PATHS = (
 )
 
 
+_DEV_PATH_SET = frozenset(DEV_PATHS)
+_DEV_PREFIXES = tuple(p + "/" for p in DEV_PATHS)
+
+
 def is_dev_path(path: str) -> bool:
-    return path in DEV_PATHS or any(path.startswith(p + "/") for p in DEV_PATHS)
+    """Asked for every request the guard sees: one set lookup and one ``startswith``."""
+    return path in _DEV_PATH_SET or path.startswith(_DEV_PREFIXES)
 
 
 @functools.cache

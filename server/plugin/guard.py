@@ -116,8 +116,9 @@ class KVBranchGuard:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = route_path(scope) if scope["type"] == "http" else ""
-        if cluster_gate.is_dev_path(path) and tenancy_on(app_args_of(scope)):
-            if owner_of(header(scope, "authorization"), app_args_of(scope)) is None:
+        if cluster_gate.is_dev_path(path):
+            dev_args = app_args_of(scope)
+            if tenancy_on(dev_args) and owner_of(header(scope, "authorization"), dev_args) is None:
                 await self._drain(receive)
                 await self._reply(send, 401, "dev routes need one of this server's API keys", None)
                 return
