@@ -91,15 +91,12 @@ class _Upstream:
             await self.resp.aclose()  # a client that left: D sees the disconnect and aborts
 
 
-async def relay_events(
-    resp: httpx.Response, rewrite: Rewrite, on_close: Callable[[], None] | _Upstream
-) -> AsyncIterator[bytes]:
-    """The stream of ``resp``, each complete event passed through ``rewrite``; a trailing
-    partial event passes as is. ``on_close`` runs and ``resp`` closes however it ends."""
-    upstream = on_close if isinstance(on_close, _Upstream) else _Upstream(resp, on_close)
+async def relay_events(upstream: _Upstream, rewrite: Rewrite) -> AsyncIterator[bytes]:
+    """The upstream stream, each complete event passed through ``rewrite``; a trailing partial
+    event passes as is. The upstream is released however it ends."""
     events = EventSplitter()
     try:
-        async for data in resp.aiter_raw():
+        async for data in upstream.resp.aiter_raw():
             out = rewrite_events(events.feed(data), rewrite)
             if out:
                 yield out
@@ -139,7 +136,7 @@ def relay_stream(
 
     upstream = _Upstream(resp, on_close)
     return _RelayedStream(
-        relay_events(resp, rewrite, upstream),
+        relay_events(upstream, rewrite),
         upstream,
         media_type="text/event-stream",
         headers=headers,
