@@ -156,6 +156,15 @@ def _parse_turn_ttft(run: Run, tables: list) -> None:
             run.recomputed_total[name] = sum(per_turn.values())
 
 
+def _config_recomputed(run: Run, header: list, rows: list) -> None:
+    """A per-configuration table's ``recomputed`` column, as each run's total."""
+    k = header.index("recomputed")
+    for row in rows:
+        value = _num(row[k])
+        if value is not None:
+            run.recomputed_total[row[0]] = value
+
+
 def _parse_agent(run: Run, tables: list) -> None:
     run.ttft_what = "p50 TTFT (s)"
     for _caption, header, rows in tables:
@@ -164,11 +173,7 @@ def _parse_agent(run: Run, tables: list) -> None:
                 if h.endswith(" p50 / p95 s"):
                     run.ttft[h.removesuffix(" p50 / p95 s")] = _by_turn(rows, k)
         elif header and header[0] == "config" and "recomputed" in header:
-            k = header.index("recomputed")
-            for row in rows:
-                value = _num(row[k])
-                if value is not None:
-                    run.recomputed_total[row[0]] = value
+            _config_recomputed(run, header, rows)
 
 
 def _parse_pd(run: Run, tables: list) -> None:
@@ -195,11 +200,7 @@ def _parse_aiperf(run: Run, tables: list) -> None:
                 if h.endswith(" TTFT p50 ms"):
                     run.ttft[h.removesuffix(" TTFT p50 ms")] = _by_turn(rows, k, scale=1e-3)
         elif header and header[0] == "config" and "recomputed" in header:
-            k = header.index("recomputed")
-            for row in rows:
-                value = _num(row[k])
-                if value is not None:
-                    run.recomputed_total[row[0]] = value
+            _config_recomputed(run, header, rows)
 
 
 def _parse_token_exact(run: Run, tables: list) -> None:
