@@ -1,0 +1,51 @@
+"""The cluster index (the global cache manager): where each conversation's KV lives across
+every instance, shared by every router.
+
+* :mod:`server.index.base` — the one interface (:class:`IndexStore`) and its records;
+* :mod:`server.index.memory` — the embedded backend, in the router's process (the default);
+* :mod:`server.index.redis_store` — the Redis backend every router and instance shares
+  (``--index redis://…`` or ``unix://…``); its key schema is in docs/cluster.md;
+* :func:`open_store` — the backend an ``--index`` value names.
+"""
+
+from __future__ import annotations
+
+from server.index.base import (
+    BlockHits,
+    Hold,
+    IndexStore,
+    IndexUnavailable,
+    InstanceRecord,
+    Key,
+    TurnStart,
+)
+from server.index.memory import MemoryIndexStore
+
+__all__ = [
+    "BlockHits",
+    "Hold",
+    "IndexStore",
+    "IndexUnavailable",
+    "InstanceRecord",
+    "Key",
+    "MemoryIndexStore",
+    "TurnStart",
+    "open_store",
+]
+
+#: URL schemes of the Redis backend (``unix://`` is a unix socket path).
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def open_store(url: str | None, *, hold_ttl_s: float, cluster: str = "default") -> IndexStore:
+    """The backend ``url`` names: ``memory`` (or nothing) for the embedded one, a Redis URL for
+    the shared one. ``cluster`` namespaces the Redis keys (several clusters, one Redis)."""
+    if not url or url == "memory":
+        return MemoryIndexStore(hold_ttl_s)
+    if url.startswith(REDIS_SCHEMES):
+        from server.index.redis_store import RedisIndexStore
+
+        return RedisIndexStore.from_url(url, hold_ttl_s=hold_ttl_s, cluster=cluster)
+    raise ValueError(
+        f"--index {url!r}: expected 'memory', redis://host:port/db, rediss://… or unix:///path"
+    )
