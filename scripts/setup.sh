@@ -54,6 +54,20 @@ else
   echo "[setup] packages up to date ($VENV)"
 fi
 
+# The cluster index's contract tests run against a real redis-server (tests/redis_server.py).
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing redis-server (the cluster index tests start one)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq redis-server >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null && apt-get install -y -qq redis-server >/dev/null; } \
+      || echo "[setup] warning: could not install redis-server; the cluster index tests will fail" >&2
+  else
+    echo "[setup] warning: redis-server is not installed and this is not root; install it" \
+      "(apt-get install redis-server) or the cluster index tests will fail" >&2
+  fi
+fi
+
 "$VENV/bin/python" -m server.model_cache prepare >/dev/null
 echo "[setup] embedded model ready at $("$VENV/bin/python" -m server.model_cache path)"
 echo "[setup] done in $(( $(date +%s) - started ))s"
