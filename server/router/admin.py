@@ -1,10 +1,15 @@
 """The router's non-completion routes: kvbranch session routes, stats, health, models.
 
-Session routes (``/v1/kvbranch/...``) fan out to every instance (each keeps its own pins and
-host store); reads go to a prefill instance; ``stats`` adds the cluster index. A fan-out never
-answers with just the first instance's reply: all must agree, or the client gets 502 with each
-instance's status, and a retry with the same id converges (an instance that already has the
-session counts as created, one that no longer has it as deleted).
+Session routes (``/v1/kvbranch/...``) go to the instances that have the session (each keeps its
+own pins and host store). With the embedded index that is every instance. With a shared index
+(instances heartbeat there) it is the instances the index records for the session — its home P
+and the instances its turns ran on — and a new session is created on the P its first turn will
+go to (instances a later turn reaches create it lazily): a create or pin costs a few requests,
+not one per instance in the cluster. Reads go to a prefill instance that has it; ``stats`` adds
+the cluster index. A fan-out never answers with just the first instance's reply: all must
+agree, or the client gets 502 with each instance's status, and a retry with the same id
+converges (an instance that already has the session counts as created, one that no longer has it
+as deleted).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from sdk.contract import (
 )
 from server.connector.core.sessions import new_id
 from server.errors import error_response
+from server.index import IndexStore, IndexUnavailable
 from server.router import relay
 from server.router.edge import (
     SESSION_ROUTE_HEADERS,
@@ -42,7 +48,6 @@ from server.router.edge import (
     tenant_of,
     unavailable,
 )
-from server.router.index import ClusterIndex
 from server.router.pool import Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
@@ -189,7 +194,7 @@ def with_id(body: bytes, field: str, prefix: str) -> bytes:
 class Admin:
     """Session routes, stats, health and model listing across the pool."""
 
-    def __init__(self, pool: Pool, index: ClusterIndex, fanout_timeout_s: float = 60.0) -> None:
+    def __init__(self, pool: Pool, index: IndexStore, fanout_timeout_s: float = 60.0) -> None:
         self.pool = pool
         self.index = index
         self.fanout_timeout_s = fanout_timeout_s
@@ -244,6 +249,7 @@ class Admin:
                 "session_id" if path == "sessions" else "branch_id",
                 "sess" if path == "sessions" else "br",
             )
+        placed = await self.placement(tenant, path, body)
         if path.endswith("/prefetch") or request.method == "GET":
             if path.endswith("/prefetch"):  # warms the session's own prefill instance
                 parts = path.split("/")
@@ -251,15 +257,17 @@ class Admin:
                     (tenant, parts[1], parts[3]) if len(parts) > 3 else None
                 )
                 targets = [chosen or prefills[0]]
-            else:  # a read: every instance has the session; the first that answers
-                targets = prefills
+            else:  # a read: an instance that has the session; the first that answers
+                live_placed = [i for i in prefills if placed is None or i in placed]
+                targets = live_placed + [i for i in prefills if i not in live_placed]
             return await self.first_answer(
                 request, targets, full, body or None, "no prefill instance answered"
             )
-        # A change: every instance, the ones seen down included — the answer must say which
-        # instance missed it, and a retry must reach it.
+        # A change: every instance that has the session, the ones seen down included — the
+        # answer must say which instance missed it, and a retry must reach it.
+        fan = self.pool.all if placed is None else placed
         answers = await asyncio.gather(
-            *(self._fan_one(request, t, full, body or None) for t in self.pool.all)
+            *(self._fan_one(request, t, full, body or None) for t in fan)
         )
         kind = fan_kind(request.method, path)
         if (
@@ -267,8 +275,38 @@ class Admin:
             and path.count("/") == 1
             and any(a.status == 200 or already_done(kind, a) for a in answers)
         ):
-            self.index.drop_session(tenant, path.split("/")[1])
+            try:
+                await self.index.drop_session(tenant, path.split("/")[1])
+            except IndexUnavailable:
+                pass  # its holds expire on their own; a claim on D then finds nothing
         return merge(kind, answers, body)
+
+    async def placement(self, tenant: str, path: str, body: bytes) -> list[Instance] | None:
+        """The instances a session route goes to, with a shared index; None: every instance
+        (the embedded index, or the shared one unreachable — then every instance is the safe
+        answer). A new session goes to the P its first turn will go to, recorded as its home."""
+        if not any(i.record is not None for i in self.pool.all):
+            return None
+        parts = path.split("/")
+        try:
+            if path == "sessions":
+                try:
+                    session = json.loads(body).get("session_id") if body else None
+                except (ValueError, AttributeError):
+                    return None  # the instances answer with their own 400
+                if not isinstance(session, str):
+                    return None
+                home = await self.pool.choose_prefill((tenant, session, "main"))
+                if home is None or home.instance_id is None:
+                    return None
+                await self.index.set_home(tenant, session, home.instance_id)
+                await self.index.add_session_instances(tenant, session, [home.instance_id])
+                return [home]
+            iids = await self.index.session_instances(tenant, parts[1])
+        except IndexUnavailable:
+            return None
+        placed = [i for i in self.pool.all if i.instance_id in iids]
+        return placed or None
 
     async def stats(self, request: Request) -> Response:
         prefills = await self.pool.live(self.pool.prefills)
@@ -282,9 +320,9 @@ class Admin:
         cluster = ClusterInfo.model_validate(
             {
                 "instances": self.pool.infos(),
-                "index": self.index.snapshot(tenant),
+                "index": await self.index.snapshot(tenant),
                 "index_counters": self.index.counters(),
-                "hold_ttl_s": self.index.ttl_s,
+                "hold_ttl_s": self.index.hold_ttl_s,
             }
         )
         data["cluster"] = cluster.model_dump()

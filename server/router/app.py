@@ -8,8 +8,11 @@ This module only assembles the parts, each in its own module:
 * :mod:`server.router.relay` — the answer back to the client, D's transfer params filed;
 * :mod:`server.router.admin` — session routes fanned out to every instance, stats, health;
 * :mod:`server.router.edge` — bounded request bodies, 503 replies, the request's tenant;
-* :mod:`server.router.index` — which D holds which branch's KV (bounded: swept on a timer
-  started by the lifespan below, and capped).
+* :mod:`server.router.choice` — which P is cheapest for a turn;
+* :mod:`server.index` — the cluster index: which D holds which branch's KV, turn order, where
+  each session lives, which instances are up and what blocks they hold. The embedded backend
+  (bounded: swept on a timer started by the lifespan below, and capped) or a Redis every router
+  shares, which makes routers stateless replicas.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from sdk.contract import (
     PROTOCOL_VERSION,
     STATS_PATH,
 )
+from server.index import IndexStore, MemoryIndexStore
 from server.router.admin import Admin
-from server.router.index import ClusterIndex
 from server.router.pool import Pool
 from server.router.turn import TurnFlow
 
@@ -58,12 +61,15 @@ class Router:
         index_max_entries: int | None = None,
         fanout_timeout_s: float = 60.0,
         secret: bytes | None = None,
+        index: IndexStore | None = None,
     ) -> None:
-        self.index = (
-            ClusterIndex(hold_ttl_s)
-            if index_max_entries is None
-            else ClusterIndex(hold_ttl_s, index_max_entries)
-        )
+        if index is None:
+            index = (
+                MemoryIndexStore(hold_ttl_s)
+                if index_max_entries is None
+                else MemoryIndexStore(hold_ttl_s, index_max_entries)
+            )
+        self.index = index
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=MAX_CONNECTIONS),
@@ -73,12 +79,24 @@ class Router:
             decode_urls,
             client=client,
             api_key=api_key,
-            on_restart=self.index.drop_instance,
+            on_restart=self._drop_holds_of,
             secret=secret,
+            store=index,
         )
+        self._tasks: set[asyncio.Task[int]] = set()
         self.registry = CollectorRegistry()
         self.turn_flow = TurnFlow(self.pool, self.index, self.registry)
         self.admin = Admin(self.pool, self.index, fanout_timeout_s)
+
+    def _drop_holds_of(self, decode_url: str) -> None:
+        """A D restarted: its holds are void (readers also compare instance ids, so a backend
+        that cannot list them loses nothing)."""
+        with suppress(RuntimeError):  # no running loop: nothing to drop from
+            task = asyncio.get_running_loop().create_task(
+                self.index.drop_instance_holds(decode_url)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -93,7 +111,7 @@ class Router:
         """Drop expired index entries on a timer (started by the app's lifespan)."""
         while True:
             await asyncio.sleep(self.index.sweep_interval_s)
-            dropped = self.index.sweep()
+            dropped = await self.index.sweep()
             if dropped:
                 logger.debug("index sweep dropped %d expired entries", dropped)
 
@@ -110,6 +128,7 @@ def build_app(router: Router) -> FastAPI:
             with suppress(asyncio.CancelledError):
                 await sweeper
             await router.client.aclose()
+            await router.index.close()
 
     app = FastAPI(title="kvbranch router", version=PROTOCOL_VERSION, lifespan=lifespan)
     app.state.router = router

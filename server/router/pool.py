@@ -12,18 +12,23 @@ for ``EJECT_S`` whatever its health check says; then it gets one request again, 
 failure ejects it again. A success resets the count. Without this, every turn would pay a
 failed leg on it before falling back.
 
-Choice: a session's turns (and its forks) go to the same prefill instance — where its local
-prefix cache and host store are — by rendezvous hashing of (tenant, session) over the live
-prefill instances: when one leaves, only its own sessions move (spread over the others), and
-when it comes back they return — the others' sessions keep their instance and its cache. A turn
-without a session goes to the least busy one. A decode instance is the one that holds the
-branch's KV when it is up, else the least busy.
+Membership: the instances named by ``--prefill``/``--decode`` (seeds), plus — with a shared
+index (:mod:`server.index`) — every instance whose heartbeat is live there, refreshed at most
+once per ``MEMBERS_MAX_AGE_S``. An instance the index lists is chosen only while its heartbeat
+lives: once its record expires, no turn is aimed at it, whatever this router last saw.
+
+Choice (:mod:`server.router.choice` scores it): a decode instance is the one that holds the
+branch's KV when it is up, else the least busy. A prefill instance is the cheapest: the prefill
+left to do given what each P holds (a claimable hold makes every P equally cheap: the pull brings
+the history) plus a load term; ties go to the session's home, then to rendezvous hashing of
+(tenant, session) over the live prefill instances — when one leaves, only its own sessions move,
+and when it comes back they return. Without a shared index that is today's rule: a session's
+turns go to its rendezvous P, a turn without a session to the least busy one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -35,11 +40,14 @@ import httpx
 from sdk.contract import HEALTH_PATH, InstanceInfo
 from server.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.connector.pd.transfer_auth import load_cluster_secret
-from server.router.index import Key
+from server.index import BlockHits, IndexStore, IndexUnavailable, InstanceRecord, Key, TurnStart
+from server.router import choice
 
 logger = logging.getLogger("kvbranch.router")
 
 PROBE_MAX_AGE_S = 1.0
+#: How stale this router's copy of the index's membership may be.
+MEMBERS_MAX_AGE_S = 1.0
 PROBE_TIMEOUT_S = 3.0
 #: Failed requests in a row (unreachable or 5xx) after which an instance is left out ...
 EJECT_AFTER_FAILURES = 3
@@ -61,6 +69,19 @@ class Instance:
     consecutive_failures: int = 0
     #: Left out until then (router clock), see ``EJECT_S``.
     ejected_until: float = 0.0
+    #: The instance's record in the shared index (None: a seed the index does not list).
+    record: InstanceRecord | None = None
+    #: A seed (``--prefill``/``--decode``): chosen on its probe alone. An instance learnt from
+    #: the index is chosen only while the index lists it.
+    seed: bool = True
+    #: Listed by the index's membership at the last refresh.
+    listed: bool = True
+
+    @property
+    def load(self) -> int:
+        """Requests this router has in flight there, or the instance's own count at its last
+        heartbeat when larger (other routers' requests)."""
+        return max(self.inflight, self.record.load if self.record is not None else 0)
 
     def info(self) -> dict[str, Any]:
         """As health and stats report it (:class:`InstanceInfo`)."""
@@ -85,16 +106,21 @@ class Pool:
         *,
         client: httpx.AsyncClient,
         api_key: str | None = None,
-        on_restart: Callable[[str], int] | None = None,
+        on_restart: Callable[[str], object] | None = None,
         secret: bytes | None = None,
+        store: IndexStore | None = None,
     ) -> None:
-        if not prefill_urls or not decode_urls:
+        if store is None and (not prefill_urls or not decode_urls):
             raise ValueError("a router needs at least one prefill and one decode instance")
         self.prefills = [Instance(u.rstrip("/"), "prefill") for u in prefill_urls]
         self.decodes = [Instance(u.rstrip("/"), "decode") for u in decode_urls]
         self.client = client
         self.api_key = api_key
         self._on_restart = on_restart
+        #: The shared index whose membership this pool follows (None: seeds only).
+        self.store = store
+        self._members_at = -1e9
+        self.members_failures = 0
         #: The cluster secret: it signs the requests that carry transfer params or claims.
         self.secret = secret if secret is not None else load_cluster_secret()
 
@@ -129,9 +155,14 @@ class Pool:
         except (httpx.HTTPError, ValueError):
             alive, reported = False, inst.instance_id
         if alive and inst.instance_id and reported != inst.instance_id:
-            dropped = self._on_restart(inst.url) if self._on_restart else 0
+            if self._on_restart:
+                self._on_restart(inst.url)
             logger.warning(
-                "%s %s restarted; dropped %d index entries", inst.role, inst.url, dropped
+                "%s %s restarted (instance %s, was %s): its holds are void",
+                inst.role,
+                inst.url,
+                reported,
+                inst.instance_id,
             )  # a restart lost D's blocks
         if alive != inst.alive:
             logger.warning("%s %s is %s", inst.role, inst.url, "up" if alive else "DOWN")
@@ -169,32 +200,92 @@ class Pool:
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(i, 0.0) for i in self.all))
 
-    async def live(self, instances: list[Instance]) -> list[Instance]:
-        alive = await asyncio.gather(*(self.probe(i) for i in instances))
-        return [i for i, ok in zip(instances, alive, strict=True) if ok]
+    async def refresh_members(self, max_age: float = MEMBERS_MAX_AGE_S) -> None:
+        """Follow the shared index's membership: learn new instances, leave out the ones whose
+        heartbeat expired. The index unreachable: keep the last view for the seeds, and leave
+        out what only the index vouched for (it can no longer say they live)."""
+        if self.store is None or time.monotonic() - self._members_at < max_age:
+            return
+        self._members_at = time.monotonic()
+        try:
+            records = await self.store.members()
+        except IndexUnavailable as exc:
+            self.members_failures += 1
+            if self.members_failures == 1:
+                logger.warning("index unreachable, routing on affinity alone: %s", exc)
+            for inst in self.all:
+                if not inst.seed:
+                    inst.listed = False
+            return
+        if self.members_failures:
+            logger.warning("index reachable again (%d failed reads)", self.members_failures)
+            self.members_failures = 0
+        by_url = {r.url.rstrip("/"): r for r in records if r.role in ("prefill", "decode")}
+        for inst in self.all:
+            rec = by_url.pop(inst.url, None)
+            inst.listed = rec is not None and rec.role == inst.role
+            if inst.listed:
+                inst.record = rec
+            elif not inst.seed:
+                inst.record = None
+        for url, rec in by_url.items():
+            inst = Instance(url, rec.role, seed=False, record=rec)
+            (self.prefills if rec.role == "prefill" else self.decodes).append(inst)
+            logger.info("%s %s joined (instance %s)", rec.role, url, rec.instance_id)
 
-    async def choose_prefill(self, key: Key | None) -> Instance | None:
-        """Session affinity: a session's turns (and forks) go to the same P, where its local
-        prefix cache and host store are."""
+    def eligible(self, inst: Instance) -> bool:
+        """A seed always; an instance learnt from the index only while the index lists it."""
+        return inst.seed or inst.listed
+
+    async def live(self, instances: list[Instance]) -> list[Instance]:
+        await self.refresh_members()
+        candidates = [i for i in instances if self.eligible(i)]
+        alive = await asyncio.gather(*(self.probe(i) for i in candidates))
+        return [i for i, ok in zip(candidates, alive, strict=True) if ok]
+
+    def by_instance_id(self, instance_id: str | None) -> Instance | None:
+        if instance_id is None:
+            return None
+        return next((i for i in self.all if i.instance_id == instance_id), None)
+
+    async def choose_prefill(
+        self, key: Key | None, start: TurnStart | None = None, *, pulled: bool = False
+    ) -> Instance | None:
+        """The cheapest live P for this turn (:mod:`server.router.choice`); without the index's
+        records (the embedded backend), a session's rendezvous P."""
         live = await self.live(self.prefills)
         if not live:
             return None
-        if key is None:
-            return min(live, key=lambda i: i.inflight)
-        session = f"{key[0]}/{key[1]}\0".encode()
-        return max(live, key=lambda i: _weight(session, i.url))
+        scored = any(i.record is not None for i in live)
+        if not scored or start is None or key is None:
+            return choice.choose(live, key, scored=scored)
+        block_size = max((i.record.block_size for i in live if i.record), default=0)
+        hits: dict[str, BlockHits] = {}
+        if start.chain and not pulled and len(live) > 1 and self.store is not None:
+            records = [i.record for i in live if i.record is not None]
+            try:
+                hits = await self.store.block_hits(start.chain, records)
+            except IndexUnavailable:
+                hits = {}
+        return choice.choose(
+            live,
+            key,
+            history_tokens=len(start.chain) * block_size,
+            pulled=pulled,
+            hits=hits,
+            block_size=block_size,
+            home=start.home,
+        )
 
-    async def choose_decode(self, held_on: str | None) -> Instance | None:
+    async def choose_decode(
+        self, held_on: str | None, held_by: str | None = None
+    ) -> Instance | None:
+        """The D that holds the branch's KV when it is up (same URL, and the same instance id
+        when the hold names one), else the least busy."""
         live = await self.live(self.decodes)
         if not live:
             return None
         for inst in live:
-            if inst.url == held_on:
-                return inst  # the D that holds this branch's KV
-        return min(live, key=lambda i: i.inflight)
-
-
-def _weight(session: bytes, url: str) -> int:
-    """Rendezvous (highest random weight) hashing: each (session, instance) pair gets a stable
-    pseudo-random weight; a session goes to its heaviest live instance."""
-    return int.from_bytes(hashlib.blake2b(session + url.encode(), digest_size=8).digest(), "big")
+            if inst.url == held_on and (held_by is None or inst.instance_id == held_by):
+                return inst
+        return min(live, key=lambda i: i.load)

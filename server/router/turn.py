@@ -23,6 +23,7 @@ index and pool.)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -52,6 +53,7 @@ from sdk.contract import (
 )
 from server import dialects
 from server.errors import error_response
+from server.index import Hold, IndexStore, IndexUnavailable, Key, TurnStart
 from server.router import relay
 from server.router.edge import (
     FORWARD_HEADERS,
@@ -61,7 +63,6 @@ from server.router.edge import (
     tenant_of,
     unavailable,
 )
-from server.router.index import ClusterIndex, Holding, Key
 from server.router.pool import Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
@@ -108,9 +109,20 @@ def turn_key(payload: dict[str, Any], request: Request) -> Key | None:
 class TurnFlow:
     """Routes completion turns: P then D, a fallback to one instance when the other fails."""
 
-    def __init__(self, pool: Pool, index: ClusterIndex, registry: CollectorRegistry) -> None:
+    def __init__(self, pool: Pool, index: IndexStore, registry: CollectorRegistry) -> None:
         self.pool = pool
         self.index = index
+        #: Filing tasks of streamed answers (kept so they are not garbage-collected mid-way).
+        self._filing: set[asyncio.Task[None]] = set()
+        #: (tenant, session, instance id) this router already recorded in the index: a
+        #: session's placement is written when it changes, not on every turn.
+        self._placed: dict[tuple[str, str, str], None] = {}
+        self.index_errors = Counter(
+            "kvbranch_router_index_errors",
+            "Index reads or writes that failed (the turn went on without them)",
+            ["op"],
+            registry=registry,
+        )
         self.turns = Counter(
             "kvbranch_router_turns", "Completion turns by route taken", ["route"], registry=registry
         )
@@ -165,9 +177,7 @@ class TurnFlow:
         )
         return await turn.run()
 
-    async def claim(
-        self, inst: Instance, holding: Holding, headers: dict[str, str]
-    ) -> Holding | None:
+    async def claim(self, inst: Instance, holding: Hold, headers: dict[str, str]) -> Hold | None:
         """Ask D to claim its held blocks for this pull (D then keeps them until the claim
         ends instead of releasing them for new work); None when D no longer holds them."""
         auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
@@ -195,21 +205,71 @@ class TurnFlow:
         holding.params = dict(holding.params, **{CLAIM_FIELD: claim})
         return holding
 
-    def file(self, key: Key | None, inst: Instance, started: float, params: Any) -> None:
-        """File D's returned params for the next turn's pull (only a hold D made: params for
-        a remote decode with block ids)."""
-        if (
-            key is not None
-            and isinstance(params, dict)
-            and params.get(DO_REMOTE_DECODE)
-            and params.get(REMOTE_BLOCK_IDS)
-        ):
-            self.index.put(key, inst.url, inst.instance_id, params, started=started)
+    async def begin(self, key: Key | None) -> TurnStart:
+        """The turn's number, D's hold (taken) and the session's home; with the index
+        unreachable, a turn with nothing known (it recomputes; it is never refused)."""
+        if key is None:
+            return TurnStart(turn=0, hold=None, home=None)
+        try:
+            return await self.index.begin_turn(key)
+        except IndexUnavailable:
+            self.index_errors.labels("begin_turn").inc()
+            return TurnStart(turn=0, hold=None, home=None)
+
+    @staticmethod
+    def is_hold(params: Any) -> bool:
+        """Params D returned for a hold it made: a remote decode with block ids."""
+        return (
+            isinstance(params, dict)
+            and bool(params.get(DO_REMOTE_DECODE))
+            and bool(params.get(REMOTE_BLOCK_IDS))
+        )
+
+    async def file_hold(self, key: Key, inst: Instance, turn: int, params: dict[str, Any]) -> None:
+        """File D's returned params for the next turn's pull."""
+        try:
+            await self.index.put_hold(key, Hold(inst.url, inst.instance_id, params, turn=turn))
+        except IndexUnavailable:
+            self.index_errors.labels("put_hold").inc()
+
+    def file(self, key: Key | None, inst: Instance, turn: int, params: Any) -> None:
+        """File D's params from inside a stream's relay (a callback that cannot wait): as a
+        task, done before the client has read the stream's end."""
+        if key is None or not self.is_hold(params):
+            return
+        task = asyncio.get_running_loop().create_task(self.file_hold(key, inst, turn, params))
+        self._filing.add(task)
+        task.add_done_callback(self._filing.discard)
+
+    async def place(self, key: Key | None, start: TurnStart, *instances: Instance) -> None:
+        """Record where the session now lives (its home P, the instances that have it), when
+        that changed: session routes go there (:mod:`server.router.admin`)."""
+        if key is None:
+            return
+        tenant, session = key[0], key[1]
+        new = [
+            i.instance_id
+            for i in instances
+            if i.instance_id and (tenant, session, i.instance_id) not in self._placed
+        ]
+        home = next((i.instance_id for i in instances if i.role == "prefill"), None)
+        try:
+            if home is not None and home != start.home:
+                await self.index.set_home(tenant, session, home)
+            if new:
+                await self.index.add_session_instances(tenant, session, new)
+        except IndexUnavailable:
+            self.index_errors.labels("place").inc()
+            return
+        for iid in new:
+            self._placed[(tenant, session, iid)] = None
+        while len(self._placed) > 100_000:  # bounded: the oldest are written again if needed
+            del self._placed[next(iter(self._placed))]
 
 
 class _Turn:
-    """One turn's state: the request as the client sent it, its key and when it started (an
-    answer must not replace a newer turn's index entry)."""
+    """One turn's state: the request as the client sent it, its key and its number (an
+    answer must not replace a newer turn's hold)."""
 
     def __init__(
         self,
@@ -225,14 +285,28 @@ class _Turn:
         self.payload = payload
         self.headers = headers
         self.key = key
-        self.started = time.monotonic()
+        self.turn = 0
         self.prefill_s: float | None = None
 
     async def run(self) -> Response:
         flow, key = self.flow, self.key
-        holding = flow.index.take(key) if key else None
-        prefill = await self.pool.choose_prefill(key)
-        decode = await self.pool.choose_decode(holding.decode_url if holding else None)
+        start = await flow.begin(key)
+        self.turn = start.turn
+        holding = start.hold
+        decode = await self.pool.choose_decode(
+            holding.decode_url if holding else None, holding.instance_id if holding else None
+        )
+        pull = (
+            holding
+            if holding is not None
+            and decode is not None
+            and holding.decode_url == decode.url
+            and holding.instance_id == decode.instance_id
+            else None
+        )
+        if pull is not None and decode is not None:
+            pull = await flow.claim(decode, pull, self.headers)
+        prefill = await self.pool.choose_prefill(key, start, pulled=pull is not None)
         if prefill is None and decode is None:
             return unavailable("no prefill or decode instance is reachable")
         if decode is None:
@@ -240,15 +314,7 @@ class _Turn:
             return await self.single(prefill, "prefill-only")
         if prefill is None:
             return await self.single(decode, "decode-only", hold=True)
-        pull = (
-            holding
-            if holding is not None
-            and holding.decode_url == decode.url
-            and holding.instance_id == decode.instance_id
-            else None
-        )
-        if pull is not None:
-            pull = await flow.claim(decode, pull, self.headers)
+        await flow.place(key, start, prefill, decode)
         if pull is not None:
             flow.pulled_tokens.inc(pull.num_tokens)
         leg_started = time.perf_counter()
@@ -330,7 +396,7 @@ class _Turn:
             self.pool.succeeded(inst)
 
     async def prefill(
-        self, inst: Instance, pull: Holding | None
+        self, inst: Instance, pull: Hold | None
     ) -> Response | tuple[dict[str, Any], Any]:
         """P's leg: one token, transfer params out (and D's params in when pulling)."""
         params: dict[str, Any] = {DO_REMOTE_DECODE: True}
@@ -387,10 +453,11 @@ class _Turn:
             # The standard header for a server's own timings (W3C Server Timing), in ms.
             out_headers["Server-Timing"] = f"prefill;dur={self.prefill_s * 1000:.1f}"
 
-        def file_params(params: Any) -> None:
-            self.flow.file(key, inst, self.started, params)
-
         if body.get("stream") is True:
+
+            def file_params(params: Any) -> None:
+                self.flow.file(key, inst, self.turn, params)
+
             return await self.stream(inst, body, file_params, split, out_headers)
         r = await self.post(inst, body)
         if r.status_code >= 500:
@@ -401,7 +468,11 @@ class _Turn:
             data = r.json()
         except ValueError:
             raise _Fallback("response is not JSON") from None
-        return JSONResponse(relay.rewrite_json(data, file_params, split), headers=out_headers)
+        returned: list[Any] = []
+        answer = relay.rewrite_json(data, returned.append, split)
+        if key is not None and returned and self.flow.is_hold(returned[0]):
+            await self.flow.file_hold(key, inst, self.turn, returned[0])
+        return JSONResponse(answer, headers=out_headers)
 
     async def stream(
         self,

@@ -1,15 +1,14 @@
-"""Pure logic of prefill/decode: the token-prefix check, the router's index, launcher helpers."""
+"""Pure logic of prefill/decode: the token-prefix check, launcher helpers (the router's index:
+tests/unit/server/index/)."""
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import pytest
 
 from server.cli import LaunchError, build_parser, pd_environment, pd_transfer_config
 from server.connector.pd.transfer_params import verified_prefix
-from server.router.index import ClusterIndex
 from server.router.launch import instance_argv, router_ttl, split_cores
 
 
@@ -26,37 +25,6 @@ def test_verified_prefix_without_token_ids_pulls_nothing():
     assert verified_prefix(None, [1, 2, 3]) == 0
     assert verified_prefix("1,2,3", [1, 2, 3]) == 0
     assert verified_prefix([1, 2], []) == 0
-
-
-def test_index_entries_are_single_use():
-    index = ClusterIndex(ttl_s=10)
-    key = ("t", "s", "main")
-    index.put(key, "http://d", "boot1", {"remote_num_tokens": 300, "remote_block_ids": [1]})
-    held = index.take(key)
-    assert held is not None and held.num_tokens == 300 and held.decode_url == "http://d"
-    assert index.take(key) is None
-    assert index.counters()["taken"] == 1
-
-
-def test_index_entries_expire():
-    index = ClusterIndex(ttl_s=0.05)
-    key = ("t", "s", "main")
-    index.put(key, "http://d", None, {"remote_num_tokens": 5})
-    time.sleep(0.1)
-    assert index.peek(key) is None and index.take(key) is None
-    assert index.counters()["expired"] == 1
-
-
-def test_index_drops_by_session_and_instance_and_scopes_snapshots_by_tenant():
-    index = ClusterIndex(ttl_s=10)
-    index.put(("a", "s1", "main"), "http://d1", None, {"remote_num_tokens": 1})
-    index.put(("a", "s1", "alt"), "http://d2", None, {"remote_num_tokens": 2})
-    index.put(("b", "s2", "main"), "http://d1", None, {"remote_num_tokens": 3})
-    assert {e["branch_id"] for e in index.snapshot("a")} == {"main", "alt"}
-    assert [e["session_id"] for e in index.snapshot("b")] == ["s2"]
-    assert index.drop_instance("http://d1") == 2
-    assert index.drop_session("a", "s1") == 1
-    assert index.snapshot(None) == []
 
 
 def test_instance_argv_removes_cluster_flags_only():
@@ -112,14 +80,3 @@ def test_pd_environment_ports_and_loopback_transport(monkeypatch):
 def test_router_ttl_stays_below_the_decode_hold():
     assert router_ttl(_args("--pd-hold-ttl-s", "30")) == 25
     assert router_ttl(_args("--pd-hold-ttl-s", "4")) == 2
-
-
-def test_a_late_answer_from_an_older_turn_never_replaces_a_newer_entry():
-    index = ClusterIndex(ttl_s=10)
-    key = ("t", "s", "main")
-    index.put(key, "http://d", None, {"remote_num_tokens": 900}, started=20.0)  # newer turn
-    kept = index.put(key, "http://d", None, {"remote_num_tokens": 500}, started=10.0)  # late
-    assert kept.num_tokens == 900 and index.take(key).num_tokens == 900
-    assert index.counters()["stale_dropped"] == 1
-    index.put(key, "http://d", None, {"remote_num_tokens": 100}, started=5.0)  # nothing newer
-    assert index.take(key).num_tokens == 100

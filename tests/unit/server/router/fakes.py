@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from sdk.contract import HEALTH_PATH
+from server.index import Hold
 from server.router.app import Router, build_app
 
 P, D = "http://p.test:1", "http://d.test:2"
@@ -64,3 +65,17 @@ def call(router: Router, method: str, path: str, **kw: Any) -> httpx.Response:
             return await c.request(method, path, **kw)
 
     return asyncio.run(go())
+
+
+def put(router: Router, key: tuple[str, str, str], url: str, iid: str | None, params: dict) -> None:
+    """File a hold in the router's index as a D's answer would (the next turn's number)."""
+
+    async def go() -> None:
+        turn = (await router.index.begin_turn(key)).turn
+        await router.index.put_hold(key, Hold(url, iid, params, turn=turn))
+
+    asyncio.run(go())
+
+
+def peek(router: Router, key: tuple[str, str, str]) -> Hold | None:
+    return asyncio.run(router.index.peek_hold(key))

@@ -11,7 +11,18 @@ import pytest
 from sdk.contract import HEALTH_PATH, SESSIONS_PATH, STATS_PATH, session_path
 from server.router.app import Router
 from server.tenants import scope_of
-from tests.unit.server.router.fakes import D, Fakes, P, call, err, json_reply, make_router, refused
+from tests.unit.server.router.fakes import (
+    D,
+    Fakes,
+    P,
+    call,
+    err,
+    json_reply,
+    make_router,
+    peek,
+    put,
+    refused,
+)
 
 
 # --- session fan-out -----------------------------------------------------------------------
@@ -71,10 +82,10 @@ def test_a_retried_delete_converges_and_drops_the_index_entries():
     fakes.answer[D] = lambda r: json_reply(200, {"deleted": True})
     router = make_router(fakes)
     key = (scope_of(None), "s1", "main")
-    router.index.put(key, D, "x", {"remote_num_tokens": 3})
+    put(router, key, D, "x", {"remote_num_tokens": 3})
     r = call(router, "DELETE", session_path("s1"))
     assert r.status_code == 200 and r.json() == {"deleted": True}
-    assert router.index.peek(key) is None
+    assert peek(router, key) is None
     fakes.answer[D] = fakes.answer[P]
     assert call(router, "DELETE", session_path("s1")).status_code == 404
 
@@ -125,8 +136,8 @@ def test_stats_add_the_cluster_index_of_the_callers_tenant_only():
     fakes = Fakes()
     fakes.answer[P] = lambda r: json_reply(200, {"requests": 3})
     router = make_router(fakes)
-    router.index.put((scope_of("Bearer k1"), "s1", "main"), D, "x", {"remote_num_tokens": 7})
-    router.index.put((scope_of("Bearer k2"), "s2", "main"), D, "x", {"remote_num_tokens": 8})
+    put(router, (scope_of("Bearer k1"), "s1", "main"), D, "x", {"remote_num_tokens": 7})
+    put(router, (scope_of("Bearer k2"), "s2", "main"), D, "x", {"remote_num_tokens": 8})
     r = call(router, "GET", STATS_PATH, headers={"authorization": "Bearer k1"})
     data = r.json()
     assert r.status_code == 200 and data["requests"] == 3

@@ -7,13 +7,13 @@ import time
 from starlette.testclient import TestClient
 
 from server.router.app import build_app
-from tests.unit.server.router.fakes import D, Fakes, make_router
+from tests.unit.server.router.fakes import D, Fakes, make_router, put
 
 
 def test_the_app_sweeps_the_index_on_a_timer_without_any_read():
     router = make_router(Fakes(), ttl=0.05)
     with TestClient(build_app(router)):
-        router.index.put(("t", "s", "main"), D, "x", {"remote_num_tokens": 5})
+        put(router, ("t", "s", "main"), D, "x", {"remote_num_tokens": 5})
         deadline = time.monotonic() + 5
         while router.index.counters()["entries"] and time.monotonic() < deadline:
             time.sleep(0.1)

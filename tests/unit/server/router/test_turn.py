@@ -25,7 +25,16 @@ from server import dialects
 from server.router.turn import turn_key
 from server.tenants import scope_of
 from tests.unit.server.dialects.bodies import conversation
-from tests.unit.server.router.fakes import D, Fakes, P, base_of, call, json_reply, make_router
+from tests.unit.server.router.fakes import (
+    D,
+    Fakes,
+    P,
+    base_of,
+    call,
+    json_reply,
+    make_router,
+    peek,
+)
 
 CHAT = "/v1/chat/completions"
 ROUTE = "X-KVBranch-Route"
@@ -153,7 +162,7 @@ def test_a_turn_prefills_on_p_decodes_on_d_and_files_ds_params():
     assert p_body[TRANSFER_PARAMS_FIELD] == {"do_remote_decode": True}
     (d_body,) = fakes.bodies(D)
     assert d_body["max_tokens"] == 20 and d_body[TRANSFER_PARAMS_FIELD] == P_PARAMS
-    held = router.index.peek(KEY)
+    held = peek(router, KEY)
     assert held is not None and held.decode_url == D and held.num_tokens == 200
     # P's leg, timed: a standard Server-Timing header and the router's histogram
     name, dur = r.headers["Server-Timing"].split(";dur=")
@@ -222,7 +231,7 @@ def test_a_stream_files_ds_params_and_shows_only_what_the_client_asked_for(want_
     else:
         assert usage == []
     assert fakes.bodies(D)[0]["stream_options"] == {"include_usage": True}
-    assert router.index.peek(KEY) is not None
+    assert peek(router, KEY) is not None
 
 
 def test_p_down_means_d_computes_the_prompt_and_holds_it():
@@ -237,7 +246,7 @@ def test_p_down_means_d_computes_the_prompt_and_holds_it():
     r = _turn(router)
     assert r.status_code == 200 and r.headers[ROUTE] == "decode-only"
     assert fakes.bodies(D)[0][TRANSFER_PARAMS_FIELD] == {"do_remote_prefill": False}
-    assert router.index.peek(KEY) is not None
+    assert peek(router, KEY) is not None
 
 
 def test_d_failing_mid_turn_means_p_serves_it():
@@ -324,7 +333,7 @@ def test_a_stream_goes_to_another_decode_as_the_client_asked_for_it():
     assert r.status_code == 200 and r.headers[ROUTE] == "decode-only"
     assert b'"usage"' not in r.content  # the retry did not inherit the router's own usage ask
     assert len(fakes.bodies(D2)) == 1
-    held = router.index.peek(KEY)
+    held = peek(router, KEY)
     assert held is not None and held.decode_url == D2
 
 
@@ -386,7 +395,7 @@ def test_a_prompt_cache_key_turn_is_held_and_pulled_under_the_instances_session(
     assert session == cache_key or session.startswith("pck-")
     r = _hinted_turn(router, prompt_cache_key=cache_key)
     assert r.status_code == 200 and r.headers[ROUTE] == "pd"
-    assert router.index.peek((scope_of(None), session, "main")) is not None
+    assert peek(router, (scope_of(None), session, "main")) is not None
     r = _hinted_turn(router, prompt_cache_key=cache_key)
     assert r.headers[ROUTE] == "pd+pull" and fakes.claims == [{"handle": D_PARAMS}]
     # the body goes on as the client sent it: the instance derives the session itself
@@ -399,17 +408,17 @@ def test_a_prompt_cache_key_is_scoped_to_the_key_and_an_explicit_session_wins():
     router = make_router(fakes)
     auth = {"Authorization": "Bearer sk-a"}
     _hinted_turn(router, auth, prompt_cache_key="agent-42")
-    assert router.index.peek((scope_of("Bearer sk-a"), "agent-42", "main")) is not None
-    assert router.index.peek((scope_of(None), "agent-42", "main")) is None
+    assert peek(router, (scope_of("Bearer sk-a"), "agent-42", "main")) is not None
+    assert peek(router, (scope_of(None), "agent-42", "main")) is None
     _hinted_turn(router, prompt_cache_key="agent-42", session_id="s1")
-    assert router.index.peek(KEY) is not None
+    assert peek(router, KEY) is not None
     _hinted_turn(router, {SESSION_HEADER: "h1"}, prompt_cache_key="k2")
-    assert router.index.peek((scope_of(None), "h1", "main")) is not None
-    assert router.index.peek((scope_of(None), "k2", "main")) is None
+    assert peek(router, (scope_of(None), "h1", "main")) is not None
+    assert peek(router, (scope_of(None), "k2", "main")) is None
     # a bad hint (the instance answers it with a 400): no derived key, nothing held
     fakes.answer[P] = lambda r: json_reply(400, {"error": {"message": "bad hint"}})
     r = _hinted_turn(router, prompt_cache_key="k3", prompt_cache_retention="forever")
-    assert r.status_code == 400 and router.index.peek((scope_of(None), "k3", "main")) is None
+    assert r.status_code == 400 and peek(router, (scope_of(None), "k3", "main")) is None
 
 
 def _request(path: str, headers: dict[str, str]) -> Request:
