@@ -17,8 +17,12 @@ import secrets
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from server.settings import LaunchError
+
+if TYPE_CHECKING:
+    from server.index import IndexStore
 
 #: Our flags that describe one instance and are not copied to the children of --disagg.
 _CLUSTER_FLAGS = {
@@ -64,20 +68,27 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
     from server.router.app import Router, build_app
     from server.router.limits import MAX_CONCURRENCY, HeaderDeadlineProtocol
 
-    if not args.prefill or not args.decode:
-        raise LaunchError("--role router needs at least one --prefill URL and one --decode URL")
+    index_url = getattr(args, "index", None) or "memory"
+    shared = index_url != "memory"
+    if not shared and (not args.prefill or not args.decode):
+        raise LaunchError(
+            "--role router needs at least one --prefill URL and one --decode URL "
+            "(or --index redis://... to find its instances in the cluster index)"
+        )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    store = open_index(index_url, router_ttl(args), getattr(args, "cluster_name", "default"))
     router = Router(
-        args.prefill,
-        args.decode,
+        args.prefill or [],
+        args.decode or [],
         hold_ttl_s=router_ttl(args),
         api_key=args.api_key[0] if args.api_key else None,
+        index=store,
     )
     print(
-        f"[kvbranch] router on http://{args.host}:{args.port} prefill={args.prefill} "
-        f"decode={args.decode}",
+        f"[kvbranch] router on http://{args.host}:{args.port} index={redact(index_url)} "
+        f"prefill={args.prefill or 'from the index'} decode={args.decode or 'from the index'}",
         file=sys.stderr,
         flush=True,
     )
@@ -94,6 +105,40 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
     server.run(sockets=[sock] if sock is not None else None)
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the app did not start (e.g. the port is taken)
+
+
+def redact(url: str) -> str:
+    """``url`` without a password (Redis URLs may carry one)."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+
+
+def open_index(url: str, hold_ttl_s: float, cluster: str) -> IndexStore:
+    """The index backend, checked before the router serves: one clear line when it cannot be
+    reached or speaks another schema (a router that starts anyway would route on affinity
+    alone, and nobody would know why pulls never happen)."""
+    import asyncio
+
+    from server.index import IndexUnavailable, open_store
+
+    try:
+        probe = open_store(url, hold_ttl_s=hold_ttl_s, cluster=cluster)
+    except (ValueError, ImportError) as exc:
+        raise LaunchError(f"--index: {exc}") from None
+
+    async def check() -> None:  # its own client: connections belong to the loop that made them
+        try:
+            await probe.ping()
+        finally:
+            await probe.close()
+
+    try:
+        asyncio.run(check())
+    except IndexUnavailable as exc:
+        raise LaunchError(f"--index {redact(url)}: {exc}") from None
+    return open_store(url, hold_ttl_s=hold_ttl_s, cluster=cluster)
 
 
 def instance_argv(ours: list[str]) -> list[str]:
