@@ -11,8 +11,11 @@ behaviour is reachable in tests with short prompts;
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
+from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
 
 KVBRANCH_ARGS = [
@@ -38,6 +41,19 @@ def plain_server():
     with ServerProcess(
         ["--kv-cache-gib", "0.5", "--max-model-len", "4096", "--no-connector"], name="plain"
     ) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on a unix socket for the cluster index's tests. Missing is a failure,
+    not a skip: CI installs it, and a skipped backend would pass untested."""
+    if shutil.which("redis-server") is None:
+        pytest.fail(
+            "redis-server is not installed: run scripts/setup.sh as root "
+            "(or apt-get install redis-server) for the cluster index tests"
+        )
+    with RedisServer() as server:
         yield server
 
 

@@ -1,0 +1,121 @@
+"""A real ``redis-server`` for the cluster index's tests: on a unix socket only (``--port 0`` opens
+no TCP listener), nothing persisted, memory capped with the eviction policy production uses.
+
+``stop()``/``kill()`` then ``start()`` again on the same socket are the outage tests' Redis going
+down and coming back (empty: nothing is saved, like a failover to a replica that lost the last
+writes).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+class RedisServer:
+    """One redis-server subprocess on ``<tmpdir>/r.sock``."""
+
+    def __init__(self, workdir: Path | None = None, start_timeout_s: float = 10.0) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (scripts/setup.sh installs it)")
+        self.binary = binary
+        self._own_dir = workdir is None
+        self.dir = Path(workdir or tempfile.mkdtemp(prefix="kvb-redis-"))
+        self.socket = self.dir / "r.sock"
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self) -> RedisServer:
+        """Start it (again, after stop/kill: same socket) and wait until it answers PING."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        self.socket.unlink(missing_ok=True)
+        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                "0",
+                "--unixsocket",
+                str(self.socket),
+                "--unixsocketperm",
+                "700",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--maxmemory",
+                "256mb",
+                "--maxmemory-policy",
+                "volatile-lru",
+                "--dir",
+                str(self.dir),
+            ],  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._answers():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited ({self.proc.returncode}): {self._tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not answer within {self.start_timeout_s}s")
+            time.sleep(0.02)
+        return self
+
+    def _answers(self) -> bool:
+        """PING over the socket, without a client library."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(0.5)
+                s.connect(str(self.socket))
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _tail(self) -> str:
+        try:
+            return (self.dir / "redis.log").read_text(errors="replace")[-800:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM and wait (a clean shutdown)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: Redis dies mid-flight, as in a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
