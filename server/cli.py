@@ -35,8 +35,11 @@ from server.phases import Phases, PhaseTracker, StdoutTee, watch_listening
 from server.settings import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
+    ENV_ADVERTISE_URL,
     ENV_API_KEYS,
+    ENV_CLUSTER_NAME,
     ENV_CONTROL_SOCKET,
+    ENV_INDEX_URL,
     ENV_MODEL_NAME,
     ENV_ROLE,
     GIB,
@@ -45,8 +48,10 @@ from server.settings import (
     PD_CONNECTOR_MODULE,
     PLUGIN_NAME,
     LaunchError,
+    advertise_url,
     api_keys,
     build_parser,
+    index_enabled,
 )
 
 #: When the launcher started (``python -m server`` imports this module first): phase times count
@@ -217,6 +222,16 @@ def plan_launch(
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     elif args.role in ("prefill", "decode"):
         argv += ["--kv-transfer-config", json.dumps(pd_transfer_config(args, None))]
+    if index_enabled(args) and not has_flag(passthrough, "--kv-events-config"):
+        # The plugin's index publisher reads vLLM's KV events (device cache and, through the
+        # connector's take_events, host store) from this instance's own engine over ipc://
+        # in a private directory: events carry token ids and cache salts.
+        folder = (
+            os.path.dirname(control_socket)
+            if control_socket
+            else tempfile.mkdtemp(prefix="kvbranch-")
+        )
+        argv += ["--kv-events-config", json.dumps(kv_events_config(folder, args.port))]
     argv += passthrough
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     for name in (PLUGIN_NAME, SPIN_PLUGIN_NAME):
@@ -233,6 +248,9 @@ def plan_launch(
     if control_socket:
         env[ENV_CONTROL_SOCKET] = control_socket
     env[ENV_ROLE] = args.role
+    env[ENV_INDEX_URL] = args.index
+    env[ENV_CLUSTER_NAME] = args.cluster_name
+    env[ENV_ADVERTISE_URL] = advertise_url(args)
     if args.cpu_cores and not cuda:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_cores
     if args.role in ("prefill", "decode"):
@@ -240,6 +258,25 @@ def plan_launch(
     if keys:
         env[ENV_API_KEYS] = ",".join(keys)
     return LaunchPlan(argv, env, model_path, served, control_socket, args.shutdown_grace_s)
+
+
+def has_flag(passthrough: list[str], flag: str) -> bool:
+    """``flag`` is among vLLM's arguments after ``--`` (also as ``--flag=value`` and with
+    underscores, which vLLM's parser accepts too)."""
+    spellings = {flag, "--" + flag[2:].replace("-", "_")}
+    return any(a.partition("=")[0] in spellings for a in passthrough)
+
+
+def kv_events_config(folder: str, port: int) -> dict:
+    """vLLM's KV event publisher on ``ipc://`` sockets in ``folder``: PUB for the stream,
+    ROUTER for replays (docs/kv_events.md)."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{folder}/kvb-events-{port}.sock",
+        "replay_endpoint": f"ipc://{folder}/kvb-replay-{port}.sock",
+        "topic": "kvbranch",
+    }
 
 
 def pd_transfer_config(args: argparse.Namespace, kvbranch: dict | None) -> dict:

@@ -25,6 +25,11 @@ ENV_CONTROL_SOCKET = "KVBRANCH_CONTROL_SOCKET"
 ENV_API_KEYS = "KVBRANCH_API_KEYS"
 ENV_MODEL_NAME = "KVBRANCH_MODEL_NAME"
 ENV_ROLE = "KVBRANCH_ROLE"
+#: The cluster index an instance publishes into (``--index``; unset or "memory": none).
+ENV_INDEX_URL = "KVBRANCH_INDEX_URL"
+ENV_CLUSTER_NAME = "KVBRANCH_CLUSTER_NAME"
+#: The URL routers reach this instance at (``--advertise-url``), as its heartbeat says.
+ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
 PD_CONNECTOR_CLASS = "KVBranchPDConnector"
 NIXL_CONNECTOR_CLASS = "VerifiedNixlConnector"
 PD_CONNECTOR_MODULE = "server.connector.pd"
@@ -64,6 +69,14 @@ _non_negative_float = _value(float, "a number", (lambda v: not v < 0, "must not 
 _port = _value(int, "a port number", (lambda v: 0 < v < 65536, "is not in 1-65535"))
 _positive_int = _value(int, "an integer", _POSITIVE)
 _share = _value(float, "a number", _POSITIVE, (lambda v: v <= 1, "must be at most 1"))
+_index_url = _value(
+    str,
+    "an index URL",
+    (
+        lambda v: v == "memory" or v.startswith(("redis://", "rediss://", "unix://")),
+        "is not 'memory', redis://host:port/db, rediss://... or unix:///path",
+    ),
+)
 _block_size = _value(
     int, "an integer", (lambda v: v > 0 and not v & (v - 1), "must be a power of two")
 )
@@ -261,7 +274,51 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="P/D without the D->P pull (the baseline: P recomputes what its own caches lack)",
     )
+    cluster = parser.add_argument_group(
+        "cluster index",
+        "Instances and routers sharing one index (docs/cluster.md, docs/kv_events.md): each "
+        "instance heartbeats its record and publishes which KV blocks it holds (vLLM's own "
+        "KV events: device cache and host store); routers read it. Give every instance the "
+        "same PYTHONHASHSEED (or none) so that block hashes agree.",
+    )
+    cluster.add_argument(
+        "--index",
+        type=_index_url,
+        default="memory",
+        metavar="URL",
+        help="the cluster index: 'memory' (in the router's process; instances publish "
+        "nothing), redis://host:port/db, rediss://... or unix:///path/to/redis.sock "
+        "(default %(default)s)",
+    )
+    cluster.add_argument(
+        "--cluster-name",
+        default="default",
+        metavar="NAME",
+        help="namespace in the index: several clusters can share one Redis (default %(default)s)",
+    )
+    cluster.add_argument(
+        "--advertise-url",
+        default=None,
+        metavar="URL",
+        help="instance: the URL routers reach it at, as published in the index "
+        "(default: http://<host>:<port>, 0.0.0.0 and :: as 127.0.0.1)",
+    )
     return parser
+
+
+def advertise_url(args: argparse.Namespace) -> str:
+    """``--advertise-url``, else ``http://<host>:<port>`` with a wildcard host as loopback."""
+    if getattr(args, "advertise_url", None):
+        return str(args.advertise_url).rstrip("/")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{args.port}"
+
+
+def index_enabled(args: argparse.Namespace) -> bool:
+    """An index other than the embedded one: instances publish into it."""
+    return (getattr(args, "index", None) or "memory") != "memory"
 
 
 def passthrough_api_keys(passthrough: list[str]) -> list[str] | None:

@@ -20,6 +20,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import vllm
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -31,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
@@ -52,24 +61,32 @@ if TYPE_CHECKING:
 PINNED_VLLM = "0.32.0"
 
 __all__ = [
+    "MEDIUM_CPU",
     "PINNED_VLLM",
+    "AllBlocksCleared",
     "AttentionMetadata",
+    "BlockRemoved",
+    "BlockStored",
     "CacheHitSource",
     "ForwardContext",
     "KVCacheBlocks",
     "KVCacheConfig",
+    "KVCacheEvent",
     "KVConnectorBase_V1",
     "KVConnectorFactory",
     "KVConnectorMetadata",
     "KVConnectorPromMetrics",
     "KVConnectorRole",
     "KVConnectorStats",
+    "KVEventBatch",
     "MultiConnector",
     "NixlConnector",
     "Request",
     "RequestStatus",
     "SchedulerOutput",
     "VllmConfig",
+    "kv_events_enabled",
+    "maybe_convert_block_hash",
     "nixl_base_worker",
 ]
 
@@ -134,6 +151,14 @@ def register_connector_by_name(name: str, module: str) -> None:
     (``register_connector`` raises on a second registration)."""
     if name not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(name, module, name)
+
+
+# --- KV events ------------------------------------------------------------------------------
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """vLLM publishes KV cache events (``--kv-events-config`` with ``enable_kv_cache_events``):
+    the scheduler then also publishes what ``KVConnectorBase_V1.take_events`` yields."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and config.enable_kv_cache_events)
 
 
 # --- MultiConnector's children --------------------------------------------------------------

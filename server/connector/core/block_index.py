@@ -17,12 +17,48 @@ Rules:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 #: Tails filed under one parent (forks that diverge inside one block); more are not saved.
 MAX_TAILS_PER_PARENT = 64
+#: Store events kept for the connector's ``take_events`` between two engine steps; beyond it
+#: the oldest are dropped (and counted): the cluster index is advisory, a lost event costs a
+#: wrong cost estimate until the entry's TTL, never a wrong answer.
+MAX_STORE_EVENTS = 10_000
+
+#: One host-store change for the KV event stream: ("stored" | "removed", block hash) or
+#: ("cleared", None). Tails are not announced (their keys are not vLLM block hashes).
+StoreEvent = tuple[Literal["stored", "removed", "cleared"], bytes | None]
+
+
+class StoreEventLog:
+    """The host store's changes since the connector last took them (only when vLLM's KV
+    events are on: otherwise the index has no log and pays nothing)."""
+
+    def __init__(self, cap: int = MAX_STORE_EVENTS) -> None:
+        self.cap = cap
+        self.events: deque[StoreEvent] = deque()
+        self.dropped = 0
+
+    def add(self, event: StoreEvent) -> None:
+        if len(self.events) >= self.cap:
+            self.events.popleft()
+            self.dropped += 1
+        self.events.append(event)
+
+    def take(self) -> list[StoreEvent]:
+        """Everything logged so far, oldest first (the log is empty afterwards)."""
+        out: list[StoreEvent] = []
+        events = self.events
+        while events:
+            try:
+                out.append(events.popleft())
+            except IndexError:  # taken concurrently (a control-socket reset): nothing lost
+                break
+        return out
 
 
 @dataclass
@@ -55,7 +91,10 @@ class HostBlockIndex:
         # Tails: parent key -> {tail key: None}, and each tail slot's parent key.
         self._tails_of: dict[bytes, dict[bytes, None]] = {}
         self._parent_of: dict[int, bytes] = {}
+        self._tail_slots: set[int] = set()
         self.counters = IndexCounters()
+        #: Set by the connector when vLLM's KV events are on (see :class:`StoreEventLog`).
+        self.event_log: StoreEventLog | None = None
 
     # --- queries -----------------------------------------------------------------------------
     def __contains__(self, block_hash: bytes) -> bool:
@@ -146,6 +185,8 @@ class HostBlockIndex:
         tokens: Sequence[int],
         protected: set[int] | None = None,
         parent: bytes | None = None,
+        *,
+        _tail: bool = False,
     ) -> int | None:
         """Reserve a slot for a new block; ``None`` when the hash is already stored or when
         every slot is pinned (the block is then simply not saved). ``protected`` slots (read
@@ -167,6 +208,10 @@ class HostBlockIndex:
         else:
             self._lru[slot] = None
         self.counters.saved_blocks += 1
+        if _tail:
+            self._tail_slots.add(slot)
+        elif self.event_log is not None:
+            self.event_log.add(("stored", block_hash))
         if parent is not None:
             self._file_under(parent, block_hash, slot)
         return slot
@@ -184,7 +229,7 @@ class HostBlockIndex:
         has :data:`MAX_TAILS_PER_PARENT` tails."""
         if key not in self._slot_of and len(self._tails_of.get(parent, ())) >= MAX_TAILS_PER_PARENT:
             return None
-        slot = self.allocate(key, tokens, protected)
+        slot = self.allocate(key, tokens, protected, _tail=True)
         if slot is not None:
             self.counters.saved_blocks -= 1  # counted as a tail, not a block
             self.counters.saved_tails += 1
@@ -205,6 +250,10 @@ class HostBlockIndex:
     def _drop(self, slot: int) -> None:
         block_hash = self._hash_of[slot]
         assert block_hash is not None
+        if slot in self._tail_slots:
+            self._tail_slots.discard(slot)
+        elif self.event_log is not None:
+            self.event_log.add(("removed", block_hash))
         del self._slot_of[block_hash]
         self._hash_of[slot] = None
         self._tokens_of[slot] = None
@@ -264,4 +313,7 @@ class HostBlockIndex:
         self._pin_counts.clear()
         self._tails_of.clear()
         self._parent_of.clear()
+        self._tail_slots.clear()
+        if self.event_log is not None:
+            self.event_log.add(("cleared", None))
         return dropped

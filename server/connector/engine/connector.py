@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from server.connector.config import ConnectorConfig
 from server.connector.control.ops import Op
+from server.connector.core.block_index import StoreEvent, StoreEventLog
 from server.connector.core.metadata import KVBranchMetadata
 from server.connector.core.planner import Planner
 from server.connector.engine.scheduler_side import KVBranchScheduler
@@ -32,10 +34,17 @@ from server.connector.engine.stats import KVBranchPromMetrics, KVBranchTransferS
 from server.connector.engine.step_trace import StepTrace, scheduled_token_split
 from server.connector.engine.worker_side import KVBranchWorker
 from server.connector.vllm_compat import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     CacheHitSource,
+    KVCacheEvent,
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    kv_events_enabled,
+    maybe_convert_block_hash,
 )
 
 if TYPE_CHECKING:
@@ -53,6 +62,47 @@ logger = logging.getLogger("kvbranch.connector")
 
 # The pure layer's metadata is a plain dataclass; vLLM's base is an ABC with no members.
 KVConnectorMetadata.register(KVBranchMetadata)
+
+
+def host_events(changes: list[StoreEvent], block_size: int) -> list[KVCacheEvent]:
+    """The host store's changes as vLLM KV events (``medium="CPU"``), runs of one kind merged
+    into one event. Only the hashes matter to the cluster index: no token ids, no parent, no
+    extra keys (token ids and cache salts stay in the instance)."""
+    out: list[KVCacheEvent] = []
+    run: list[Any] = []
+    kind: str | None = None
+
+    def flush() -> None:
+        if not run:
+            return
+        if kind == "stored":
+            out.append(
+                BlockStored(
+                    block_hashes=list(run),
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=block_size,
+                    lora_id=None,
+                    medium=MEDIUM_CPU,
+                    lora_name=None,
+                )
+            )
+        else:
+            out.append(BlockRemoved(block_hashes=list(run), medium=MEDIUM_CPU))
+        run.clear()
+
+    for what, block_hash in changes:
+        if what == "cleared":
+            flush()
+            kind = None
+            out.append(AllBlocksCleared())
+            continue
+        if what != kind:
+            flush()
+            kind = what
+        run.append(maybe_convert_block_hash(block_hash))  # type: ignore[arg-type]
+    flush()
+    return out
 
 
 def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
@@ -103,6 +153,9 @@ class KVBranchConnector(KVConnectorBase_V1):
                 config=config,
                 engine_index=int(engine or 0),
             )
+            if kv_events_enabled(vllm_config):
+                # Host-store saves and evictions join vLLM's KV event stream (take_events).
+                self.scheduler_side.planner.index.event_log = StoreEventLog()
         else:
             self.worker_side = KVBranchWorker(num_slots if enabled else 0, block_bytes)
 
@@ -253,6 +306,17 @@ class KVBranchConnector(KVConnectorBase_V1):
         if self._trace.enabled:
             self._trace.add_hook_time("finish", started)
         return result
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The host store's saves and evictions since the last step, as ``medium="CPU"``
+        events the scheduler publishes with the device cache's own (only with vLLM's KV events
+        on; a MultiConnector yields its children's)."""
+        if self.scheduler_side is None:
+            return ()
+        log = self.scheduler_side.planner.index.event_log
+        if log is None or not log.events:
+            return ()
+        return host_events(log.take(), self.scheduler_side.block_size)
 
     def reset_cache(self) -> bool | None:
         """``POST /reset_prefix_cache?reset_external=true``, vLLM's cache clears (pause, sleep)
