@@ -5,6 +5,8 @@ every instance, shared by every router.
 * :mod:`server.index.memory` — the embedded backend, in the router's process (the default);
 * :mod:`server.index.redis_store` — the Redis backend every router and instance shares
   (``--index redis://…`` or ``unix://…``); its key schema is in docs/cluster.md;
+* :mod:`server.index.guarded` — a circuit breaker in front of a shared backend (fail fast
+  while it is down);
 * :func:`open_store` — the backend an ``--index`` value names.
 """
 
@@ -43,9 +45,10 @@ def open_store(url: str | None, *, hold_ttl_s: float, cluster: str = "default") 
     if not url or url == "memory":
         return MemoryIndexStore(hold_ttl_s)
     if url.startswith(REDIS_SCHEMES):
+        from server.index.guarded import GuardedStore
         from server.index.redis_store import RedisIndexStore
 
-        return RedisIndexStore.from_url(url, hold_ttl_s=hold_ttl_s, cluster=cluster)
+        return GuardedStore(RedisIndexStore.from_url(url, hold_ttl_s=hold_ttl_s, cluster=cluster))
     raise ValueError(
         f"--index {url!r}: expected 'memory', redis://host:port/db, rediss://… or unix:///path"
     )

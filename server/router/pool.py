@@ -202,8 +202,8 @@ class Pool:
 
     async def refresh_members(self, max_age: float = MEMBERS_MAX_AGE_S) -> None:
         """Follow the shared index's membership: learn new instances, leave out the ones whose
-        heartbeat expired. The index unreachable: keep the last view for the seeds, and leave
-        out what only the index vouched for (it can no longer say they live)."""
+        heartbeat expired. The index unreachable: keep the last view — routers go on serving on
+        affinity alone, and an instance that died meanwhile fails its probe."""
         if self.store is None or time.monotonic() - self._members_at < max_age:
             return
         self._members_at = time.monotonic()
@@ -213,9 +213,6 @@ class Pool:
             self.members_failures += 1
             if self.members_failures == 1:
                 logger.warning("index unreachable, routing on affinity alone: %s", exc)
-            for inst in self.all:
-                if not inst.seed:
-                    inst.listed = False
             return
         if self.members_failures:
             logger.warning("index reachable again (%d failed reads)", self.members_failures)

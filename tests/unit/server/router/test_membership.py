@@ -1,0 +1,99 @@
+"""The pool follows the shared index: instances learnt from heartbeats, chosen only while their
+record lives, kept through an index outage; P chosen by cost (server/router/choice.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from server.index import BlockHits, IndexUnavailable, InstanceRecord, MemoryIndexStore, TurnStart
+from server.router import choice
+from server.router.pool import Pool
+from tests.unit.server.router.fakes import base_of, json_reply
+
+P1, P2, D1 = "http://p1.test:1", "http://p2.test:1", "http://d1.test:2"
+KEY = ("t", "s", "main")
+
+
+def _client(down: set[str] | None = None) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if base_of(request) in (down or set()):
+            raise httpx.ConnectError("refused", request=request)
+        return json_reply(200, {"instance_id": "iid-" + base_of(request)})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def _record(url: str, role: str, load: int = 0) -> InstanceRecord:
+    return InstanceRecord("iid-" + url, url, role, block_size=16, load=load)  # type: ignore[arg-type]
+
+
+def test_instances_come_from_heartbeats_and_leave_when_their_record_expires():
+    async def go() -> None:
+        store = MemoryIndexStore(hold_ttl_s=10)
+        pool = Pool([], [], client=_client(), store=store)
+        await store.heartbeat(_record(P1, "prefill"), ttl_s=0.2)
+        await store.heartbeat(_record(D1, "decode"), ttl_s=60)
+        assert [i.url for i in await pool.live(pool.prefills)] == [P1]
+        assert [i.url for i in await pool.live(pool.decodes)] == [D1]
+        await asyncio.sleep(0.3)  # P1's heartbeat lapsed; its health check still answers
+        await pool.refresh_members(max_age=0)
+        assert await pool.live(pool.prefills) == []
+        await store.heartbeat(_record(P1, "prefill"), ttl_s=60)  # back
+        await pool.refresh_members(max_age=0)
+        assert [i.url for i in await pool.live(pool.prefills)] == [P1]
+
+    asyncio.run(go())
+
+
+class _Down(MemoryIndexStore):
+    async def members(self) -> list[InstanceRecord]:
+        raise IndexUnavailable("down")
+
+
+def test_an_index_outage_keeps_the_last_view():
+    async def go() -> None:
+        store = MemoryIndexStore(hold_ttl_s=10)
+        pool = Pool([], [], client=_client(), store=store)
+        await store.heartbeat(_record(P1, "prefill"), ttl_s=60)
+        assert len(await pool.live(pool.prefills)) == 1
+        pool.store = _Down(hold_ttl_s=10)
+        await pool.refresh_members(max_age=0)
+        assert [i.url for i in await pool.live(pool.prefills)] == [P1]
+        assert pool.members_failures == 1
+
+    asyncio.run(go())
+
+
+def test_the_prefill_that_holds_the_history_wins_unless_a_hold_makes_them_equal():
+    async def go() -> None:
+        store = MemoryIndexStore(hold_ttl_s=10)
+        pool = Pool([], [], client=_client(), store=store)
+        for url in (P1, P2):
+            await store.heartbeat(_record(url, "prefill"), ttl_s=60)
+        chain = list(range(1, 9))
+        await store.publish_blocks("iid-" + P2, 0, "device", chain, [])
+        start = TurnStart(turn=2, hold=None, home="iid-" + P1, chain=chain)
+        chosen = await pool.choose_prefill(KEY, start)
+        assert chosen is not None and chosen.url == P2  # holds all 8 blocks; home holds none
+        chosen = await pool.choose_prefill(KEY, start, pulled=True)
+        assert chosen is not None and chosen.url == P1  # equal cost: the home wins the tie
+
+    asyncio.run(go())
+
+
+def test_cost_weighs_load_against_prefill_left():
+    class Inst:
+        def __init__(self, url: str, load: int) -> None:
+            self.url, self.instance_id, self.load = url, url, load
+
+    busy, idle = Inst("a", 3), Inst("b", 0)
+    hits = {"a": BlockHits(device=10)}
+    # 10 blocks of 16 tokens held on the busy one: 160 tokens saved < 3 requests' load.
+    assert choice.choose([busy, idle], KEY, history_tokens=160, hits=hits, block_size=16) is idle
+    # 100 blocks held: 1600 tokens saved > 3 x 512.
+    hits = {"a": BlockHits(device=100)}
+    assert choice.choose([busy, idle], KEY, history_tokens=1600, hits=hits, block_size=16) is busy
+    # host blocks count less than device blocks
+    assert choice.held_tokens(BlockHits(host=10), 16) < choice.held_tokens(BlockHits(device=10), 16)
