@@ -48,6 +48,10 @@ class KVBranchPlugin:
         state.kvbranch = PluginState(engine_client, control, model_name, max_len)
         if path:
             register_collector(path)
+        from server.index.publisher import start as start_index_publisher
+
+        # With a shared --index: heartbeats and this instance's KV block events (a task).
+        state.kvbranch.index_publisher = start_index_publisher(state.kvbranch, engine_client, args)
         logger.info("kvbranch routes ready (connector control: %s)", path or "none")
 
 

@@ -36,6 +36,8 @@ class PluginState:
         self.instance_id = uuid.uuid4().hex
         self.role = os.environ.get(ENV_ROLE, "single")
         self._tasks: set[asyncio.Task[None]] = set()
+        #: The cluster-index publisher (``server/index/publisher.py``) with a shared --index.
+        self.index_publisher: Any = None
 
     def start_prefetch(self, tokens: list[int], cache_salt: str | None) -> None:
         task = asyncio.create_task(self._prefetch(tokens, cache_salt))

@@ -1,0 +1,319 @@
+"""The instance side of the cluster index (docs/kv_events.md): one asyncio task in the kvbranch
+plugin of every instance started with a shared ``--index``.
+
+* **heartbeat** every :data:`HEARTBEAT_INTERVAL_S`: the instance's
+  :class:`~server.index.base.InstanceRecord` (identity, URL, role, model, block size, NIXL side
+  channel, block generation, load) with a :data:`~server.index.base.DEFAULT_HEARTBEAT_TTL_S`
+  TTL;
+* **block events**: one :class:`~server.index.events.EventConsumer` per engine's KV event
+  publisher (vLLM's ``get_kv_event_sources``), feeding ``publish_blocks`` under this instance's
+  identity and generation;
+* **index unreachable**: one warning per outage, the instance keeps serving, retries back off;
+  block batches wait in a bounded queue — when it overflows they are dropped and the generation
+  bumped (the entries would be incomplete, so the older ones must go invisible too);
+* **shutdown**: deregister, best effort, for at most :data:`DEREGISTER_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from server.index.base import DEFAULT_HEARTBEAT_TTL_S, IndexStore, InstanceRecord, Role, Tier
+from server.index.events import EventConsumer, Generation
+
+logger = logging.getLogger("kvbranch.index.publisher")
+
+HEARTBEAT_INTERVAL_S = 2.0
+DEREGISTER_TIMEOUT_S = 1.0
+#: One index call may take this long before it counts as a failure.
+CALL_TIMEOUT_S = 5.0
+#: Block batches kept while the index is unreachable.
+MAX_PENDING_BATCHES = 10_000
+MAX_BACKOFF_S = 30.0
+
+#: (endpoint, replay endpoint or None, topic): one engine's KV event publisher.
+Source = tuple[str, str | None, str]
+
+
+def role_of(launcher_role: str) -> Role:
+    """The launcher's ``--role`` as the index records it (a single instance does both)."""
+    return (
+        "prefill"
+        if launcher_role == "prefill"
+        else "decode"
+        if launcher_role == "decode"
+        else "both"
+    )
+
+
+def sources_of(engine_client: Any) -> list[Source]:
+    """The KV event publishers of this instance's engines (one per DP rank), from vLLM's
+    resolved configs (``/kv_event_sources``), else from the configured one; [] when events
+    are off or not published over ZMQ."""
+    configs: list[Any] = []
+    try:
+        configs = list((engine_client.get_kv_event_sources() or {}).values())
+    except Exception:  # noqa: BLE001 - an older client or a render-only server
+        configs = []
+    if not configs:
+        config = getattr(getattr(engine_client, "vllm_config", None), "kv_events_config", None)
+        configs = [config] if config is not None else []
+    out: list[Source] = []
+    for config in configs:
+        if not getattr(config, "enable_kv_cache_events", False):
+            continue
+        if getattr(config, "publisher", "zmq") != "zmq" or not getattr(config, "endpoint", ""):
+            continue
+        endpoint = str(config.endpoint).replace("tcp://*", "tcp://127.0.0.1")
+        replay = config.replay_endpoint
+        if replay:
+            replay = str(replay).replace("tcp://*", "tcp://127.0.0.1")
+        out.append((endpoint, replay or None, config.topic or ""))
+    return out
+
+
+class IndexPublisher:
+    """Heartbeats and block events of one instance into ``store``."""
+
+    def __init__(
+        self,
+        store: IndexStore,
+        record: Callable[[], InstanceRecord],
+        sources: list[Source],
+        *,
+        interval_s: float = HEARTBEAT_INTERVAL_S,
+        ttl_s: float = DEFAULT_HEARTBEAT_TTL_S,
+        max_pending: int = MAX_PENDING_BATCHES,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+    ) -> None:
+        self.store = store
+        self.record = record
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self.max_pending = max_pending
+        self.call_timeout_s = call_timeout_s
+        self.generation = Generation()
+        self.consumers = [
+            EventConsumer(ep, rp, self.sink, topic=topic, generation=self.generation)
+            for ep, rp, topic in sources
+        ]
+        self.pending: deque[tuple[int, Tier, list[int], list[int]]] = deque()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.outage = False
+        self.heartbeats_sent = 0
+        self.heartbeats_failed = 0
+        self.batches_applied = 0
+        self.hashes_applied = 0
+        self.batches_dropped = 0
+        self.batches_stale = 0
+
+    # --- what the consumers feed -----------------------------------------------------------
+    async def sink(
+        self, generation: int, tier: Tier, stored: list[int], removed: list[int]
+    ) -> None:
+        if len(self.pending) >= self.max_pending:
+            # Entries would be incomplete: drop what waits and make everything older invisible.
+            self.batches_dropped += len(self.pending) + 1
+            self.pending.clear()
+            self.generation.bump("index publisher queue overflowed")
+        else:
+            self.pending.append((generation, tier, stored, removed))
+        self._wake.set()
+
+    # --- the task --------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Heartbeat and apply block batches until cancelled; then deregister."""
+        self._tasks = [asyncio.create_task(c.run()) for c in self.consumers]
+        backoff = 0.0
+        next_beat = 0.0
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    if loop.time() >= next_beat:
+                        await self.heartbeat()
+                        next_beat = loop.time() + self.interval_s
+                    await self.flush()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the index is advisory: keep serving
+                    if not self.outage:
+                        logger.warning(
+                            "kvbranch index %s unreachable (%s); serving on, retrying",
+                            self.store.kind,
+                            exc,
+                        )
+                    self.outage = True
+                    backoff = min(max(backoff * 2, 0.5), MAX_BACKOFF_S)
+                    next_beat = min(next_beat, loop.time() + backoff)
+                    await asyncio.sleep(backoff)
+                    continue
+                if self.outage:
+                    logger.warning("kvbranch index %s reachable again", self.store.kind)
+                    self.outage = False
+                backoff = 0.0
+                self._wake.clear()
+                if self.pending:
+                    continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), max(next_beat - loop.time(), 0.0))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.shutdown()
+
+    async def heartbeat(self) -> None:
+        record = replace(self.record(), generation=self.generation.value)
+        try:
+            await asyncio.wait_for(self.store.heartbeat(record, self.ttl_s), self.call_timeout_s)
+        except Exception:
+            self.heartbeats_failed += 1
+            raise
+        self.heartbeats_sent += 1
+        logger.debug("kvbranch index publisher: %s", self.counters())
+
+    async def flush(self) -> None:
+        """Apply waiting batches in order; one that fails stays first in line."""
+        iid = self.record().instance_id
+        while self.pending:
+            generation, tier, stored, removed = self.pending[0]
+            if generation < self.generation.value:
+                self.pending.popleft()  # invisible anyway
+                self.batches_stale += 1
+                continue
+            await asyncio.wait_for(
+                self.store.publish_blocks(iid, generation, tier, stored, removed),
+                self.call_timeout_s,
+            )
+            self.pending.popleft()
+            self.batches_applied += 1
+            self.hashes_applied += len(stored) + len(removed)
+
+    async def shutdown(self) -> None:
+        """Leave the cluster (best effort, bounded) and release the store."""
+        try:
+            await asyncio.wait_for(
+                self.store.deregister(self.record().instance_id), DEREGISTER_TIMEOUT_S
+            )
+        except Exception as exc:  # noqa: BLE001 - its record expires by TTL anyway
+            logger.info("kvbranch index: deregister skipped (%s)", exc)
+        try:
+            await asyncio.wait_for(self.store.close(), DEREGISTER_TIMEOUT_S)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def counters(self) -> dict[str, Any]:
+        consumers = [c.counters for c in self.consumers]
+        return {
+            "index": self.store.kind,
+            "generation": self.generation.value,
+            "heartbeats_sent": self.heartbeats_sent,
+            "heartbeats_failed": self.heartbeats_failed,
+            "batches_applied": self.batches_applied,
+            "hashes_applied": self.hashes_applied,
+            "batches_pending": len(self.pending),
+            "batches_dropped": self.batches_dropped,
+            "batches_stale": self.batches_stale,
+            "replays": sum(c.replays for c in consumers),
+            "replay_failures": sum(c.replay_failures for c in consumers),
+            "restarts": sum(c.restarts for c in consumers),
+            "event_sources": len(self.consumers),
+            "outage": self.outage,
+        }
+
+
+def nixl_side_channel(role: str) -> str:
+    """P/D: the NIXL side channel (host:port) the launcher gave vLLM; "" otherwise."""
+    if role not in ("prefill", "decode"):
+        return ""
+    host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "")
+    port = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "")
+    return f"{host}:{port}" if host and port else ""
+
+
+def record_factory(
+    state: Any, engine_client: Any, url: str, launcher_role: str
+) -> Callable[[], InstanceRecord]:
+    """The instance's record, read fresh at each heartbeat (load changes)."""
+    config = getattr(engine_client, "vllm_config", None)
+    cache = getattr(config, "cache_config", None)
+    parallel = getattr(config, "parallel_config", None)
+    block_size = int(getattr(cache, "block_size", 0) or 0)
+    engines = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    nixl = nixl_side_channel(launcher_role)
+    role = role_of(launcher_role)
+    base = InstanceRecord(
+        instance_id=state.instance_id,
+        url=url,
+        role=role,
+        model=state.model_name,
+        block_size=block_size,
+        nixl=nixl,
+        engines=engines,
+    )
+
+    def make() -> InstanceRecord:
+        try:
+            load = int(engine_client.get_num_unfinished_requests())
+        except Exception:  # noqa: BLE001 - not an AsyncLLM: no load signal
+            load = 0
+        return replace(base, load=load)
+
+    return make
+
+
+def start(state: Any, engine_client: Any, args: Any) -> IndexPublisher | None:
+    """Start the publisher task when the launcher named a shared index; None otherwise (or
+    when the index URL cannot be opened: logged, the instance serves without it)."""
+    from server.index import open_store
+    from server.settings import ENV_ADVERTISE_URL, ENV_CLUSTER_NAME, ENV_INDEX_URL, ENV_ROLE
+
+    url = os.environ.get(ENV_INDEX_URL, "memory")
+    if not url or url == "memory":
+        return None
+    try:
+        store = open_store(
+            url,
+            hold_ttl_s=float(getattr(args, "pd_hold_ttl_s", 30.0) or 30.0),
+            cluster=os.environ.get(ENV_CLUSTER_NAME, "default"),
+        )
+    except Exception as exc:  # noqa: BLE001 - a missing backend must not stop serving
+        logger.warning("kvbranch index %s not opened (%s): not publishing", url, exc)
+        return None
+    advertise = (
+        os.environ.get(ENV_ADVERTISE_URL) or f"http://127.0.0.1:{getattr(args, 'port', 8000)}"
+    )
+    sources = sources_of(engine_client)
+    if not sources:
+        logger.warning("kvbranch index: vLLM KV events are off: publishing heartbeats only")
+    publisher = IndexPublisher(
+        store,
+        record_factory(state, engine_client, advertise, os.environ.get(ENV_ROLE, "single")),
+        sources,
+    )
+    task = asyncio.get_running_loop().create_task(publisher.run(), name="kvbranch-index")
+    publisher_task.add(task)
+    task.add_done_callback(publisher_task.discard)
+    logger.info(
+        "kvbranch index publisher: %s cluster=%s as %s, %d event source(s) %s",
+        store.kind,
+        os.environ.get(ENV_CLUSTER_NAME, "default"),
+        advertise,
+        len(sources),
+        [s[0] for s in sources],
+    )
+    return publisher
+
+
+#: The running task (kept referenced: asyncio holds tasks weakly).
+publisher_task: set[asyncio.Task[None]] = set()

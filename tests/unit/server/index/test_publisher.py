@@ -1,0 +1,195 @@
+"""The instance's index publisher against the embedded index: heartbeats, block batches, an
+unreachable index, queue overflow, deregistration; plus a real vLLM publisher end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+
+from server.connector.vllm_compat import BlockStored, KVEventBatch
+from server.index import IndexUnavailable, InstanceRecord, MemoryIndexStore
+from server.index.publisher import IndexPublisher, record_factory, role_of, sources_of
+
+IID = "inst-7"
+
+
+class FlakyStore(MemoryIndexStore):
+    def __init__(self) -> None:
+        super().__init__(30.0)
+        self.down = False
+        self.deregistered: list[str] = []
+
+    async def heartbeat(self, record: InstanceRecord, ttl_s: float) -> None:
+        if self.down:
+            raise IndexUnavailable("connection refused")
+        await super().heartbeat(record, ttl_s)
+
+    async def publish_blocks(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if self.down:
+            raise IndexUnavailable("connection refused")
+        await super().publish_blocks(*args, **kwargs)
+
+    async def deregister(self, instance_id: str) -> None:
+        self.deregistered.append(instance_id)
+        await super().deregister(instance_id)
+
+
+def record() -> InstanceRecord:
+    return InstanceRecord(IID, "http://127.0.0.1:8001", "prefill", model="m", block_size=128)
+
+
+async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.02)
+
+
+async def hits(store: MemoryIndexStore, chain: list[int]) -> tuple[int, int]:
+    members = {m.instance_id: m for m in await store.members()}
+    got = (await store.block_hits(chain, [members[IID]]))[IID]
+    return got.device, got.host
+
+
+@pytest.fixture
+async def running():
+    store = FlakyStore()
+    pub = IndexPublisher(store, record, [], interval_s=0.05)
+    task = asyncio.create_task(pub.run())
+    yield store, pub, task
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def members_of(store: MemoryIndexStore) -> list[str]:
+    return [m.instance_id for m in await store.members()]
+
+
+async def test_heartbeat_registers_and_shutdown_deregisters(running):
+    store, pub, task = running
+    await until(lambda: pub.heartbeats_sent >= 2)
+    (member,) = await store.members()
+    assert (member.instance_id, member.role, member.block_size, member.generation) == (
+        IID,
+        "prefill",
+        128,
+        0,
+    )
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert store.deregistered == [IID]
+    assert await members_of(store) == []
+
+
+async def test_block_batches_reach_the_index(running):
+    store, pub, _ = running
+    await pub.sink(0, "device", [1, 2, 3], [])
+    await pub.sink(0, "host", [1, 2], [])
+    await pub.sink(0, "device", [], [3])
+    await until(lambda: pub.batches_applied == 3)
+    await until(lambda: pub.heartbeats_sent >= 1)
+    assert await hits(store, [1, 2, 3]) == (2, 2)
+    assert pub.counters()["hashes_applied"] == 6
+
+
+async def test_unreachable_index_warns_once_keeps_batches_and_recovers(running, caplog):
+    store, pub, _ = running
+    await until(lambda: pub.heartbeats_sent >= 1)
+    caplog.set_level(logging.WARNING, logger="kvbranch.index.publisher")
+    store.down = True
+    await pub.sink(0, "device", [5, 6], [])
+    await until(lambda: pub.heartbeats_failed >= 1 or pub.outage)
+    await asyncio.sleep(1.2)  # several retries while down
+    assert pub.outage and len(pub.pending) == 1
+    unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(unreachable) == 1
+    store.down = False
+    await until(lambda: not pub.outage and not pub.pending, timeout=10)
+    assert await hits(store, [5, 6]) == (2, 0)
+    assert any("reachable again" in r.getMessage() for r in caplog.records)
+
+
+async def test_overflow_drops_and_bumps_the_generation():
+    store = FlakyStore()
+    pub = IndexPublisher(store, record, [], max_pending=2)
+    for h in (1, 2, 3):
+        await pub.sink(pub.generation.value, "device", [h], [])
+    assert pub.batches_dropped == 3 and not pub.pending
+    assert pub.generation.value == 1
+    await pub.sink(0, "device", [9], [])  # consumed under the old generation: stale
+    await pub.sink(1, "device", [10], [])
+    await pub.flush()
+    assert pub.batches_stale == 1 and pub.batches_applied == 1
+    await pub.heartbeat()
+    assert await hits(store, [10]) == (1, 0)
+    assert await hits(store, [9]) == (0, 0)
+
+
+def test_role_and_sources_and_record():
+    assert [role_of(r) for r in ("single", "prefill", "decode")] == ["both", "prefill", "decode"]
+    on = SimpleNamespace(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint="ipc:///tmp/x/ev.sock",
+        replay_endpoint="ipc:///tmp/x/rp.sock",
+        topic="kvbranch",
+    )
+    off = SimpleNamespace(enable_kv_cache_events=False, publisher="zmq", endpoint="tcp://*:5557")
+    config = SimpleNamespace(
+        kv_events_config=on,
+        cache_config=SimpleNamespace(block_size=128),
+        parallel_config=SimpleNamespace(data_parallel_size=2),
+    )
+    client = SimpleNamespace(
+        get_kv_event_sources=lambda: {0: on, 1: off},
+        vllm_config=config,
+        get_num_unfinished_requests=lambda: 3,
+    )
+    assert sources_of(client) == [("ipc:///tmp/x/ev.sock", "ipc:///tmp/x/rp.sock", "kvbranch")]
+    bare = SimpleNamespace(get_kv_event_sources=lambda: {}, vllm_config=config)
+    assert len(sources_of(bare)) == 1  # falls back on the configured publisher
+    state = SimpleNamespace(instance_id="abc", model_name="m")
+    made = record_factory(state, client, "http://127.0.0.1:9", "single")()
+    assert (made.role, made.block_size, made.engines, made.load, made.nixl) == (
+        "both",
+        128,
+        2,
+        3,
+        "",
+    )
+
+
+async def test_real_vllm_publisher_end_to_end(tmp_path):
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    endpoint, replay = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/rp.sock"
+    vllm_pub = kv_events.ZmqEventPublisher(
+        0, endpoint=endpoint, replay_endpoint=replay, topic="kvbranch"
+    )
+    store = FlakyStore()
+    pub = IndexPublisher(store, record, [(endpoint, replay, "kvbranch")], interval_s=0.05)
+    task = asyncio.create_task(pub.run())
+    try:
+        await asyncio.sleep(0.3)
+        event = BlockStored(
+            block_hashes=[101, 102],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=128,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+        )
+        vllm_pub.publish(KVEventBatch(ts=time.time(), events=[event]))
+        await until(lambda: pub.batches_applied == 1)
+        await until(lambda: pub.heartbeats_sent >= 1)
+        assert await hits(store, [101, 102]) == (0, 2)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        vllm_pub.shutdown()
