@@ -26,6 +26,8 @@ from server.index.redis_store import (
 from tests.redis_server import RedisServer
 
 _names = itertools.count()
+#: A chain length well past anything a small pipeline or script loop special-cases.
+LONG = 128
 KEY: Key = ("tenant-a", "sess:1", "main")
 MakeStore = Callable[..., Awaitable[IndexStore]]
 
@@ -246,19 +248,26 @@ async def test_block_hits_prefix_tier_generation(store: IndexStore) -> None:
     assert await store.block_hits([1, 2], []) == {}
 
 
-FIRST_LOOKUP_BLOCKS = 128
-
-
 async def test_block_hits_long_chain(store: IndexStore) -> None:
-    n = FIRST_LOOKUP_BLOCKS * 2 + 37
+    n = LONG * 2 + 37
     chain = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, n + 1)]
     await store.publish_blocks("p1", 1, "device", chain, [])
-    await store.publish_blocks("p2", 1, "device", chain[: FIRST_LOOKUP_BLOCKS + 5], [])
+    await store.publish_blocks("p2", 1, "device", chain[: LONG + 5], [])
     await store.publish_blocks("p3", 1, "host", chain[:10], [])
     hits = await store.block_hits(chain, [member("p1"), member("p2"), member("p3")])
     assert hits["p1"].device == n
-    assert hits["p2"].device == FIRST_LOOKUP_BLOCKS + 5
+    assert hits["p2"].device == LONG + 5
     assert (hits["p3"].device, hits["p3"].host) == (0, 10)
+
+
+async def test_block_hits_many_members(store: IndexStore) -> None:
+    """More (member, tier) pairs than one lookup script call compares."""
+    fleet = [member(f"p{i}") for i in range(300)]
+    await store.publish_blocks("p299", 1, "host", [5, 6], [])
+    await store.publish_blocks("p0", 1, "device", [5], [])
+    hits = await store.block_hits([5, 6, 7], fleet)
+    assert len(hits) == 300 and (hits["p299"].host, hits["p0"].device) == (2, 1)
+    assert sum(h.best for h in hits.values()) == 3
 
 
 # --- across routers --------------------------------------------------------------------------
@@ -413,6 +422,7 @@ async def test_redis_round_trips(make_store: MakeStore) -> None:
     assert trips() - before == 1
     chain = list(range(1, 1001))
     await store.publish_blocks("p1", 1, "device", chain, [])
+    await store.block_hits([1], [member("p1")])  # loads the lookup script
     before = trips()
     assert (await store.block_hits(chain, [member("p1")]))["p1"].device == 1000
     assert trips() - before == 1
