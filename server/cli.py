@@ -384,17 +384,21 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher(args.shutdown_grace_s)  # started by a launcher: stop when it dies
     try:
         check_port_free(args.host, args.port)
-        if args.disagg or args.role == "router":
+        if args.cluster or args.disagg or args.role == "router":
             from server.router.launch import run_disagg, run_router
 
             if api_keys(args, passthrough) and not args.api_key:
                 raise LaunchError(
-                    "with --disagg or --role router give the API keys with "
+                    "with --cluster, --disagg or --role router give the API keys with "
                     "--api-key before '--' (the router needs them too), not "
                     "after '--' or in VLLM_API_KEY"
                 )
 
-            if args.disagg:
+            if args.cluster:
+                from server.router.cluster import run_cluster
+
+                run_cluster(args, ours, passthrough)
+            elif args.disagg:
                 run_disagg(args, ours, passthrough)
             else:
                 run_router(args)

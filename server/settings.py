@@ -303,6 +303,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="instance: the URL routers reach it at, as published in the index "
         "(default: http://<host>:<port>, 0.0.0.0 and :: as 127.0.0.1)",
     )
+    one = parser.add_argument_group(
+        "one-machine cluster",
+        "--cluster starts a Redis for the index (unless --index is given), prefill and decode "
+        "instances on their own CPU cores, and routers on --port, --port+1, ...; the flags "
+        "that describe an instance (--model, --kv-cache-gib, ..., and what follows '--') go "
+        "to every instance. Across machines start each role with --role and the same --index "
+        "instead (docs/cluster.md).",
+    )
+    one.add_argument(
+        "--cluster",
+        action="store_true",
+        help="start a whole cluster on this machine: Redis, --prefills P, --decodes D and "
+        "--routers routers sharing one index and one cluster secret; SIGTERM or ^C stops it "
+        "(routers first, then instances, then Redis)",
+    )
+    one.add_argument(
+        "--prefills",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="--cluster: prefill instances (default %(default)s)",
+    )
+    one.add_argument(
+        "--decodes",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="--cluster: decode instances (default %(default)s)",
+    )
+    one.add_argument(
+        "--routers",
+        type=_positive_int,
+        default=2,
+        metavar="N",
+        help="--cluster: routers, on --port, --port+1, ... (default %(default)s)",
+    )
     return parser
 
 

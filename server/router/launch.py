@@ -24,9 +24,14 @@ from server.settings import LaunchError
 if TYPE_CHECKING:
     from server.index import IndexStore
 
-#: Our flags that describe one instance and are not copied to the children of --disagg.
+#: Our flags that describe one instance and are not copied to the children of --disagg (nor,
+#: with a few more, of --cluster: server.router.cluster).
 _CLUSTER_FLAGS = {
     "--disagg": 0,
+    "--cluster": 0,
+    "--prefills": 1,
+    "--decodes": 1,
+    "--routers": 1,
     "--port": 1,
     "--role": 1,
     "--cpu-cores": 1,
