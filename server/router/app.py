@@ -38,7 +38,7 @@ from sdk.contract import (
 )
 from server.index import IndexStore, MemoryIndexStore
 from server.router.admin import Admin
-from server.router.pool import Pool
+from server.router.pool import CACHE_AWARE, Pool
 from server.router.turn import TurnFlow
 
 logger = logging.getLogger("kvbranch.router")
@@ -62,6 +62,7 @@ class Router:
         fanout_timeout_s: float = 60.0,
         secret: bytes | None = None,
         index: IndexStore | None = None,
+        policy: str = CACHE_AWARE,
     ) -> None:
         if index is None:
             index = (
@@ -82,6 +83,7 @@ class Router:
             on_restart=self._drop_holds_of,
             secret=secret,
             store=index,
+            policy=policy,
         )
         self._tasks: set[asyncio.Task[int]] = set()
         self.registry = CollectorRegistry()

@@ -46,6 +46,9 @@ from server.router import choice
 logger = logging.getLogger("kvbranch.router")
 
 PROBE_MAX_AGE_S = 1.0
+#: Routing policies: the cache-aware default, and the baseline with no index at all.
+CACHE_AWARE, ROUND_ROBIN = "cache-aware", "round-robin"
+POLICIES = (CACHE_AWARE, ROUND_ROBIN)
 #: How stale this router's copy of the index's membership may be.
 MEMBERS_MAX_AGE_S = 1.0
 PROBE_TIMEOUT_S = 3.0
@@ -109,6 +112,7 @@ class Pool:
         on_restart: Callable[[str], object] | None = None,
         secret: bytes | None = None,
         store: IndexStore | None = None,
+        policy: str = CACHE_AWARE,
     ) -> None:
         if store is None and (not prefill_urls or not decode_urls):
             raise ValueError("a router needs at least one prefill and one decode instance")
@@ -119,6 +123,10 @@ class Pool:
         self._on_restart = on_restart
         #: The shared index whose membership this pool follows (None: seeds only).
         self.store = store
+        #: ``cache-aware`` (the default) or ``round-robin``: the no-index baseline the cluster
+        #: benchmark measures against (P and D in turn, nothing filed, nothing pulled).
+        self.policy = policy
+        self._turns_routed = 0
         self._members_at = -1e9
         self.members_failures = 0
         #: The cluster secret: it signs the requests that carry transfer params or claims.
@@ -253,6 +261,9 @@ class Pool:
         live = await self.live(self.prefills)
         if not live:
             return None
+        if self.policy == ROUND_ROBIN:
+            self._turns_routed += 1
+            return live[self._turns_routed % len(live)]
         scored = any(i.record is not None for i in live)
         if not scored or start is None or key is None:
             return choice.choose(live, key, scored=scored)
@@ -282,6 +293,8 @@ class Pool:
         live = await self.live(self.decodes)
         if not live:
             return None
+        if self.policy == ROUND_ROBIN:
+            return live[self._turns_routed % len(live)]
         for inst in live:
             if inst.url == held_on and (held_by is None or inst.instance_id == held_by):
                 return inst

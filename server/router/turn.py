@@ -63,7 +63,7 @@ from server.router.edge import (
     tenant_of,
     unavailable,
 )
-from server.router.pool import Instance, Pool
+from server.router.pool import ROUND_ROBIN, Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
 
@@ -208,7 +208,7 @@ class TurnFlow:
     async def begin(self, key: Key | None) -> TurnStart:
         """The turn's number, D's hold (taken) and the session's home; with the index
         unreachable, a turn with nothing known (it recomputes; it is never refused)."""
-        if key is None:
+        if key is None or self.pool.policy == ROUND_ROBIN:
             return TurnStart(turn=0, hold=None, home=None)
         try:
             return await self.index.begin_turn(key)
@@ -227,6 +227,8 @@ class TurnFlow:
 
     async def file_hold(self, key: Key, inst: Instance, turn: int, params: dict[str, Any]) -> None:
         """File D's returned params for the next turn's pull."""
+        if self.pool.policy == ROUND_ROBIN:
+            return
         try:
             await self.index.put_hold(key, Hold(inst.url, inst.instance_id, params, turn=turn))
         except IndexUnavailable:
@@ -244,7 +246,7 @@ class TurnFlow:
     async def place(self, key: Key | None, start: TurnStart, *instances: Instance) -> None:
         """Record where the session now lives (its home P, the instances that have it), when
         that changed: session routes go there (:mod:`server.router.admin`)."""
-        if key is None:
+        if key is None or self.pool.policy == ROUND_ROBIN:
             return
         tenant, session = key[0], key[1]
         new = [

@@ -97,3 +97,12 @@ def test_cost_weighs_load_against_prefill_left():
     assert choice.choose([busy, idle], KEY, history_tokens=1600, hits=hits, block_size=16) is busy
     # host blocks count less than device blocks
     assert choice.held_tokens(BlockHits(host=10), 16) < choice.held_tokens(BlockHits(device=10), 16)
+
+
+def test_round_robin_takes_turns_and_reads_nothing_from_the_index():
+    async def go() -> None:
+        pool = Pool([P1, P2], [D1], client=_client(), policy="round-robin")
+        chosen = [await pool.choose_prefill(KEY, TurnStart(2, None, None)) for _ in range(4)]
+        assert [c.url for c in chosen if c is not None] == [P2, P1, P2, P1]
+
+    asyncio.run(go())
