@@ -35,6 +35,7 @@ from sdk.contract import (  # noqa: E402
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
     RESPONSE_FIELD,
+    ROUTE_HEADER,
     SESSIONS_PATH,
     STATS_PATH,
     CreateSessionRequest,
@@ -334,6 +335,7 @@ async def stream_request(
             text = (await resp.aread()).decode(errors="replace")
             raise RuntimeError(f"{url} -> HTTP {resp.status_code}: {text[:500]}")
         timings = server_timings(resp.headers.get("server-timing", ""))
+        route = resp.headers.get(ROUTE_HEADER)
         async for event in aiter_sse(resp.aiter_bytes()):
             if event.data.strip() == "[DONE]":
                 break
@@ -361,6 +363,8 @@ async def stream_request(
         sent_perf=t0,
     )
     result.extra["load1"] = os.getloadavg()[0]  # the machine is shared: record how busy
+    if route is not None:  # the P/D router: which way the turn went
+        result.extra["route"] = route
     if "prefill" in timings:  # the P/D router: P's leg of the turn
         result.extra["prefill_leg_s"] = timings["prefill"] / 1000.0
     if ttft is None:
