@@ -248,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="router: a decode instance's URL (repeat for several)",
     )
     pd.add_argument(
+        "--router-policy",
+        choices=("cache-aware", "round-robin"),
+        default="cache-aware",
+        help="router: cache-aware (holds, pulls, P by prefill left and load; the default) or "
+        "round-robin (no index at all: the baseline benchmarks/cluster_agents.py measures)",
+    )
+    pd.add_argument(
         "--nixl-port",
         type=_port,
         default=None,

@@ -90,6 +90,7 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
         hold_ttl_s=router_ttl(args),
         api_key=args.api_key[0] if args.api_key else None,
         index=store,
+        policy=getattr(args, "router_policy", "cache-aware"),
     )
     print(
         f"[kvbranch] router on http://{args.host}:{args.port} index={redact(index_url)} "
