@@ -17,12 +17,12 @@ prefill and M decode instances, and K stateless routers that share that index (d
   ``--index`` joins through its heartbeat). Any of them serves any turn: holds, turn order,
   homes and placement live in the index, so a session's next turn can go to another router.
 
-One cluster secret (``KVBRANCH_CLUSTER_SECRET``, made when unset) and one ``PYTHONHASHSEED``
-(block hashes must agree across instances) for every child. Each child's log is a file in the
-run directory, printed as it starts. SIGTERM or SIGINT stops the cluster in order: routers
-first (they give in-flight requests ``--shutdown-grace-s``), then the instances, then Redis;
-whatever is left after the teardown time is SIGKILLed. Children also stop when the launcher
-dies (:mod:`server.process`).
+One cluster secret (``KVBRANCH_CLUSTER_SECRET``, made when unset) for every child, and the
+launcher's own ``PYTHONHASHSEED`` (block hashes must agree across instances), or none, for all.
+Each child's log is a file in the run directory, printed as it starts. SIGTERM or SIGINT stops
+the cluster in order: routers first (they give in-flight requests ``--shutdown-grace-s``), then
+the instances, then Redis; whatever is left after the teardown time is SIGKILLed. Children also
+stop when the launcher dies (:mod:`server.process`).
 """
 
 from __future__ import annotations
@@ -319,11 +319,13 @@ def _cuda() -> bool:
 
 
 def child_env(secret: str) -> dict[str, str]:
-    """What every child shares: the cluster secret and one PYTHONHASHSEED (block hashes)."""
+    """What every child is given: the cluster secret. ``PYTHONHASHSEED`` (block hashes must
+    agree) is the launcher's own, inherited by all of them alike: set or unset — with vLLM's
+    default SHA-256 block hash, unset means its fixed seed, as on an instance started
+    elsewhere without it."""
     from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
 
-    seed = os.environ.get("PYTHONHASHSEED") or str(1 + secrets.randbelow(2**32 - 2))
-    return {ENV_CLUSTER_SECRET: secret, "PYTHONHASHSEED": seed}
+    return {ENV_CLUSTER_SECRET: secret}
 
 
 def run_cluster(args: argparse.Namespace, ours: list[str], passthrough: list[str]) -> None:
