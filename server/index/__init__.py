@@ -4,7 +4,7 @@ every instance, shared by every router.
 * :mod:`server.index.base` — the one interface (:class:`IndexStore`) and its records;
 * :mod:`server.index.memory` — the embedded backend, in the router's process (the default);
 * :mod:`server.index.redis_store` — the Redis backend every router and instance shares
-  (``--index redis://…`` or ``unix://…``); its key schema is in docs/cluster.md;
+  (``--index redis://…`` or ``unix://…``); its key schema is in docs/index_redis.md;
 * :mod:`server.index.guarded` — a circuit breaker in front of a shared backend (fail fast
   while it is down);
 * :func:`open_store` — the backend an ``--index`` value names.
