@@ -201,3 +201,34 @@ async def test_undecodable_batch_bumps_the_generation(rig):
     await rig.consumer.on_message(0, b"\xc1not msgpack")
     assert rig.consumer.counters.undecodable == 1
     assert rig.consumer.generation.value == 1
+
+
+def test_host_store_logs_saves_evictions_and_resets_only_when_enabled():
+    from server.connector.core.block_index import HostBlockIndex, StoreEventLog
+    from server.connector.engine.connector import host_events
+
+    index = HostBlockIndex(2)
+    index.allocate(b"\x00" * 31 + b"\x09", [1])  # no log: nothing recorded
+    index.event_log = StoreEventLog(cap=10)
+    a, b = b"\x01" * 32, b"\x02" * 32
+    index.allocate(a, [1])  # fills the second slot
+    index.allocate_tail(b"tail-key", b"parent", [2])  # evicts the first block; a tail: silent
+    index.allocate(b, [3])  # evicts a
+    index.clear_all()
+    changes = index.event_log.take()
+    assert changes == [
+        ("stored", a),
+        ("removed", b"\x00" * 31 + b"\x09"),
+        ("removed", a),
+        ("stored", b),
+        ("cleared", None),
+    ]
+    events = host_events(changes, 128)
+    kinds = [type(e).__name__ for e in events]
+    assert kinds == ["BlockStored", "BlockRemoved", "BlockStored", "AllBlocksCleared"]
+    assert events[0].medium == "CPU" and events[0].token_ids == [] and events[0].block_size == 128
+    assert events[1].block_hashes == [9, hash64(a)]
+    log = StoreEventLog(cap=2)
+    for i in range(3):
+        log.add(("stored", bytes([i])))
+    assert log.dropped == 1 and [h for _, h in log.take()] == [b"\x01", b"\x02"]
