@@ -378,16 +378,17 @@ def run_cluster(args: argparse.Namespace, ours: list[str], passthrough: list[str
             child = _child(ServerProcess, spec, run_dir, env, ready_timeout=120)
             running.routers.append(child)
             child.launch()
+            phases.say(f"{spec.name} starting on {spec.url} (log: {child.log_path})")
         for child in running.routers:
             child.wait_ready()
-            phases.say(f"{child.name} ready: {child.url} (log: {child.log_path})")
+            phases.say(f"{child.name} ready: {child.url}")
         urls = " ".join(r.url for r in running.routers)
         phases.say(f"cluster ready: routers {urls}; SIGTERM or ^C stops it")
         _watch(running, phases)
     except RuntimeError as exc:
         if isinstance(exc, LaunchError):
             raise
-        raise LaunchError(str(exc).splitlines()[0]) from None
+        raise LaunchError(f"{str(exc).splitlines()[0]} (logs in {run_dir})") from None
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # a second ^C must not cut the teardown short
