@@ -52,6 +52,10 @@ class KVBranchPlugin:
 
         # With a shared --index: heartbeats and this instance's KV block events (a task).
         state.kvbranch.index_publisher = start_index_publisher(state.kvbranch, engine_client, args)
+        if state.kvbranch.index_publisher is not None:
+            from server.plugin.metrics import register_index_collector
+
+            register_index_collector(state.kvbranch.index_publisher)
         logger.info("kvbranch routes ready (connector control: %s)", path or "none")
 
 

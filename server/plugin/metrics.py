@@ -174,3 +174,52 @@ class MetricsRefresh:
             for collector in list(_registered.values()):
                 await collector.refresh()
         await self.app(scope, receive, send)
+
+
+class IndexPublisherCollector:
+    """The instance's cluster-index publisher (:mod:`server.index.publisher`): whether the index
+    is reachable, heartbeats, block-event batches, the generation of its block entries. Read
+    from the publisher's own counters at scrape time (in-process: nothing to wait for)."""
+
+    def __init__(self, publisher: Any) -> None:
+        self.publisher = publisher
+
+    def collect(self):
+        c = self.publisher.counters()
+        up = GaugeMetricFamily("kvbranch_index_up", "1 while the cluster index answers")
+        up.add_metric([], 0 if c["outage"] else 1)
+        yield up
+        gen = GaugeMetricFamily(
+            "kvbranch_index_generation",
+            "Generation of this instance's block entries (bumped on a lost event stream, a "
+            "restarted publisher or a cleared cache: older entries become invisible)",
+        )
+        gen.add_metric([], c["generation"])
+        yield gen
+        beats = CounterMetricFamily(
+            "kvbranch_index_heartbeats", "Heartbeats into the cluster index", labels=["result"]
+        )
+        beats.add_metric(["sent"], c["heartbeats_sent"])
+        beats.add_metric(["failed"], c["heartbeats_failed"])
+        yield beats
+        batches = CounterMetricFamily(
+            "kvbranch_index_event_batches",
+            "KV event batches from this instance's engines, by what became of them",
+            labels=["result"],
+        )
+        for result in ("applied", "dropped", "stale"):
+            batches.add_metric([result], c[f"batches_{result}"])
+        yield batches
+        replays = CounterMetricFamily(
+            "kvbranch_index_event_replays",
+            "Gaps in an engine's KV event stream: replays requested, and gaps no replay filled "
+            "(each bumped the generation)",
+            labels=["result"],
+        )
+        replays.add_metric(["requested"], c["replays"])
+        replays.add_metric(["failed"], c["replay_failures"])
+        yield replays
+
+
+def register_index_collector(publisher: Any) -> None:
+    REGISTRY.register(IndexPublisherCollector(publisher))

@@ -11,6 +11,7 @@ family's type (counter ``_total``, histogram ``_bucket``/``_sum``/``_count``).
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
 import re
@@ -83,6 +84,8 @@ def kvbranch_series(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     monkeypatch.setattr(metrics, "call_sync", lambda *a, **k: _fake_stats())
     plugin = CollectorRegistry()
     plugin.register(metrics.KVBranchCollector("/nonexistent.sock"))
+    counters: dict[str, Any] = collections.defaultdict(int, outage=False)
+    plugin.register(metrics.IndexPublisherCollector(SimpleNamespace(counters=lambda: counters)))
 
     connector = CollectorRegistry()
     types = {
