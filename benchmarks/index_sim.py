@@ -519,7 +519,9 @@ class Simulation:
             start = await flow.begin(key)
             holding = start.hold
             decode = await pool.choose_decode(
-                holding.decode_url if holding else None, holding.instance_id if holding else None
+                holding.decode_url if holding else None,
+                holding.instance_id if holding else None,
+                key,
             )
             pull = (
                 holding
@@ -613,6 +615,9 @@ class Simulation:
         frt0 = round_trips(self.fleet_store) if self.fleet_store is not None else 0
         cmds0 = await redis_commands(self.redis_url) if self.backend == "redis" else 0
         beats = asyncio.create_task(self.heartbeats()) if self.mode == "index" else None
+        # Each router's background refresh (membership and probes off the turns' path), as
+        # the router's lifespan runs it.
+        fresh = [asyncio.create_task(r.pool.keep_fresh()) for r in self.routers]
         order = self.work.order()
         kill_turn = int(len(order) * cfg.kill_at)
         t_start = time.monotonic()
@@ -642,6 +647,9 @@ class Simulation:
         st.wall_s = time.monotonic() - t_start
         st.turns = k
         self._stop = True
+        for task in fresh:
+            task.cancel()
+        await asyncio.gather(*fresh, return_exceptions=True)
         if beats is not None:
             beats.cancel()
             try:

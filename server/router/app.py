@@ -122,13 +122,18 @@ def build_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.pool.probe_all()
-        sweeper = asyncio.create_task(router.sweep_forever())
+        tasks = [
+            asyncio.create_task(router.sweep_forever()),
+            asyncio.create_task(router.pool.keep_fresh()),
+        ]
         try:
             yield
         finally:
-            sweeper.cancel()
-            with suppress(asyncio.CancelledError):
-                await sweeper
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with suppress(asyncio.CancelledError):
+                    await task
             await router.client.aclose()
             await router.index.close()
 

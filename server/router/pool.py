@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -242,11 +243,36 @@ class Pool:
         """A seed always; an instance learnt from the index only while the index lists it."""
         return inst.seed or inst.listed
 
+    def fresh(self, inst: Instance, now: float) -> bool:
+        """``inst``'s last probe is recent enough to go by (or it is ejected)."""
+        return now < inst.ejected_until or now - inst.checked_at < PROBE_MAX_AGE_S
+
     async def live(self, instances: list[Instance]) -> list[Instance]:
+        """The eligible instances that are up. Only stale ones are probed here; the router's
+        background refresh (:meth:`keep_fresh`) keeps them fresh, so a turn rarely waits."""
         await self.refresh_members()
         candidates = [i for i in instances if self.eligible(i)]
-        alive = await asyncio.gather(*(self.probe(i) for i in candidates))
-        return [i for i, ok in zip(candidates, alive, strict=True) if ok]
+        now = time.monotonic()
+        stale = [i for i in candidates if not self.fresh(i, now)]
+        if stale:
+            await asyncio.gather(*(self.probe(i) for i in stale))
+        now = time.monotonic()
+        return [i for i in candidates if i.alive and now >= i.ejected_until]
+
+    async def keep_fresh(self) -> None:
+        """Refresh membership and probe what is about to go stale, off the turns' path (the
+        router's lifespan runs it): otherwise the turn that finds every probe expired at once
+        pays for all of them — 50 probes and the membership read at 100 instances."""
+        while True:
+            try:
+                await self.refresh_members(max_age=0)
+                soon = time.monotonic() + PROBE_MAX_AGE_S / 2
+                due = [i for i in self.all if self.eligible(i) and not self.fresh(i, soon)]
+                if due:
+                    await asyncio.gather(*(self.probe(i, PROBE_MAX_AGE_S / 2) for i in due))
+            except Exception:  # noqa: BLE001 - a refresh must never end the loop
+                logger.exception("background refresh failed")
+            await asyncio.sleep(PROBE_MAX_AGE_S / 2)
 
     def by_instance_id(self, instance_id: str | None) -> Instance | None:
         if instance_id is None:
@@ -286,10 +312,11 @@ class Pool:
         )
 
     async def choose_decode(
-        self, held_on: str | None, held_by: str | None = None
+        self, held_on: str | None, held_by: str | None = None, key: Key | None = None
     ) -> Instance | None:
         """The D that holds the branch's KV when it is up (same URL, and the same instance id
-        when the hold names one), else the least busy."""
+        when the hold names one), else the least busy — ties broken by rendezvous hashing of
+        the branch, so new branches spread over idle D's instead of all landing on the first."""
         live = await self.live(self.decodes)
         if not live:
             return None
@@ -298,4 +325,5 @@ class Pool:
         for inst in live:
             if inst.url == held_on and (held_by is None or inst.instance_id == held_by):
                 return inst
-        return min(live, key=lambda i: i.load)
+        branch = "/".join(key).encode() if key is not None else os.urandom(8)
+        return min(live, key=lambda i: (i.load, -choice.rendezvous_weight(branch, i.url)))

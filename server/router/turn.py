@@ -296,7 +296,9 @@ class _Turn:
         self.turn = start.turn
         holding = start.hold
         decode = await self.pool.choose_decode(
-            holding.decode_url if holding else None, holding.instance_id if holding else None
+            holding.decode_url if holding else None,
+            holding.instance_id if holding else None,
+            key,
         )
         pull = (
             holding
@@ -365,7 +367,7 @@ class _Turn:
         """Another live instance of ``inst``'s role for this turn."""
         if inst.role == "prefill":
             return await self.pool.choose_prefill(self.key)
-        return await self.pool.choose_decode(None)
+        return await self.pool.choose_decode(None, None, self.key)
 
     def encode(self, body: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
         """The leg's body bytes and headers: the client's own, and the router's proof when the
