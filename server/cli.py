@@ -41,6 +41,7 @@ from server.settings import (
     ENV_CONTROL_SOCKET,
     ENV_INDEX_URL,
     ENV_MODEL_NAME,
+    ENV_PRIORITY_AGING_S,
     ENV_ROLE,
     GIB,
     NIXL_CONNECTOR_CLASS,
@@ -232,6 +233,8 @@ def plan_launch(
             else tempfile.mkdtemp(prefix="kvbranch-")
         )
         argv += ["--kv-events-config", json.dumps(kv_events_config(folder, args.port))]
+    scheduling_argv, aging_s = scheduling_plan(args, passthrough)
+    argv += scheduling_argv
     argv += passthrough
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     for name in (PLUGIN_NAME, SPIN_PLUGIN_NAME):
@@ -247,6 +250,8 @@ def plan_launch(
     }
     if control_socket:
         env[ENV_CONTROL_SOCKET] = control_socket
+    if aging_s is not None:
+        env[ENV_PRIORITY_AGING_S] = str(aging_s)
     env[ENV_ROLE] = args.role
     env[ENV_INDEX_URL] = args.index
     env[ENV_CLUSTER_NAME] = args.cluster_name
@@ -258,6 +263,38 @@ def plan_launch(
     if keys:
         env[ENV_API_KEYS] = ",".join(keys)
     return LaunchPlan(argv, env, model_path, served, control_socket, args.shutdown_grace_s)
+
+
+def flag_value(passthrough: list[str], flag: str) -> str | None:
+    """The value of ``flag`` after ``--`` (``--flag value`` or ``--flag=value``, the last one
+    wins; underscores too), or ``None``."""
+    spellings = {flag, "--" + flag[2:].replace("-", "_")}
+    value = None
+    for i, arg in enumerate(passthrough):
+        name, eq, rest = arg.partition("=")
+        if name in spellings:
+            value = rest if eq else (passthrough[i + 1] if i + 1 < len(passthrough) else "")
+    return value
+
+
+def scheduling_plan(
+    args: argparse.Namespace, passthrough: list[str]
+) -> tuple[list[str], float | None]:
+    """vLLM flags for agent-aware scheduling (docs/scheduling.md) and the priority aging the
+    plugin gets (``None``: the plugin sets no priority). The user's own vLLM flags win: with
+    ``--scheduling-policy`` other than ``priority`` after ``--`` the plugin sets none (vLLM
+    would refuse every non-zero priority)."""
+    argv: list[str] = []
+    aging_s = None
+    policy = flag_value(passthrough, "--scheduling-policy")
+    if getattr(args, "agent_priority", False) and policy in (None, "priority"):
+        if policy is None:
+            argv += ["--scheduling-policy", "priority"]
+        aging_s = args.priority_aging_s
+    chunk = getattr(args, "cold_prefill_chunk", 0)
+    if chunk and not has_flag(passthrough, "--long-prefill-token-threshold"):
+        argv += ["--long-prefill-token-threshold", str(min(chunk, args.max_model_len))]
+    return argv, aging_s
 
 
 def has_flag(passthrough: list[str], flag: str) -> bool:

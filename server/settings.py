@@ -30,6 +30,8 @@ ENV_INDEX_URL = "KVBRANCH_INDEX_URL"
 ENV_CLUSTER_NAME = "KVBRANCH_CLUSTER_NAME"
 #: The URL routers reach this instance at (``--advertise-url``), as its heartbeat says.
 ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
+#: Agent-aware priority's aging in seconds (``--agent-priority``; unset: the policy is off).
+ENV_PRIORITY_AGING_S = "KVBRANCH_PRIORITY_AGING_S"
 PD_CONNECTOR_CLASS = "KVBranchPDConnector"
 NIXL_CONNECTOR_CLASS = "VerifiedNixlConnector"
 PD_CONNECTOR_MODULE = "server.connector.pd"
@@ -182,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stops (the router and --disagg; an instance whose launcher died); "
         "vLLM itself aborts in-flight requests at once (default %(default)s)",
     )
+    add_scheduling_args(parser)
     tenants = parser.add_argument_group(
         "tenants",
         "With API keys (--api-key, keys after '--', or VLLM_API_KEY) every key is a tenant with "
@@ -347,6 +350,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="--cluster: routers, on --port, --port+1, ... (default %(default)s)",
     )
     return parser
+
+
+#: ``--cold-prefill-chunk`` default: vLLM's --long-prefill-token-threshold (docs/scheduling.md).
+DEFAULT_COLD_PREFILL_CHUNK = 0
+#: ``--agent-priority`` default (docs/scheduling.md says why and what was measured).
+DEFAULT_AGENT_PRIORITY = False
+
+
+def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
+    """Agent-aware scheduling (docs/scheduling.md): vLLM's own levers, set from what kvbranch
+    knows about a request."""
+    group = parser.add_argument_group(
+        "scheduling",
+        "A resumed agent turn (most of its prompt cached) ahead of cold prefills, and a cold "
+        "prefill that cannot hold a whole engine step. Flags of vLLM's own after '--' "
+        "(--scheduling-policy, --long-prefill-token-threshold) win over these. "
+        "See docs/scheduling.md.",
+    )
+    group.add_argument(
+        "--agent-priority",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_AGENT_PRIORITY,
+        help="start vLLM with --scheduling-policy priority and give each request a priority "
+        "from how much of its prompt the tenant sent before (resumed turns and forks first), "
+        "with aging; a client's own 'priority' can only make its request later "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--priority-aging-s",
+        type=_positive_float,
+        default=2.0,
+        help="--agent-priority: seconds of arrival time one level of priority is worth; a "
+        "request is never passed by one arriving more than 4x this after it "
+        "(default %(default)s)",
+    )
+    group.add_argument(
+        "--cold-prefill-chunk",
+        type=_value(int, "an integer", (lambda v: v >= 0, "must not be negative")),
+        default=DEFAULT_COLD_PREFILL_CHUNK,
+        metavar="TOKENS",
+        help="at most this many prompt tokens of one request per engine step while other "
+        "requests are running or waiting (vLLM's --long-prefill-token-threshold; a request "
+        "alone is not capped); 0: no cap (default %(default)s)",
+    )
 
 
 def advertise_url(args: argparse.Namespace) -> str:

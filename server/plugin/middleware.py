@@ -52,6 +52,7 @@ from sdk.contract import (
 from server import dialects
 from server.connector.control.models import Split
 from server.plugin.engine_tokens import VllmEngine
+from server.plugin.priority import policy_from_env
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
 from server.plugin.tool_schema import default_strict_tools
@@ -144,6 +145,8 @@ def add_split_to_event(event: bytes, split: dict | None) -> bytes:
 class KVBranchMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
+        # Agent-aware priority (server/plugin/priority.py), when the launcher turned it on.
+        self.priority = policy_from_env()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = route_path(scope) if scope["type"] == "http" else ""
@@ -161,14 +164,17 @@ class KVBranchMiddleware:
             payload = None
         usage_rewrite = None  # cache-hint dialects (server/dialects/): session, pin, usage
         if isinstance(payload, dict):
+            owner = owner_of(header(scope, "authorization"), app_args_of(scope))
             payload = rewrite_request(
                 payload,
                 tag=tag,
                 branch_header=header(scope, BRANCH_HEADER),
-                owner=owner_of(header(scope, "authorization"), app_args_of(scope)),
+                owner=owner,
                 path=path,
             )
             usage_rewrite = dialects.apply(payload, path, header(scope, SESSION_HEADER)).usage
+            if self.priority is not None:
+                self.priority.assign(payload, path, owner)
             body = request_body.data = json.dumps(payload).encode()
             if path in _NO_XARGS_PATHS:
                 tag = ""  # it could not be carried: no split to look up

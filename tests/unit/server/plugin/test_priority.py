@@ -1,0 +1,187 @@
+"""Agent-aware priority (server/plugin/priority.py): warm before cold, aging, no queue jumping,
+bounded state, and the launcher's vLLM flags for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.cli import scheduling_plan
+from server.plugin.priority import (
+    LEVEL_BOUNDS,
+    PriorityPolicy,
+    level_of,
+    policy_from_env,
+    prefix_digests,
+    prompt_text,
+)
+from server.settings import ENV_PRIORITY_AGING_S, build_parser
+
+CHAT = "/v1/chat/completions"
+TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chat(*contents: str, **extra) -> dict:
+    messages = [{"role": "system", "content": "You are an agent. " * 200}]
+    for i, text in enumerate(contents):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"model": "m", "messages": messages, "tools": TOOLS, **extra}
+
+
+def words(n: int, tag: str) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def test_resumed_turn_ranks_ahead_of_a_cold_prefill():
+    clock = Clock()
+    policy = PriorityPolicy(2.0, clock=clock)
+    history = words(3000, "obs")
+    first = policy.assign(chat(history), CHAT)
+    assert first is not None and first.cached_units == 0 and first.level == len(LEVEL_BOUNDS)
+    # The same agent's next turn: its history plus a reply and a short tool output.
+    resumed = policy.assign(chat(history, "ok", "short tool output"), CHAT)
+    cold = policy.assign(chat(words(3000, "other")), CHAT)
+    assert resumed is not None and cold is not None
+    assert resumed.cached_units > 0.9 * resumed.prompt_units
+    assert resumed.level == 0 and cold.level == len(LEVEL_BOUNDS)
+    assert resumed.priority < cold.priority
+
+
+def test_fork_and_shared_prefix_count_as_cached():
+    policy = PriorityPolicy(2.0, clock=Clock())
+    history = words(2000, "h")
+    policy.assign(chat(history, "answer", "branch a"), CHAT)
+    fork = policy.assign(chat(history, "answer", "branch b: try something else"), CHAT)
+    assert fork is not None and fork.level == 0
+
+
+def test_same_length_different_prompt_is_cold():
+    """An attacker resends a prompt of the same length with other text: no digest matches."""
+    policy = PriorityPolicy(2.0, clock=Clock())
+    policy.assign(chat(words(3000, "a")), CHAT)
+    fake = policy.assign(chat(words(3000, "b")), CHAT)
+    assert fake is not None and fake.level == len(LEVEL_BOUNDS)
+
+
+def test_client_priority_cannot_jump_the_queue_but_may_go_later():
+    policy = PriorityPolicy(2.0, clock=Clock())
+    cold = chat(words(3000, "x"), priority=-(2**63))
+    est = policy.assign(cold, CHAT)
+    assert est is not None and cold["priority"] == est.priority == len(LEVEL_BOUNDS)
+    late = chat(words(10, "y"), priority=1000)
+    policy.assign(late, CHAT)
+    assert late["priority"] == 1000
+    for junk in ("0", True, 1.5, None):
+        body = chat(words(3000, "z"), priority=junk)
+        policy.assign(body, CHAT)
+        assert isinstance(body["priority"], int) and body["priority"] >= 0
+
+
+def test_other_tenant_or_salt_does_not_match():
+    policy = PriorityPolicy(2.0, clock=Clock())
+    history = words(3000, "h")
+    policy.assign(chat(history), CHAT, tenant="alice")
+    assert policy.assign(chat(history, "ok", "t"), CHAT, tenant="bob").level > 0
+    assert policy.assign(chat(history, "ok", "t", cache_salt="s"), CHAT, tenant="alice").level > 0
+    assert policy.assign(chat(history, "ok", "t"), CHAT, tenant="alice").level == 0
+
+
+def test_aging_bounds_how_long_warmer_requests_can_pass():
+    clock = Clock()
+    policy = PriorityPolicy(2.0, clock=clock)
+    policy.assign(chat(words(3000, "warm")), CHAT)
+    cold = policy.assign(chat(words(3000, "cold")), CHAT)
+    assert cold is not None
+    passed_by = []
+    for step in range(40):  # warm turns arriving every 0.5 s after the cold one
+        clock.now += 0.5
+        warm = policy.assign(chat(words(3000, "warm"), "ok", f"turn {step}"), CHAT)
+        assert warm is not None and warm.level == 0
+        # vLLM: (priority, arrival) — an equal priority arriving later goes after.
+        if warm.priority < cold.priority:
+            passed_by.append(0.5 * (step + 1))
+    assert passed_by and max(passed_by) <= policy.max_wait_s
+    assert policy.max_wait_s == (len(LEVEL_BOUNDS) + 1) * 2.0
+
+
+def test_state_is_bounded_per_tenant_and_in_tenants():
+    policy = PriorityPolicy(2.0, max_digests=50, max_tenants=3, clock=Clock())
+    for i in range(20):
+        policy.assign(chat(words(2000, f"s{i}-")), CHAT, tenant=f"t{i % 5}")
+        assert policy.digests_held() <= 3 * 50
+    assert len(policy._tenants) == 3
+    # The oldest digests are gone: a tenant's early prompt is cold again.
+    policy = PriorityPolicy(2.0, max_digests=20, clock=Clock())
+    first = words(2000, "first")
+    policy.assign(chat(first), CHAT)
+    for i in range(5):
+        policy.assign(chat(words(2000, f"n{i}-")), CHAT)
+    assert policy.assign(chat(first, "ok", "t"), CHAT).level > 0
+
+
+def test_routes_and_prompts_it_does_not_handle_are_untouched():
+    policy = PriorityPolicy(2.0, clock=Clock())
+    body = {"model": "m", "messages": [], "priority": -5}
+    assert policy.assign(dict(body), "/v1/messages") is None
+    several = {"model": "m", "prompt": ["a", "b"], "priority": -5}
+    assert policy.assign(several, "/v1/completions") is None and several["priority"] == -5
+
+
+def test_token_id_and_text_prompts():
+    policy = PriorityPolicy(2.0, clock=Clock())
+    ids = list(range(5000))
+    first = policy.assign({"model": "m", "prompt": ids}, "/v1/completions")
+    assert first is not None and first.new_tokens == 5000
+    more = policy.assign({"model": "m", "prompt": ids + [7] * 100}, "/v1/completions")
+    assert more is not None and more.new_tokens <= 256 and more.level == 0
+    text = policy.assign({"model": "m", "prompt": "x" * 400}, "/v1/completions")
+    assert text is not None and text.new_tokens == 100
+    assert prompt_text({"input": "hi"}, "/v1/responses") is not None
+
+
+def test_turn_text_is_a_prefix_of_the_next_turn():
+    one, _ = prompt_text(chat("a"), CHAT)
+    two, _ = prompt_text(chat("a", "b", "c"), CHAT)
+    assert two.startswith(one)
+    d1, d2 = prefix_digests("s", one), prefix_digests("s", two)
+    assert d1[-2] in d2  # every full chunk of turn 1 is a prefix digest of turn 2
+
+
+def test_levels():
+    assert [level_of(n) for n in (0, 256, 257, 1024, 4096, 4097)] == [0, 0, 1, 1, 2, 3]
+
+
+def test_policy_from_env(monkeypatch):
+    monkeypatch.delenv(ENV_PRIORITY_AGING_S, raising=False)
+    assert policy_from_env() is None
+    monkeypatch.setenv(ENV_PRIORITY_AGING_S, "junk")
+    assert policy_from_env() is None
+    monkeypatch.setenv(ENV_PRIORITY_AGING_S, "3")
+    policy = policy_from_env()
+    assert policy is not None and policy.aging_s == 3.0
+    with pytest.raises(ValueError):
+        PriorityPolicy(0)
+
+
+@pytest.mark.parametrize(
+    ("ours", "passthrough", "argv", "aging"),
+    [
+        ([], [], [], None),
+        (["--agent-priority"], [], ["--scheduling-policy", "priority"], 2.0),
+        (["--agent-priority"], ["--scheduling-policy", "fcfs"], [], None),
+        (["--agent-priority"], ["--scheduling_policy=priority"], [], 2.0),
+        (["--no-agent-priority"], [], [], None),
+        (["--cold-prefill-chunk", "256"], [], ["--long-prefill-token-threshold", "256"], None),
+        (["--cold-prefill-chunk", "256"], ["--long-prefill-token-threshold", "64"], [], None),
+    ],
+)
+def test_scheduling_plan(ours, passthrough, argv, aging):
+    args = build_parser().parse_args(ours)
+    assert scheduling_plan(args, passthrough) == (argv, aging)
