@@ -194,9 +194,11 @@ def conversation(root: Path, entry: dict, answer: dict, max_turns: int) -> dict:
     return {"id": entry["id"], "tools": [], "steps": steps}
 
 
-def load(n: int, max_turns: int, skip: int = 0) -> list[dict]:
+def load(n: int, max_turns: int, skip: int = 0, max_chars: int = 0) -> list[dict]:
     """The first ``n`` conversations of the multi-turn set (after ``skip``) that have at least
-    two turns, each cut to ``max_turns`` user turns."""
+    two turns, each cut to ``max_turns`` user turns; with ``max_chars``, only those whose last
+    step serializes to at most that many characters (the smaller tools prompts: a benchmark
+    that must fit a time budget on a CPU)."""
     root = ensure_wheel()
     data = root / "bfcl_eval" / "data"
     entries = _lines(data / f"{SUBSET}.json")
@@ -205,7 +207,10 @@ def load(n: int, max_turns: int, skip: int = 0) -> list[dict]:
     for entry in entries[skip:]:
         if len(entry["question"]) < 2 or entry["id"] not in answers:
             continue
-        out.append(conversation(root, entry, answers[entry["id"]], max_turns))
+        conv = conversation(root, entry, answers[entry["id"]], max_turns)
+        if max_chars and len(json.dumps(conv["steps"][-1])) > max_chars:
+            continue
+        out.append(conv)
         if len(out) == n:
             break
     return out

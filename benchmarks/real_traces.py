@@ -318,6 +318,7 @@ def parse_args() -> argparse.Namespace:
             "--max-tokens": 8,
             "--alone": 2,
             "--skip": 0,
+            "--max-chars": 14000,
         },
     )
     ap.add_argument("--pause-s", type=float, default=0.5, help="tool time between steps")
@@ -333,7 +334,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     log = reporting.Progress()
-    convs = bfcl_traces.load(args.conversations, args.max_turns, args.skip)
+    convs = bfcl_traces.load(args.conversations, args.max_turns, args.skip, args.max_chars)
     log(f"{len(convs)} conversations, {sum(len(c['steps']) for c in convs)} steps")
     info_job = reporting.machine_info_async()
     results: dict[str, dict] = {}

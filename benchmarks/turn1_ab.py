@@ -54,13 +54,36 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args) -> 
     return result.ttft_s, result.total_s
 
 
-async def run(args, servers: dict[str, common.ServerProcess], log) -> list[dict]:
+#: Sums over the rounds from each server's /metrics: vLLM's per-request queue and prefill time,
+#: and kvbranch's step copies to the host store (where a cold turn's extra time could go).
+SCRAPED = {
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "requests": "vllm:request_queue_time_seconds_count",
+    "save_copy_s": 'kvbranch_host_copy_seconds_sum{direction="save"',
+    "save_steps": 'kvbranch_host_copy_seconds_count{direction="save"',
+}
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    text = (await client.get(f"{url}/metrics", timeout=30)).text
+    out = dict.fromkeys(SCRAPED, 0.0)
+    for line in text.splitlines():
+        for key, prefix in SCRAPED.items():
+            name, _, labels = prefix.partition("{")
+            if line.startswith(name) and (not labels or labels in line):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def run(args, servers: dict[str, common.ServerProcess], log) -> tuple[list[dict], dict]:
     rng = random.Random(args.seed)
     rounds = []
     async with httpx.AsyncClient() as client:
         for server in servers.values():  # warm-up: first requests pay lazy set-up
             for _ in range(2):
                 await one(client, server.url, rng, args)
+        before = {n: await scrape(client, s.url) for n, s in servers.items()}
         for i in range(args.rounds):
             order = list(servers) if i % 2 == 0 else list(reversed(servers))
             row: dict = {"round": i, "order": order}
@@ -73,10 +96,12 @@ async def run(args, servers: dict[str, common.ServerProcess], log) -> list[dict]
                 f"round {i}: plain {row['plain']['ttft_s']:.3f}s kvbranch "
                 f"{row['kvbranch']['ttft_s']:.3f}s"
             )
-    return rounds
+        after = {n: await scrape(client, s.url) for n, s in servers.items()}
+    sums = {n: {k: after[n][k] - before[n][k] for k in SCRAPED} for n in servers}
+    return rounds, sums
 
 
-def report(args, rounds, info, elapsed, bindings, raw) -> str:
+def report(args, rounds, sums, info, elapsed, bindings, raw) -> str:
     rng = random.Random(1)
     lines = reporting.run_header("turn1_ab (nothing reused, interleaved)", info, elapsed)
     lines += reporting.conditions_md([r["load1"] for r in rounds], args.reserved_cpus, bindings)
@@ -99,6 +124,28 @@ def report(args, rounds, info, elapsed, bindings, raw) -> str:
             f"(95% CI {lo:.3f}-{hi:.3f}, width {hi - lo:.3f}; target <= 1.03, CI < 0.03)"
         )
     header = ["metric", "plain p50 (s)", "kvbranch p50 (s)", "ratio p50", "95% CI", "CI width"]
+    lines.append(reporting.md_table(header, rows))
+    rows = []
+    for name, m in sums.items():
+        n = max(m["requests"], 1.0)
+        rows.append(
+            [
+                name,
+                int(m["requests"]),
+                1000 * m["queue_s"] / n,
+                1000 * m["prefill_s"] / n,
+                1000 * m["save_copy_s"] / n,
+                int(m["save_steps"]),
+            ]
+        )
+    header = [
+        "server",
+        "requests",
+        "vLLM queue (ms/req)",
+        "vLLM prefill (ms/req)",
+        "host-store save copies (ms/req)",
+        "save steps",
+    ]
     lines.append(reporting.md_table(header, rows))
     return "\n".join(lines + ["Targets:\n", *verdicts])
 
@@ -125,15 +172,16 @@ def main() -> int:
                 reserved_cpus=args.reserved_cpus,
             )
         bindings = {n: common.omp_binding(s) for n, s in servers.items()}
-        rounds = asyncio.run(run(args, servers, log))
+        rounds, sums = asyncio.run(run(args, servers, log))
     finally:
         for server in servers.values():
             server.stop()
     elapsed = time.monotonic() - t0
     raw = reporting.raw_path("turn1_ab")
     info = info_job.result()
-    reporting.write_json(raw, {"args": vars(args), "machine": info, "rounds": rounds})
-    reporting.publish(report(args, rounds, info, elapsed, bindings, raw), args.no_results)
+    data = {"args": vars(args), "machine": info, "rounds": rounds, "metrics": sums}
+    reporting.write_json(raw, data)
+    reporting.publish(report(args, rounds, sums, info, elapsed, bindings, raw), args.no_results)
     return 0
 
 

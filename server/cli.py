@@ -233,7 +233,7 @@ def plan_launch(
             else tempfile.mkdtemp(prefix="kvbranch-")
         )
         argv += ["--kv-events-config", json.dumps(kv_events_config(folder, args.port))]
-    scheduling_argv, aging_s = scheduling_plan(args, passthrough)
+    scheduling_argv, aging_s = scheduling_plan(args, passthrough, cuda)
     argv += scheduling_argv
     argv += passthrough
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
@@ -277,13 +277,19 @@ def flag_value(passthrough: list[str], flag: str) -> str | None:
     return value
 
 
+#: server/engine_chunk.py's scheduler (named here: importing it imports vLLM).
+WARM_FIRST_SCHEDULER = "server.engine_chunk.WarmFirstScheduler"
+
+
 def scheduling_plan(
-    args: argparse.Namespace, passthrough: list[str]
+    args: argparse.Namespace, passthrough: list[str], cuda: bool = False
 ) -> tuple[list[str], float | None]:
     """vLLM flags for agent-aware scheduling (docs/scheduling.md) and the priority aging the
     plugin gets (``None``: the plugin sets no priority). The user's own vLLM flags win: with
     ``--scheduling-policy`` other than ``priority`` after ``--`` the plugin sets none (vLLM
-    would refuse every non-zero priority)."""
+    would refuse every non-zero priority). With both the priority and a prefill chunk, on CPU
+    (vLLM's synchronous scheduler there), the chunk applies only while warmer work is waiting
+    or running (:data:`WARM_FIRST_SCHEDULER`)."""
     argv: list[str] = []
     aging_s = None
     policy = flag_value(passthrough, "--scheduling-policy")
@@ -294,6 +300,8 @@ def scheduling_plan(
     chunk = getattr(args, "cold_prefill_chunk", 0)
     if chunk and not has_flag(passthrough, "--long-prefill-token-threshold"):
         argv += ["--long-prefill-token-threshold", str(min(chunk, args.max_model_len))]
+        if aging_s is not None and not cuda and not has_flag(passthrough, "--scheduler-cls"):
+            argv += ["--scheduler-cls", WARM_FIRST_SCHEDULER]
     return argv, aging_s
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.cli import scheduling_plan
+from server.cli import WARM_FIRST_SCHEDULER, scheduling_plan
 from server.plugin.priority import (
     LEVEL_BOUNDS,
     PriorityPolicy,
@@ -185,3 +185,40 @@ def test_policy_from_env(monkeypatch):
 def test_scheduling_plan(ours, passthrough, argv, aging):
     args = build_parser().parse_args(ours)
     assert scheduling_plan(args, passthrough) == (argv, aging)
+
+
+def test_warm_first_scheduler_with_both_flags_on_cpu_only():
+    args = build_parser().parse_args(["--agent-priority", "--cold-prefill-chunk", "256"])
+    argv, _ = scheduling_plan(args, [])
+    assert argv[-2:] == ["--scheduler-cls", WARM_FIRST_SCHEDULER]
+    assert "--scheduler-cls" not in scheduling_plan(args, [], cuda=True)[0]
+    assert "--scheduler-cls" not in scheduling_plan(args, ["--scheduler-cls", "x.Y"])[0]
+
+
+class Req:
+    def __init__(self, priority: int, computed: int, prompt: int) -> None:
+        self.priority = priority
+        self.num_computed_tokens = computed
+        self.num_prompt_tokens = prompt
+
+
+def test_cap_only_for_warmer_work():
+    from server.engine_chunk import QUALNAME, cap_needed
+
+    assert QUALNAME == WARM_FIRST_SCHEDULER
+    cold = Req(10, 512, 4000)
+    assert not cap_needed([cold], [])  # alone
+    assert not cap_needed([cold], [Req(12, 0, 3000)])  # only colder (or later) work waits
+    assert not cap_needed([cold, Req(10, 0, 3000)], [])  # equal: first come, first served
+    assert cap_needed([cold], [Req(3, 0, 4100)])  # a resumed turn waits
+    assert cap_needed([cold, Req(3, 4100, 4100)], [])  # a warm turn decodes beside it
+    assert not cap_needed([Req(3, 4100, 4100)], [Req(1, 0, 50)])  # no prefill running
+
+
+def test_scheduler_config_threshold_is_assignable():
+    from vllm.config import SchedulerConfig
+
+    config = SchedulerConfig(max_model_len=4096, is_encoder_decoder=False)
+    config.long_prefill_token_threshold = 0
+    config.long_prefill_token_threshold = 256
+    assert config.long_prefill_token_threshold == 256

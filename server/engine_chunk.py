@@ -1,0 +1,58 @@
+"""A cold prefill yields the step budget only to warmer work (``--cold-prefill-chunk`` with
+``--agent-priority``; docs/scheduling.md).
+
+vLLM's ``--long-prefill-token-threshold`` caps every request's prompt chunk per step whenever
+more than one request is waiting or running. Measured here with two cold 2.5-4k-token prompts
+arriving together (benchmarks/real_traces.py smoke run, ``--cold-prefill-chunk 256``): both
+were capped, shared every step and finished together at 32-34 s, where first-come-first-served
+finishes the first one in about half that — processor sharing, the worst order for cold turns.
+The cap exists for the opposite case: a resumed agent turn (few new tokens, ranked ahead by
+:mod:`server.plugin.priority`) that would otherwise wait behind a running cold prefill's
+2048-token chunk.
+
+So this scheduler applies the configured threshold only while some request that ranks ahead
+(a lower ``priority``) of a running prefill is waiting or running; otherwise it lifts the cap
+and cold prefills run first come, first served as without it. Under vLLM's FCFS policy (all
+priorities equal) it keeps vLLM's own rule. The launcher selects it with vLLM's own
+``--scheduler-cls`` on CPU, where vLLM uses the synchronous scheduler; elsewhere vLLM's static
+threshold applies.
+
+Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``, a
+request's ``priority``, ``num_computed_tokens`` and ``num_prompt_tokens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+
+QUALNAME = "server.engine_chunk.WarmFirstScheduler"
+
+
+def cap_needed(running: Iterable[Any], waiting: Iterable[Any]) -> bool:
+    """Whether a running prefill has someone ahead of it in priority (waiting or running)."""
+    running = list(running)
+    prefilling = [r.priority for r in running if r.num_computed_tokens < r.num_prompt_tokens]
+    if not prefilling:
+        return False
+    worst = max(prefilling)
+    return any(r.priority < worst for r in running) or any(r.priority < worst for r in waiting)
+
+
+class WarmFirstScheduler(Scheduler):
+    """vLLM's scheduler with the long-prefill cap applied only for warmer work."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvb_cap = self.scheduler_config.long_prefill_token_threshold
+        self._kvb_dynamic = self.policy == SchedulingPolicy.PRIORITY and self._kvb_cap > 0
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self._kvb_dynamic:
+            waiting = [*self.waiting, *getattr(self, "kv_holding_waiting", ())]
+            cap = self._kvb_cap if cap_needed(self.running, waiting) else 0
+            self.scheduler_config.long_prefill_token_threshold = cap
+        return super().schedule(*args, **kwargs)
