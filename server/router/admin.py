@@ -329,8 +329,11 @@ class Admin:
         return JSONResponse(data)
 
     async def health(self) -> Response:
-        """A prefill instance's health (the sdk reads it) plus the router's view of all."""
+        """A prefill instance's health (the sdk reads it) plus the router's view of all (the
+        shared index's members included: a router given no URL knows its instances only from
+        there, and would answer 503 with none listed until a turn happened to refresh them)."""
         pool = self.pool
+        await pool.refresh_members()
         await pool.probe_all()
         ok = any(i.alive for i in pool.prefills) and any(i.alive for i in pool.decodes)
         body: dict[str, Any] = {}
