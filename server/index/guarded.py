@@ -31,7 +31,7 @@ logger = logging.getLogger("kvbranch.index")
 _T = TypeVar("_T")
 
 FIRST_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 5.0
+MAX_BACKOFF_S = 2.0
 
 
 class GuardedStore(IndexStore):

@@ -35,7 +35,7 @@ DEREGISTER_TIMEOUT_S = 1.0
 CALL_TIMEOUT_S = 5.0
 #: Block batches kept while the index is unreachable.
 MAX_PENDING_BATCHES = 10_000
-MAX_BACKOFF_S = 30.0
+MAX_BACKOFF_S = 5.0
 
 #: (endpoint, replay endpoint or None, topic): one engine's KV event publisher.
 Source = tuple[str, str | None, str]

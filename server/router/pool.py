@@ -42,6 +42,7 @@ from sdk.contract import HEALTH_PATH, InstanceInfo
 from server.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.connector.pd.transfer_auth import load_cluster_secret
 from server.index import BlockHits, IndexStore, IndexUnavailable, InstanceRecord, Key, TurnStart
+from server.index.base import DEFAULT_HEARTBEAT_TTL_S
 from server.router import choice
 
 logger = logging.getLogger("kvbranch.router")
@@ -50,6 +51,9 @@ PROBE_MAX_AGE_S = 1.0
 #: Routing policies: the cache-aware default, and the baseline with no index at all.
 CACHE_AWARE, ROUND_ROBIN = "cache-aware", "round-robin"
 POLICIES = (CACHE_AWARE, ROUND_ROBIN)
+#: An instance the index stopped listing this long ago is forgotten (it may come back: then
+#: it is learnt again).
+FORGET_UNLISTED_S = 60.0
 #: How stale this router's copy of the index's membership may be.
 MEMBERS_MAX_AGE_S = 1.0
 PROBE_TIMEOUT_S = 3.0
@@ -80,6 +84,8 @@ class Instance:
     seed: bool = True
     #: Listed by the index's membership at the last refresh.
     listed: bool = True
+    #: When the index stopped listing it (router clock; None while listed).
+    unlisted_since: float | None = None
 
     @property
     def load(self) -> int:
@@ -129,6 +135,7 @@ class Pool:
         self.policy = policy
         self._turns_routed = 0
         self._members_at = -1e9
+        self._members_seen_at = -1e9
         self.members_failures = 0
         #: The cluster secret: it signs the requests that carry transfer params or claims.
         self.secret = secret if secret is not None else load_cluster_secret()
@@ -226,14 +233,36 @@ class Pool:
         if self.members_failures:
             logger.warning("index reachable again (%d failed reads)", self.members_failures)
             self.members_failures = 0
+        now = time.monotonic()
+        if not records and any(i.listed and not i.seed for i in self.all):
+            # Everyone gone at once: the index lost its records (a Redis restarted empty, a
+            # failover), not the fleet. Keep the last view until the instances' next heartbeats
+            # re-register them — for at most one heartbeat TTL — instead of answering 503.
+            if now - self._members_seen_at < DEFAULT_HEARTBEAT_TTL_S:
+                return
+        if records:
+            self._members_seen_at = now
         by_url = {r.url.rstrip("/"): r for r in records if r.role in ("prefill", "decode")}
         for inst in self.all:
             rec = by_url.pop(inst.url, None)
             inst.listed = rec is not None and rec.role == inst.role
             if inst.listed:
-                inst.record = rec
+                inst.record, inst.unlisted_since = rec, None
             elif not inst.seed:
                 inst.record = None
+                if inst.unlisted_since is None:
+                    inst.unlisted_since = now
+        # Forget instances the index stopped listing long ago (a fleet whose instances come
+        # and go at new URLs would otherwise grow these lists forever).
+        for group in (self.prefills, self.decodes):
+            group[:] = [
+                i
+                for i in group
+                if i.seed
+                or i.unlisted_since is None
+                or i.inflight
+                or now - i.unlisted_since < FORGET_UNLISTED_S
+            ]
         for url, rec in by_url.items():
             inst = Instance(url, rec.role, seed=False, record=rec)
             (self.prefills if rec.role == "prefill" else self.decodes).append(inst)

@@ -9,6 +9,7 @@ import httpx
 
 from server.index import BlockHits, IndexUnavailable, InstanceRecord, MemoryIndexStore, TurnStart
 from server.router import choice
+from server.router import pool as pool_mod
 from server.router.pool import Pool
 from tests.unit.server.router.fakes import base_of, json_reply
 
@@ -104,5 +105,38 @@ def test_round_robin_takes_turns_and_reads_nothing_from_the_index():
         pool = Pool([P1, P2], [D1], client=_client(), policy="round-robin")
         chosen = [await pool.choose_prefill(KEY, TurnStart(2, None, None)) for _ in range(4)]
         assert [c.url for c in chosen if c is not None] == [P2, P1, P2, P1]
+
+    asyncio.run(go())
+
+
+def test_an_index_that_comes_back_empty_keeps_the_last_view_for_one_heartbeat_ttl(monkeypatch):
+    async def go() -> None:
+        store = MemoryIndexStore(hold_ttl_s=10)
+        pool = Pool([], [], client=_client(), store=store)
+        await store.heartbeat(_record(P1, "prefill"), ttl_s=60)
+        assert len(await pool.live(pool.prefills)) == 1
+        pool.store = MemoryIndexStore(hold_ttl_s=10)  # a Redis that restarted empty
+        await pool.refresh_members(max_age=0)
+        assert [i.url for i in await pool.live(pool.prefills)] == [P1]
+        monkeypatch.setattr(pool_mod, "DEFAULT_HEARTBEAT_TTL_S", 0.0)  # the TTL has passed
+        await pool.refresh_members(max_age=0)
+        assert await pool.live(pool.prefills) == []
+
+    asyncio.run(go())
+
+
+def test_instances_unlisted_long_ago_are_forgotten(monkeypatch):
+    async def go() -> None:
+        store = MemoryIndexStore(hold_ttl_s=10)
+        pool = Pool([], [], client=_client(), store=store)
+        await store.heartbeat(_record(P1, "prefill"), ttl_s=60)
+        await store.heartbeat(_record(P2, "prefill"), ttl_s=60)
+        await pool.refresh_members(max_age=0)
+        await store.deregister("iid-" + P1)
+        await pool.refresh_members(max_age=0)
+        assert {i.url for i in pool.prefills} == {P1, P2}  # remembered a while
+        monkeypatch.setattr(pool_mod, "FORGET_UNLISTED_S", 0.0)
+        await pool.refresh_members(max_age=0)
+        assert [i.url for i in pool.prefills] == [P2]
 
     asyncio.run(go())
