@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -153,10 +154,45 @@ def reap(parent: int, grace_s: float) -> None:
             pass
 
 
+#: Ports this process handed out already (a port is free until its server binds it, which
+#: may be minutes later: never hand it out twice).
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ephemeral ports (what ``bind(0)`` and outgoing connections get)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A free TCP port outside the kernel's ephemeral range.
+
+    The server that will listen on it binds it only after loading (a minute or more for an
+    instance). A port from the ephemeral range could meanwhile be taken by any socket in the
+    meantime — another instance's NIXL/UCX or ZMQ listener, an outgoing connection: seen as
+    "Address already in use" in an instance's NIXL handshake listener when four instances
+    started at once. Ports below (or above) that range are only ever bound on purpose."""
+    low, high = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12000), low)) or list(range(high + 1, 65536))
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(candidates)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as sock:  # a crowded range: the kernel's choice
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 class ServerProcess:
