@@ -1,7 +1,7 @@
 """Real agent traces through the unmodified ``openai`` client: plain vLLM vs kvbranch, with and
 without agent-aware scheduling (docs/scheduling.md).
 
-    .venv/bin/python benchmarks/real_traces.py                 # ~15 min on 2 cores
+    .venv/bin/python benchmarks/real_traces.py                 # ~12 min on 2 cores (quiet)
     .venv/bin/python benchmarks/real_traces.py --conversations 2 --no-results   # a smoke run
 
 The conversations are the Berkeley Function Calling Leaderboard's multi-turn set
@@ -324,7 +324,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--pause-s", type=float, default=0.5, help="tool time between steps")
     ap.add_argument("--configs", default="plain,kvbranch,kvbranch-sched")
     ap.add_argument("--sched-flags", default=DEFAULT_SCHED_FLAGS, help="kvbranch-sched's flags")
-    common.add_server_args(ap, kv_cache_gib=0.3, max_model_len=6144)
+    common.add_server_args(ap, kv_cache_gib=0.2, max_model_len=4096)
     common.add_run_args(ap)
     args = common.parse_run_args(ap)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]

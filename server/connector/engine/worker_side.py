@@ -15,7 +15,7 @@ import time
 import torch
 
 from server.connector.core.metadata import KVBranchMetadata
-from server.connector.engine.host_pool import HostKVPool
+from server.connector.engine.host_pool import HostKVPool, async_saves_from_env
 from server.connector.engine.stats import KVBranchTransferStats
 
 logger = logging.getLogger("kvbranch.connector")
@@ -33,7 +33,7 @@ class KVBranchWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         if self.num_slots == 0:
             return
-        self.pool = HostKVPool(kv_caches, num_blocks, self.num_slots)
+        self.pool = HostKVPool(kv_caches, num_blocks, self.num_slots, async_saves_from_env())
         if self.pool.block_bytes != self.block_bytes:
             logger.warning(
                 "kvbranch: worker block bytes %d differ from planned %d",
@@ -44,7 +44,11 @@ class KVBranchWorker:
             "kvbranch connector (worker): %d host slots on %s, %s copies",
             self.num_slots,
             self.pool.device,
-            "CUDA stream" if self.pool.cuda else "CPU",
+            "CUDA stream"
+            if self.pool.cuda
+            else "CPU (async saves)"
+            if self.pool.async_cpu
+            else "CPU",
         )
 
     def fence_for(self, meta: object) -> None:
@@ -53,7 +57,10 @@ class KVBranchWorker:
         freed after the save was planned may be one of them. Writes on the compute stream need
         no wait here: ``HostKVPool.save`` orders that stream after the save on the GPU, so the
         host is not stalled (async scheduling keeps overlapping)."""
-        if self.pool is not None and isinstance(meta, KVBranchMetadata) and meta.host_fence:
+        if self.pool is None or not isinstance(meta, KVBranchMetadata):
+            return
+        # CPU async saves: every step, before anything writes a block the save may still read.
+        if meta.host_fence or getattr(self.pool, "async_cpu", False):
             self.pool.fence()
 
     def start_load(self, meta: object) -> None:
