@@ -322,7 +322,17 @@ def parse_args() -> argparse.Namespace:
         },
     )
     ap.add_argument("--pause-s", type=float, default=0.5, help="tool time between steps")
-    ap.add_argument("--configs", default="plain,kvbranch,kvbranch-sched")
+    ap.add_argument(
+        "--configs",
+        default="kvbranch,kvbranch-sched,plain",
+        help="in this order (plain last: it recomputes most, and --budget-s may skip it)",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="start no further configuration after this many seconds (0: no limit)",
+    )
     ap.add_argument("--sched-flags", default=DEFAULT_SCHED_FLAGS, help="kvbranch-sched's flags")
     common.add_server_args(ap, kv_cache_gib=0.2, max_model_len=4096)
     common.add_run_args(ap)
@@ -341,6 +351,9 @@ def main() -> int:
     t0 = time.monotonic()
     first_kvb = next((c for c in args.configs if c != "plain"), None)
     for name in args.configs:
+        if args.budget_s and time.monotonic() - t0 > args.budget_s:
+            log(f"=== configuration {name} skipped: past --budget-s {args.budget_s:.0f} ===")
+            continue
         log(f"=== configuration {name} ===")
         alone = name == first_kvb and args.alone > 0
         results[name] = asyncio.run(run_config(name, args, convs, log, alone))
