@@ -538,7 +538,7 @@ class Simulation:
                     st.claims_refused += 1
             prefill = await pool.choose_prefill(key, start, pulled=pull is not None)
             if prefill is not None and decode is not None:
-                await flow.place(key, start, prefill, decode)
+                flow.place_soon(key, start, prefill, decode)  # as _Turn.run: not awaited
             ms = (time.perf_counter() - t0) * 1000
             st.latencies_ms.append(ms)
             if self.fleet.probes == probes and pool._members_at == members_at:

@@ -243,6 +243,14 @@ class TurnFlow:
         self._filing.add(task)
         task.add_done_callback(self._filing.discard)
 
+    def place_soon(self, key: Key | None, start: TurnStart, *instances: Instance) -> None:
+        """:meth:`place` as a task: the turn's legs need not wait for the index's write."""
+        if key is None or self.pool.policy == ROUND_ROBIN:
+            return
+        task = asyncio.get_running_loop().create_task(self.place(key, start, *instances))
+        self._filing.add(task)
+        task.add_done_callback(self._filing.discard)
+
     async def place(self, key: Key | None, start: TurnStart, *instances: Instance) -> None:
         """Record where the session now lives (its home P, the instances that have it), when
         that changed: session routes go there (:mod:`server.router.admin`)."""
@@ -318,7 +326,7 @@ class _Turn:
             return await self.single(prefill, "prefill-only")
         if prefill is None:
             return await self.single(decode, "decode-only", hold=True)
-        await flow.place(key, start, prefill, decode)
+        flow.place_soon(key, start, prefill, decode)
         if pull is not None:
             flow.pulled_tokens.inc(pull.num_tokens)
         leg_started = time.perf_counter()
