@@ -10,8 +10,9 @@ What shapes the code:
 * **bounded**: every key carries a TTL (so ``maxmemory-policy volatile-lru`` may evict any of
   them) and every collection a cap; no ``KEYS``/``SCAN`` anywhere — what cannot be found by
   name is left to its TTL, and readers compare identities and generations instead;
-* **no secrets in names**: session keys use digests of (tenant, session[, branch]); hold params
-  (which carry token ids) are stored as zlib-compressed JSON inside the value, never in a key;
+* **no secrets in names, no token ids in the clear**: session keys use digests of (tenant,
+  session[, branch]); hold params (which carry token ids) are zlib-compressed JSON sealed with a
+  key derived from the cluster secret (:mod:`server.index.hold_cipher`), inside the value;
 * **few round trips**: a turn start is one ``MULTI`` (take the hold, number the turn, read home
   and chain), a hold filing one script, a block lookup one script; :meth:`counters`
   reports every round trip sent, so the index simulation can report them per turn.
@@ -38,6 +39,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
+from server.connector.pd.transfer_auth import load_cluster_secret
 from server.index.base import (
     DEFAULT_BLOCK_TTL_S,
     DEFAULT_SESSION_TTL_S,
@@ -55,6 +57,7 @@ from server.index.base import (
     TurnStart,
     chain_of,
 )
+from server.index.hold_cipher import HoldCipher
 
 _T = TypeVar("_T")
 
@@ -161,22 +164,27 @@ def unpack_chain(raw: bytes | None) -> list[int]:
     return list(struct.unpack(f">{len(raw) // 8}Q", raw))
 
 
-def encode_hold(hold: Hold) -> bytes:
-    """16 hex digits of the turn (what the filing script compares), then zlib'd JSON of the
-    rest. Compressed is not encrypted: the params' token ids are readable by whoever reads
-    Redis (phase 2 stores a reference to D's handle instead)."""
+def encode_hold(hold: Hold, cipher: HoldCipher, key_name: str) -> bytes:
+    """16 hex digits of the turn (what the filing script compares), then the zlib'd JSON of the
+    rest sealed with the cluster secret's hold key (:mod:`server.index.hold_cipher`), bound to
+    ``key_name`` and the turn: Redis never sees a token id in the clear."""
     body = {"u": hold.decode_url, "i": hold.instance_id, "p": hold.params, "t": hold.turn}
     packed = zlib.compress(json.dumps(body, separators=(",", ":")).encode(), 6)
-    return b"%016x" % max(hold.turn, 0) + packed
+    prefix = b"%016x" % max(hold.turn, 0)
+    return prefix + cipher.seal(packed, key_name.encode() + b"\0" + prefix)
 
 
-def decode_hold(raw: bytes, ttl_ms: int) -> Hold | None:
-    """The hold a value holds, or None for anything out of schema (tampered, truncated, an
-    older writer): a hold the index cannot read is a hold it does not have."""
+def decode_hold(raw: bytes, ttl_ms: int, cipher: HoldCipher, key_name: str) -> Hold | None:
+    """The hold a value holds, or None for anything out of schema (tampered, moved from another
+    key, sealed with another secret, truncated, an older writer): a hold the index cannot read
+    is a hold it does not have."""
     try:
         turn = int(raw[:16], 16)
+        packed = cipher.open(raw[16:], key_name.encode() + b"\0" + raw[:16])
+        if packed is None:
+            return None
         inflater = zlib.decompressobj()
-        text = inflater.decompress(raw[16:], MAX_HOLD_BYTES)
+        text = inflater.decompress(packed, MAX_HOLD_BYTES)
         if inflater.unconsumed_tail or not inflater.eof:
             return None
         body = json.loads(text)
@@ -322,6 +330,7 @@ class RedisIndexStore(IndexStore):
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
         block_ttl_s: float = DEFAULT_BLOCK_TTL_S,
         deadline_s: float = CALL_DEADLINE_S,
+        secret: bytes | None = None,
     ) -> None:
         if not _CLUSTER_NAME.fullmatch(cluster):
             raise ValueError(f"cluster name {cluster!r}: expected 1-64 of [A-Za-z0-9._-]")
@@ -334,6 +343,8 @@ class RedisIndexStore(IndexStore):
         self.session_ttl_s = session_ttl_s
         self.block_ttl_s = block_ttl_s
         self._deadline_s = deadline_s
+        #: Seals hold values (every router of the cluster derives the same key).
+        self.cipher = HoldCipher(secret if secret is not None else load_cluster_secret())
         #: hold key → (tenant, session, branch) of holds this process filed, newest last
         self._recent: OrderedDict[str, Key] = OrderedDict()
         self.stored = 0
@@ -430,7 +441,9 @@ class RedisIndexStore(IndexStore):
             )
         hold = None
         if isinstance(raw, bytes):
-            hold = decode_hold(raw, ttl_ms if isinstance(ttl_ms, int) else 0)
+            hold = decode_hold(
+                raw, ttl_ms if isinstance(ttl_ms, int) else 0, self.cipher, k.hold(ss, sb)
+            )
             if hold is None:
                 self.corrupt += 1
             else:
@@ -453,7 +466,7 @@ class RedisIndexStore(IndexStore):
             [k.hold(ss, sb), k.chain(ss, sb), k.branches(ss)],
             [
                 max(hold.turn, 0),
-                encode_hold(hold),
+                encode_hold(hold, self.cipher, k.hold(ss, sb)),
                 self._ms(self.hold_ttl_s),
                 pack_chain(chain) if chain else b"",
                 self._ms(self.session_ttl_s),
@@ -474,7 +487,9 @@ class RedisIndexStore(IndexStore):
         pipe.pttl(self.keys.hold(ss, sb))
         pipe.get(self.keys.hold(ss, sb))
         ttl_ms, raw = await self._call(pipe.execute(), "peek_hold")
-        return decode_hold(raw, ttl_ms) if isinstance(raw, bytes) else None
+        if not isinstance(raw, bytes):
+            return None
+        return decode_hold(raw, ttl_ms, self.cipher, self.keys.hold(ss, sb))
 
     async def set_home(self, tenant: str, session: str, instance_id: str) -> None:
         """HSET + PEXPIRE in one MULTI (it refreshes the placement's TTL too: same hash)."""
@@ -632,8 +647,8 @@ class RedisIndexStore(IndexStore):
             pipe.get(hk)
         replies = await self._call(pipe.execute(), "snapshot")
         out = []
-        for (_, key), ttl_ms, raw in zip(wanted, replies[::2], replies[1::2], strict=True):
-            hold = decode_hold(raw, ttl_ms) if isinstance(raw, bytes) else None
+        for (hk, key), ttl_ms, raw in zip(wanted, replies[::2], replies[1::2], strict=True):
+            hold = decode_hold(raw, ttl_ms, self.cipher, hk) if isinstance(raw, bytes) else None
             if hold is not None:
                 out.append(
                     {

@@ -294,7 +294,7 @@ class Pool:
         pays for all of them — 50 probes and the membership read at 100 instances."""
         while True:
             try:
-                await self.refresh_members(max_age=0)
+                await self.refresh_members(max_age=MEMBERS_MAX_AGE_S * 0.9)  # about once a second
                 soon = time.monotonic() + PROBE_MAX_AGE_S / 2
                 due = [i for i in self.all if self.eligible(i) and not self.fresh(i, soon)]
                 if due:

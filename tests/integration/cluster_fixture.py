@@ -27,6 +27,7 @@ import psutil
 from sdk.contract import HEALTH_PATH
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
 from server.index import Hold, InstanceRecord
+from server.index.hold_cipher import HoldCipher
 from server.index.redis_store import RedisIndexStore, RedisKeys, decode_hold, digest, encode_hold
 from server.process import free_port
 from server.tenants import scope_of
@@ -278,7 +279,8 @@ class Cluster:
         """Decode the hold, let ``edit`` change it, encode it back (well-formed, so the index
         offers it: only the instances' own checks can refuse it)."""
         raw, ttl = self.raw_hold(session, branch)
-        hold = decode_hold(raw, ttl)
+        cipher, key = HoldCipher(self.secret.encode()), self.hold_key(session, branch)
+        hold = decode_hold(raw, ttl, cipher, key)
         assert hold is not None
         edit(hold)
-        self.overwrite_hold(session, encode_hold(hold), branch)
+        self.overwrite_hold(session, encode_hold(hold, cipher, key), branch)

@@ -392,6 +392,47 @@ async def test_redis_tampered_values_read_as_absent(
 
 
 @pytest.mark.parametrize("backend", ["redis"])
+async def test_redis_holds_are_sealed_and_bound_to_their_key(
+    make_store: MakeStore, redis_server: RedisServer
+) -> None:
+    """No token id in the clear; a value moved to another branch's key, or read by a router
+    with another cluster secret, is no hold (a recompute)."""
+    store = await make_store()
+    assert isinstance(store, RedisIndexStore)
+    params = {"remote_num_tokens": 3, "kvbranch_token_ids": [918273, 645321, 777001]}
+    other = (KEY[0], KEY[1], "other-branch")
+    client = raw_client(redis_server)
+    try:
+        await store.put_hold(KEY, Hold("http://d1", "iid", params, turn=1))
+        ss = digest(*KEY[:2])
+        raw = await client.get(store.keys.hold(ss, digest(*KEY)))
+        assert raw is not None and b"918273" not in raw and b"918273" not in zlib_any(raw)
+        await client.set(store.keys.hold(ss, digest(*other)), raw, px=60_000)
+        assert (await store.begin_turn(other)).hold is None  # moved: does not open
+        stranger = RedisIndexStore.from_url(
+            redis_server.url, hold_ttl_s=30.0, cluster=store.keys.cluster, secret=b"another"
+        )
+        try:
+            assert (await stranger.begin_turn(KEY)).hold is None
+        finally:
+            await stranger.close()
+    finally:
+        await client.aclose()
+
+
+def zlib_any(raw: bytes) -> bytes:
+    """``raw`` inflated from any offset that inflates (b"" when none does)."""
+    import zlib
+
+    for i in range(len(raw)):
+        try:
+            return zlib.decompress(raw[i:])
+        except zlib.error:
+            continue
+    return b""
+
+
+@pytest.mark.parametrize("backend", ["redis"])
 async def test_redis_schema_mismatch(make_store: MakeStore, redis_server: RedisServer) -> None:
     store = await make_store()
     assert isinstance(store, RedisIndexStore)
