@@ -12,7 +12,14 @@ The cap exists for the opposite case: a resumed agent turn (few new tokens, rank
 
 So this scheduler applies the configured threshold only while some request that ranks ahead
 (a lower ``priority``) of a running prefill is waiting or running; otherwise it lifts the cap
-and cold prefills run first come, first served as without it. Under vLLM's FCFS policy (all
+and cold prefills run one after the other, in priority order, as without it. A resumed turn
+that arrives while a cold prefill computes still waits for the step in flight: measured on the
+same traces (RESULTS.md, real_traces 02:00), the cap alone gave no gain for that reason, with
+2048-token steps of about 5 s on one core. So while cold prefills run with nothing ahead of
+them (and more than one request exists), the whole step budget is the chunk: steps stay short
+(the next arrival waits at most one short step) and the colds still go one at a time (the
+first in priority order takes the budget). ``running`` is kept in ``(priority, arrival)`` order
+so that the budget goes to the higher-ranked requests first. Under vLLM's FCFS policy (all
 priorities equal) it keeps vLLM's own rule. The launcher selects it with vLLM's own
 ``--scheduler-cls`` on CPU, where vLLM uses the synchronous scheduler; elsewhere vLLM's static
 threshold applies.
@@ -48,11 +55,24 @@ class WarmFirstScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._kvb_cap = self.scheduler_config.long_prefill_token_threshold
+        self._kvb_budget = self.max_num_scheduled_tokens
         self._kvb_dynamic = self.policy == SchedulingPolicy.PRIORITY and self._kvb_cap > 0
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         if self._kvb_dynamic:
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
             waiting = [*self.waiting, *getattr(self, "kv_holding_waiting", ())]
-            cap = self._kvb_cap if cap_needed(self.running, waiting) else 0
+            cap, budget = step_limits(self.running, waiting, self._kvb_cap, self._kvb_budget)
             self.scheduler_config.long_prefill_token_threshold = cap
+            self.max_num_scheduled_tokens = budget
         return super().schedule(*args, **kwargs)
+
+
+def step_limits(running: list[Any], waiting: list[Any], chunk: int, budget: int) -> tuple[int, int]:
+    """(per-request prompt cap, step token budget) for this step (see the module docstring)."""
+    if cap_needed(running, waiting):
+        return chunk, budget  # warmer work: every prefill capped, the warm one gets the rest
+    prefilling = any(r.num_computed_tokens < r.num_prompt_tokens for r in running)
+    if prefilling and len(running) + len(waiting) > 1:
+        return 0, chunk + len(running)  # short steps, colds one after the other; decodes go on
+    return 0, budget

@@ -222,3 +222,13 @@ def test_scheduler_config_threshold_is_assignable():
     config.long_prefill_token_threshold = 0
     config.long_prefill_token_threshold = 256
     assert config.long_prefill_token_threshold == 256
+
+
+def test_step_limits():
+    from server.engine_chunk import step_limits
+
+    cold, other = Req(10, 512, 4000), Req(11, 0, 3000)
+    assert step_limits([cold], [], 256, 2048) == (0, 2048)  # alone: vLLM's full step
+    assert step_limits([cold], [other], 256, 2048) == (0, 257)  # colds: short steps, in order
+    assert step_limits([cold], [Req(3, 0, 4100)], 256, 2048) == (256, 2048)  # warm waits
+    assert step_limits([Req(3, 50, 50), Req(4, 60, 60)], [], 256, 2048) == (0, 2048)  # decodes
