@@ -1,7 +1,7 @@
 """Real agent traces through the unmodified ``openai`` client: plain vLLM vs kvbranch, with and
 without agent-aware scheduling (docs/scheduling.md).
 
-    .venv/bin/python benchmarks/real_traces.py                 # ~12 min on 2 cores (quiet)
+    .venv/bin/python benchmarks/real_traces.py                 # ~6 min on 2 cores (quiet)
     .venv/bin/python benchmarks/real_traces.py --conversations 2 --no-results   # a smoke run
 
 The conversations are the Berkeley Function Calling Leaderboard's multi-turn set

@@ -24,6 +24,11 @@ priorities equal) it keeps vLLM's own rule. The launcher selects it with vLLM's 
 ``--scheduler-cls`` on CPU, where vLLM uses the synchronous scheduler; elsewhere vLLM's static
 threshold applies.
 
+Measured on the same traces with this scheduler (RESULTS.md, real_traces 02:09): no better,
+because under KV pressure a resumed turn waits for device blocks that the running cold prefill
+holds, which neither the order nor the step size frees (docs/scheduling.md); so it is used only
+with the opt-in flags.
+
 Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``, a
 request's ``priority``, ``num_computed_tokens`` and ``num_prompt_tokens``).
 """
