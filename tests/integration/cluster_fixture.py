@@ -228,8 +228,12 @@ class Cluster:
     # --- the index, read and written as a router does --------------------------------------
 
     def _store(self) -> RedisIndexStore:
+        # the cluster's own secret: holds are sealed with it (server/index/hold_cipher.py)
         return RedisIndexStore.from_url(
-            self.redis.url, hold_ttl_s=float(HOLD_TTL_S), cluster=CLUSTER
+            self.redis.url,
+            hold_ttl_s=float(HOLD_TTL_S),
+            cluster=CLUSTER,
+            secret=self.secret.encode(),
         )
 
     def _run(self, fn: Callable[[RedisIndexStore], Any]) -> Any:
