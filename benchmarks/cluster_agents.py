@@ -27,12 +27,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,65 +38,23 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common, reporting  # noqa: E402
-from benchmarks.textgen import text_of_tokens  # noqa: E402
+from benchmarks.pd_turns import conversation_turns  # noqa: E402
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET  # noqa: E402
 from server.process import ServerProcess, free_port  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
 
 CONFIGS = ("cluster", "single-router", "round-robin")
 SECRET = "cluster-bench-" + "0" * 50
 
 
-class Redis:
-    """A real redis-server on a unix socket (no TCP listener), for one configuration."""
-
-    def __init__(self) -> None:
-        if shutil.which("redis-server") is None:
-            raise SystemExit("redis-server is not installed: run scripts/setup.sh")
-        self.dir = Path(tempfile.mkdtemp(prefix="kvb-bench-redis-"))
-        self.sock = self.dir / "r.sock"
-        self.url = f"unix://{self.sock}"
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                "0",
-                "--unixsocket",
-                str(self.sock),
-                "--unixsocketperm",
-                "700",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--maxmemory",
-                "256mb",
-                "--maxmemory-policy",
-                "volatile-lru",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while not self.sock.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def info(self) -> dict[str, str]:
-        out = subprocess.run(
-            ["redis-cli", "-s", str(self.sock), "info"], capture_output=True, text=True, check=False
-        ).stdout
-        return dict(
-            line.split(":", 1)
-            for line in out.splitlines()
-            if ":" in line and not line.startswith("#")
-        )
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+def redis_info(server: RedisServer) -> dict[str, str]:
+    """``INFO`` of the configuration's Redis, as ``redis-cli`` prints it."""
+    out = subprocess.run(
+        ["redis-cli", "-s", str(server.socket), "info"], capture_output=True, text=True, check=False
+    ).stdout
+    return dict(
+        line.split(":", 1) for line in out.splitlines() if ":" in line and not line.startswith("#")
+    )
 
 
 def instance(role: str, core: str, index: str, args: argparse.Namespace) -> ServerProcess:
@@ -132,19 +87,6 @@ def router(argv: list[str]) -> ServerProcess:
     )
 
 
-def conversation(
-    seed: int, turns: int, system_tokens: int, new_tokens: int
-) -> tuple[str, list[str]]:
-    rng = random.Random(seed)
-    system = "You are an agent that uses tools. Notes: " + text_of_tokens(rng, system_tokens)
-    users = [f"Task {seed}: inspect the logs and report." + text_of_tokens(rng, 40)]
-    users += [
-        f"Tool result {t}: " + text_of_tokens(rng, new_tokens, style="observation")
-        for t in range(1, turns)
-    ]
-    return system, users
-
-
 async def wait_members(client: httpx.AsyncClient, url: str, n: int, timeout: float = 60) -> None:
     """Until the router's health lists ``n`` instances alive."""
     deadline = time.monotonic() + timeout
@@ -161,7 +103,7 @@ async def wait_members(client: httpx.AsyncClient, url: str, n: int, timeout: flo
 
 
 async def run_config(name: str, args: argparse.Namespace, log: reporting.Progress) -> dict:
-    redis = Redis() if name == "cluster" else None
+    redis = RedisServer().start() if name == "cluster" else None
     index = redis.url if redis is not None else "memory"
     prefills = [instance("prefill", "0", index, args) for _ in range(2)]
     decodes = [instance("decode", "1", index, args) for _ in range(2)]
@@ -186,7 +128,7 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
         for r in routers:
             r.start()
         convs = {
-            s: conversation(args.seed + s, args.turns, args.system_tokens, args.new_tokens)
+            s: conversation_turns(args.seed + s, args.turns, args.system_tokens, args.new_tokens)
             for s in range(args.sessions)
         }
         history = {s: [{"role": "system", "content": convs[s][0]}] for s in convs}
@@ -256,21 +198,21 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
             wall0 = time.monotonic()
             await asyncio.gather(*(bounded(s) for s in convs))
             wall = time.monotonic() - wall0
-        redis_info = redis.info() if redis is not None else {}
+        info = redis_info(redis) if redis is not None else {}
     finally:
         for r in routers:
             r.stop()
         for inst in prefills + decodes:
             inst.stop()
         if redis is not None:
-            redis.stop()
+            redis.close()
     return {
         "name": name,
         "turns": turns,
         "failures": failures,
         "wall_s": wall,
-        "redis_used_memory": redis_info.get("used_memory_human", "").strip(),
-        "redis_commands": redis_info.get("total_commands_processed", "").strip(),
+        "redis_used_memory": info.get("used_memory_human", "").strip(),
+        "redis_commands": info.get("total_commands_processed", "").strip(),
     }
 
 

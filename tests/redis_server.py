@@ -9,11 +9,12 @@ writes).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from server.router.cluster import redis_answers, redis_argv
 
 
 class RedisServer:
@@ -41,31 +42,13 @@ class RedisServer:
         self.socket.unlink(missing_ok=True)
         log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                "0",
-                "--unixsocket",
-                str(self.socket),
-                "--unixsocketperm",
-                "700",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--maxmemory",
-                "256mb",
-                "--maxmemory-policy",
-                "volatile-lru",
-                "--dir",
-                str(self.dir),
-            ],  # fmt: skip
+            redis_argv(self.binary, self.socket, self.dir),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
         log.close()
         deadline = time.monotonic() + self.start_timeout_s
-        while not self._answers():
+        while not redis_answers(self.socket):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited ({self.proc.returncode}): {self._tail()}")
             if time.monotonic() > deadline:
@@ -73,17 +56,6 @@ class RedisServer:
                 raise RuntimeError(f"redis-server did not answer within {self.start_timeout_s}s")
             time.sleep(0.02)
         return self
-
-    def _answers(self) -> bool:
-        """PING over the socket, without a client library."""
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(0.5)
-                s.connect(str(self.socket))
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
 
     def _tail(self) -> str:
         try:

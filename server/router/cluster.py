@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.router.launch import _CLUSTER_FLAGS, bind_listener, instance_argv, redact
+from server.router.launch import _CLUSTER_FLAGS, bind_listener, instance_argv, redact, strip_flags
 from server.settings import LaunchError
 
 #: Redis's memory cap for the one-machine index: holds are a few KB each, block entries tens of
@@ -96,22 +96,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise LaunchError("--cluster: each instance advertises its own URL; drop --advertise-url")
     if args.port + args.routers - 1 > 65535:
         raise LaunchError(f"--port {args.port} --routers {args.routers}: ports past 65535")
-
-
-def strip_flags(argv: list[str], flags: dict[str, int]) -> list[str]:
-    """``argv`` without ``flags`` (name → how many values follow it, none for ``--x=v``)."""
-    out: list[str] = []
-    skip = 0
-    for arg in argv:
-        if skip:
-            skip -= 1
-            continue
-        name = arg.split("=", 1)[0]
-        if name in flags:
-            skip = flags[name] if "=" not in arg else 0
-            continue
-        out.append(arg)
-    return out
 
 
 def keep_flags(argv: list[str], flags: dict[str, int]) -> list[str]:
@@ -219,6 +203,37 @@ def find_redis() -> str:
     return binary
 
 
+def redis_argv(
+    binary: str, sock: Path, folder: Path, maxmemory: str = REDIS_MAXMEMORY
+) -> list[str]:
+    """A ``redis-server`` on the unix socket ``sock`` only (``--port 0``: no TCP listener),
+    nothing persisted, memory capped with the eviction policy the index is built for (every key
+    has a TTL): the launcher's and the tests' Redis alike."""
+    return [
+        binary,
+        "--port", "0",
+        "--unixsocket", str(sock),
+        "--unixsocketperm", "700",
+        "--save", "",
+        "--appendonly", "no",
+        "--maxmemory", maxmemory,
+        "--maxmemory-policy", "volatile-lru",
+        "--dir", str(folder),
+    ]  # fmt: skip
+
+
+def redis_answers(sock: Path) -> bool:
+    """PING over the socket, without a client library."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(0.5)
+            s.connect(str(sock))
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def _redis_child() -> None:  # in the forked child, before exec: main thread only (see below)
     from server.process import set_parent_death_signal
 
@@ -242,17 +257,7 @@ class LocalRedis:
         return f"unix://{self.socket}"
 
     def argv(self) -> list[str]:
-        return [
-            self.binary,
-            "--port", "0",
-            "--unixsocket", str(self.socket),
-            "--unixsocketperm", "700",
-            "--save", "",
-            "--appendonly", "no",
-            "--maxmemory", self.maxmemory,
-            "--maxmemory-policy", "volatile-lru",
-            "--dir", str(self.dir),
-        ]  # fmt: skip
+        return redis_argv(self.binary, self.socket, self.dir, self.maxmemory)
 
     def start(self, timeout_s: float = _REDIS_START_S) -> LocalRedis:
         with self.log_path.open("ab") as log:
@@ -277,15 +282,7 @@ class LocalRedis:
         return self
 
     def answers(self) -> bool:
-        """PING over the socket, without a client library."""
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(0.5)
-                s.connect(str(self.socket))
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        return redis_answers(self.socket)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.proc is not None and self.proc.poll() is None:

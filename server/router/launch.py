@@ -147,20 +147,25 @@ def open_index(url: str, hold_ttl_s: float, cluster: str) -> IndexStore:
     return open_store(url, hold_ttl_s=hold_ttl_s, cluster=cluster)
 
 
-def instance_argv(ours: list[str]) -> list[str]:
-    """The user's flags minus the cluster-level ones, for each child instance."""
+def strip_flags(argv: list[str], flags: dict[str, int]) -> list[str]:
+    """``argv`` without ``flags`` (name → how many values follow it, none for ``--x=v``)."""
     out: list[str] = []
     skip = 0
-    for arg in ours:
+    for arg in argv:
         if skip:
             skip -= 1
             continue
         name = arg.split("=", 1)[0]
-        if name in _CLUSTER_FLAGS:
-            skip = _CLUSTER_FLAGS[name] if "=" not in arg else 0
+        if name in flags:
+            skip = flags[name] if "=" not in arg else 0
             continue
         out.append(arg)
     return out
+
+
+def instance_argv(ours: list[str]) -> list[str]:
+    """The user's flags minus the cluster-level ones, for each child instance."""
+    return strip_flags(ours, _CLUSTER_FLAGS)
 
 
 def split_cores(n: int) -> tuple[str, str]:
