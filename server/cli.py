@@ -287,9 +287,10 @@ def scheduling_plan(
     """vLLM flags for agent-aware scheduling (docs/scheduling.md) and the priority aging the
     plugin gets (``None``: the plugin sets no priority). The user's own vLLM flags win: with
     ``--scheduling-policy`` other than ``priority`` after ``--`` the plugin sets none (vLLM
-    would refuse every non-zero priority). With both the priority and a prefill chunk, on CPU
-    (vLLM's synchronous scheduler there), the chunk applies only while warmer work is waiting
-    or running (:data:`WARM_FIRST_SCHEDULER`)."""
+    would refuse every non-zero priority). With the priority on CPU (vLLM's synchronous
+    scheduler there), :data:`WARM_FIRST_SCHEDULER` preempts colder prefills for a warmer
+    request that does not fit in the free blocks, and applies the prefill chunk only while
+    warmer work is waiting or running."""
     argv: list[str] = []
     aging_s = None
     policy = flag_value(passthrough, "--scheduling-policy")
@@ -300,8 +301,8 @@ def scheduling_plan(
     chunk = getattr(args, "cold_prefill_chunk", 0)
     if chunk and not has_flag(passthrough, "--long-prefill-token-threshold"):
         argv += ["--long-prefill-token-threshold", str(min(chunk, args.max_model_len))]
-        if aging_s is not None and not cuda and not has_flag(passthrough, "--scheduler-cls"):
-            argv += ["--scheduler-cls", WARM_FIRST_SCHEDULER]
+    if aging_s is not None and not cuda and not has_flag(passthrough, "--scheduler-cls"):
+        argv += ["--scheduler-cls", WARM_FIRST_SCHEDULER]
     return argv, aging_s
 
 

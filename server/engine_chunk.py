@@ -29,19 +29,43 @@ because under KV pressure a resumed turn waits for device blocks that the runnin
 holds, which neither the order nor the step size frees (docs/scheduling.md); so it is used only
 with the opt-in flags.
 
+**Preemption for warmer work.** What the per-step records of those runs showed instead: under
+KV pressure a resumed turn waits for *device blocks* to hold its history (loaded from the host
+store), and vLLM admits a waiting request only when blocks are free; it preempts only to grow
+a running request. So before each step, while the best-ranked waiting request would not fit
+in the free blocks, the worst-ranked running request that is still prefilling *and ranks
+behind it* is preempted (vLLM's own ``_preempt_request``: its blocks are freed, it goes back
+to the waiting queue with its arrival and priority unchanged). What it had computed is not
+lost: every full block was saved to the host store as it filled (and stays in vLLM's prefix
+cache until evicted), so when it is scheduled again it loads them back in one copy and
+recomputes at most the last partial block. Decoding requests are never preempted here
+(vLLM's own rule still applies to them when a running request needs a block). A cold
+request is passed only by requests ranked ahead of it, which the plugin's aging bounds
+(docs/scheduling.md: a level-L request only by warmer requests arriving within about
+``(L + 1) * aging_s`` after it), so it is never starved.
+
 Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``, a
-request's ``priority``, ``num_computed_tokens`` and ``num_prompt_tokens``).
+request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens``, ``arrival_time``,
+``kv_cache_manager.block_pool.get_num_free_blocks()``, ``_preempt_request`` and
+``_request_blocks_can_be_freed``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 QUALNAME = "server.engine_chunk.WarmFirstScheduler"
+
+logger = logging.getLogger(__name__)
+#: Waiting requests that only wait for blocks and budget.
+READY = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 def cap_needed(running: Iterable[Any], waiting: Iterable[Any]) -> bool:
@@ -54,16 +78,45 @@ def cap_needed(running: Iterable[Any], waiting: Iterable[Any]) -> bool:
     return any(r.priority < worst for r in running) or any(r.priority < worst for r in waiting)
 
 
+def rank(request: Any) -> tuple[Any, Any]:
+    """vLLM's priority order: lower first, then earlier arrival."""
+    return (request.priority, request.arrival_time)
+
+
+def is_prefilling(request: Any) -> bool:
+    return request.num_computed_tokens < request.num_prompt_tokens
+
+
+def blocks_needed(request: Any, block_size: int) -> int:
+    """Device blocks a waiting request needs for its whole prompt and its first token (an upper
+    bound: blocks it shares with running requests cost nothing)."""
+    return -(-(request.num_tokens + 1) // block_size)
+
+
+def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
+    """The running request to preempt for ``head`` (the best-ranked waiting request): the
+    worst-ranked one still prefilling that ranks behind ``head``; ``None`` if there is none
+    (decodes and better-ranked prefills are never preempted for it)."""
+    behind = [r for r in running if is_prefilling(r) and rank(r) > rank(head)]
+    return max(behind, key=rank, default=None)
+
+
 class WarmFirstScheduler(Scheduler):
-    """vLLM's scheduler with the long-prefill cap applied only for warmer work."""
+    """vLLM's scheduler with preemption of colder prefills for a warmer waiting request, and
+    the long-prefill cap applied only for warmer work (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._kvb_cap = self.scheduler_config.long_prefill_token_threshold
         self._kvb_budget = self.max_num_scheduled_tokens
-        self._kvb_dynamic = self.policy == SchedulingPolicy.PRIORITY and self._kvb_cap > 0
+        self._kvb_priority = self.policy == SchedulingPolicy.PRIORITY
+        self._kvb_dynamic = self._kvb_priority and self._kvb_cap > 0
+        #: Preemptions made here (vLLM's own count every preemption in its stats too).
+        self.kvb_preemptions = 0
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self._kvb_priority and self.waiting and self.running:
+            self._preempt_for_warmer()
         if self._kvb_dynamic:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
             waiting = [*self.waiting, *getattr(self, "kv_holding_waiting", ())]
@@ -71,6 +124,30 @@ class WarmFirstScheduler(Scheduler):
             self.scheduler_config.long_prefill_token_threshold = cap
             self.max_num_scheduled_tokens = budget
         return super().schedule(*args, **kwargs)
+
+    def _preempt_for_warmer(self) -> None:
+        """Free device blocks for the best-ranked waiting request by preempting colder
+        running prefills, worst first, while it would not fit (module docstring)."""
+        head = self.waiting.peek_request()
+        if head.status not in READY:  # waits for something else (a peer's blocks, a grammar)
+            return
+        pool = self.kv_cache_manager.block_pool
+        need = blocks_needed(head, self.block_size)
+        timestamp = time.monotonic()
+        while pool.get_num_free_blocks() < need:
+            victim = preemption_victim(self.running, head)
+            if victim is None or not self._request_blocks_can_be_freed(victim):
+                return
+            logger.debug(
+                "kvbranch: preempting prefill %s (%d/%d computed) for warmer %s",
+                victim.request_id,
+                victim.num_computed_tokens,
+                victim.num_prompt_tokens,
+                head.request_id,
+            )
+            self.running.remove(victim)
+            self._preempt_request(victim, timestamp)
+            self.kvb_preemptions += 1
 
 
 def step_limits(running: list[Any], waiting: list[Any], chunk: int, budget: int) -> tuple[int, int]:

@@ -174,9 +174,19 @@ def test_policy_from_env(monkeypatch):
     ("ours", "passthrough", "argv", "aging"),
     [
         ([], [], [], None),
-        (["--agent-priority"], [], ["--scheduling-policy", "priority"], 2.0),
+        (
+            ["--agent-priority"],
+            [],
+            ["--scheduling-policy", "priority", "--scheduler-cls", WARM_FIRST_SCHEDULER],
+            2.0,
+        ),
         (["--agent-priority"], ["--scheduling-policy", "fcfs"], [], None),
-        (["--agent-priority"], ["--scheduling_policy=priority"], [], 2.0),
+        (
+            ["--agent-priority"],
+            ["--scheduling_policy=priority"],
+            ["--scheduler-cls", WARM_FIRST_SCHEDULER],
+            2.0,
+        ),
         (["--no-agent-priority"], [], [], None),
         (["--cold-prefill-chunk", "256"], [], ["--long-prefill-token-threshold", "256"], None),
         (["--cold-prefill-chunk", "256"], ["--long-prefill-token-threshold", "64"], [], None),
@@ -187,10 +197,11 @@ def test_scheduling_plan(ours, passthrough, argv, aging):
     assert scheduling_plan(args, passthrough) == (argv, aging)
 
 
-def test_warm_first_scheduler_with_both_flags_on_cpu_only():
+def test_warm_first_scheduler_with_the_priority_on_cpu_only():
     args = build_parser().parse_args(["--agent-priority", "--cold-prefill-chunk", "256"])
     argv, _ = scheduling_plan(args, [])
     assert argv[-2:] == ["--scheduler-cls", WARM_FIRST_SCHEDULER]
+    assert "--long-prefill-token-threshold" in argv
     assert "--scheduler-cls" not in scheduling_plan(args, [], cuda=True)[0]
     assert "--scheduler-cls" not in scheduling_plan(args, ["--scheduler-cls", "x.Y"])[0]
 

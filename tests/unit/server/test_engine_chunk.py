@@ -1,0 +1,165 @@
+"""The warm-first scheduler's preemption (server/engine_chunk.py) on vLLM's real ``Scheduler``:
+a cold prefill that holds the device blocks is preempted for a warmer waiting request, never
+for a colder one, and never while it decodes. Pure rules with small fakes at the end."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from server.engine_chunk import WarmFirstScheduler, blocks_needed, preemption_victim
+from server.model_cache import default_model_dir
+
+BS = 16
+NUM_BLOCKS = 20  # one is vLLM's null block: 19 usable
+STEP_TOKENS = 256
+
+
+def make(cls: type[Scheduler] = WarmFirstScheduler, policy: str = "priority") -> Scheduler:
+    if not (default_model_dir() / "config.json").exists():
+        pytest.skip("the embedded model is not built (scripts/setup.sh builds it)")
+    model = ModelConfig(model=str(default_model_dir()), dtype="float32", max_model_len=1024)
+    sched = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=STEP_TOKENS,
+        max_model_len=1024,
+        enable_chunked_prefill=True,
+        policy=policy,
+        is_encoder_decoder=False,
+    )
+    cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
+    cache.num_gpu_blocks = NUM_BLOCKS
+    config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    return cls(
+        vllm_config=config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BS,
+    )
+
+
+def request(rid: str, tokens: int, priority: int, arrival: float, first: int = 1) -> Request:
+    init_none_hash(sha256)
+    return Request(
+        rid,
+        list(range(first, first + tokens)),
+        SamplingParams(max_tokens=4),
+        None,
+        arrival_time=arrival,
+        priority=priority,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
+
+
+def cold_holding_blocks(sched: Scheduler, prompt: int = 18 * BS) -> Request:
+    """A cold prefill after its first step: 16 of the 19 blocks held, still prefilling."""
+    cold = request("cold", prompt, priority=5, arrival=1.0)
+    sched.add_request(cold)
+    sched.schedule()
+    assert cold.status == RequestStatus.RUNNING
+    assert 0 < cold.num_computed_tokens < cold.num_prompt_tokens
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 3
+    return cold
+
+
+def scheduled_ids(output) -> set[str]:
+    return set(output.num_scheduled_tokens)
+
+
+def test_warmer_request_preempts_a_cold_prefill_that_holds_the_blocks():
+    sched = make()
+    cold = cold_holding_blocks(sched)
+    warm = request("warm", 5 * BS, priority=1, arrival=2.0, first=1000)
+    sched.add_request(warm)
+    out = sched.schedule()
+    assert "warm" in scheduled_ids(out)
+    assert cold.status == RequestStatus.PREEMPTED and cold.num_computed_tokens == 0
+    assert "cold" in out.preempted_req_ids
+    assert sched.kvb_preemptions == 1
+    # vLLM's own scheduler leaves the warm request waiting for blocks in the same state.
+    plain = make(Scheduler)
+    cold_holding_blocks(plain)
+    plain.add_request(request("warm", 5 * BS, priority=1, arrival=2.0, first=1000))
+    assert "warm" not in scheduled_ids(plain.schedule())
+
+
+def test_a_colder_or_equal_request_does_not_preempt():
+    for priority, arrival in ((9, 2.0), (5, 2.0)):
+        sched = make()
+        cold = cold_holding_blocks(sched)
+        sched.add_request(request("later", 5 * BS, priority=priority, arrival=arrival, first=900))
+        out = sched.schedule()
+        assert "later" not in scheduled_ids(out)
+        assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+
+
+def test_no_preemption_when_the_warm_request_fits():
+    sched = make()
+    cold = cold_holding_blocks(sched)
+    sched.add_request(request("small", BS - 2, priority=1, arrival=2.0, first=2000))
+    out = sched.schedule()
+    assert "small" in scheduled_ids(out)
+    assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+
+
+def test_a_decoding_request_is_not_preempted():
+    sched = make()
+    cold = request("cold", 15 * BS, priority=5, arrival=1.0)
+    sched.add_request(cold)
+    sched.schedule()  # its whole prompt in one step: it decodes from now on
+    assert cold.num_computed_tokens == cold.num_prompt_tokens
+    sched.add_request(request("warm", 8 * BS, priority=1, arrival=2.0, first=1000))
+    sched.schedule()
+    assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+
+
+def test_fcfs_keeps_vllm_rules():
+    sched = make(policy="fcfs")
+    cold = request("cold", 18 * BS, priority=0, arrival=1.0)
+    sched.add_request(cold)
+    sched.schedule()
+    sched.add_request(request("warm", 5 * BS, priority=0, arrival=2.0, first=1000))
+    sched.schedule()
+    assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+
+
+def fake(priority: int, computed: int, prompt: int, arrival: float = 0.0, tokens: int = 0):
+    return SimpleNamespace(
+        priority=priority,
+        arrival_time=arrival,
+        num_computed_tokens=computed,
+        num_prompt_tokens=prompt,
+        num_tokens=tokens or prompt,
+    )
+
+
+def test_victim_is_the_worst_ranked_prefill_behind_the_head():
+    head = fake(2, 0, 100, arrival=5.0)
+    a, b = fake(4, 10, 900, arrival=1.0), fake(4, 10, 900, arrival=2.0)
+    decoding = fake(9, 900, 900)
+    ahead = fake(1, 10, 900)
+    assert preemption_victim([a, b, decoding, ahead], head) is b  # same priority: the later
+    assert preemption_victim([decoding, ahead], head) is None
+    assert preemption_victim([fake(2, 10, 900, arrival=6.0)], head) is not None  # tie: later
+    assert preemption_victim([fake(2, 10, 900, arrival=4.0)], head) is None
+
+
+def test_blocks_needed_covers_the_prompt_and_the_first_token():
+    assert blocks_needed(fake(0, 0, 128), 128) == 2
+    assert blocks_needed(fake(0, 0, 127), 128) == 1
