@@ -63,6 +63,8 @@ async def vllm_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
         for part in ("sum", "count"):
             pat = rf"^vllm:{name}(?:_seconds)?_{part}\{{[^}}]*\}} ([0-9.e+-]+)$"
             out[f"{name}_{part}"] = sum(float(v) for v in re.findall(pat, text, re.M))
+    pat = r"^vllm:num_preemptions_total\{[^}]*\} ([0-9.e+-]+)$"
+    out["preemptions"] = sum(float(v) for v in re.findall(pat, text, re.M))
     return out
 
 
@@ -206,6 +208,7 @@ def summarize(res: dict) -> dict:
         "prefill_mean_s": m.get("request_prefill_time_seconds_sum", 0.0) / n,
         "peak_gib": res["peak_rss_bytes"] / (1 << 30),
         "requests": len(recs),
+        "preemptions": int(m.get("preemptions", 0.0)),
     }
 
 
@@ -237,6 +240,7 @@ def report(args, convs, results, sums, info, elapsed, raw) -> str:
         "output tok/s",
         "recomputed / prompt tokens",
         "vLLM queue / prefill mean (s)",
+        "preemptions",
         "peak RSS (GiB)",
         "answers = plain",
     ]
@@ -260,6 +264,7 @@ def report(args, convs, results, sums, info, elapsed, raw) -> str:
                 s["out_tps"],
                 f"{s['recomputed']} / {s['prompt']}",
                 f"{s['queue_mean_s']:.2f} / {s['prefill_mean_s']:.2f}",
+                s["preemptions"],
                 s["peak_gib"],
                 same,
             ]
