@@ -23,7 +23,8 @@ after the other, with the same device KV budget:
   ``python -m server --disagg``: a prefill and a decode instance (one core each) behind the
   kvbranch router, which carries the decode instance's KV back to prefill on the next turn.
 * ``<config>:<vLLM flags>`` — any of these with vLLM flags of its own, e.g.
-  ``kvbranch:--max-num-batched-tokens=512`` (scheduling knobs, side by side with the defaults).
+  ``kvbranch:--max-num-batched-tokens=512`` (scheduling knobs, side by side with the defaults);
+  flags before a ``--`` there are the launcher's: ``kvbranch:--no-agent-priority --``.
 * ``pd`` (opt-in) — upstream P/D: ``--disagg --no-connector --no-bidirectional`` (NIXL, no
   pull, no host store). ``--configs pd,pd-kvbranch --pd-hold-ttl-s 120`` is the "holds under
   pressure" case of issue 13: ratios are against the first configuration named.
@@ -320,13 +321,21 @@ class Runner:
 async def run_config(
     name: str, kvbranch: bool, args: argparse.Namespace, workload: dict, log: reporting.Progress
 ) -> dict:
-    base, vllm_flags = split_config(name)
+    base, flags = split_config(name)
+    # Flags before a literal "--" are the launcher's (e.g. --agent-priority), after it vLLM's;
+    # without one they are all vLLM's.
+    ours, vllm_flags = (
+        (flags[: flags.index("--")], flags[flags.index("--") + 1 :])
+        if ("--" in flags)
+        else ([], flags)
+    )
     extra = (
         ["--disagg", "--pd-hold-ttl-s", str(args.pd_hold_ttl_s)] if base.startswith("pd") else []
     )
     if base == "pd":
         extra.append("--no-bidirectional")  # upstream P/D (server_args adds --no-connector)
     pd = bool(extra)
+    extra += ours
     if vllm_flags:
         extra += ["--", *vllm_flags]
     profiler = StepProfiler(args.profile_dir / name, args.py_spy) if args.profile_dir else None

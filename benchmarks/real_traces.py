@@ -139,7 +139,8 @@ def config_flags(name: str, args: argparse.Namespace) -> tuple[bool, list[str]]:
         return False, OFF_FLAGS
     if name == "kvbranch":
         return True, OFF_FLAGS
-    return True, args.sched_flags.split()
+    _, _, flags = name.partition(":")  # kvbranch-sched:<its own flags>
+    return True, (flags or args.sched_flags).split()
 
 
 async def run_config(name: str, args, convs: list[dict], log, alone: bool) -> dict:
@@ -277,21 +278,21 @@ def report(args, convs, results, sums, info, elapsed, raw) -> str:
 def targets(results: dict, sums: dict) -> list[str]:
     out = ["Targets (issue 24):\n"]
     alone = next((res["alone"] for res in results.values() if res.get("alone")), None)
-    sched = "kvbranch-sched" if "kvbranch-sched" in sums else None
+    scheds = [n for n in sums if n.startswith("kvbranch-sched")]
     off = "kvbranch" if "kvbranch" in sums else None
-    if alone and sched:
+    if alone and scheds:
         keys = {(r["conv"], r["step"]) for r in alone if r["step"] > 0}
         ref = median([r["ttft_s"] for r in alone if r["step"] > 0])
-        for name in filter(None, (off, sched)):
+        for name in [off, *scheds] if off else scheds:
             same = [r["ttft_s"] for r in results[name]["records"] if (r["conv"], r["step"]) in keys]
             got = median(same)
             out.append(
-                f"- {verdict(got <= 2 * ref) if name == sched else '(reference)'} — {name}: "
+                f"- {verdict(got <= 2 * ref) if name != off else '(reference)'} — {name}: "
                 f"resumed-step p50 {got:.2f} s vs the same steps alone {ref:.2f} s "
                 f"({got / ref:.2f}x; target <= 2x, n = {len(same)})"
             )
     if "plain" in sums:
-        for name in filter(None, (off, sched)):
+        for name in [off, *scheds] if off else scheds:
             r = sums["plain"]["later_p50"] / sums[name]["later_p50"]
             out.append(
                 f"- {verdict(r >= 15)} — {name}: p50 of steps after each conversation's first "
@@ -301,13 +302,15 @@ def targets(results: dict, sums: dict) -> list[str]:
             out.append(
                 f"- {verdict(t >= 1)} — {name}: output tokens/s {t:.2f}x plain (target >= 1)"
             )
-    if sched and off:
+    for sched in scheds if off else []:
         t = sums[sched]["out_tps"] / sums[off]["out_tps"]
-        out.append(f"- {verdict(t >= 0.97)} — throughput with the policy {t:.2f}x without it")
+        out.append(
+            f"- {verdict(t >= 0.97)} — {sched}: throughput with the policy {t:.2f}x without it"
+        )
         r = sums[sched]["first_p95"] / sums[off]["first_p95"]
         out.append(
-            f"- {verdict(r <= 1.5)} — cold first step p95 with the policy {r:.2f}x without it "
-            f"(target <= 1.5x)"
+            f"- {verdict(r <= 1.5)} — {sched}: cold first step p95 with the policy {r:.2f}x "
+            f"without it (target <= 1.5x)"
         )
     return out
 
