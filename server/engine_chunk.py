@@ -15,8 +15,8 @@ So this scheduler applies the configured threshold only while some request that 
 and cold prefills run one after the other, in priority order, as without it. A resumed turn
 that arrives while a cold prefill computes still waits for the step in flight: measured on the
 same traces (RESULTS.md, real_traces 02:00), the cap alone gave no gain for that reason, with
-2048-token steps of about 5 s on one core. So while cold prefills run with nothing ahead of
-them (and more than one request exists), the whole step budget is the chunk: steps stay short
+2048-token steps of about 5 s on one core. So while cold prefills run or wait with nothing ahead
+of them (and more than one request exists), the whole step budget is the chunk: steps stay short
 (the next arrival waits at most one short step) and the colds still go one at a time (the
 first in priority order takes the budget). ``running`` is kept in ``(priority, arrival)`` order
 so that the budget goes to the higher-ranked requests first. Under vLLM's FCFS policy (all
@@ -154,7 +154,10 @@ def step_limits(running: list[Any], waiting: list[Any], chunk: int, budget: int)
     """(per-request prompt cap, step token budget) for this step (see the module docstring)."""
     if cap_needed(running, waiting):
         return chunk, budget  # warmer work: every prefill capped, the warm one gets the rest
-    prefilling = any(r.num_computed_tokens < r.num_prompt_tokens for r in running)
+    # A waiting request always has prompt left to compute: one admitted now would start with
+    # the whole budget (measured: a 2048-token first chunk of 4 s that a resumed turn arriving
+    # 0.5 s later waited for, RESULTS.md real_traces 05:09 step trace).
+    prefilling = bool(waiting) or any(is_prefilling(r) for r in running)
     if prefilling and len(running) + len(waiting) > 1:
         return 0, chunk + len(running)  # short steps, colds one after the other; decodes go on
     return 0, budget

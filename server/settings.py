@@ -356,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULT_COLD_PREFILL_CHUNK = 0
 #: ``--agent-priority`` default (docs/scheduling.md says why and what was measured).
 DEFAULT_AGENT_PRIORITY = False
+#: ``--priority-aging-s`` default (server/plugin/priority.py: DEFAULT_AGING_S).
+DEFAULT_PRIORITY_AGING_S = 4.0
 
 
 def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
@@ -374,15 +376,17 @@ def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_AGENT_PRIORITY,
         help="start vLLM with --scheduling-policy priority and give each request a priority "
         "from how much of its prompt the tenant sent before (resumed turns and forks first), "
-        "with aging; a client's own 'priority' can only make its request later "
+        "with aging (a warmer request passes a colder one only within a bounded window), and "
+        "on CPU preempt a colder running prefill that holds the device blocks a warmer "
+        "request needs; a client's own 'priority' can only make its request later "
         "(default: %(default)s)",
     )
     group.add_argument(
         "--priority-aging-s",
         type=_positive_float,
-        default=2.0,
+        default=DEFAULT_PRIORITY_AGING_S,
         help="--agent-priority: seconds of arrival time one level of priority is worth; a "
-        "request is never passed by one arriving more than 4x this after it "
+        "request is never passed by one arriving more than 3x this after it "
         "(default %(default)s)",
     )
     group.add_argument(

@@ -5,9 +5,13 @@ time)``, lower first. The API server cannot see vLLM's prefix cache, but it sees
 this module remembers digests of the prompts each tenant sent and, for a new request, finds the
 longest prefix it sent before (a resumed agent turn, a fork of a branch, a shared tools prompt).
 What is left is the estimated prefill work, bucketed SRPT-like into a *level* (0: a few blocks
-to compute, a resumed turn; higher: colder and longer). The priority is
-``int(elapsed / aging_s) + level``: a request is outranked only by warmer requests that arrive
-less than about ``(level + 1) * aging_s`` after it, so a cold first turn is never starved.
+to compute, a resumed turn; higher: colder and longer). The priority is a virtual deadline,
+``arrival + level * aging_s``, in ticks of :data:`TICK_S`: a request of level *L* is outranked
+only by a request of level *L'* < *L* that arrives less than ``(L - L') * aging_s`` after it,
+so a cold first turn is never starved. (An earlier version used ``int(elapsed / aging_s) +
+level``: the rounding made the window anywhere between ``(L - 1)`` and ``L`` times the aging,
+depending on when the server started — measured, a resumed turn 6.6 s after a level-2 cold
+lost its place with an aging of 4 s.)
 
 Why digests of prefixes, not lengths per (session, branch): a length says nothing about
 content, so a client could send a new 5k-token prompt of the length of its last one and be
@@ -17,8 +21,8 @@ holds; forks and shared system prompts match without any session. The estimate i
 trusted for correctness, only for order.
 
 Why the client's own ``priority`` is not taken as is: it would let anyone jump the queue
-(``priority: -2**63``). It is clamped to at least the computed value: a client may ask to go
-later (a background job), never earlier.
+(``priority: -2**63``). A positive one counts as that many levels later (a background job);
+zero, a negative or a non-integer one changes nothing: a client may go later, never earlier.
 
 State is bounded: at most ``max_digests`` prefix digests per tenant and ``max_tenants`` tenants,
 both least-recently-used. Pure apart from the clock (testable); standard library only.
@@ -34,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.settings import ENV_PRIORITY_AGING_S
+from server.settings import DEFAULT_PRIORITY_AGING_S, ENV_PRIORITY_AGING_S
 
 #: Characters per token, for the estimate (English and JSON with a BPE tokenizer: ~4).
 CHARS_PER_TOKEN = 4
@@ -43,7 +47,11 @@ CHARS_PER_TOKEN = 4
 CHUNK_CHARS = 512
 #: Estimated tokens to prefill -> level: <= 256 -> 0, <= 1024 -> 1, <= 4096 -> 2, else 3.
 LEVEL_BOUNDS = (256, 1024, 4096)
-DEFAULT_AGING_S = 2.0
+DEFAULT_AGING_S = DEFAULT_PRIORITY_AGING_S
+#: A client's own positive ``priority`` counts as that many levels later, at most this many.
+MAX_CLIENT_LEVELS = 1000
+#: Resolution of the priority (vLLM's ``priority`` is an integer): 10 ms.
+TICK_S = 0.01
 #: The routes whose vLLM body has a ``priority`` field (vLLM 0.32; /v1/messages has none).
 PRIORITY_PATHS = (
     "/v1/chat/completions",
@@ -118,7 +126,7 @@ class PriorityPolicy:
 
     ``aging_s``: how much one level is worth in seconds of arrival time. With the default
     levels (0-3) a request can be passed only by warmer requests that arrive within
-    ``(max level + 1) * aging_s`` (8 s by default) after it."""
+    ``max level * aging_s`` (12 s by default) after it."""
 
     def __init__(
         self,
@@ -140,7 +148,7 @@ class PriorityPolicy:
     @property
     def max_wait_s(self) -> float:
         """A request is never passed by one that arrives more than this long after it."""
-        return (len(LEVEL_BOUNDS) + 1) * self.aging_s
+        return len(LEVEL_BOUNDS) * self.aging_s
 
     def digests_held(self) -> int:
         return sum(len(d) for d in self._tenants.values())
@@ -185,10 +193,11 @@ class PriorityPolicy:
         else:
             new_tokens = -(-new_units // CHARS_PER_TOKEN)
         level = level_of(new_tokens)
-        computed = int((self._clock() - self._epoch) / self.aging_s) + level
         client = payload.get(PRIORITY_FIELD)
-        if isinstance(client, int) and not isinstance(client, bool) and client > computed:
-            computed = client  # later is allowed, earlier is not
+        later = client if isinstance(client, int) and not isinstance(client, bool) else 0
+        later = min(max(later, 0), MAX_CLIENT_LEVELS)  # later is allowed, earlier is not
+        deadline = self._clock() - self._epoch + (level + later) * self.aging_s
+        computed = round(deadline / TICK_S)
         payload[PRIORITY_FIELD] = computed
         return Estimate(total, cached, new_tokens, level, computed)
 

@@ -20,10 +20,11 @@ dimension has ``num_slots`` entries. Copies are whole blocks in both directions:
   :meth:`HostKVPool.fence` is the host-side wait, for writers outside any CUDA stream (a peer
   connector's pull, in P/D).
 
-On CPU, with ``async_saves`` (``KVBRANCH_ASYNC_SAVE=1``; off by default), a save runs in one
-background thread and the step returns at once: its first token is not held back by the copy,
-which on these VMs is mostly first-touch page faults of the host store (measured: 6 blocks
-into never-used slots 32-150 ms, into used slots 7-23 ms, at load 5-9). :meth:`fence` joins
+On CPU, with ``async_saves`` (the default; ``KVBRANCH_ASYNC_SAVE=0`` turns it off), a save
+runs in one background thread and the step returns at once: its first token is not held back
+by the copy, which on these VMs is mostly first-touch page faults of the host store
+(measured: 6 blocks into never-used slots 32-150 ms, into used slots 7-23 ms, at load 5-9);
+the turn-1 A/B of docs/scheduling.md is why it is the default. :meth:`fence` joins
 it; the worker fences at the start of every step (``fence_for``, before vLLM's model runner
 V1 zeroes new blocks or the forward writes any), and a load or the next save joins first, so
 no block is rewritten or read while a save still reads or writes it.
@@ -40,12 +41,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-#: ``1``: CPU saves in a background thread (see the module docstring).
+#: ``0``: CPU saves in the step, on its critical path; anything else or unset: in a background
+#: thread (see the module docstring; docs/scheduling.md has the turn-1 measurement).
 ENV_ASYNC_SAVE = "KVBRANCH_ASYNC_SAVE"
 
 
 def async_saves_from_env() -> bool:
-    return os.environ.get(ENV_ASYNC_SAVE, "") == "1"
+    return os.environ.get(ENV_ASYNC_SAVE, "").strip() != "0"
 
 
 def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:

@@ -1,5 +1,5 @@
-"""HostKVPool on CPU with async saves (KVBRANCH_ASYNC_SAVE=1): the same copies as the
-synchronous pool, joined by fence, by the next save and by any load."""
+"""HostKVPool on CPU with async saves (the default; KVBRANCH_ASYNC_SAVE=0 turns them off): the
+same copies as the synchronous pool, joined by fence, by the next save and by any load."""
 
 from __future__ import annotations
 
@@ -82,4 +82,6 @@ def test_worker_fences_every_step_with_async_saves(monkeypatch):
     worker.fence_for(KVBranchMetadata())
     assert calls == [1]
     monkeypatch.delenv(ENV_ASYNC_SAVE)
+    assert host_pool_module.async_saves_from_env()  # the default
+    monkeypatch.setenv(ENV_ASYNC_SAVE, "0")
     assert not host_pool_module.async_saves_from_env()

@@ -8,6 +8,8 @@ import pytest
 from server.cli import WARM_FIRST_SCHEDULER, scheduling_plan
 from server.plugin.priority import (
     LEVEL_BOUNDS,
+    MAX_CLIENT_LEVELS,
+    TICK_S,
     PriorityPolicy,
     level_of,
     policy_from_env,
@@ -74,14 +76,22 @@ def test_client_priority_cannot_jump_the_queue_but_may_go_later():
     policy = PriorityPolicy(2.0, clock=Clock())
     cold = chat(words(3000, "x"), priority=-(2**63))
     est = policy.assign(cold, CHAT)
-    assert est is not None and cold["priority"] == est.priority == len(LEVEL_BOUNDS)
-    late = chat(words(10, "y"), priority=1000)
-    policy.assign(late, CHAT)
-    assert late["priority"] == 1000
-    for junk in ("0", True, 1.5, None):
-        body = chat(words(3000, "z"), priority=junk)
+    plain = chat(words(3000, "w"))
+    assert est is not None and cold["priority"] == est.priority
+    assert policy.assign(plain, CHAT).priority == est.priority  # as if it had sent none
+    assert est.priority == round(len(LEVEL_BOUNDS) * 2.0 / TICK_S)
+    late = chat(words(10, "y"), priority=3)
+    ref = policy.assign(chat(words(10, "v")), CHAT)
+    got = policy.assign(late, CHAT)
+    assert got is not None and ref is not None and got.level == ref.level
+    assert late["priority"] == ref.priority + round(3 * 2.0 / TICK_S)  # three levels later
+    huge = chat(words(10, "u"), priority=2**200)
+    policy.assign(huge, CHAT)
+    assert huge["priority"] == ref.priority + round(MAX_CLIENT_LEVELS * 2.0 / TICK_S)
+    for n, junk in enumerate(("0", True, 1.5, None, 0, -7)):
+        body = chat(words(3000, f"z{n}"), priority=junk)
         policy.assign(body, CHAT)
-        assert isinstance(body["priority"], int) and body["priority"] >= 0
+        assert body["priority"] == est.priority
 
 
 def test_other_tenant_or_salt_does_not_match():
@@ -107,8 +117,9 @@ def test_aging_bounds_how_long_warmer_requests_can_pass():
         # vLLM: (priority, arrival) — an equal priority arriving later goes after.
         if warm.priority < cold.priority:
             passed_by.append(0.5 * (step + 1))
-    assert passed_by and max(passed_by) <= policy.max_wait_s
-    assert policy.max_wait_s == (len(LEVEL_BOUNDS) + 1) * 2.0
+    # Exactly the warm turns that arrive before the cold one's deadline (3 levels x 2 s).
+    assert passed_by == [0.5 * (k + 1) for k in range(11)]
+    assert policy.max_wait_s == len(LEVEL_BOUNDS) * 2.0 == 6.0
 
 
 def test_state_is_bounded_per_tenant_and_in_tenants():
@@ -178,14 +189,14 @@ def test_policy_from_env(monkeypatch):
             ["--agent-priority"],
             [],
             ["--scheduling-policy", "priority", "--scheduler-cls", WARM_FIRST_SCHEDULER],
-            2.0,
+            4.0,
         ),
         (["--agent-priority"], ["--scheduling-policy", "fcfs"], [], None),
         (
             ["--agent-priority"],
             ["--scheduling_policy=priority"],
             ["--scheduler-cls", WARM_FIRST_SCHEDULER],
-            2.0,
+            4.0,
         ),
         (["--no-agent-priority"], [], [], None),
         (["--cold-prefill-chunk", "256"], [], ["--long-prefill-token-threshold", "256"], None),
@@ -243,3 +254,7 @@ def test_step_limits():
     assert step_limits([cold], [other], 256, 2048) == (0, 257)  # colds: short steps, in order
     assert step_limits([cold], [Req(3, 0, 4100)], 256, 2048) == (256, 2048)  # warm waits
     assert step_limits([Req(3, 50, 50), Req(4, 60, 60)], [], 256, 2048) == (0, 2048)  # decodes
+    # Colds waiting with nothing running: the first admitted one starts with a short step too.
+    assert step_limits([], [cold, other], 256, 2048) == (0, 256)
+    assert step_limits([Req(3, 50, 50)], [other], 256, 2048) == (0, 257)
+    assert step_limits([], [cold], 256, 2048) == (0, 2048)  # alone
