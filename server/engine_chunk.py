@@ -45,9 +45,9 @@ request is passed only by requests ranked ahead of it, which the plugin's aging 
 ``(L + 1) * aging_s`` after it), so it is never starved.
 
 Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``, a
-request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens``, ``arrival_time``,
-``kv_cache_manager.block_pool.get_num_free_blocks()``, ``_preempt_request`` and
-``_request_blocks_can_be_freed``).
+request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens``,
+``arrival_time``, ``kv_cache_manager.block_pool.get_num_free_blocks()``, ``_preempt_request``
+and ``_request_blocks_can_be_freed``).
 """
 
 from __future__ import annotations
