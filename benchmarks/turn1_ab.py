@@ -12,9 +12,11 @@ over plain's; the report gives the median ratio and a 95% bootstrap interval of 
 of issue 24: within 3% of plain, with an interval narrower than 3%), and the same for the
 whole request (end of the stream).
 
-``--async-save`` adds a third server, kvbranch with ``KVBRANCH_ASYNC_SAVE=1`` (the host-store
-save of a step in a background thread, server/connector/engine/host_pool.py), in the same
-rotation (A/B/C, then C/B/A).
+kvbranch runs with the launcher's defaults (what users get: the host-store save of a step in a
+background thread, server/connector/engine/host_pool.py, and the scheduling defaults of
+docs/scheduling.md); plain vLLM with ``--no-connector`` and vLLM's own scheduler.
+``--sync-save`` adds a third server, kvbranch with ``KVBRANCH_ASYNC_SAVE=0`` (the save back in
+the step, on the first token's path), in the same rotation (A/B/C, then C/B/A).
 
 Why this benchmark: turn-1 ratios in earlier runs scattered by ±10% with 6-8 requests per
 configuration, so whether kvbranch costs anything on a cold turn was neither shown nor refuted.
@@ -38,12 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common, reporting  # noqa: E402
 from benchmarks.textgen import text_of_tokens  # noqa: E402
 
+#: Plain vLLM: its own first-come-first-served scheduler.
 OFF_FLAGS = ["--no-agent-priority", "--cold-prefill-chunk", "0"]
-#: name -> (with the connector, extra environment)
+#: name -> (with the connector, extra environment, launcher flags): kvbranch as users get it
+#: (the launcher's defaults), and with the host-store save back in the step.
 CONFIGS = {
-    "plain": (False, {}),
-    "kvbranch": (True, {}),
-    "kvbranch-async": (True, {"KVBRANCH_ASYNC_SAVE": "1"}),
+    "plain": (False, {}, OFF_FLAGS),
+    "kvbranch": (True, {}, []),
+    "kvbranch-sync": (True, {"KVBRANCH_ASYNC_SAVE": "0"}, []),
 }
 
 
@@ -166,7 +170,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     reporting.add_int_args(ap, {"--rounds": 24, "--tokens": 800, "--max-tokens": 4})
     ap.add_argument("--cpu-cores", default="1", help="the engines' core(s), the same for all")
-    ap.add_argument("--async-save", action="store_true", help="add kvbranch-async (see above)")
+    ap.add_argument("--sync-save", action="store_true", help="add kvbranch-sync (see above)")
     common.add_server_args(ap, kv_cache_gib=0.5, max_model_len=2048)
     common.add_run_args(ap)
     args = common.parse_run_args(ap)
@@ -175,10 +179,10 @@ def main() -> int:
     servers: dict[str, common.ServerProcess] = {}
     t0 = time.monotonic()
     try:
-        names = ["plain", "kvbranch"] + (["kvbranch-async"] if args.async_save else [])
+        names = ["plain", "kvbranch"] + (["kvbranch-sync"] if args.sync_save else [])
         for name in names:
-            connector, env = CONFIGS[name]
-            flags = [*OFF_FLAGS, "--cpu-cores", args.cpu_cores]
+            connector, env, ours = CONFIGS[name]
+            flags = [*ours, "--cpu-cores", args.cpu_cores]
             servers[name] = common.start_server(
                 name,
                 common.server_args(

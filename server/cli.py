@@ -35,6 +35,7 @@ from server.phases import Phases, PhaseTracker, StdoutTee, watch_listening
 from server.settings import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
+    DEFAULT_COLD_PREFILL_CHUNK,
     ENV_ADVERTISE_URL,
     ENV_API_KEYS,
     ENV_CLUSTER_NAME,
@@ -298,10 +299,13 @@ def scheduling_plan(
         if policy is None:
             argv += ["--scheduling-policy", "priority"]
         aging_s = args.priority_aging_s
-    chunk = getattr(args, "cold_prefill_chunk", 0)
+    warm_first = aging_s is not None and not cuda and not has_flag(passthrough, "--scheduler-cls")
+    chunk = getattr(args, "cold_prefill_chunk", None)
+    if chunk is None:  # the default: only where the warm-first scheduler applies it by need
+        chunk = DEFAULT_COLD_PREFILL_CHUNK if warm_first else 0
     if chunk and not has_flag(passthrough, "--long-prefill-token-threshold"):
         argv += ["--long-prefill-token-threshold", str(min(chunk, args.max_model_len))]
-    if aging_s is not None and not cuda and not has_flag(passthrough, "--scheduler-cls"):
+    if warm_first:
         argv += ["--scheduler-cls", WARM_FIRST_SCHEDULER]
     return argv, aging_s
 

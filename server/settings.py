@@ -352,8 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: ``--cold-prefill-chunk`` default: vLLM's --long-prefill-token-threshold (docs/scheduling.md).
-DEFAULT_COLD_PREFILL_CHUNK = 0
+#: ``--cold-prefill-chunk`` when not given: vLLM's --long-prefill-token-threshold, where the
+#: warm-first scheduler applies it only while warmer work waits (``--agent-priority`` on CPU);
+#: elsewhere no cap (vLLM's static threshold would make cold prefills share every step).
+DEFAULT_COLD_PREFILL_CHUNK = 256
 #: ``--agent-priority`` default (docs/scheduling.md says why and what was measured).
 DEFAULT_AGENT_PRIORITY = False
 #: ``--priority-aging-s`` default (server/plugin/priority.py: DEFAULT_AGING_S).
@@ -392,11 +394,12 @@ def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--cold-prefill-chunk",
         type=_value(int, "an integer", (lambda v: v >= 0, "must not be negative")),
-        default=DEFAULT_COLD_PREFILL_CHUNK,
+        default=None,
         metavar="TOKENS",
         help="at most this many prompt tokens of one request per engine step while other "
         "requests are running or waiting (vLLM's --long-prefill-token-threshold; a request "
-        "alone is not capped); 0: no cap (default %(default)s)",
+        f"alone is not capped); 0: no cap (default: {DEFAULT_COLD_PREFILL_CHUNK} with "
+        "--agent-priority on CPU, where only warmer waiting work applies it; else 0)",
     )
 
 

@@ -181,6 +181,10 @@ def test_policy_from_env(monkeypatch):
         PriorityPolicy(0)
 
 
+#: The prefill chunk the warm-first scheduler gets when none is given.
+CHUNK = ["--long-prefill-token-threshold", "256"]
+
+
 @pytest.mark.parametrize(
     ("ours", "passthrough", "argv", "aging"),
     [
@@ -188,17 +192,23 @@ def test_policy_from_env(monkeypatch):
         (
             ["--agent-priority"],
             [],
-            ["--scheduling-policy", "priority", "--scheduler-cls", WARM_FIRST_SCHEDULER],
+            ["--scheduling-policy", "priority", *CHUNK, "--scheduler-cls", WARM_FIRST_SCHEDULER],
             4.0,
         ),
         (["--agent-priority"], ["--scheduling-policy", "fcfs"], [], None),
         (
             ["--agent-priority"],
             ["--scheduling_policy=priority"],
-            ["--scheduler-cls", WARM_FIRST_SCHEDULER],
+            [*CHUNK, "--scheduler-cls", WARM_FIRST_SCHEDULER],
             4.0,
         ),
         (["--no-agent-priority"], [], [], None),
+        (
+            ["--agent-priority", "--cold-prefill-chunk", "0"],
+            [],
+            ["--scheduling-policy", "priority", "--scheduler-cls", WARM_FIRST_SCHEDULER],
+            4.0,
+        ),
         (["--cold-prefill-chunk", "256"], [], ["--long-prefill-token-threshold", "256"], None),
         (["--cold-prefill-chunk", "256"], ["--long-prefill-token-threshold", "64"], [], None),
     ],
@@ -214,6 +224,10 @@ def test_warm_first_scheduler_with_the_priority_on_cpu_only():
     assert argv[-2:] == ["--scheduler-cls", WARM_FIRST_SCHEDULER]
     assert "--long-prefill-token-threshold" in argv
     assert "--scheduler-cls" not in scheduling_plan(args, [], cuda=True)[0]
+    # On CUDA, without the scheduler, no chunk unless asked for (vLLM's static threshold
+    # would make cold prefills share every step).
+    default = build_parser().parse_args(["--agent-priority"])
+    assert scheduling_plan(default, [], cuda=True)[0] == ["--scheduling-policy", "priority"]
     assert "--scheduler-cls" not in scheduling_plan(args, ["--scheduler-cls", "x.Y"])[0]
 
 
