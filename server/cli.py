@@ -278,8 +278,8 @@ def flag_value(passthrough: list[str], flag: str) -> str | None:
     return value
 
 
-#: server/engine_chunk.py's scheduler (named here: importing it imports vLLM).
-WARM_FIRST_SCHEDULER = "server.engine_chunk.WarmFirstScheduler"
+#: server/engine_scheduler.py's scheduler (named here: importing it imports vLLM).
+WARM_FIRST_SCHEDULER = "server.engine_scheduler.WarmFirstScheduler"
 
 
 def scheduling_plan(
@@ -295,7 +295,10 @@ def scheduling_plan(
     argv: list[str] = []
     aging_s = None
     policy = flag_value(passthrough, "--scheduling-policy")
-    if getattr(args, "agent_priority", False) and policy in (None, "priority"):
+    wanted = getattr(args, "agent_priority", False)
+    if wanted is None:  # the default: where the warm-first scheduler runs (settings.py)
+        wanted = not cuda
+    if wanted and policy in (None, "priority"):
         if policy is None:
             argv += ["--scheduling-policy", "priority"]
         aging_s = args.priority_aging_s

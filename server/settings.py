@@ -356,10 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
 #: warm-first scheduler applies it only while warmer work waits (``--agent-priority`` on CPU);
 #: elsewhere no cap (vLLM's static threshold would make cold prefills share every step).
 DEFAULT_COLD_PREFILL_CHUNK = 256
-#: ``--agent-priority`` default (docs/scheduling.md says why and what was measured).
-DEFAULT_AGENT_PRIORITY = False
-#: ``--priority-aging-s`` default (server/plugin/priority.py: DEFAULT_AGING_S).
-DEFAULT_PRIORITY_AGING_S = 4.0
+#: ``--agent-priority`` default: ``None`` is on where vLLM runs the warm-first scheduler (CPU,
+#: measured there: docs/scheduling.md) and off elsewhere (vLLM's asynchronous CUDA scheduler
+#: gets the priority without preemption or the by-need chunk: not measured).
+DEFAULT_AGENT_PRIORITY: bool | None = None
+#: ``--priority-aging-s`` default (server/plugin/priority.py: DEFAULT_AGING_S; 4 and 8 s were
+#: measured side by side, docs/scheduling.md).
+DEFAULT_PRIORITY_AGING_S = 8.0
 
 
 def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
@@ -381,7 +384,7 @@ def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
         "with aging (a warmer request passes a colder one only within a bounded window), and "
         "on CPU preempt a colder running prefill that holds the device blocks a warmer "
         "request needs; a client's own 'priority' can only make its request later "
-        "(default: %(default)s)",
+        "(default: on with the CPU backend, off on CUDA)",
     )
     group.add_argument(
         "--priority-aging-s",

@@ -6,7 +6,9 @@ this module remembers digests of the prompts each tenant sent and, for a new req
 longest prefix it sent before (a resumed agent turn, a fork of a branch, a shared tools prompt).
 What is left is the estimated prefill work, bucketed SRPT-like into a *level* (0: a few blocks
 to compute, a resumed turn; higher: colder and longer). The priority is a virtual deadline,
-``arrival + level * aging_s``, in ticks of :data:`TICK_S`: a request of level *L* is outranked
+``arrival + level * aging_s`` on the system's monotonic clock, in ticks of :data:`TICK_S`, with
+the level in its lowest digit (:func:`encode`, so that the engine's scheduler can read it back
+with :func:`level_in`, server/engine_scheduler.py): a request of level *L* is outranked
 only by a request of level *L'* < *L* that arrives less than ``(L - L') * aging_s`` after it,
 so a cold first turn is never starved. (An earlier version used ``int(elapsed / aging_s) +
 level``: the rounding made the window anywhere between ``(L - 1)`` and ``L`` times the aging,
@@ -52,6 +54,27 @@ DEFAULT_AGING_S = DEFAULT_PRIORITY_AGING_S
 MAX_CLIENT_LEVELS = 1000
 #: Resolution of the priority (vLLM's ``priority`` is an integer): 10 ms.
 TICK_S = 0.01
+#: Levels 0..COLDEST; the priority carries the level in base ``LEVELS``' lowest digit.
+COLDEST = len(LEVEL_BOUNDS)
+LEVELS = COLDEST + 1
+
+
+def encode(deadline_s: float, level: int) -> int:
+    """vLLM priority of a request: its deadline in ticks, then its level (lower first)."""
+    return round(deadline_s / TICK_S) * LEVELS + level
+
+
+def level_in(priority: int) -> int:
+    """The level a priority from :func:`encode` carries."""
+    return priority % LEVELS
+
+
+def unranked(now: float, aging_s: float) -> int:
+    """The priority of a request the policy could not rank (no prompt it understands, or a
+    route whose body has no ``priority``): the coldest level at its arrival, never ahead."""
+    return encode(now + COLDEST * aging_s, COLDEST)
+
+
 #: The routes whose vLLM body has a ``priority`` field (vLLM 0.32; /v1/messages has none).
 PRIORITY_PATHS = (
     "/v1/chat/completions",
@@ -142,7 +165,6 @@ class PriorityPolicy:
         self.max_digests = max_digests
         self.max_tenants = max_tenants
         self._clock = clock
-        self._epoch = clock()
         self._tenants: OrderedDict[str, OrderedDict[bytes, None]] = OrderedDict()
 
     @property
@@ -169,7 +191,8 @@ class PriorityPolicy:
         if path not in PRIORITY_PATHS:
             return None
         found = prompt_text(payload, path)
-        if found is None:
+        if found is None:  # ranked coldest: a client's own priority must not pass through
+            payload[PRIORITY_FIELD] = unranked(self._clock(), self.aging_s)
             return None
         text, is_tokens = found
         # Different salt or model: a different cache, so different digests.
@@ -196,8 +219,7 @@ class PriorityPolicy:
         client = payload.get(PRIORITY_FIELD)
         later = client if isinstance(client, int) and not isinstance(client, bool) else 0
         later = min(max(later, 0), MAX_CLIENT_LEVELS)  # later is allowed, earlier is not
-        deadline = self._clock() - self._epoch + (level + later) * self.aging_s
-        computed = round(deadline / TICK_S)
+        computed = encode(self._clock() + (level + later) * self.aging_s, level)
         payload[PRIORITY_FIELD] = computed
         return Estimate(total, cached, new_tokens, level, computed)
 

@@ -8,13 +8,17 @@ import pytest
 from server.cli import WARM_FIRST_SCHEDULER, scheduling_plan
 from server.plugin.priority import (
     LEVEL_BOUNDS,
+    LEVELS,
     MAX_CLIENT_LEVELS,
     TICK_S,
     PriorityPolicy,
+    encode,
+    level_in,
     level_of,
     policy_from_env,
     prefix_digests,
     prompt_text,
+    unranked,
 )
 from server.settings import ENV_PRIORITY_AGING_S, build_parser
 
@@ -73,21 +77,24 @@ def test_same_length_different_prompt_is_cold():
 
 
 def test_client_priority_cannot_jump_the_queue_but_may_go_later():
-    policy = PriorityPolicy(2.0, clock=Clock())
+    clock = Clock()
+    policy = PriorityPolicy(2.0, clock=clock)
     cold = chat(words(3000, "x"), priority=-(2**63))
     est = policy.assign(cold, CHAT)
     plain = chat(words(3000, "w"))
     assert est is not None and cold["priority"] == est.priority
     assert policy.assign(plain, CHAT).priority == est.priority  # as if it had sent none
-    assert est.priority == round(len(LEVEL_BOUNDS) * 2.0 / TICK_S)
+    assert est.priority == encode(clock.now + len(LEVEL_BOUNDS) * 2.0, len(LEVEL_BOUNDS))
+    assert level_in(est.priority) == len(LEVEL_BOUNDS)
     late = chat(words(10, "y"), priority=3)
     ref = policy.assign(chat(words(10, "v")), CHAT)
     got = policy.assign(late, CHAT)
     assert got is not None and ref is not None and got.level == ref.level
-    assert late["priority"] == ref.priority + round(3 * 2.0 / TICK_S)  # three levels later
+    assert late["priority"] == ref.priority + LEVELS * round(3 * 2.0 / TICK_S)  # 3 levels later
+    assert level_in(late["priority"]) == ref.level  # the work estimate is the plugin's own
     huge = chat(words(10, "u"), priority=2**200)
     policy.assign(huge, CHAT)
-    assert huge["priority"] == ref.priority + round(MAX_CLIENT_LEVELS * 2.0 / TICK_S)
+    assert huge["priority"] == ref.priority + LEVELS * round(MAX_CLIENT_LEVELS * 2.0 / TICK_S)
     for n, junk in enumerate(("0", True, 1.5, None, 0, -7)):
         body = chat(words(3000, f"z{n}"), priority=junk)
         policy.assign(body, CHAT)
@@ -117,8 +124,8 @@ def test_aging_bounds_how_long_warmer_requests_can_pass():
         # vLLM: (priority, arrival) — an equal priority arriving later goes after.
         if warm.priority < cold.priority:
             passed_by.append(0.5 * (step + 1))
-    # Exactly the warm turns that arrive before the cold one's deadline (3 levels x 2 s).
-    assert passed_by == [0.5 * (k + 1) for k in range(11)]
+    # Exactly the warm turns that arrive by the cold one's deadline (3 levels x 2 s).
+    assert passed_by == [0.5 * (k + 1) for k in range(12)]
     assert policy.max_wait_s == len(LEVEL_BOUNDS) * 2.0 == 6.0
 
 
@@ -142,7 +149,9 @@ def test_routes_and_prompts_it_does_not_handle_are_untouched():
     body = {"model": "m", "messages": [], "priority": -5}
     assert policy.assign(dict(body), "/v1/messages") is None
     several = {"model": "m", "prompt": ["a", "b"], "priority": -5}
-    assert policy.assign(several, "/v1/completions") is None and several["priority"] == -5
+    # Not ranked, and the client's own value does not pass through: the coldest, now.
+    assert policy.assign(several, "/v1/completions") is None
+    assert several["priority"] == unranked(1000.0, 2.0) and level_in(several["priority"]) == 3
 
 
 def test_token_id_and_text_prompts():
@@ -188,29 +197,45 @@ CHUNK = ["--long-prefill-token-threshold", "256"]
 @pytest.mark.parametrize(
     ("ours", "passthrough", "argv", "aging"),
     [
-        ([], [], [], None),
+        # The default: on with the CPU backend (cuda=False here), with the by-need chunk.
+        (
+            [],
+            [],
+            ["--scheduling-policy", "priority", *CHUNK, "--scheduler-cls", WARM_FIRST_SCHEDULER],
+            8.0,
+        ),
         (
             ["--agent-priority"],
             [],
             ["--scheduling-policy", "priority", *CHUNK, "--scheduler-cls", WARM_FIRST_SCHEDULER],
-            4.0,
+            8.0,
         ),
         (["--agent-priority"], ["--scheduling-policy", "fcfs"], [], None),
         (
             ["--agent-priority"],
             ["--scheduling_policy=priority"],
             [*CHUNK, "--scheduler-cls", WARM_FIRST_SCHEDULER],
-            4.0,
+            8.0,
         ),
         (["--no-agent-priority"], [], [], None),
         (
             ["--agent-priority", "--cold-prefill-chunk", "0"],
             [],
             ["--scheduling-policy", "priority", "--scheduler-cls", WARM_FIRST_SCHEDULER],
-            4.0,
+            8.0,
         ),
-        (["--cold-prefill-chunk", "256"], [], ["--long-prefill-token-threshold", "256"], None),
-        (["--cold-prefill-chunk", "256"], ["--long-prefill-token-threshold", "64"], [], None),
+        (
+            ["--no-agent-priority", "--cold-prefill-chunk", "256"],
+            [],
+            ["--long-prefill-token-threshold", "256"],
+            None,
+        ),
+        (
+            ["--no-agent-priority", "--cold-prefill-chunk", "256"],
+            ["--long-prefill-token-threshold", "64"],
+            [],
+            None,
+        ),
     ],
 )
 def test_scheduling_plan(ours, passthrough, argv, aging):
@@ -226,8 +251,9 @@ def test_warm_first_scheduler_with_the_priority_on_cpu_only():
     assert "--scheduler-cls" not in scheduling_plan(args, [], cuda=True)[0]
     # On CUDA, without the scheduler, no chunk unless asked for (vLLM's static threshold
     # would make cold prefills share every step).
-    default = build_parser().parse_args(["--agent-priority"])
-    assert scheduling_plan(default, [], cuda=True)[0] == ["--scheduling-policy", "priority"]
+    asked = build_parser().parse_args(["--agent-priority"])
+    assert scheduling_plan(asked, [], cuda=True)[0] == ["--scheduling-policy", "priority"]
+    assert scheduling_plan(build_parser().parse_args([]), [], cuda=True) == ([], None)
     assert "--scheduler-cls" not in scheduling_plan(args, ["--scheduler-cls", "x.Y"])[0]
 
 
@@ -239,7 +265,7 @@ class Req:
 
 
 def test_cap_only_for_warmer_work():
-    from server.engine_chunk import QUALNAME, cap_needed
+    from server.engine_scheduler import QUALNAME, cap_needed
 
     assert QUALNAME == WARM_FIRST_SCHEDULER
     cold = Req(10, 512, 4000)
@@ -261,14 +287,27 @@ def test_scheduler_config_threshold_is_assignable():
 
 
 def test_step_limits():
-    from server.engine_chunk import step_limits
+    from vllm.v1.request import RequestStatus
 
-    cold, other = Req(10, 512, 4000), Req(11, 0, 3000)
+    from server.engine_scheduler import step_limits
+
+    def req(deadline: float, level: int, computed: int, prompt: int, waiting: bool = False):
+        r = Req(encode(deadline, level), computed, prompt)
+        r.status = RequestStatus.WAITING if waiting else RequestStatus.RUNNING
+        return r
+
+    cold, other = req(10, 2, 512, 4000), req(11, 2, 0, 3000, waiting=True)
+    warm = req(3, 0, 0, 4100, waiting=True)
     assert step_limits([cold], [], 256, 2048) == (0, 2048)  # alone: vLLM's full step
     assert step_limits([cold], [other], 256, 2048) == (0, 257)  # colds: short steps, in order
-    assert step_limits([cold], [Req(3, 0, 4100)], 256, 2048) == (256, 2048)  # warm waits
-    assert step_limits([Req(3, 50, 50), Req(4, 60, 60)], [], 256, 2048) == (0, 2048)  # decodes
+    assert step_limits([cold], [warm], 256, 2048) == (256, 2048)  # warm waits: cold capped
+    decodes = [req(3, 0, 50, 50), req(4, 1, 60, 60)]
+    assert step_limits(decodes, [], 256, 2048) == (0, 2048)
     # Colds waiting with nothing running: the first admitted one starts with a short step too.
-    assert step_limits([], [cold, other], 256, 2048) == (0, 256)
-    assert step_limits([Req(3, 50, 50)], [other], 256, 2048) == (0, 257)
-    assert step_limits([], [cold], 256, 2048) == (0, 2048)  # alone
+    assert step_limits([], [other, req(12, 3, 0, 5000, waiting=True)], 256, 2048) == (0, 256)
+    assert step_limits(decodes[:1], [other], 256, 2048) == (0, 257)
+    assert step_limits([], [other], 256, 2048) == (0, 2048)  # alone
+    # Resumed turns only (short prefills, however long their prompts): vLLM's budget, so that
+    # several batch into one step.
+    resumed = [req(20 + k, 0, 0, 3000, waiting=True) for k in range(3)]
+    assert step_limits([req(19, 0, 2000, 3000)], resumed, 256, 2048) == (0, 2048)

@@ -53,6 +53,7 @@ and ``_request_blocks_can_be_freed``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -61,11 +62,16 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-QUALNAME = "server.engine_chunk.WarmFirstScheduler"
+from server.plugin.priority import DEFAULT_AGING_S, level_in, unranked
+from server.settings import ENV_PRIORITY_AGING_S
+
+QUALNAME = "server.engine_scheduler.WarmFirstScheduler"
 
 logger = logging.getLogger(__name__)
 #: Waiting requests that only wait for blocks and budget.
 READY = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+#: Levels whose prefill is long enough to be run in short steps (> 1024 estimated tokens).
+LONG_LEVEL = 2
 
 
 def cap_needed(running: Iterable[Any], waiting: Iterable[Any]) -> bool:
@@ -113,6 +119,14 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_dynamic = self._kvb_priority and self._kvb_cap > 0
         #: Preemptions made here (vLLM's own count every preemption in its stats too).
         self.kvb_preemptions = 0
+        self._kvb_aging_s = aging_from_env()
+
+    def add_request(self, request: Any) -> None:
+        """A request the plugin did not rank (priority 0: a route whose vLLM body has no
+        ``priority``, e.g. /v1/messages) ranks as the coldest arriving now, never first."""
+        if self._kvb_priority and request.priority <= 0:
+            request.priority = unranked(time.monotonic(), self._kvb_aging_s)
+        super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         if self._kvb_priority and self.waiting and self.running:
@@ -150,14 +164,31 @@ class WarmFirstScheduler(Scheduler):
             self.kvb_preemptions += 1
 
 
+def aging_from_env() -> float:
+    try:
+        value = float(os.environ.get(ENV_PRIORITY_AGING_S, ""))
+    except ValueError:
+        return DEFAULT_AGING_S
+    return value if value > 0 else DEFAULT_AGING_S
+
+
+def is_long(request: Any) -> bool:
+    """A long (cold) prefill by the plugin's estimate, still to run."""
+    return level_in(request.priority) >= LONG_LEVEL and (
+        request.status != RequestStatus.RUNNING or is_prefilling(request)
+    )
+
+
 def step_limits(running: list[Any], waiting: list[Any], chunk: int, budget: int) -> tuple[int, int]:
     """(per-request prompt cap, step token budget) for this step (see the module docstring)."""
     if cap_needed(running, waiting):
         return chunk, budget  # warmer work: every prefill capped, the warm one gets the rest
-    # A waiting request always has prompt left to compute: one admitted now would start with
-    # the whole budget (measured: a 2048-token first chunk of 4 s that a resumed turn arriving
-    # 0.5 s later waited for, RESULTS.md real_traces 05:09 step trace).
-    prefilling = bool(waiting) or any(is_prefilling(r) for r in running)
-    if prefilling and len(running) + len(waiting) > 1:
+    # A long prefill waiting would start with the whole budget once admitted (measured: a
+    # 2048-token first chunk of 4 s that a resumed turn arriving 0.5 s later waited for,
+    # RESULTS.md real_traces 05:09 step trace). Short prefills (resumed turns) keep vLLM's
+    # budget: several of them batch into one step (measured: with short steps for them too,
+    # the forking agent_workload's p50 TTFT at turns >= 5 was 1.25x worse, 05:25).
+    long_pending = any(is_long(r) for r in running) or any(is_long(r) for r in waiting)
+    if long_pending and len(running) + len(waiting) > 1:
         return 0, chunk + len(running)  # short steps, colds one after the other; decodes go on
     return 0, budget

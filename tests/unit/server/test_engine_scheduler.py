@@ -1,9 +1,10 @@
-"""The warm-first scheduler's preemption (server/engine_chunk.py) on vLLM's real ``Scheduler``:
+"""The warm-first scheduler's preemption (server/engine_scheduler.py) on vLLM's real ``Scheduler``:
 a cold prefill that holds the device blocks is preempted for a warmer waiting request, never
 for a colder one, and never while it decodes. Pure rules with small fakes at the end."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from server.engine_chunk import WarmFirstScheduler, blocks_needed, preemption_victim
+from server.engine_scheduler import WarmFirstScheduler, blocks_needed, preemption_victim
 from server.model_cache import default_model_dir
 
 BS = 16
@@ -163,3 +164,19 @@ def test_victim_is_the_worst_ranked_prefill_behind_the_head():
 def test_blocks_needed_covers_the_prompt_and_the_first_token():
     assert blocks_needed(fake(0, 0, 128), 128) == 2
     assert blocks_needed(fake(0, 0, 127), 128) == 1
+
+
+def test_an_unranked_request_ranks_coldest_not_first():
+    """Priority 0 (a route whose vLLM body has no ``priority``, e.g. /v1/messages) would be
+    vLLM's first place: it ranks as the coldest request arriving now instead."""
+    from server.plugin.priority import COLDEST, encode, level_in
+
+    sched = make()
+    cold = cold_holding_blocks(sched)
+    now = time.monotonic()
+    cold.priority = encode(now + 1.0, COLDEST)  # a ranked cold that arrived a moment ago
+    unranked = request("unranked", 5 * BS, priority=0, arrival=2.0, first=1000)
+    sched.add_request(unranked)
+    assert level_in(unranked.priority) == COLDEST and unranked.priority > cold.priority
+    sched.schedule()
+    assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
