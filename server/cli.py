@@ -296,8 +296,9 @@ def scheduling_plan(
     aging_s = None
     policy = flag_value(passthrough, "--scheduling-policy")
     wanted = getattr(args, "agent_priority", False)
-    if wanted is None:  # the default: where the warm-first scheduler runs (settings.py)
-        wanted = not cuda
+    if wanted is None:  # the default: where the warm-first scheduler runs (settings.py),
+        # and not for the plain-vLLM baseline (--no-connector): that one keeps vLLM's order.
+        wanted = not cuda and not getattr(args, "no_connector", False)
     if wanted and policy in (None, "priority"):
         if policy is None:
             argv += ["--scheduling-policy", "priority"]

@@ -254,6 +254,8 @@ def test_warm_first_scheduler_with_the_priority_on_cpu_only():
     asked = build_parser().parse_args(["--agent-priority"])
     assert scheduling_plan(asked, [], cuda=True)[0] == ["--scheduling-policy", "priority"]
     assert scheduling_plan(build_parser().parse_args([]), [], cuda=True) == ([], None)
+    # Plain vLLM (the baseline) keeps vLLM's own order unless asked.
+    assert scheduling_plan(build_parser().parse_args(["--no-connector"]), []) == ([], None)
     assert "--scheduler-cls" not in scheduling_plan(args, ["--scheduler-cls", "x.Y"])[0]
 
 
