@@ -101,9 +101,13 @@ def blocks_needed(request: Any, block_size: int) -> int:
 
 def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
     """The running request to preempt for ``head`` (the best-ranked waiting request): the
-    worst-ranked one still prefilling that ranks behind ``head``; ``None`` if there is none
-    (decodes and better-ranked prefills are never preempted for it)."""
-    behind = [r for r in running if is_prefilling(r) and rank(r) > rank(head)]
+    worst-ranked *long* (cold) prefill that ranks behind ``head``; ``None`` if there is none.
+    Decodes, better-ranked prefills and short prefills (resumed turns, whatever their rank)
+    are never preempted: measured, preempting resumed turns for each other under a tight
+    device budget made the forking agent_workload 1.7x slower at turns >= 5 (RESULTS.md
+    agent_workload 05:41), each preemption throwing away a prefill about as cheap as the one
+    it made room for."""
+    behind = [r for r in running if is_long(r) and rank(r) > rank(head)]
     return max(behind, key=rank, default=None)
 
 

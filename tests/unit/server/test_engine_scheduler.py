@@ -20,8 +20,12 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from server.engine_scheduler import WarmFirstScheduler, blocks_needed, preemption_victim
 from server.model_cache import default_model_dir
+from server.plugin.priority import encode
 
 BS = 16
+#: Priorities as the plugin encodes them (deadline s, level): a cold 1-4k-token prefill, a
+#: resumed turn that arrived later but ranks ahead, colder work, a short prefill ranked behind.
+COLD, WARM, COLDER, SHORT = encode(10, 2), encode(3, 0), encode(20, 3), encode(12, 1)
 NUM_BLOCKS = 20  # one is vLLM's null block: 19 usable
 STEP_TOKENS = 256
 
@@ -70,7 +74,7 @@ def request(rid: str, tokens: int, priority: int, arrival: float, first: int = 1
 
 def cold_holding_blocks(sched: Scheduler, prompt: int = 18 * BS) -> Request:
     """A cold prefill after its first step: 16 of the 19 blocks held, still prefilling."""
-    cold = request("cold", prompt, priority=5, arrival=1.0)
+    cold = request("cold", prompt, priority=COLD, arrival=1.0)
     sched.add_request(cold)
     sched.schedule()
     assert cold.status == RequestStatus.RUNNING
@@ -86,7 +90,7 @@ def scheduled_ids(output) -> set[str]:
 def test_warmer_request_preempts_a_cold_prefill_that_holds_the_blocks():
     sched = make()
     cold = cold_holding_blocks(sched)
-    warm = request("warm", 5 * BS, priority=1, arrival=2.0, first=1000)
+    warm = request("warm", 5 * BS, priority=WARM, arrival=2.0, first=1000)
     sched.add_request(warm)
     out = sched.schedule()
     assert "warm" in scheduled_ids(out)
@@ -96,12 +100,12 @@ def test_warmer_request_preempts_a_cold_prefill_that_holds_the_blocks():
     # vLLM's own scheduler leaves the warm request waiting for blocks in the same state.
     plain = make(Scheduler)
     cold_holding_blocks(plain)
-    plain.add_request(request("warm", 5 * BS, priority=1, arrival=2.0, first=1000))
+    plain.add_request(request("warm", 5 * BS, priority=WARM, arrival=2.0, first=1000))
     assert "warm" not in scheduled_ids(plain.schedule())
 
 
 def test_a_colder_or_equal_request_does_not_preempt():
-    for priority, arrival in ((9, 2.0), (5, 2.0)):
+    for priority, arrival in ((COLDER, 2.0), (COLD, 2.0)):
         sched = make()
         cold = cold_holding_blocks(sched)
         sched.add_request(request("later", 5 * BS, priority=priority, arrival=arrival, first=900))
@@ -113,7 +117,7 @@ def test_a_colder_or_equal_request_does_not_preempt():
 def test_no_preemption_when_the_warm_request_fits():
     sched = make()
     cold = cold_holding_blocks(sched)
-    sched.add_request(request("small", BS - 2, priority=1, arrival=2.0, first=2000))
+    sched.add_request(request("small", BS - 2, priority=WARM, arrival=2.0, first=2000))
     out = sched.schedule()
     assert "small" in scheduled_ids(out)
     assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
@@ -121,11 +125,11 @@ def test_no_preemption_when_the_warm_request_fits():
 
 def test_a_decoding_request_is_not_preempted():
     sched = make()
-    cold = request("cold", 15 * BS, priority=5, arrival=1.0)
+    cold = request("cold", 15 * BS, priority=COLD, arrival=1.0)
     sched.add_request(cold)
     sched.schedule()  # its whole prompt in one step: it decodes from now on
     assert cold.num_computed_tokens == cold.num_prompt_tokens
-    sched.add_request(request("warm", 8 * BS, priority=1, arrival=2.0, first=1000))
+    sched.add_request(request("warm", 8 * BS, priority=WARM, arrival=2.0, first=1000))
     sched.schedule()
     assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
 
@@ -147,18 +151,32 @@ def fake(priority: int, computed: int, prompt: int, arrival: float = 0.0, tokens
         num_computed_tokens=computed,
         num_prompt_tokens=prompt,
         num_tokens=tokens or prompt,
+        status=RequestStatus.RUNNING,
     )
 
 
-def test_victim_is_the_worst_ranked_prefill_behind_the_head():
-    head = fake(2, 0, 100, arrival=5.0)
-    a, b = fake(4, 10, 900, arrival=1.0), fake(4, 10, 900, arrival=2.0)
-    decoding = fake(9, 900, 900)
-    ahead = fake(1, 10, 900)
+def test_victim_is_the_worst_ranked_long_prefill_behind_the_head():
+    head = fake(WARM, 0, 100, arrival=5.0)
+    a, b = fake(COLD, 10, 900, arrival=1.0), fake(COLD, 10, 900, arrival=2.0)
+    decoding = fake(COLDER, 900, 900)
+    ahead = fake(encode(1, 2), 10, 900)
     assert preemption_victim([a, b, decoding, ahead], head) is b  # same priority: the later
     assert preemption_victim([decoding, ahead], head) is None
-    assert preemption_victim([fake(2, 10, 900, arrival=6.0)], head) is not None  # tie: later
-    assert preemption_victim([fake(2, 10, 900, arrival=4.0)], head) is None
+    assert preemption_victim([fake(WARM, 10, 900, arrival=6.0)], head) is None  # short
+    assert preemption_victim([fake(SHORT, 10, 900, arrival=6.0)], head) is None  # short
+    assert preemption_victim([fake(COLDER, 10, 9000)], head) is not None
+
+
+def test_a_short_prefill_is_not_preempted():
+    """Resumed turns are never preempted for each other, whatever their rank."""
+    sched = make()
+    short = request("short", 18 * BS, priority=SHORT, arrival=1.0)
+    sched.add_request(short)
+    sched.schedule()
+    assert 0 < short.num_computed_tokens < short.num_prompt_tokens
+    sched.add_request(request("warm", 5 * BS, priority=WARM, arrival=2.0, first=1000))
+    sched.schedule()
+    assert short.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
 
 
 def test_blocks_needed_covers_the_prompt_and_the_first_token():
