@@ -1,48 +1,40 @@
-"""A cold prefill yields the step budget only to warmer work (``--cold-prefill-chunk`` with
-``--agent-priority``; docs/scheduling.md).
+"""The warm-first scheduler: vLLM's priority scheduler, plus preemption of cold prefills for
+warmer work and short steps only while cold prefills run (``--agent-priority`` on CPU, the
+default there; docs/scheduling.md has the measurements behind each rule).
 
-vLLM's ``--long-prefill-token-threshold`` caps every request's prompt chunk per step whenever
-more than one request is waiting or running. Measured here with two cold 2.5-4k-token prompts
-arriving together (benchmarks/real_traces.py smoke run, ``--cold-prefill-chunk 256``): both
-were capped, shared every step and finished together at 32-34 s, where first-come-first-served
-finishes the first one in about half that — processor sharing, the worst order for cold turns.
-The cap exists for the opposite case: a resumed agent turn (few new tokens, ranked ahead by
-:mod:`server.plugin.priority`) that would otherwise wait behind a running cold prefill's
-2048-token chunk.
+**Preemption for warmer work.** Under KV pressure a resumed agent turn waits for *device
+blocks* to hold its history (loaded from the host store), not for its place in the queue:
+vLLM admits a waiting request only when blocks are free, and preempts only to grow a running
+request (RESULTS.md, real_traces 02:00 reading). So before each step, while the best-ranked
+waiting request would not fit in the free blocks, the worst-ranked running *long* prefill
+(plugin level >= 2: more than ~1024 tokens left to compute) that ranks behind it is preempted
+with vLLM's own ``_preempt_request`` (blocks freed, back to the waiting queue with its arrival
+and priority). What it computed is not lost: every full block went to the host store as it
+filled (and stays in vLLM's prefix cache until evicted), so it loads them back in one copy and
+recomputes at most its last partial block. Decodes and short prefills (resumed turns) are
+never preempted here (measured: resumed turns preempting one another made the forking
+workload 1.7x slower). A cold request is passed only by requests that rank ahead of it, which
+the plugin's deadlines bound (:mod:`server.plugin.priority`: a level-L request only by
+level-L' requests arriving within ``(L - L') * aging_s`` after it), so it is never starved.
 
-So this scheduler applies the configured threshold only while some request that ranks ahead
-(a lower ``priority``) of a running prefill is waiting or running; otherwise it lifts the cap
-and cold prefills run one after the other, in priority order, as without it. A resumed turn
-that arrives while a cold prefill computes still waits for the step in flight: measured on the
-same traces (RESULTS.md, real_traces 02:00), the cap alone gave no gain for that reason, with
-2048-token steps of about 5 s on one core. So while cold prefills run or wait with nothing ahead
-of them (and more than one request exists), the whole step budget is the chunk: steps stay short
-(the next arrival waits at most one short step) and the colds still go one at a time (the
-first in priority order takes the budget). ``running`` is kept in ``(priority, arrival)`` order
-so that the budget goes to the higher-ranked requests first. Under vLLM's FCFS policy (all
-priorities equal) it keeps vLLM's own rule. The launcher selects it with vLLM's own
-``--scheduler-cls`` on CPU, where vLLM uses the synchronous scheduler; elsewhere vLLM's static
-threshold applies.
+**The chunk only by need, short steps while colds queue.** vLLM's
+``--long-prefill-token-threshold`` caps every request's prompt chunk whenever more than one
+request exists: two cold 2.5-4k-token prompts arriving together shared every step and finished
+together at 32-34 s, where first come first served finishes the first in about half that. So
+the threshold applies only while a request that ranks ahead of a running prefill waits or
+runs. And while a long prefill runs *or waits* (more than one request existing), the whole step
+budget is the chunk: a resumed turn arriving meanwhile waits at most one short step instead of
+a 2048-token step of ~4 s (the step trace of real_traces 05:09 showed exactly that wait, for
+the first chunk of a cold admitted from the queue). Batches of resumed turns keep vLLM's
+budget. ``running`` is kept in ``(priority, arrival)`` order so that the budget goes to the
+higher-ranked requests first.
 
-Measured on the same traces with this scheduler (RESULTS.md, real_traces 02:09): no better,
-because under KV pressure a resumed turn waits for device blocks that the running cold prefill
-holds, which neither the order nor the step size frees (docs/scheduling.md); so it is used only
-with the opt-in flags.
+**Unranked requests.** A request vLLM receives with priority 0 (a route whose body has no
+``priority``, e.g. /v1/messages) would be first in vLLM's order; it ranks as the coldest
+request arriving now instead (:meth:`WarmFirstScheduler.add_request`).
 
-**Preemption for warmer work.** What the per-step records of those runs showed instead: under
-KV pressure a resumed turn waits for *device blocks* to hold its history (loaded from the host
-store), and vLLM admits a waiting request only when blocks are free; it preempts only to grow
-a running request. So before each step, while the best-ranked waiting request would not fit
-in the free blocks, the worst-ranked running request that is still prefilling *and ranks
-behind it* is preempted (vLLM's own ``_preempt_request``: its blocks are freed, it goes back
-to the waiting queue with its arrival and priority unchanged). What it had computed is not
-lost: every full block was saved to the host store as it filled (and stays in vLLM's prefix
-cache until evicted), so when it is scheduled again it loads them back in one copy and
-recomputes at most the last partial block. Decoding requests are never preempted here
-(vLLM's own rule still applies to them when a running request needs a block). A cold
-request is passed only by requests ranked ahead of it, which the plugin's aging bounds
-(docs/scheduling.md: a level-L request only by warmer requests arriving within about
-``(L + 1) * aging_s`` after it), so it is never starved.
+Under vLLM's FCFS policy it keeps vLLM's own rules. The launcher selects it with vLLM's own
+``--scheduler-cls`` on CPU, where vLLM uses the synchronous scheduler; on CUDA it is not used.
 
 Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``, a
 request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens``,
