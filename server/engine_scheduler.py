@@ -45,7 +45,6 @@ and ``_request_blocks_can_be_freed``).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -54,8 +53,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from server.plugin.priority import DEFAULT_AGING_S, level_in, unranked
-from server.settings import ENV_PRIORITY_AGING_S
+from server.plugin.priority import DEFAULT_AGING_S, aging_from_env, level_in, unranked
 
 QUALNAME = "server.engine_scheduler.WarmFirstScheduler"
 
@@ -69,7 +67,7 @@ LONG_LEVEL = 2
 def cap_needed(running: Iterable[Any], waiting: Iterable[Any]) -> bool:
     """Whether a running prefill has someone ahead of it in priority (waiting or running)."""
     running = list(running)
-    prefilling = [r.priority for r in running if r.num_computed_tokens < r.num_prompt_tokens]
+    prefilling = [r.priority for r in running if is_prefilling(r)]
     if not prefilling:
         return False
     worst = max(prefilling)
@@ -115,7 +113,7 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_dynamic = self._kvb_priority and self._kvb_cap > 0
         #: Preemptions made here (vLLM's own count every preemption in its stats too).
         self.kvb_preemptions = 0
-        self._kvb_aging_s = aging_from_env()
+        self._kvb_aging_s = aging_from_env() or DEFAULT_AGING_S
 
     def add_request(self, request: Any) -> None:
         """A request the plugin did not rank (priority 0: a route whose vLLM body has no
@@ -128,7 +126,7 @@ class WarmFirstScheduler(Scheduler):
         if self._kvb_priority and self.waiting and self.running:
             self._preempt_for_warmer()
         if self._kvb_dynamic:
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+            self.running.sort(key=rank)
             waiting = [*self.waiting, *getattr(self, "kv_holding_waiting", ())]
             cap, budget = step_limits(self.running, waiting, self._kvb_cap, self._kvb_budget)
             self.scheduler_config.long_prefill_token_threshold = cap
@@ -158,14 +156,6 @@ class WarmFirstScheduler(Scheduler):
             self.running.remove(victim)
             self._preempt_request(victim, timestamp)
             self.kvb_preemptions += 1
-
-
-def aging_from_env() -> float:
-    try:
-        value = float(os.environ.get(ENV_PRIORITY_AGING_S, ""))
-    except ValueError:
-        return DEFAULT_AGING_S
-    return value if value > 0 else DEFAULT_AGING_S
 
 
 def is_long(request: Any) -> bool:

@@ -224,15 +224,21 @@ class PriorityPolicy:
         return Estimate(total, cached, new_tokens, level, computed)
 
 
+def aging_from_env() -> float | None:
+    """The aging the launcher set in the environment with ``--agent-priority`` (read by the
+    API server's plugin and by the engine's scheduler), else ``None``."""
+    import os
+
+    try:
+        aging_s = float(os.environ.get(ENV_PRIORITY_AGING_S, ""))
+    except ValueError:
+        return None
+    return aging_s if aging_s > 0 else None
+
+
 def policy_from_env() -> PriorityPolicy | None:
     """The policy the launcher turned on (``--agent-priority``: it starts vLLM with
     ``--scheduling-policy priority`` and sets the aging in the environment), else ``None``:
     vLLM refuses a non-zero priority under its default first-come-first-served policy."""
-    import os
-
-    value = os.environ.get(ENV_PRIORITY_AGING_S, "")
-    try:
-        aging_s = float(value)
-    except ValueError:
-        return None
-    return PriorityPolicy(aging_s) if aging_s > 0 else None
+    aging_s = aging_from_env()
+    return PriorityPolicy(aging_s) if aging_s is not None else None
