@@ -278,6 +278,11 @@ def test_an_instance_killed_between_turns_costs_a_recompute_not_an_answer(pd, pl
         assert health.status_code == 200 and health.json()["status"] == "degraded"
 
     pd.decode.start()  # a fresh decode instance (new instance id) on the same port
+    with client(pd.router) as c:
+        # The router learns it within a probe interval; its /health probes every instance now,
+        # so the next turn does not race the background probe that would mark it up.
+        health = c.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
     messages += [
         {"role": "assistant", "content": text2},
         {"role": "user", "content": FOLLOW_UPS[1]},
