@@ -29,13 +29,26 @@ it; the worker fences at the start of every step (``fence_for``, before vLLM's m
 V1 zeroes new blocks or the forward writes any), and a load or the next save joins first, so
 no block is rewritten or read while a save still reads or writes it.
 
+Pre-faulting (CPU): the host tensors come from ``torch.empty``, so each never-used slot costs
+page faults the first time a save writes it — on a fresh server, in every turn 1. A background
+thread at the lowest priority asks the kernel to populate the whole store writable
+(``madvise(MADV_POPULATE_WRITE)``, Linux >= 5.14), which maps zeroed pages without changing a
+byte already written, so it needs no ordering with saves or loads. That is what the CUDA branch
+gets from pinning (pinned memory is resident from the start), and what a server that has run a
+while has anyway: the store's resident size is its configured size. ``KVBRANCH_PREFAULT=0`` turns
+it off (the memory is then touched as saves reach it).
+
 The CUDA branch is deliberately thin; the block planning that decides *what* to copy is shared
 and covered by the CPU tests.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import mmap
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -46,8 +59,50 @@ import torch
 ENV_ASYNC_SAVE = "KVBRANCH_ASYNC_SAVE"
 
 
+#: ``0``: do not pre-fault the CPU host store (see the module docstring).
+ENV_PREFAULT = "KVBRANCH_PREFAULT"
+#: ``madvise`` advice that populates pages writable without touching their contents (Linux 5.14).
+MADV_POPULATE_WRITE = 23
+#: Populated per call: small enough that a lower-priority thread yields the core often.
+PREFAULT_CHUNK_BYTES = 32 << 20
+
+logger = logging.getLogger(__name__)
+
+
 def async_saves_from_env() -> bool:
     return os.environ.get(ENV_ASYNC_SAVE, "").strip() != "0"
+
+
+def prefault_from_env() -> bool:
+    return os.environ.get(ENV_PREFAULT, "").strip() != "0"
+
+
+def populate_writable(tensors: Sequence[torch.Tensor]) -> int:
+    """Populate the pages of CPU ``tensors`` writable, contents unchanged; the bytes populated.
+
+    Runs at the lowest scheduling priority of its thread; stops (leaving the rest to be faulted
+    on first write) where the kernel does not support the advice."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    done = 0
+    for tensor in tensors:
+        start = -(-tensor.data_ptr() // page) * page
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+        for addr in range(start, end, PREFAULT_CHUNK_BYTES):
+            length = min(PREFAULT_CHUNK_BYTES, end - addr)
+            if libc.madvise(addr, length, MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                logger.info(
+                    "host store not pre-faulted (%s): first saves fault it in", os.strerror(err)
+                )
+                return done
+            done += length
+    return done
 
 
 def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
@@ -75,6 +130,7 @@ class HostKVPool:
         num_blocks: int,
         num_slots: int,
         async_saves: bool = False,
+        prefault: bool = False,
     ) -> None:
         self.num_slots = num_slots
         # Layers may share one tensor (e.g. cross-layer sharing); copy each storage once.
@@ -120,6 +176,17 @@ class HostKVPool:
             ThreadPoolExecutor(1, thread_name_prefix="kvbranch-save") if self.async_cpu else None
         )
         self._pending_cpu: Future[None] | None = None
+        #: CPU pre-fault of the whole store (module docstring); ``None`` when not started.
+        self.prefault_thread: threading.Thread | None = None
+        self.prefaulted_bytes = 0
+        if prefault and not self.cuda:
+            self.prefault_thread = threading.Thread(
+                target=self._prefault, name="kvbranch-prefault", daemon=True
+            )
+            self.prefault_thread.start()
+
+    def _prefault(self) -> None:
+        self.prefaulted_bytes = populate_writable(list(self.host_caches.values()))
 
     # --- device -> host ----------------------------------------------------------------------
     def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:

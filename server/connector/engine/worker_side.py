@@ -15,7 +15,7 @@ import time
 import torch
 
 from server.connector.core.metadata import KVBranchMetadata
-from server.connector.engine.host_pool import HostKVPool, async_saves_from_env
+from server.connector.engine.host_pool import HostKVPool, async_saves_from_env, prefault_from_env
 from server.connector.engine.stats import KVBranchTransferStats
 
 logger = logging.getLogger("kvbranch.connector")
@@ -33,7 +33,13 @@ class KVBranchWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         if self.num_slots == 0:
             return
-        self.pool = HostKVPool(kv_caches, num_blocks, self.num_slots, async_saves_from_env())
+        self.pool = HostKVPool(
+            kv_caches,
+            num_blocks,
+            self.num_slots,
+            async_saves=async_saves_from_env(),
+            prefault=prefault_from_env(),
+        )
         if self.pool.block_bytes != self.block_bytes:
             logger.warning(
                 "kvbranch: worker block bytes %d differ from planned %d",
