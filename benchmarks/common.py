@@ -66,6 +66,9 @@ __all__ = ["BLOCK_TOKENS", "MODEL_NAME", "ServerProcess"]  # re-exported for the
 #: thread and kvbranch's to 2 (the reservation exceeds the cores and is dropped). The
 #: benchmarks pin the same reservation for every configuration so that they compute alike.
 DEFAULT_RESERVED_CPUS = 1
+#: Launcher flags for vLLM's own first-come-first-served scheduling (docs/scheduling.md): what
+#: plain vLLM runs with, and kvbranch "without the policy" in the side-by-side runs.
+SCHEDULER_OFF_FLAGS = ["--no-agent-priority", "--cold-prefill-chunk", "0"]
 
 
 def add_run_args(ap: argparse.ArgumentParser, seed: int = 0, reserved_cpus: bool = True) -> None:

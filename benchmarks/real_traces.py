@@ -50,7 +50,6 @@ from benchmarks import bfcl_traces, common, reporting  # noqa: E402
 from benchmarks.reporting import median, percentile  # noqa: E402
 from sdk.contract import RESPONSE_FIELD  # noqa: E402
 
-OFF_FLAGS = ["--no-agent-priority", "--cold-prefill-chunk", "0"]
 DEFAULT_SCHED_FLAGS = "--agent-priority --cold-prefill-chunk 256"
 #: vLLM's per-request histograms (seconds): their _sum and _count before and after a pass.
 METRICS = ("request_queue_time_seconds", "request_prefill_time_seconds", "time_to_first_token")
@@ -136,9 +135,9 @@ async def run_pass(oai, model, convs, concurrency, salt, args) -> tuple[list[dic
 
 def config_flags(name: str, args: argparse.Namespace) -> tuple[bool, list[str]]:
     if name == "plain":
-        return False, OFF_FLAGS
+        return False, common.SCHEDULER_OFF_FLAGS
     if name == "kvbranch":
-        return True, OFF_FLAGS
+        return True, common.SCHEDULER_OFF_FLAGS
     _, _, flags = name.partition(":")  # kvbranch-sched:<its own flags>
     return True, (flags or args.sched_flags).split()
 

@@ -16,7 +16,9 @@ kvbranch runs with the launcher's defaults (what users get: the host-store save 
 background thread, server/connector/engine/host_pool.py, and the scheduling defaults of
 docs/scheduling.md); plain vLLM with ``--no-connector`` and vLLM's own scheduler.
 ``--sync-save`` adds a third server, kvbranch with ``KVBRANCH_ASYNC_SAVE=0`` (the save back in
-the step, on the first token's path), in the same rotation (A/B/C, then C/B/A).
+the step, on the first token's path), in the same rotation (A/B/C, then C/B/A);
+``--fault-save`` adds kvbranch with ``KVBRANCH_PREFAULT=0`` (the host store not pre-faulted:
+its pages are faulted in by the saves that first reach them, as before 2026-12-02).
 
 Why this benchmark: turn-1 ratios in earlier runs scattered by ±10% with 6-8 requests per
 configuration, so whether kvbranch costs anything on a cold turn was neither shown nor refuted.
@@ -40,14 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common, reporting  # noqa: E402
 from benchmarks.textgen import text_of_tokens  # noqa: E402
 
-#: Plain vLLM: its own first-come-first-served scheduler.
-OFF_FLAGS = ["--no-agent-priority", "--cold-prefill-chunk", "0"]
 #: name -> (with the connector, extra environment, launcher flags): kvbranch as users get it
 #: (the launcher's defaults), and with the host-store save back in the step.
 CONFIGS = {
-    "plain": (False, {}, OFF_FLAGS),
+    "plain": (False, {}, common.SCHEDULER_OFF_FLAGS),
     "kvbranch": (True, {}, []),
     "kvbranch-sync": (True, {"KVBRANCH_ASYNC_SAVE": "0"}, []),
+    "kvbranch-fault": (True, {"KVBRANCH_PREFAULT": "0"}, []),
 }
 
 
@@ -171,6 +172,7 @@ def main() -> int:
     reporting.add_int_args(ap, {"--rounds": 24, "--tokens": 800, "--max-tokens": 4})
     ap.add_argument("--cpu-cores", default="1", help="the engines' core(s), the same for all")
     ap.add_argument("--sync-save", action="store_true", help="add kvbranch-sync (see above)")
+    ap.add_argument("--fault-save", action="store_true", help="add kvbranch-fault (see above)")
     common.add_server_args(ap, kv_cache_gib=0.5, max_model_len=2048)
     common.add_run_args(ap)
     args = common.parse_run_args(ap)
@@ -180,6 +182,7 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         names = ["plain", "kvbranch"] + (["kvbranch-sync"] if args.sync_save else [])
+        names += ["kvbranch-fault"] if args.fault_save else []
         for name in names:
             connector, env, ours = CONFIGS[name]
             flags = [*ours, "--cpu-cores", args.cpu_cores]
