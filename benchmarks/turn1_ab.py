@@ -20,6 +20,14 @@ the step, on the first token's path), in the same rotation (A/B/C, then C/B/A);
 ``--fault-save`` adds kvbranch with ``KVBRANCH_PREFAULT=0`` (the host store not pre-faulted:
 its pages are faulted in by the saves that first reach them, as before 2026-12-02).
 
+``--warm`` sends each round's prompt a second time right after the first (a prefix-cache hit
+on the server that just computed it) and reports those requests as ``warm_ttft_s`` /
+``warm_total_s``: the cost of kvbranch's lookups where the device cache already has everything.
+
+``--pd`` compares the P/D clusters instead (the launcher's ``--disagg``: a router, P on core 0,
+D on core 1): upstream P/D (vLLM's NixlConnector, ``pd``) against kvbranch P/D
+(``pd-kvbranch``), both up at once, each request through its router.
+
 Why this benchmark: turn-1 ratios in earlier runs scattered by ±10% with 6-8 requests per
 configuration, so whether kvbranch costs anything on a cold turn was neither shown nor refuted.
 """
@@ -50,6 +58,11 @@ CONFIGS = {
     "kvbranch-sync": (True, {"KVBRANCH_ASYNC_SAVE": "0"}, []),
     "kvbranch-fault": (True, {"KVBRANCH_PREFAULT": "0"}, []),
 }
+#: ``--pd``: name -> launcher flags (as benchmarks/pd_turns.py runs them); the first is the base.
+PD_CONFIGS = {
+    "pd": ["--disagg", "--no-connector", "--no-bidirectional"],
+    "pd-kvbranch": ["--disagg"],
+}
 
 
 def bootstrap_median(values: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float]:
@@ -57,7 +70,8 @@ def bootstrap_median(values: list[float], rng: random.Random, n: int = 2000) -> 
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
-async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args) -> tuple[float, float]:
+async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args) -> dict[str, float]:
+    """A never-seen prompt; with ``--warm``, then the same prompt again."""
     body = {
         "model": common.MODEL_NAME,
         "messages": [{"role": "user", "content": text_of_tokens(rng, args.tokens)}],
@@ -66,7 +80,11 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args) -> 
         "ignore_eos": True,
     }
     result = await common.stream_chat(client, url, body)
-    return result.ttft_s, result.total_s
+    out = {"ttft_s": result.ttft_s, "total_s": result.total_s}
+    if args.warm:
+        again = await common.stream_chat(client, url, body)
+        out.update(warm_ttft_s=again.ttft_s, warm_total_s=again.total_s)
+    return out
 
 
 #: Sums over the rounds from each server's /metrics: vLLM's per-request queue and prefill time,
@@ -103,8 +121,7 @@ async def run(args, servers: dict[str, common.ServerProcess], log) -> tuple[list
             order = list(servers) if i % 2 == 0 else list(reversed(servers))
             row: dict = {"round": i, "order": order}
             for name in order:
-                ttft, total = await one(client, servers[name].url, rng, args)
-                row[name] = {"ttft_s": ttft, "total_s": total}
+                row[name] = await one(client, servers[name].url, rng, args)
             row["load1"] = os.getloadavg()[0]
             rounds.append(row)
             log(f"round {i}: " + " ".join(f"{n} {row[n]['ttft_s']:.3f}s" for n in servers))
@@ -119,28 +136,31 @@ def report(args, rounds, sums, info, elapsed, bindings, raw) -> str:
     lines += reporting.conditions_md([r["load1"] for r in rounds], args.reserved_cpus, bindings)
     lines.append(
         f"- {args.rounds} rounds in alternating order, one request at a time, never-seen "
-        f"~{args.tokens}-token chat prompts, max_tokens {args.max_tokens}, all engines on "
-        f"core(s) {args.cpu_cores}; "
+        f"~{args.tokens}-token chat prompts{' (each sent twice: --warm)' if args.warm else ''}, "
+        f"max_tokens {args.max_tokens}, "
+        f"{'P/D clusters, P on core 0 and D on core 1 in each' if args.pd else 'all engines on'}"
+        f"{'' if args.pd else f' core(s) {args.cpu_cores}'}; "
         f"raw: `{raw.relative_to(reporting.ROOT)}`\n"
     )
     rows, verdicts = [], []
-    names = [n for n in sums if n != "plain"]
+    base, *names = list(sums)
+    metrics = ["ttft_s", "total_s"] + (["warm_ttft_s", "warm_total_s"] if args.warm else [])
     for name in names:
-        for metric in ("ttft_s", "total_s"):
-            ratios = [r[name][metric] / r["plain"][metric] for r in rounds]
+        for metric in metrics:
+            ratios = [r[name][metric] / r[base][metric] for r in rounds]
             lo, hi = bootstrap_median(ratios, rng)
             med = statistics.median(ratios)
-            plain = statistics.median(r["plain"][metric] for r in rounds)
+            plain = statistics.median(r[base][metric] for r in rounds)
             kvb = statistics.median(r[name][metric] for r in rounds)
             rows.append(
                 [name, metric, plain, kvb, f"{med:.3f}", f"{lo:.3f}-{hi:.3f}", f"{hi - lo:.3f}"]
             )
             ok = hi - lo < 0.03 and med <= 1.03
             verdicts.append(
-                f"- **{'met' if ok else 'not met'}** — {name} {metric}: /plain median {med:.3f} "
+                f"- **{'met' if ok else 'not met'}** — {name} {metric}: /{base} median {med:.3f} "
                 f"(95% CI {lo:.3f}-{hi:.3f}, width {hi - lo:.3f}; target <= 1.03, CI < 0.03)"
             )
-    header = ["server", "metric", "plain p50 (s)", "its p50 (s)", "ratio p50", "95% CI", "width"]
+    header = ["server", "metric", f"{base} p50 (s)", "its p50 (s)", "ratio p50", "95% CI", "width"]
     lines.append(reporting.md_table(header, rows))
     rows = []
     for name, m in sums.items():
@@ -173,6 +193,8 @@ def main() -> int:
     ap.add_argument("--cpu-cores", default="1", help="the engines' core(s), the same for all")
     ap.add_argument("--sync-save", action="store_true", help="add kvbranch-sync (see above)")
     ap.add_argument("--fault-save", action="store_true", help="add kvbranch-fault (see above)")
+    ap.add_argument("--warm", action="store_true", help="each prompt twice (see above)")
+    ap.add_argument("--pd", action="store_true", help="upstream P/D against kvbranch P/D")
     common.add_server_args(ap, kv_cache_gib=0.5, max_model_len=2048)
     common.add_run_args(ap)
     args = common.parse_run_args(ap)
@@ -183,7 +205,11 @@ def main() -> int:
     try:
         names = ["plain", "kvbranch"] + (["kvbranch-sync"] if args.sync_save else [])
         names += ["kvbranch-fault"] if args.fault_save else []
-        for name in names:
+        for name in PD_CONFIGS if args.pd else []:
+            sizes = ["--kv-cache-gib", str(args.kv_cache_gib), "--max-model-len"]
+            sizes.append(str(args.max_model_len))
+            servers[name] = common.start_server(name, [*sizes, *PD_CONFIGS[name]], None)
+        for name in [] if args.pd else names:
             connector, env, ours = CONFIGS[name]
             flags = [*ours, "--cpu-cores", args.cpu_cores]
             servers[name] = common.start_server(

@@ -1,0 +1,72 @@
+"""turn1_ab's report: ratios against the first configuration (plain vLLM, or upstream P/D with
+--pd), the warm-request metrics with --warm, and a verdict per configuration and metric (pure
+logic on made-up rounds)."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks import turn1_ab
+
+INFO = dict.fromkeys(
+    ["cpu", "cores", "ram", "kernel", "python", "vllm", "torch", "transformers"], "x"
+)
+
+
+def _rounds(names: list[str], factor: float, n: int = 20) -> list[dict]:
+    rows = []
+    for i in range(n):
+        row: dict = {"round": i, "load1": 1.0}
+        for k, name in enumerate(names):
+            scale = factor if k else 1.0
+            base = 1.0 + 0.001 * i
+            row[name] = {
+                "ttft_s": base * scale,
+                "total_s": 2 * base * scale,
+                "warm_ttft_s": 0.1 * base,
+                "warm_total_s": 0.2 * base,
+            }
+        rows.append(row)
+    return rows
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(
+        rounds=20, tokens=800, max_tokens=4, cpu_cores="1", warm=False, pd=False, reserved_cpus=1
+    )
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_ratios_are_against_the_first_configuration_with_warm_metrics():
+    names = ["pd", "pd-kvbranch"]
+    sums = {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
+    text = turn1_ab.report(
+        _args(warm=True, pd=True),
+        _rounds(names, 1.10),
+        sums,
+        INFO,
+        60.0,
+        {},
+        turn1_ab.reporting.ROOT / "benchmarks/out/x.json",
+    )
+    assert "| pd-kvbranch | ttft_s | 1.0" in text and "| 1.100 |" in text
+    assert "**not met** — pd-kvbranch ttft_s: /pd median 1.100" in text
+    assert "**met** — pd-kvbranch warm_ttft_s: /pd median 1.000" in text
+    assert "P/D clusters, P on core 0 and D on core 1" in text
+
+
+def test_without_warm_only_the_cold_request_is_judged():
+    names = ["plain", "kvbranch"]
+    sums = {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
+    text = turn1_ab.report(
+        _args(),
+        _rounds(names, 1.0),
+        sums,
+        INFO,
+        60.0,
+        {},
+        turn1_ab.reporting.ROOT / "benchmarks/out/x.json",
+    )
+    assert "warm_" not in text
+    assert "**met** — kvbranch total_s: /plain median 1.000" in text
+    assert "all engines on core(s) 1" in text
