@@ -49,6 +49,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -66,7 +67,7 @@ MADV_POPULATE_WRITE = 23
 #: Populated per call: small enough that a lower-priority thread yields the core often.
 PREFAULT_CHUNK_BYTES = 32 << 20
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvbranch.connector")
 
 
 def async_saves_from_env() -> bool:
@@ -186,7 +187,14 @@ class HostKVPool:
             self.prefault_thread.start()
 
     def _prefault(self) -> None:
+        t0 = time.monotonic()
         self.prefaulted_bytes = populate_writable(list(self.host_caches.values()))
+        if self.prefaulted_bytes:
+            logger.info(
+                "kvbranch: host store pre-faulted, %.2f GiB in %.1f s",
+                self.prefaulted_bytes / 2**30,
+                time.monotonic() - t0,
+            )
 
     # --- device -> host ----------------------------------------------------------------------
     def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
