@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-store-gib",
         type=_non_negative_float,
         default=2.0,
-        help="host-memory KV block store size in GiB (default %(default)s)",
+        help="host-memory KV block store size in GiB (default %(default)s; resident from "
+        "start-up: pinned on CUDA, pre-faulted on CPU unless KVBRANCH_PREFAULT=0)",
     )
     parser.add_argument(
         "--pin-budget-gib",
