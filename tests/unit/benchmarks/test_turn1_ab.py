@@ -52,6 +52,9 @@ def test_ratios_are_against_the_first_configuration_with_warm_metrics():
     assert "| pd-kvbranch | ttft_s | 1.0" in text and "| 1.100 |" in text
     assert "**not met** — pd-kvbranch ttft_s: /pd median 1.100" in text
     assert "**met** — pd-kvbranch warm_ttft_s: /pd median 1.000" in text
+    verdict = {line.split(":")[0]: line for line in text.splitlines() if "target <=" in line}
+    assert verdict["- **met** — pd-kvbranch warm_ttft_s"].endswith("interval is at or under 1.03")
+    assert verdict["- **not met** — pd-kvbranch ttft_s"].endswith("is not at or under 1.03")
     assert "P/D clusters, P on core 0 and D on core 1" in text
 
 
