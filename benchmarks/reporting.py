@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -158,6 +159,14 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def bootstrap_median(
+    values: list[float], rng: random.Random, n: int = 2000
+) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values``."""
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
 def ratio(a: float, b: float) -> str:

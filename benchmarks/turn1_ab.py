@@ -65,11 +65,6 @@ PD_CONFIGS = {
 }
 
 
-def bootstrap_median(values: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float]:
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
-    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
-
-
 async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args) -> dict[str, float]:
     """A never-seen prompt; with ``--warm``, then the same prompt again."""
     body = {
@@ -148,7 +143,7 @@ def report(args, rounds, sums, info, elapsed, bindings, raw) -> str:
     for name in names:
         for metric in metrics:
             ratios = [r[name][metric] / r[base][metric] for r in rounds]
-            lo, hi = bootstrap_median(ratios, rng)
+            lo, hi = reporting.bootstrap_median(ratios, rng)
             med = statistics.median(ratios)
             plain = statistics.median(r[base][metric] for r in rounds)
             kvb = statistics.median(r[name][metric] for r in rounds)
