@@ -161,9 +161,7 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def bootstrap_median(
-    values: list[float], rng: random.Random, n: int = 2000
-) -> tuple[float, float]:
+def bootstrap_median(values: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float]:
     """A 95% bootstrap interval of the median of ``values``."""
     meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
