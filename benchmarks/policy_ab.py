@@ -35,6 +35,8 @@ from benchmarks.reporting import median, percentile  # noqa: E402
 
 #: name -> launcher flags, both with the connector.
 CONFIGS = {"off": common.SCHEDULER_OFF_FLAGS, "on": []}
+#: ``--off-env K=V``: "off" is the defaults with this environment instead (a part of the policy
+#: switched off by its variable, e.g. ``KVBRANCH_HOLD_COLDS=0``).
 
 
 def pass_summary(records: list[dict], wall_s: float) -> dict[str, float]:
@@ -96,7 +98,9 @@ def report(args, convs, passes, info, elapsed, bindings, raw) -> str:
         f"time: {len(convs)} conversations of `{bfcl_traces.SUBSET}`, first {args.max_turns} "
         f"user turns, {args.concurrency} at a time, {args.pause_s} s between steps, max_tokens "
         f"{args.max_tokens}, a fresh cache_salt per pass; device KV {args.kv_cache_gib} GiB; "
-        f"engines on core(s) {args.cpu_cores}; raw: `{raw.relative_to(reporting.ROOT)}`\n"
+        f"engines on core(s) {args.cpu_cores}; "
+        f"off = {'the defaults with ' + args.off_env if args.off_env else 'vLLM scheduling'}; "
+        f"raw: `{raw.relative_to(reporting.ROOT)}`\n"
     )
     rows, verdicts = [], []
     for key, (label, note) in METRICS.items():
@@ -150,6 +154,12 @@ def main() -> int:
     )
     ap.add_argument("--pause-s", type=float, default=0.5, help="tool time between steps")
     ap.add_argument("--cpu-cores", default="0", help="the engines' core(s), the same for both")
+    ap.add_argument(
+        "--off-env",
+        default="",
+        help="K=V: 'off' runs the launcher's defaults with this variable set instead of "
+        "vLLM's own scheduling (one part of the policy off)",
+    )
     common.add_server_args(ap, kv_cache_gib=0.2, max_model_len=4096)
     common.add_run_args(ap)
     args = common.parse_run_args(ap)
@@ -160,6 +170,10 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         for name, flags in CONFIGS.items():
+            env = {}
+            if name == "off" and args.off_env:
+                key, _, value = args.off_env.partition("=")
+                flags, env = [], {key: value}
             servers[name] = common.start_server(
                 name,
                 common.server_args(
@@ -170,6 +184,7 @@ def main() -> int:
                     [*flags, "--cpu-cores", args.cpu_cores],
                 ),
                 reserved_cpus=args.reserved_cpus,
+                env=env,
             )
         bindings = {n: common.omp_binding(s) for n, s in servers.items()}
         passes = asyncio.run(run(args, convs, servers, log))

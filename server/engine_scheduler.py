@@ -53,6 +53,7 @@ and ``_request_blocks_can_be_freed``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -123,6 +124,8 @@ class WarmFirstScheduler(Scheduler):
         self.kvb_preemptions = 0
         #: Steps in which cold prefills were held back for a warmer request being admitted.
         self.kvb_held_steps = 0
+        #: ``KVBRANCH_HOLD_COLDS=0`` turns the hold-back off (for side-by-side measurement).
+        self._kvb_hold = os.environ.get("KVBRANCH_HOLD_COLDS", "").strip() != "0"
         self._kvb_aging_s = aging_from_env() or DEFAULT_AGING_S
 
     def add_request(self, request: Any) -> None:
@@ -153,7 +156,7 @@ class WarmFirstScheduler(Scheduler):
     def _hold_back_for_warmer(self) -> list[Any]:
         """Take the cold prefills out of ``running`` for the step that admits a warmer waiting
         request (module docstring): they keep their blocks and go on next step."""
-        if not self.waiting or len(self.running) + 1 >= self.max_num_running_reqs:
+        if not self._kvb_hold or len(self.running) + 1 >= self.max_num_running_reqs:
             return []
         head = self.waiting.peek_request()
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()

@@ -51,6 +51,7 @@ def _args() -> argparse.Namespace:
         kv_cache_gib=0.2,
         cpu_cores="0",
         reserved_cpus=1,
+        off_env="",
     )
 
 
