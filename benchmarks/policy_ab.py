@@ -36,7 +36,7 @@ from benchmarks.reporting import median, percentile  # noqa: E402
 #: name -> launcher flags, both with the connector.
 CONFIGS = {"off": common.SCHEDULER_OFF_FLAGS, "on": []}
 #: ``--off-env K=V``: "off" is the defaults with this environment instead (a part of the policy
-#: switched off by its variable, e.g. ``KVBRANCH_HOLD_COLDS=0``).
+#: switched off by its variable, e.g. ``KVBRANCH_ASYNC_SAVE=0``).
 
 
 def pass_summary(records: list[dict], wall_s: float) -> dict[str, float]:

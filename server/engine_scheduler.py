@@ -1,7 +1,6 @@
 """The warm-first scheduler: vLLM's priority scheduler, plus preemption of cold prefills for
-warmer work, a warm turn's first step without them, and short steps only while colds run
-(``--agent-priority`` on CPU, the default there; docs/scheduling.md has the measurements
-behind each rule).
+warmer work and short steps only while cold prefills run (``--agent-priority`` on CPU, the
+default there; docs/scheduling.md has the measurements behind each rule).
 
 **Preemption for warmer work.** Under KV pressure a resumed agent turn waits for *device
 blocks* to hold its history (loaded from the host store), not for its place in the queue:
@@ -30,13 +29,6 @@ the first chunk of a cold admitted from the queue). Batches of resumed turns kee
 budget. ``running`` is kept in ``(priority, arrival)`` order so that the budget goes to the
 higher-ranked requests first.
 
-**The warm request's first step is its own.** vLLM schedules running requests before waiting
-ones, so the step that admits a resumed turn also ran a running cold prefill's chunk, and the
-turn's first token waited for both. While the best-ranked waiting request is warm (not a long
-prefill) and fits in the free blocks, the long prefills ranked behind it sit out that one step
-(:func:`colds_to_hold_back`): they keep their blocks and their place, and go on in the next
-step beside the warm turn's decode.
-
 **Unranked requests.** A request vLLM receives with priority 0 (a route whose body has no
 ``priority``, e.g. /v1/messages) would be first in vLLM's order; it ranks as the coldest
 request arriving now instead (:meth:`WarmFirstScheduler.add_request`).
@@ -53,7 +45,6 @@ and ``_request_blocks_can_be_freed``).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -122,10 +113,6 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_dynamic = self._kvb_priority and self._kvb_cap > 0
         #: Preemptions made here (vLLM's own count every preemption in its stats too).
         self.kvb_preemptions = 0
-        #: Steps in which cold prefills were held back for a warmer request being admitted.
-        self.kvb_held_steps = 0
-        #: ``KVBRANCH_HOLD_COLDS=0`` turns the hold-back off (for side-by-side measurement).
-        self._kvb_hold = os.environ.get("KVBRANCH_HOLD_COLDS", "").strip() != "0"
         self._kvb_aging_s = aging_from_env() or DEFAULT_AGING_S
 
     def add_request(self, request: Any) -> None:
@@ -136,35 +123,15 @@ class WarmFirstScheduler(Scheduler):
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        held: list[Any] = []
         if self._kvb_priority and self.waiting and self.running:
             self._preempt_for_warmer()
-            held = self._hold_back_for_warmer()
         if self._kvb_dynamic:
             self.running.sort(key=rank)
             waiting = [*self.waiting, *getattr(self, "kv_holding_waiting", ())]
             cap, budget = step_limits(self.running, waiting, self._kvb_cap, self._kvb_budget)
             self.scheduler_config.long_prefill_token_threshold = cap
             self.max_num_scheduled_tokens = budget
-        try:
-            return super().schedule(*args, **kwargs)
-        finally:
-            if held:
-                self.running.extend(held)
-                self.running.sort(key=rank)
-
-    def _hold_back_for_warmer(self) -> list[Any]:
-        """Take the cold prefills out of ``running`` for the step that admits a warmer waiting
-        request (module docstring): they keep their blocks and go on next step."""
-        if not self._kvb_hold or len(self.running) + 1 >= self.max_num_running_reqs:
-            return []
-        head = self.waiting.peek_request()
-        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        held = colds_to_hold_back(self.running, head, free, self.block_size)
-        if held:
-            self.running = [r for r in self.running if r not in held]
-            self.kvb_held_steps += 1
-        return held
+        return super().schedule(*args, **kwargs)
 
     def _preempt_for_warmer(self) -> None:
         """Free device blocks for the best-ranked waiting request by preempting colder
@@ -189,21 +156,6 @@ class WarmFirstScheduler(Scheduler):
             self.running.remove(victim)
             self._preempt_request(victim, timestamp)
             self.kvb_preemptions += 1
-
-
-def colds_to_hold_back(
-    running: list[Any], head: Any, free_blocks: int, block_size: int
-) -> list[Any]:
-    """The running long prefills to leave out of the step that admits ``head`` (the best-ranked
-    waiting request): those ranked behind it, when ``head`` is warm (not itself a long
-    prefill), only waits for blocks and budget, and fits in the free blocks with one block of
-    growth for each running request to spare (so that vLLM's own preemption, which only sees
-    ``running``, has no reason to run in that step). Otherwise none."""
-    if head.status not in READY or is_long(head):
-        return []
-    if blocks_needed(head, block_size) + len(running) > free_blocks:
-        return []
-    return [r for r in running if is_long(r) and rank(r) > rank(head)]
 
 
 def is_long(request: Any) -> bool:

@@ -18,12 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from server.engine_scheduler import (
-    WarmFirstScheduler,
-    blocks_needed,
-    colds_to_hold_back,
-    preemption_victim,
-)
+from server.engine_scheduler import WarmFirstScheduler, blocks_needed, preemption_victim
 from server.model_cache import default_model_dir
 from server.plugin.priority import encode
 
@@ -126,38 +121,6 @@ def test_no_preemption_when_the_warm_request_fits():
     out = sched.schedule()
     assert "small" in scheduled_ids(out)
     assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
-
-
-def test_the_step_admitting_a_warm_request_leaves_the_cold_prefill_out():
-    """The cold prefill keeps its blocks and its place; the warm request's first step is its
-    own (with vLLM's scheduler the cold's chunk shares it), and the cold goes on next step."""
-    sched = make()
-    cold = cold_holding_blocks(sched)
-    computed = cold.num_computed_tokens
-    sched.add_request(request("small", BS - 2, priority=WARM, arrival=2.0, first=2000))
-    out = sched.schedule()
-    assert scheduled_ids(out) == {"small"}
-    assert cold in sched.running and cold.status == RequestStatus.RUNNING
-    assert sched.kvb_held_steps == 1 and sched.kvb_preemptions == 0
-    assert [r.request_id for r in sched.running] == ["small", "cold"]  # rank order
-    assert cold.num_computed_tokens == computed
-    plain = make(Scheduler, policy="priority")
-    cold_holding_blocks(plain)
-    plain.add_request(request("small", BS - 2, priority=WARM, arrival=2.0, first=2000))
-    assert scheduled_ids(plain.schedule()) == {"cold", "small"}
-
-
-def test_a_cold_is_not_held_back_for_colder_work_or_a_request_that_does_not_fit():
-    head_cold = fake(COLD, 0, 900, arrival=5.0)
-    head_cold.status = RequestStatus.WAITING
-    warm = fake(WARM, 0, 100, arrival=5.0)
-    warm.status = RequestStatus.WAITING
-    running = [fake(COLDER, 10, 900, arrival=1.0), fake(SHORT, 10, 900, arrival=1.0)]
-    assert colds_to_hold_back(running, warm, free_blocks=10, block_size=128) == running[:1]
-    assert colds_to_hold_back(running, head_cold, free_blocks=10, block_size=128) == []
-    assert colds_to_hold_back(running, warm, free_blocks=2, block_size=128) == []  # 1 + 2 > 2
-    ahead = [fake(encode(1, 2), 10, 900)]
-    assert colds_to_hold_back(ahead, warm, free_blocks=10, block_size=128) == []
 
 
 def test_a_decoding_request_is_not_preempted():
