@@ -13,12 +13,14 @@ timings, machine details — in one place, so that each configuration is measure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,32 @@ def start_server(
         flush=True,
     )
     return server
+
+
+@dataclass
+class ServerSpec:
+    """One server of a side-by-side run: launcher arguments, extra environment, core reservation
+    (``None``: vLLM's default, as for ``--disagg``)."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    reserved_cpus: int | None = DEFAULT_RESERVED_CPUS
+
+
+@contextlib.contextmanager
+def servers_up(specs: dict[str, ServerSpec]) -> Iterator[dict[str, ServerProcess]]:
+    """Every named server up at once (the interleaved A/B benchmarks), all stopped on exit,
+    also when one fails to start."""
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for name, spec in specs.items():
+            servers[name] = start_server(
+                name, spec.args, reserved_cpus=spec.reserved_cpus, env=spec.env
+            )
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def omp_binding(server: ServerProcess) -> str:

@@ -166,31 +166,24 @@ def main() -> int:
     log = reporting.Progress()
     convs = bfcl_traces.load(args.conversations, args.max_turns, args.skip, args.max_chars)
     info_job = reporting.machine_info_async()
-    servers: dict[str, common.ServerProcess] = {}
     t0 = time.monotonic()
-    try:
-        for name, flags in CONFIGS.items():
-            env = {}
-            if name == "off" and args.off_env:
-                key, _, value = args.off_env.partition("=")
-                flags, env = [], {key: value}
-            servers[name] = common.start_server(
-                name,
-                common.server_args(
-                    True,
-                    args.kv_cache_gib,
-                    args.host_store_gib,
-                    args.max_model_len,
-                    [*flags, "--cpu-cores", args.cpu_cores],
-                ),
-                reserved_cpus=args.reserved_cpus,
-                env=env,
-            )
+    specs: dict[str, common.ServerSpec] = {}
+    for name, flags in CONFIGS.items():
+        env = {}
+        if name == "off" and args.off_env:
+            key, _, value = args.off_env.partition("=")
+            flags, env = [], {key: value}
+        server_args = common.server_args(
+            True,
+            args.kv_cache_gib,
+            args.host_store_gib,
+            args.max_model_len,
+            [*flags, "--cpu-cores", args.cpu_cores],
+        )
+        specs[name] = common.ServerSpec(server_args, env, args.reserved_cpus)
+    with common.servers_up(specs) as servers:
         bindings = {n: common.omp_binding(s) for n, s in servers.items()}
         passes = asyncio.run(run(args, convs, servers, log))
-    finally:
-        for server in servers.values():
-            server.stop()
     elapsed = time.monotonic() - t0
     raw = reporting.raw_path("policy_ab")
     info = info_job.result()

@@ -202,31 +202,30 @@ def main() -> int:
     args = common.parse_run_args(ap)
     log = reporting.Progress()
     info_job = reporting.machine_info_async()
-    servers: dict[str, common.ServerProcess] = {}
     t0 = time.monotonic()
-    try:
+    specs: dict[str, common.ServerSpec] = {}
+    if args.pd:
+        sizes = [
+            "--kv-cache-gib",
+            str(args.kv_cache_gib),
+            "--max-model-len",
+            str(args.max_model_len),
+        ]
+        for name, flags in PD_CONFIGS.items():
+            specs[name] = common.ServerSpec([*sizes, *flags], reserved_cpus=None)
+    else:
         names = ["plain", "kvbranch"] + (["kvbranch-sync"] if args.sync_save else [])
         names += ["kvbranch-fault"] if args.fault_save else []
-        for name in PD_CONFIGS if args.pd else []:
-            sizes = ["--kv-cache-gib", str(args.kv_cache_gib), "--max-model-len"]
-            sizes.append(str(args.max_model_len))
-            servers[name] = common.start_server(name, [*sizes, *PD_CONFIGS[name]], None)
-        for name in [] if args.pd else names:
+        for name in names:
             connector, env, ours = CONFIGS[name]
             flags = [*ours, "--cpu-cores", args.cpu_cores]
-            servers[name] = common.start_server(
-                name,
-                common.server_args(
-                    connector, args.kv_cache_gib, args.host_store_gib, args.max_model_len, flags
-                ),
-                reserved_cpus=args.reserved_cpus,
-                env=env,
+            server_args = common.server_args(
+                connector, args.kv_cache_gib, args.host_store_gib, args.max_model_len, flags
             )
+            specs[name] = common.ServerSpec(server_args, env, args.reserved_cpus)
+    with common.servers_up(specs) as servers:
         bindings = {n: common.omp_binding(s) for n, s in servers.items()}
         rounds, sums = asyncio.run(run(args, servers, log))
-    finally:
-        for server in servers.values():
-            server.stop()
     elapsed = time.monotonic() - t0
     raw = reporting.raw_path("turn1_ab")
     info = info_job.result()
