@@ -70,23 +70,23 @@ PREFAULT_CHUNK_BYTES = 32 << 20
 logger = logging.getLogger("kvbranch.connector")
 
 
+def _on_unless_zero(name: str) -> bool:
+    return os.environ.get(name, "").strip() != "0"
+
+
 def async_saves_from_env() -> bool:
-    return os.environ.get(ENV_ASYNC_SAVE, "").strip() != "0"
+    return _on_unless_zero(ENV_ASYNC_SAVE)
 
 
 def prefault_from_env() -> bool:
-    return os.environ.get(ENV_PREFAULT, "").strip() != "0"
+    return _on_unless_zero(ENV_PREFAULT)
 
 
 def populate_writable(tensors: Sequence[torch.Tensor]) -> int:
     """Populate the pages of CPU ``tensors`` writable, contents unchanged; the bytes populated.
 
-    Runs at the lowest scheduling priority of its thread; stops (leaving the rest to be faulted
-    on first write) where the kernel does not support the advice."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
+    Stops (leaving the rest to be faulted on first write) where the kernel does not support the
+    advice."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
@@ -187,6 +187,12 @@ class HostKVPool:
             self.prefault_thread.start()
 
     def _prefault(self) -> None:
+        """The pre-fault thread: at the lowest scheduling priority (this thread only), so the
+        engine's own threads go first."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         t0 = time.monotonic()
         self.prefaulted_bytes = populate_writable(list(self.host_caches.values()))
         if self.prefaulted_bytes:
