@@ -126,13 +126,21 @@ def git_rev() -> str:
         return "?"
 
 
+#: Server switches a run's environment may carry, shown with its command (an allowlist: the
+#: environment also holds secrets such as KVBRANCH_CLUSTER_SECRET).
+REPORTED_ENV = ("KVBRANCH_ASYNC_SAVE", "KVBRANCH_BACKFILL", "KVBRANCH_PREFAULT")
+
+
 def command_line() -> str:
+    """The command as typed, with the ``KVBRANCH_*`` variables of its environment in front
+    (they switch parts of the server off for A/B runs, docs/configuration.md)."""
     script = Path(sys.argv[0])
     try:
         script = script.resolve().relative_to(ROOT)
     except ValueError:
         pass
-    return " ".join([".venv/bin/python", str(script), *sys.argv[1:]])
+    env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k in REPORTED_ENV]
+    return " ".join([*env, ".venv/bin/python", str(script), *sys.argv[1:]])
 
 
 def run_header(title: str, info: dict[str, str], elapsed_s: float) -> list[str]:

@@ -29,6 +29,18 @@ the first chunk of a cold admitted from the queue). Batches of resumed turns kee
 budget. ``running`` is kept in ``(priority, arrival)`` order so that the budget goes to the
 higher-ranked requests first.
 
+**Backfill.** vLLM admits waiting requests in rank order and stops at the first that does not
+fit in the free device blocks. Under a tight device budget that idles blocks a later request
+could use: a forking agent's sibling branch shares most of its history with the branch running
+(vLLM's prefix cache holds those blocks once for both) and needs only a few blocks of its own,
+while the head of the queue, another conversation's history, needs all of its own. So while the
+best-ranked waiting request does not fit, the first short request behind it that does (its
+blocks counted net of the prefix blocks running requests hold) is admitted, and the ones ahead
+of it keep their place for the next step. A request is passed only during its first
+``aging_s`` seconds of waiting (8 s by default); after that the blocks drain for it as under
+vLLM's order, so it is never starved. Long (cold) prefills are never backfilled: they would
+hold blocks for seconds. ``KVBRANCH_BACKFILL=0`` turns it off (for A/B runs).
+
 **Unranked requests.** A request vLLM receives with priority 0 (a route whose body has no
 ``priority``, e.g. /v1/messages) would be first in vLLM's order; it ranks as the coldest
 request arriving now instead (:meth:`WarmFirstScheduler.add_request`).
@@ -38,13 +50,15 @@ Under vLLM's FCFS policy it keeps vLLM's own rules. The launcher selects it with
 
 Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``, a
 request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens``,
-``arrival_time``, ``kv_cache_manager.block_pool.get_num_free_blocks()``, ``_preempt_request``
-and ``_request_blocks_can_be_freed``).
+``arrival_time``, ``block_hashes``, ``kv_cache_manager.block_pool.get_num_free_blocks()``,
+``kv_cache_manager.coordinator.find_longest_cache_hit``, a block's ``ref_cnt``,
+``_preempt_request``, ``_request_blocks_can_be_freed`` and ``_handle_blocked_waiting_request``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -54,6 +68,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from server.plugin.priority import DEFAULT_AGING_S, aging_from_env, level_in, unranked
+from server.settings import ENV_BACKFILL
 
 QUALNAME = "server.engine_scheduler.WarmFirstScheduler"
 
@@ -62,6 +77,8 @@ logger = logging.getLogger(__name__)
 READY = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 #: Levels whose prefill is long enough to be run in short steps (> 1024 estimated tokens).
 LONG_LEVEL = 2
+#: How many waiting requests (in rank order) the backfill looks at for one that fits.
+BACKFILL_LOOKAHEAD = 16
 
 
 def cap_needed(running: Iterable[Any], waiting: Iterable[Any]) -> bool:
@@ -89,6 +106,42 @@ def blocks_needed(request: Any, block_size: int) -> int:
     return -(-(request.num_tokens + 1) // block_size)
 
 
+def shared_blocks(blocks_per_group: tuple[list[Any], ...]) -> int:
+    """Of a request's device prefix-cache hit, the blocks running requests hold (reference
+    count > 0): admitting the request shares them. Cached blocks nobody holds sit in vLLM's
+    free pool, so taking them costs free blocks like new ones. One KV group only (the
+    SmolLM2-class models here); with several, nothing is counted as shared (an upper bound)."""
+    if len(blocks_per_group) != 1:
+        return 0
+    return sum(1 for block in blocks_per_group[0] if block.ref_cnt > 0)
+
+
+def requests_to_pass(
+    waiting: Iterable[Any],
+    needed: Any,
+    free_blocks: int,
+    now: float,
+    max_wait_s: float,
+    lookahead: int,
+) -> set[str]:
+    """Waiting requests to skip this step so that a later one that fits in the free device
+    blocks is admitted: the ones ahead of the first *short* request (not a long prefill) that
+    fits, in rank order. Empty when the head fits, when nothing within ``lookahead`` fits, or
+    when one ahead has waited ``max_wait_s`` since its arrival (it is not passed any more: the
+    blocks then drain for it as under vLLM's own order). ``needed(request)``: device blocks it
+    would take."""
+    passed: set[str] = set()
+    for position, request in enumerate(waiting):
+        if position >= lookahead or request.status not in READY:
+            return set()
+        if needed(request) <= free_blocks:
+            return set() if passed and is_long(request) else passed
+        if now - request.arrival_time >= max_wait_s:
+            return set()
+        passed.add(request.request_id)
+    return set()
+
+
 def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
     """The running request to preempt for ``head`` (the best-ranked waiting request): the
     worst-ranked *long* (cold) prefill that ranks behind ``head``; ``None`` if there is none.
@@ -114,6 +167,11 @@ class WarmFirstScheduler(Scheduler):
         #: Preemptions made here (vLLM's own count every preemption in its stats too).
         self.kvb_preemptions = 0
         self._kvb_aging_s = aging_from_env() or DEFAULT_AGING_S
+        #: Waiting requests skipped in this step for one behind them that fits (backfill).
+        self._kvb_passed: set[str] = set()
+        self._kvb_backfill = self._kvb_priority and os.environ.get(ENV_BACKFILL, "").strip() != "0"
+        #: Requests admitted ahead of a better-ranked one that did not fit, so far.
+        self.kvb_backfills = 0
 
     def add_request(self, request: Any) -> None:
         """A request the plugin did not rank (priority 0: a route whose vLLM body has no
@@ -131,7 +189,44 @@ class WarmFirstScheduler(Scheduler):
             cap, budget = step_limits(self.running, waiting, self._kvb_cap, self._kvb_budget)
             self.scheduler_config.long_prefill_token_threshold = cap
             self.max_num_scheduled_tokens = budget
+        self._kvb_passed = self._backfill() if self._kvb_backfill and self.waiting else set()
         return super().schedule(*args, **kwargs)
+
+    def _handle_blocked_waiting_request(self, request: Any) -> bool:
+        """vLLM asks this for each waiting request it looks at; ``False`` skips the request
+        for this step (it keeps its place). Requests passed by :meth:`_backfill` are skipped."""
+        if request.request_id in self._kvb_passed:
+            return False
+        return bool(super()._handle_blocked_waiting_request(request))
+
+    def _backfill(self) -> set[str]:
+        """Which waiting requests to pass this step (see :func:`requests_to_pass` and the
+        module docstring, "Backfill")."""
+        passed = requests_to_pass(
+            self.waiting,
+            self._device_blocks_needed,
+            self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            time.time(),  # vLLM's arrival_time is wall-clock
+            self._kvb_aging_s,
+            BACKFILL_LOOKAHEAD,
+        )
+        if passed:
+            self.kvb_backfills += 1
+            logger.debug("kvbranch: backfill past %d waiting request(s)", len(passed))
+        return passed
+
+    def _device_blocks_needed(self, request: Any) -> int:
+        """Free device blocks a waiting request takes for its prompt and first token: all of
+        :func:`blocks_needed` but the prefix blocks running requests already hold (a fork's
+        sibling branch, a shared system prompt)."""
+        total = blocks_needed(request, self.block_size)
+        manager = self.kv_cache_manager
+        if not manager.enable_caching or request.num_computed_tokens:
+            return total
+        hit, _, _ = manager.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        return total - shared_blocks(hit)
 
     def _preempt_for_warmer(self) -> None:
         """Free device blocks for the best-ranked waiting request by preempting colder
@@ -140,9 +235,9 @@ class WarmFirstScheduler(Scheduler):
         if head.status not in READY:  # waits for something else (a peer's blocks, a grammar)
             return
         pool = self.kv_cache_manager.block_pool
-        need = blocks_needed(head, self.block_size)
         timestamp = time.monotonic()
-        while pool.get_num_free_blocks() < need:
+        # Re-counted after each preemption: blocks a victim shared with the head are free now.
+        while pool.get_num_free_blocks() < self._device_blocks_needed(head):
             victim = preemption_victim(self.running, head)
             if victim is None or not self._request_blocks_can_be_freed(victim):
                 return

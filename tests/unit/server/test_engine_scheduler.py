@@ -18,7 +18,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from server.engine_scheduler import WarmFirstScheduler, blocks_needed, preemption_victim
+from server.engine_scheduler import (
+    WarmFirstScheduler,
+    blocks_needed,
+    preemption_victim,
+    requests_to_pass,
+)
 from server.model_cache import default_model_dir
 from server.plugin.priority import encode
 
@@ -59,11 +64,17 @@ def make(cls: type[Scheduler] = WarmFirstScheduler, policy: str = "priority") ->
     )
 
 
-def request(rid: str, tokens: int, priority: int, arrival: float, first: int = 1) -> Request:
+def request(
+    rid: str,
+    tokens: int | list[int],
+    priority: int,
+    arrival: float,
+    first: int = 1,
+) -> Request:
     init_none_hash(sha256)
     return Request(
         rid,
-        list(range(first, first + tokens)),
+        tokens if isinstance(tokens, list) else list(range(first, first + tokens)),
         SamplingParams(max_tokens=4),
         None,
         arrival_time=arrival,
@@ -198,3 +209,93 @@ def test_an_unranked_request_ranks_coldest_not_first():
     assert level_in(unranked.priority) == COLDEST and unranked.priority > cold.priority
     sched.schedule()
     assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+
+
+# --- backfill: a request that fits is admitted past one that does not ----------------------
+
+
+def branch_decoding(sched: Scheduler) -> Request:
+    """A forked branch running: a 13-block prompt in one step, decoding from then on; it holds
+    13 of the 19 blocks (the slot of its first output token comes with the next step)."""
+    branch = request("branch", 13 * BS, priority=SHORT, arrival=time.time() - 1)
+    sched.add_request(branch)
+    sched.schedule()
+    assert branch.num_computed_tokens == branch.num_prompt_tokens
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 6
+    return branch
+
+
+def sibling(arrival: float) -> Request:
+    """The other branch of the same fork: the first 12 blocks shared, 2 of its own."""
+    tokens = list(range(1, 12 * BS + 1)) + list(range(5000, 5000 + 2 * BS))
+    return request("sibling", tokens, priority=SHORT + 4 * 100, arrival=arrival)
+
+
+def test_a_sibling_branch_that_fits_is_admitted_past_a_head_that_does_not():
+    now = time.time()
+    sched = make()
+    branch_decoding(sched)
+    head = request("head", 8 * BS, priority=WARM, arrival=now, first=3000)  # 9 blocks > 6
+    sched.add_request(head)
+    sched.add_request(sibling(now + 0.1))
+    assert sched.waiting.peek_request() is head
+    out = sched.schedule()
+    assert "sibling" in scheduled_ids(out) and "head" not in scheduled_ids(out)
+    assert head.status == RequestStatus.WAITING and sched.waiting.peek_request() is head
+    assert sched.kvb_backfills == 1 and sched.kvb_preemptions == 0
+    # vLLM's own priority scheduler stops at the head: the sibling waits with it.
+    plain = make(Scheduler)
+    branch_decoding(plain)
+    plain.add_request(request("head", 8 * BS, priority=WARM, arrival=now, first=3000))
+    plain.add_request(sibling(now + 0.1))
+    assert "sibling" not in scheduled_ids(plain.schedule())
+
+
+def test_a_request_waiting_longer_than_the_aging_is_not_passed():
+    sched = make()
+    branch_decoding(sched)
+    overdue = time.time() - sched._kvb_aging_s - 1
+    sched.add_request(request("head", 8 * BS, priority=WARM, arrival=overdue, first=3000))
+    sched.add_request(sibling(time.time()))
+    assert "sibling" not in scheduled_ids(sched.schedule())
+    assert sched.kvb_backfills == 0
+
+
+def test_no_backfill_under_fcfs():
+    sched = make(policy="fcfs")
+    branch = request("branch", 13 * BS, priority=0, arrival=time.time() - 1)
+    sched.add_request(branch)
+    sched.schedule()
+    sched.add_request(request("head", 8 * BS, priority=0, arrival=time.time(), first=3000))
+    sib = sibling(time.time() + 0.1)
+    sib.priority = 0
+    sched.add_request(sib)
+    assert "sibling" not in scheduled_ids(sched.schedule())
+
+
+def waiting_fake(rid: str, need: int, priority: int, arrival: float, computed: int = 0):
+    request = fake(priority, computed, 900, arrival=arrival)
+    request.request_id, request.need, request.status = rid, need, RequestStatus.WAITING
+    return request
+
+
+def passes(waiting, free: int = 5, now: float = 10.0, lookahead: int = 16) -> set[str]:
+    return requests_to_pass(waiting, lambda r: r.need, free, now, 8.0, lookahead)
+
+
+def test_requests_to_pass_rules():
+    head = waiting_fake("head", 9, WARM, arrival=9.0)
+    second = waiting_fake("second", 7, WARM, arrival=9.5)
+    fits = waiting_fake("fits", 3, SHORT, arrival=9.8)
+    assert passes([head, second, fits]) == {"head", "second"}
+    assert passes([fits, head]) == set()  # the head fits: vLLM's order
+    assert passes([head, second]) == set()  # nothing fits: nothing to pass for
+    assert passes([head, second, fits], lookahead=2) == set()
+    overdue = waiting_fake("overdue", 9, WARM, arrival=1.0)  # waited 9 s > 8 s
+    assert passes([overdue, fits]) == set()
+    assert passes([head, overdue, fits]) == set()  # cannot pass the overdue one either
+    cold_fits = waiting_fake("cold", 3, COLD, arrival=9.8)  # a long prefill: never backfilled
+    assert passes([head, cold_fits, fits]) == set()
+    blocked = waiting_fake("grammar", 3, SHORT, arrival=9.8)
+    blocked.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    assert passes([head, blocked, fits]) == set()  # vLLM skips those itself
