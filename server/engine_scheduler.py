@@ -68,6 +68,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from server.plugin.priority import DEFAULT_AGING_S, aging_from_env, level_in, unranked
+from server.scheduler_counters import SchedulerCounters, publish
 from server.settings import ENV_BACKFILL
 
 QUALNAME = "server.engine_scheduler.WarmFirstScheduler"
@@ -164,14 +165,15 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_budget = self.max_num_scheduled_tokens
         self._kvb_priority = self.policy == SchedulingPolicy.PRIORITY
         self._kvb_dynamic = self._kvb_priority and self._kvb_cap > 0
-        #: Preemptions made here (vLLM's own count every preemption in its stats too).
-        self.kvb_preemptions = 0
+        #: Preemptions and backfills made here (``kvbranch_scheduler_*`` on /metrics; vLLM's
+        #: own stats count every preemption too).
+        self.kvb_counters = SchedulerCounters()
+        if self._kvb_priority:
+            publish(self.kvb_counters)
         self._kvb_aging_s = aging_from_env() or DEFAULT_AGING_S
         #: Waiting requests skipped in this step for one behind them that fits (backfill).
         self._kvb_passed: set[str] = set()
         self._kvb_backfill = self._kvb_priority and os.environ.get(ENV_BACKFILL, "").strip() != "0"
-        #: Requests admitted ahead of a better-ranked one that did not fit, so far.
-        self.kvb_backfills = 0
 
     def add_request(self, request: Any) -> None:
         """A request the plugin did not rank (priority 0: a route whose vLLM body has no
@@ -211,7 +213,8 @@ class WarmFirstScheduler(Scheduler):
             BACKFILL_LOOKAHEAD,
         )
         if passed:
-            self.kvb_backfills += 1
+            self.kvb_counters.backfills += 1
+            self.kvb_counters.passed_requests += len(passed)
             logger.debug("kvbranch: backfill past %d waiting request(s)", len(passed))
         return passed
 
@@ -250,7 +253,7 @@ class WarmFirstScheduler(Scheduler):
             )
             self.running.remove(victim)
             self._preempt_request(victim, timestamp)
-            self.kvb_preemptions += 1
+            self.kvb_counters.preemptions += 1
 
 
 def is_long(request: Any) -> bool:

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sdk.contract import PDStats
-from server.connector.control.models import EngineStats, GetStats
+from server.connector.control.models import EngineStats, GetStats, SchedulerStats
 from server.connector.control.transport import AsyncControlClient, ControlError, call_sync
 
 logger = logging.getLogger("kvbranch.metrics")
@@ -109,6 +109,33 @@ class KVBranchCollector:
             family.add_metric([], value)
             yield family
         yield from _pd_metrics(stats.pd)
+        yield from _scheduler_metrics(stats.scheduler)
+
+
+def _scheduler_metrics(sched: SchedulerStats | None):
+    """The warm-first scheduler's own decisions (docs/scheduling.md), where it runs."""
+    if sched is None:
+        return
+    for name, doc, value in [
+        (
+            "kvbranch_scheduler_preemptions",
+            "Cold prefills preempted for a warmer waiting request",
+            sched.preemptions,
+        ),
+        (
+            "kvbranch_scheduler_backfills",
+            "Steps that admitted a request past a better-ranked one that did not fit",
+            sched.backfills,
+        ),
+        (
+            "kvbranch_scheduler_passed_requests",
+            "Waiting requests passed by a backfill, summed over steps",
+            sched.passed_requests,
+        ),
+    ]:
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], value)
+        yield family
 
 
 def _pd_metrics(pd: PDStats | None):

@@ -78,6 +78,9 @@ def test_metrics_exports_kvbranch_counters(kvbranch_server):
     assert 'kvbranch_prompt_tokens_total{source="recomputed"}' in r.text
     assert "kvbranch_store_capacity_bytes" in r.text
     assert "kvbranch_host_copy_seconds_bucket" in r.text  # vLLM's connector-stats plumbing
+    # The warm-first scheduler (on by default on CPU) publishes its decisions from the engine.
+    assert "kvbranch_scheduler_backfills_total" in r.text
+    assert "kvbranch_scheduler_preemptions_total" in r.text
 
 
 def test_plain_server_reports_connector_not_loaded(plain_server):

@@ -103,6 +103,14 @@ class EngineStoreStats(StoreStats):
     pin_budget_used_bytes: int
 
 
+class SchedulerStats(_Internal):
+    """The warm-first scheduler's counters (:mod:`server.scheduler_counters`)."""
+
+    preemptions: int
+    backfills: int
+    passed_requests: int
+
+
 class EngineStats(Stats):
     """``stats``: the public :class:`~sdk.contract.Stats` plus what only metrics read."""
 
@@ -110,6 +118,8 @@ class EngineStats(Stats):
     num_sessions: int
     remote_failed_tokens: int
     time: float
+    #: ``None`` where the warm-first scheduler does not run (FCFS, CUDA).
+    scheduler: SchedulerStats | None = None
 
 
 class ResetResult(_Internal):

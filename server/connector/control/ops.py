@@ -25,6 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from pydantic import BaseModel
 
+from server import scheduler_counters
 from server.connector.control.models import (
     ControlError,
     ControlRequest,
@@ -297,5 +298,6 @@ def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> di
         "num_own_sessions": 0 if all_owners else reg.num_sessions_of(owner),
         "store_resets": planner.store_resets,
         "time": time.time(),
+        "scheduler": scheduler_counters.published(),
         **{name: section() for name, section in side.extra_stats.items()},
     }

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sdk.contract import PDStats
-from server.connector.control.models import EngineStats, EngineStoreStats
+from server.connector.control.models import EngineStats, EngineStoreStats, SchedulerStats
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "kvbranch.json"
 
@@ -72,6 +72,7 @@ def _fake_stats() -> EngineStats:
         sessions=[],
         hits_tokens={"device": 1, "host": 1, "remote": 1, "recomputed": 1},
         pd=pd,
+        scheduler=dict.fromkeys(SchedulerStats.model_fields, 0),
     )
     return EngineStats.model_validate(stats)
 

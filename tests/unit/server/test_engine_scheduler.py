@@ -107,7 +107,7 @@ def test_warmer_request_preempts_a_cold_prefill_that_holds_the_blocks():
     assert "warm" in scheduled_ids(out)
     assert cold.status == RequestStatus.PREEMPTED and cold.num_computed_tokens == 0
     assert "cold" in out.preempted_req_ids
-    assert sched.kvb_preemptions == 1
+    assert sched.kvb_counters.preemptions == 1
     # vLLM's own scheduler leaves the warm request waiting for blocks in the same state.
     plain = make(Scheduler)
     cold_holding_blocks(plain)
@@ -122,7 +122,7 @@ def test_a_colder_or_equal_request_does_not_preempt():
         sched.add_request(request("later", 5 * BS, priority=priority, arrival=arrival, first=900))
         out = sched.schedule()
         assert "later" not in scheduled_ids(out)
-        assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+        assert cold.status == RequestStatus.RUNNING and sched.kvb_counters.preemptions == 0
 
 
 def test_no_preemption_when_the_warm_request_fits():
@@ -131,7 +131,7 @@ def test_no_preemption_when_the_warm_request_fits():
     sched.add_request(request("small", BS - 2, priority=WARM, arrival=2.0, first=2000))
     out = sched.schedule()
     assert "small" in scheduled_ids(out)
-    assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+    assert cold.status == RequestStatus.RUNNING and sched.kvb_counters.preemptions == 0
 
 
 def test_a_decoding_request_is_not_preempted():
@@ -142,7 +142,7 @@ def test_a_decoding_request_is_not_preempted():
     assert cold.num_computed_tokens == cold.num_prompt_tokens
     sched.add_request(request("warm", 8 * BS, priority=WARM, arrival=2.0, first=1000))
     sched.schedule()
-    assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+    assert cold.status == RequestStatus.RUNNING and sched.kvb_counters.preemptions == 0
 
 
 def test_fcfs_keeps_vllm_rules():
@@ -152,7 +152,7 @@ def test_fcfs_keeps_vllm_rules():
     sched.schedule()
     sched.add_request(request("warm", 5 * BS, priority=0, arrival=2.0, first=1000))
     sched.schedule()
-    assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+    assert cold.status == RequestStatus.RUNNING and sched.kvb_counters.preemptions == 0
 
 
 def fake(priority: int, computed: int, prompt: int, arrival: float = 0.0, tokens: int = 0):
@@ -187,7 +187,7 @@ def test_a_short_prefill_is_not_preempted():
     assert 0 < short.num_computed_tokens < short.num_prompt_tokens
     sched.add_request(request("warm", 5 * BS, priority=WARM, arrival=2.0, first=1000))
     sched.schedule()
-    assert short.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+    assert short.status == RequestStatus.RUNNING and sched.kvb_counters.preemptions == 0
 
 
 def test_blocks_needed_covers_the_prompt_and_the_first_token():
@@ -208,7 +208,7 @@ def test_an_unranked_request_ranks_coldest_not_first():
     sched.add_request(unranked)
     assert level_in(unranked.priority) == COLDEST and unranked.priority > cold.priority
     sched.schedule()
-    assert cold.status == RequestStatus.RUNNING and sched.kvb_preemptions == 0
+    assert cold.status == RequestStatus.RUNNING and sched.kvb_counters.preemptions == 0
 
 
 # --- backfill: a request that fits is admitted past one that does not ----------------------
@@ -242,7 +242,7 @@ def test_a_sibling_branch_that_fits_is_admitted_past_a_head_that_does_not():
     out = sched.schedule()
     assert "sibling" in scheduled_ids(out) and "head" not in scheduled_ids(out)
     assert head.status == RequestStatus.WAITING and sched.waiting.peek_request() is head
-    assert sched.kvb_backfills == 1 and sched.kvb_preemptions == 0
+    assert sched.kvb_counters.backfills == 1 and sched.kvb_counters.preemptions == 0
     # vLLM's own priority scheduler stops at the head: the sibling waits with it.
     plain = make(Scheduler)
     branch_decoding(plain)
@@ -258,7 +258,7 @@ def test_a_request_waiting_longer_than_the_aging_is_not_passed():
     sched.add_request(request("head", 8 * BS, priority=WARM, arrival=overdue, first=3000))
     sched.add_request(sibling(time.time()))
     assert "sibling" not in scheduled_ids(sched.schedule())
-    assert sched.kvb_backfills == 0
+    assert sched.kvb_counters.backfills == 0
 
 
 def test_no_backfill_under_fcfs():
