@@ -36,16 +36,10 @@ could use: a forking agent's sibling branch shares most of its history with the 
 while the head of the queue, another conversation's history, needs all of its own. So while the
 best-ranked waiting request does not fit, the first short request behind it that does (its
 blocks counted net of the prefix blocks running requests hold) is admitted, and the ones ahead
-of it keep their place for the next step. A request is passed at most
-:data:`MAX_BACKFILL_PASSES` times, and only within the window in which the priority lets warmer
-requests pass it anyway (``max level * aging_s`` after its arrival, 24 s by default); after that
-the blocks drain for it as under vLLM's order, so it is never starved. Each pass delays it by at
-most the rest of one short request's service (the backfilled request holds blocks it would
-otherwise get when the running ones finish). A first version passed a request only during its
-first ``aging_s`` (8 s): in the 8 x 10 forking profile, where turns queue for 15-20 s, almost
-every head was past that, and the backfill rarely ran. Long (cold) prefills are never
-backfilled: they would hold blocks for seconds. ``KVBRANCH_BACKFILL=0`` turns it off (for A/B
-runs).
+of it keep their place for the next step. A request is passed only during its first
+``aging_s`` seconds of waiting (8 s by default); after that the blocks drain for it as under
+vLLM's order, so it is never starved. Long (cold) prefills are never backfilled: they would
+hold blocks for seconds. ``KVBRANCH_BACKFILL=0`` turns it off (for A/B runs).
 
 **Unranked requests.** A request vLLM receives with priority 0 (a route whose body has no
 ``priority``, e.g. /v1/messages) would be first in vLLM's order; it ranks as the coldest
@@ -73,7 +67,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from server.plugin.priority import COLDEST, DEFAULT_AGING_S, aging_from_env, level_in, unranked
+from server.plugin.priority import DEFAULT_AGING_S, aging_from_env, level_in, unranked
 from server.scheduler_counters import SchedulerCounters, publish
 from server.settings import ENV_BACKFILL
 
@@ -86,8 +80,6 @@ READY = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 LONG_LEVEL = 2
 #: How many waiting requests (in rank order) the backfill looks at for one that fits.
 BACKFILL_LOOKAHEAD = 16
-#: How many times one waiting request may be passed by a backfill.
-MAX_BACKFILL_PASSES = 4
 
 
 def cap_needed(running: Iterable[Any], waiting: Iterable[Any]) -> bool:
@@ -132,25 +124,20 @@ def requests_to_pass(
     now: float,
     max_wait_s: float,
     lookahead: int,
-    times_passed: dict[str, int] | None = None,
 ) -> set[str]:
     """Waiting requests to skip this step so that a later one that fits in the free device
     blocks is admitted: the ones ahead of the first *short* request (not a long prefill) that
     fits, in rank order. Empty when the head fits, when nothing within ``lookahead`` fits, or
-    when one ahead has waited ``max_wait_s`` since its arrival or was passed
-    :data:`MAX_BACKFILL_PASSES` times already (it is not passed any more: the blocks then drain
-    for it as under vLLM's own order). ``needed(request)``: device blocks it would take."""
-    times_passed = times_passed or {}
+    when one ahead has waited ``max_wait_s`` since its arrival (it is not passed any more: the
+    blocks then drain for it as under vLLM's own order). ``needed(request)``: device blocks it
+    would take."""
     passed: set[str] = set()
     for position, request in enumerate(waiting):
         if position >= lookahead or request.status not in READY:
             return set()
         if needed(request) <= free_blocks:
             return set() if passed and is_long(request) else passed
-        if (
-            now - request.arrival_time >= max_wait_s
-            or times_passed.get(request.request_id, 0) >= MAX_BACKFILL_PASSES
-        ):
+        if now - request.arrival_time >= max_wait_s:
             return set()
         passed.add(request.request_id)
     return set()
@@ -184,10 +171,8 @@ class WarmFirstScheduler(Scheduler):
         if self._kvb_priority:
             publish(self.kvb_counters)
         self._kvb_aging_s = aging_from_env() or DEFAULT_AGING_S
-        #: Waiting requests skipped in this step for one behind them that fits (backfill),
-        #: and how often each waiting request was passed so far (dropped once it runs).
+        #: Waiting requests skipped in this step for one behind them that fits (backfill).
         self._kvb_passed: set[str] = set()
-        self._kvb_times_passed: dict[str, int] = {}
         self._kvb_backfill = self._kvb_priority and os.environ.get(ENV_BACKFILL, "").strip() != "0"
 
     def add_request(self, request: Any) -> None:
@@ -219,25 +204,17 @@ class WarmFirstScheduler(Scheduler):
     def _backfill(self) -> set[str]:
         """Which waiting requests to pass this step (see :func:`requests_to_pass` and the
         module docstring, "Backfill")."""
-        counts = self._kvb_times_passed
-        if counts:  # forget requests that run or ended (bounded by the waiting queue)
-            waiting_ids = {r.request_id for r in self.waiting}
-            for request_id in [k for k in counts if k not in waiting_ids]:
-                del counts[request_id]
         passed = requests_to_pass(
             self.waiting,
             self._device_blocks_needed,
             self.kv_cache_manager.block_pool.get_num_free_blocks(),
             time.time(),  # vLLM's arrival_time is wall-clock
-            COLDEST * self._kvb_aging_s,  # the priority's own window (server/plugin/priority.py)
+            self._kvb_aging_s,
             BACKFILL_LOOKAHEAD,
-            counts,
         )
         if passed:
             self.kvb_counters.backfills += 1
             self.kvb_counters.passed_requests += len(passed)
-            for request_id in passed:
-                counts[request_id] = counts.get(request_id, 0) + 1
             logger.debug("kvbranch: backfill past %d waiting request(s)", len(passed))
         return passed
 
