@@ -58,7 +58,6 @@ request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_to
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -69,7 +68,7 @@ from vllm.v1.request import RequestStatus
 
 from server.plugin.priority import DEFAULT_AGING_S, aging_from_env, level_in, unranked
 from server.scheduler_counters import SchedulerCounters, publish
-from server.settings import ENV_BACKFILL
+from server.settings import ENV_BACKFILL, on_unless_zero
 
 QUALNAME = "server.engine_scheduler.WarmFirstScheduler"
 
@@ -173,7 +172,7 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_aging_s = aging_from_env() or DEFAULT_AGING_S
         #: Waiting requests skipped in this step for one behind them that fits (backfill).
         self._kvb_passed: set[str] = set()
-        self._kvb_backfill = self._kvb_priority and os.environ.get(ENV_BACKFILL, "").strip() != "0"
+        self._kvb_backfill = self._kvb_priority and on_unless_zero(ENV_BACKFILL)
 
     def add_request(self, request: Any) -> None:
         """A request the plugin did not rank (priority 0: a route whose vLLM body has no

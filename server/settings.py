@@ -34,6 +34,13 @@ ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
 ENV_PRIORITY_AGING_S = "KVBRANCH_PRIORITY_AGING_S"
 #: ``0``: the warm-first scheduler does not backfill (server/engine_scheduler.py; for A/B runs).
 ENV_BACKFILL = "KVBRANCH_BACKFILL"
+
+
+def on_unless_zero(name: str) -> bool:
+    """A switch that is on by default: ``NAME=0`` in the environment turns it off (A/B runs)."""
+    return os.environ.get(name, "").strip() != "0"
+
+
 PD_CONNECTOR_CLASS = "KVBranchPDConnector"
 NIXL_CONNECTOR_CLASS = "VerifiedNixlConnector"
 PD_CONNECTOR_MODULE = "server.connector.pd"

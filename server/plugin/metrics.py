@@ -74,68 +74,80 @@ class KVBranchCollector:
         for source, value in stats.hits_tokens.items():
             tokens.add_metric([source], value)
         yield tokens
-        for name, doc, value in [
-            ("kvbranch_requests", "Completed requests seen by the connector", stats.requests),
-            ("kvbranch_prefetches", "Prefetch requests run", stats.prefetches),
-            ("kvbranch_store_evictions", "Host store LRU evictions", store.evictions),
-            ("kvbranch_store_saved_blocks", "Blocks copied device to host", store.saved_blocks),
-            (
-                "kvbranch_store_loaded_blocks",
-                "Blocks copied host to device",
-                store.loaded_blocks,
-            ),
-            (
-                "kvbranch_pins_degraded",
-                "Leases demoted to LRU by the pin budget",
-                stats.pins_degraded,
-            ),
-            ("kvbranch_pins_refused", "Explicit pins refused (over budget)", stats.pins_refused),
-        ]:
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], value)
-            yield family
-        for name, doc, value in [
-            ("kvbranch_store_used_bytes", "Host store bytes in use", store.used_bytes),
-            (
-                "kvbranch_store_capacity_bytes",
-                "Host store capacity",
-                store.capacity_blocks * store.block_bytes,
-            ),
-            ("kvbranch_pinned_bytes", "Bytes held by pins", store.pinned_bytes),
-            ("kvbranch_pin_budget_bytes", "Pin budget", store.pin_budget_bytes),
-            ("kvbranch_sessions", "Live sessions", stats.num_sessions),
-        ]:
-            family = GaugeMetricFamily(name, doc)
-            family.add_metric([], value)
-            yield family
+        yield from _unlabelled(
+            CounterMetricFamily,
+            [
+                ("kvbranch_requests", "Completed requests seen by the connector", stats.requests),
+                ("kvbranch_prefetches", "Prefetch requests run", stats.prefetches),
+                ("kvbranch_store_evictions", "Host store LRU evictions", store.evictions),
+                ("kvbranch_store_saved_blocks", "Blocks copied device to host", store.saved_blocks),
+                (
+                    "kvbranch_store_loaded_blocks",
+                    "Blocks copied host to device",
+                    store.loaded_blocks,
+                ),
+                (
+                    "kvbranch_pins_degraded",
+                    "Leases demoted to LRU by the pin budget",
+                    stats.pins_degraded,
+                ),
+                (
+                    "kvbranch_pins_refused",
+                    "Explicit pins refused (over budget)",
+                    stats.pins_refused,
+                ),
+            ],
+        )
+        yield from _unlabelled(
+            GaugeMetricFamily,
+            [
+                ("kvbranch_store_used_bytes", "Host store bytes in use", store.used_bytes),
+                (
+                    "kvbranch_store_capacity_bytes",
+                    "Host store capacity",
+                    store.capacity_blocks * store.block_bytes,
+                ),
+                ("kvbranch_pinned_bytes", "Bytes held by pins", store.pinned_bytes),
+                ("kvbranch_pin_budget_bytes", "Pin budget", store.pin_budget_bytes),
+                ("kvbranch_sessions", "Live sessions", stats.num_sessions),
+            ],
+        )
         yield from _pd_metrics(stats.pd)
         yield from _scheduler_metrics(stats.scheduler)
+
+
+def _unlabelled(kind: type, rows: list[tuple[str, str, float]]):
+    """One family of ``kind`` (counter or gauge) without labels per ``(name, doc, value)``."""
+    for name, doc, value in rows:
+        family = kind(name, doc)
+        family.add_metric([], value)
+        yield family
 
 
 def _scheduler_metrics(sched: SchedulerStats | None):
     """The warm-first scheduler's own decisions (docs/scheduling.md), where it runs."""
     if sched is None:
         return
-    for name, doc, value in [
-        (
-            "kvbranch_scheduler_preemptions",
-            "Cold prefills preempted for a warmer waiting request",
-            sched.preemptions,
-        ),
-        (
-            "kvbranch_scheduler_backfills",
-            "Steps that admitted a request past a better-ranked one that did not fit",
-            sched.backfills,
-        ),
-        (
-            "kvbranch_scheduler_passed_requests",
-            "Waiting requests passed by a backfill, summed over steps",
-            sched.passed_requests,
-        ),
-    ]:
-        family = CounterMetricFamily(name, doc)
-        family.add_metric([], value)
-        yield family
+    yield from _unlabelled(
+        CounterMetricFamily,
+        [
+            (
+                "kvbranch_scheduler_preemptions",
+                "Cold prefills preempted for a warmer waiting request",
+                sched.preemptions,
+            ),
+            (
+                "kvbranch_scheduler_backfills",
+                "Steps that admitted a request past a better-ranked one that did not fit",
+                sched.backfills,
+            ),
+            (
+                "kvbranch_scheduler_passed_requests",
+                "Waiting requests passed by a backfill, summed over steps",
+                sched.passed_requests,
+            ),
+        ],
+    )
 
 
 def _pd_metrics(pd: PDStats | None):
@@ -143,34 +155,34 @@ def _pd_metrics(pd: PDStats | None):
     steps where a waiting request found the device cache full, and declined handles."""
     if pd is None:
         return
-    for name, doc, value in [
-        ("kvbranch_pd_holds", "Conversations held on the device for a peer's pull", pd.holds),
-        ("kvbranch_pd_held_blocks", "Device blocks held for a peer's pull", pd.held_blocks),
-    ]:
-        family = GaugeMetricFamily(name, doc)
-        family.add_metric([], value)
-        yield family
-    for name, doc, value in [
-        (
-            "kvbranch_pd_holds_released",
-            "Holds released early because new work needed the blocks",
-            pd.holds_released_for_new_work,
-        ),
-        (
-            "kvbranch_pd_stalled_steps",
-            "Steps where a waiting request could not get device blocks while holds existed",
-            pd.stalled_steps,
-        ),
-        ("kvbranch_pd_claims", "Holds claimed for a pull", pd.claims),
-        (
-            "kvbranch_pd_claims_refused",
-            "Claims refused (hold released, expired or used)",
-            pd.claims_refused,
-        ),
-    ]:
-        family = CounterMetricFamily(name, doc)
-        family.add_metric([], value)
-        yield family
+    yield from _unlabelled(
+        GaugeMetricFamily,
+        [
+            ("kvbranch_pd_holds", "Conversations held on the device for a peer's pull", pd.holds),
+            ("kvbranch_pd_held_blocks", "Device blocks held for a peer's pull", pd.held_blocks),
+        ],
+    )
+    yield from _unlabelled(
+        CounterMetricFamily,
+        [
+            (
+                "kvbranch_pd_holds_released",
+                "Holds released early because new work needed the blocks",
+                pd.holds_released_for_new_work,
+            ),
+            (
+                "kvbranch_pd_stalled_steps",
+                "Steps where a waiting request could not get device blocks while holds existed",
+                pd.stalled_steps,
+            ),
+            ("kvbranch_pd_claims", "Holds claimed for a pull", pd.claims),
+            (
+                "kvbranch_pd_claims_refused",
+                "Claims refused (hold released, expired or used)",
+                pd.claims_refused,
+            ),
+        ],
+    )
     declined = CounterMetricFamily(
         "kvbranch_pd_handles_declined",
         "Peer transfer handles declined (the prompt recomputed)",

@@ -55,6 +55,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from server.settings import on_unless_zero
+
 #: ``0``: CPU saves in the step, on its critical path; anything else or unset: in a background
 #: thread (see the module docstring; docs/scheduling.md has the turn-1 measurement).
 ENV_ASYNC_SAVE = "KVBRANCH_ASYNC_SAVE"
@@ -70,16 +72,12 @@ PREFAULT_CHUNK_BYTES = 32 << 20
 logger = logging.getLogger("kvbranch.connector")
 
 
-def _on_unless_zero(name: str) -> bool:
-    return os.environ.get(name, "").strip() != "0"
-
-
 def async_saves_from_env() -> bool:
-    return _on_unless_zero(ENV_ASYNC_SAVE)
+    return on_unless_zero(ENV_ASYNC_SAVE)
 
 
 def prefault_from_env() -> bool:
-    return _on_unless_zero(ENV_PREFAULT)
+    return on_unless_zero(ENV_PREFAULT)
 
 
 def populate_writable(tensors: Sequence[torch.Tensor]) -> int:
