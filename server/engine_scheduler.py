@@ -79,6 +79,9 @@ READY = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 LONG_LEVEL = 2
 #: How many waiting requests (in rank order) the backfill looks at for one that fits.
 BACKFILL_LOOKAHEAD = 16
+#: How many times a request that has waited longer than ``aging_s`` may still be passed, each
+#: time for a fork's sibling branch admitted beside the branch it shares its history with.
+MAX_LATE_PASSES = 2
 
 
 def cap_needed(running: Iterable[Any], waiting: Iterable[Any]) -> bool:
@@ -116,30 +119,62 @@ def shared_blocks(blocks_per_group: tuple[list[Any], ...]) -> int:
     return sum(1 for block in blocks_per_group[0] if block.ref_cnt > 0)
 
 
+def common_prefix_blocks(a: Any, b: Any) -> int:
+    """Full blocks two requests' prompts share from the start (their block hashes agree)."""
+    count = 0
+    for mine, theirs in zip(a.block_hashes, b.block_hashes, strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count
+
+
 def requests_to_pass(
     waiting: Iterable[Any],
-    needed: Any,
+    assess: Any,
     free_blocks: int,
     now: float,
     max_wait_s: float,
     lookahead: int,
-) -> set[str]:
-    """Waiting requests to skip this step so that a later one that fits in the free device
-    blocks is admitted: the ones ahead of the first *short* request (not a long prefill) that
-    fits, in rank order. Empty when the head fits, when nothing within ``lookahead`` fits, or
-    when one ahead has waited ``max_wait_s`` since its arrival (it is not passed any more: the
-    blocks then drain for it as under vLLM's own order). ``needed(request)``: device blocks it
-    would take."""
+    late_passes_left: Any,
+) -> tuple[set[str], set[str]]:
+    """Waiting requests to skip this step so that later ones that fit in the free device
+    blocks are admitted, as ``(passed, passed late)``: vLLM's admission in rank order played
+    ahead, except that a request that does not fit is passed instead of ending the step's
+    admissions, when a *short* request (not a long prefill) behind it fits.
+
+    ``assess(request, admitted)`` gives ``(blocks, pairs)``: the device blocks the request
+    would take, net of the prefix blocks running requests hold and of its common prefix with
+    the requests ``admitted`` ahead of it this step, and whether at least half of its blocks
+    are so shared (a fork's sibling branch). A request is passed during its first
+    ``max_wait_s`` of waiting; after that only for such a sibling, and only while
+    ``late_passes_left(request)`` > 0 (its bound). Empty when nothing is passed for a request
+    that fits, or when a request that may not be passed (or is not ready, or beyond
+    ``lookahead``) comes first."""
+    admitted: list[Any] = []
+    pending: list[tuple[Any, bool]] = []  # passed, until a request behind them fits
     passed: set[str] = set()
+    late: set[str] = set()
+    free = free_blocks
     for position, request in enumerate(waiting):
         if position >= lookahead or request.status not in READY:
-            return set()
-        if needed(request) <= free_blocks:
-            return set() if passed and is_long(request) else passed
-        if now - request.arrival_time >= max_wait_s:
-            return set()
-        passed.add(request.request_id)
-    return set()
+            break
+        blocks, pairs = assess(request, admitted)
+        if blocks <= free:
+            if pending:
+                if is_long(request) or (not pairs and any(over for _, over in pending)):
+                    break
+                passed.update(r.request_id for r, _ in pending)
+                late.update(r.request_id for r, over in pending if over)
+                pending = []
+            free -= blocks
+            admitted.append(request)
+            continue
+        overdue = now - request.arrival_time >= max_wait_s
+        if overdue and late_passes_left(request) <= 0:
+            break
+        pending.append((request, overdue))
+    return passed, late
 
 
 def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
@@ -172,6 +207,8 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_aging_s = aging_from_env() or DEFAULT_AGING_S
         #: Waiting requests skipped in this step for one behind them that fits (backfill).
         self._kvb_passed: set[str] = set()
+        #: Times each waiting request was passed after its first ``aging_s`` (for siblings).
+        self._kvb_late_passes: dict[str, int] = {}
         self._kvb_backfill = self._kvb_priority and on_unless_zero(ENV_BACKFILL)
 
     def add_request(self, request: Any) -> None:
@@ -203,32 +240,48 @@ class WarmFirstScheduler(Scheduler):
     def _backfill(self) -> set[str]:
         """Which waiting requests to pass this step (see :func:`requests_to_pass` and the
         module docstring, "Backfill")."""
-        passed = requests_to_pass(
+        passed, late = requests_to_pass(
             self.waiting,
-            self._device_blocks_needed,
+            self._assess,
             self.kv_cache_manager.block_pool.get_num_free_blocks(),
             time.time(),  # vLLM's arrival_time is wall-clock
             self._kvb_aging_s,
             BACKFILL_LOOKAHEAD,
+            lambda request: MAX_LATE_PASSES - self._kvb_late_passes.get(request.request_id, 0),
         )
+        if len(self._kvb_late_passes) > 4 * BACKFILL_LOOKAHEAD:  # forget requests gone by
+            waiting = {request.request_id for request in self.waiting}
+            self._kvb_late_passes = {
+                rid: n for rid, n in self._kvb_late_passes.items() if rid in waiting
+            }
+        for rid in late:
+            self._kvb_late_passes[rid] = self._kvb_late_passes.get(rid, 0) + 1
         if passed:
             self.kvb_counters.backfills += 1
             self.kvb_counters.passed_requests += len(passed)
-            logger.debug("kvbranch: backfill past %d waiting request(s)", len(passed))
+            logger.debug(
+                "kvbranch: backfill past %d waiting request(s), %d late", len(passed), len(late)
+            )
         return passed
 
-    def _device_blocks_needed(self, request: Any) -> int:
-        """Free device blocks a waiting request takes for its prompt and first token: all of
-        :func:`blocks_needed` but the prefix blocks running requests already hold (a fork's
-        sibling branch, a shared system prompt)."""
+    def _assess(self, request: Any, admitted: list[Any]) -> tuple[int, bool]:
+        """(free device blocks a waiting request takes for its prompt and first token, whether
+        it shares at least half of its blocks): all of :func:`blocks_needed` but the prefix
+        blocks running requests already hold (a fork's sibling branch, a shared system prompt)
+        or that a request ``admitted`` ahead of it in this step will hold."""
         total = blocks_needed(request, self.block_size)
         manager = self.kv_cache_manager
         if not manager.enable_caching or request.num_computed_tokens:
-            return total
+            return total, False
         hit, _, _ = manager.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
-        return total - shared_blocks(hit)
+        shared = max([shared_blocks(hit)] + [common_prefix_blocks(request, a) for a in admitted])
+        return total - shared, 2 * shared >= total
+
+    def _device_blocks_needed(self, request: Any) -> int:
+        """Free device blocks a waiting request takes now (:meth:`_assess`, nothing admitted)."""
+        return self._assess(request, [])[0]
 
     def _preempt_for_warmer(self) -> None:
         """Free device blocks for the best-ranked waiting request by preempting colder

@@ -252,12 +252,15 @@ def test_a_sibling_branch_that_fits_is_admitted_past_a_head_that_does_not():
 
 
 def test_a_request_waiting_longer_than_the_aging_is_not_passed():
+    """...by a request that shares nothing (a sibling may still pass it, twice: below)."""
     sched = make()
     branch_decoding(sched)
     overdue = time.time() - sched._kvb_aging_s - 1
     sched.add_request(request("head", 8 * BS, priority=WARM, arrival=overdue, first=3000))
-    sched.add_request(sibling(time.time()))
-    assert "sibling" not in scheduled_ids(sched.schedule())
+    sched.add_request(
+        request("other", 2 * BS, priority=SHORT + 400, arrival=time.time(), first=7000)
+    )
+    assert "other" not in scheduled_ids(sched.schedule())
     assert sched.kvb_counters.backfills == 0
 
 
@@ -279,8 +282,20 @@ def waiting_fake(rid: str, need: int, priority: int, arrival: float, computed: i
     return request
 
 
-def passes(waiting, free: int = 5, now: float = 10.0, lookahead: int = 16) -> set[str]:
-    return requests_to_pass(waiting, lambda r: r.need, free, now, 8.0, lookahead)
+def passes(
+    waiting, free: int = 5, now: float = 10.0, lookahead: int = 16, late_left: int = 0
+) -> set[str]:
+    passed, late = requests_to_pass(
+        waiting,
+        lambda r, admitted: (r.need, getattr(r, "pairs", False)),
+        free,
+        now,
+        8.0,
+        lookahead,
+        lambda r: late_left,
+    )
+    assert late <= passed
+    return passed
 
 
 def test_requests_to_pass_rules():
@@ -288,7 +303,7 @@ def test_requests_to_pass_rules():
     second = waiting_fake("second", 7, WARM, arrival=9.5)
     fits = waiting_fake("fits", 3, SHORT, arrival=9.8)
     assert passes([head, second, fits]) == {"head", "second"}
-    assert passes([fits, head]) == set()  # the head fits: vLLM's order
+    assert passes([fits, head]) == set()  # the head fits, the one behind fits nothing after it
     assert passes([head, second]) == set()  # nothing fits: nothing to pass for
     assert passes([head, second, fits], lookahead=2) == set()
     overdue = waiting_fake("overdue", 9, WARM, arrival=1.0)  # waited 9 s > 8 s
@@ -299,3 +314,55 @@ def test_requests_to_pass_rules():
     blocked = waiting_fake("grammar", 3, SHORT, arrival=9.8)
     blocked.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
     assert passes([head, blocked, fits]) == set()  # vLLM skips those itself
+
+
+def test_admissions_ahead_count_and_a_late_pass_is_only_for_a_sibling():
+    """The blocks admitted requests take come off the free ones; a request that waited longer
+    than the aging is passed only for a fork's sibling (``pairs``), within its late passes."""
+    first = waiting_fake("first", 4, WARM, arrival=9.0)
+    big = waiting_fake("big", 9, WARM, arrival=9.5)
+    two = waiting_fake("two", 2, SHORT, arrival=9.8)
+    assert passes([first, big, two]) == set()  # 5 - 4 = 1 block left: 2 do not fit
+    assert passes([first, big, two], free=6) == {"big"}  # admitted behind the first
+    overdue = waiting_fake("overdue", 9, WARM, arrival=1.0)
+    assert passes([first, overdue, two], free=6, late_left=2) == set()  # not a sibling
+    two.pairs = True
+    assert passes([first, overdue, two], free=6, late_left=2) == {"overdue"}
+    assert passes([first, overdue, two], free=6, late_left=0) == set()  # its passes are spent
+    passed, late = requests_to_pass(
+        [first, overdue, two],
+        lambda r, admitted: (r.need, getattr(r, "pairs", False)),
+        6,
+        10.0,
+        8.0,
+        16,
+        lambda r: 1,
+    )
+    assert passed == late == {"overdue"}
+
+
+def test_a_sibling_is_admitted_beside_its_branch_past_a_head_that_waited_long():
+    """Both branches of a fork waiting: the one admitted first holds the shared history, so
+    its sibling fits beside it even past a long-waiting request that does not fit (a late pass,
+    at most MAX_LATE_PASSES times per request). vLLM's own scheduler admits only the first."""
+    from server.engine_scheduler import MAX_LATE_PASSES
+
+    long_ago = time.time() - 60
+    for cls in (WarmFirstScheduler, Scheduler):
+        sched = make(cls)
+        sched.add_request(request("branch", 13 * BS, priority=SHORT, arrival=long_ago))
+        head = request("head", 8 * BS, priority=SHORT + 100, arrival=long_ago + 1, first=3000)
+        sched.add_request(head)  # 9 blocks: 6 are left beside the branch
+        sched.add_request(sibling(long_ago + 2))
+        ids = scheduled_ids(sched.schedule())
+        assert "branch" in ids and "head" not in ids
+        assert ("sibling" in ids) is (cls is WarmFirstScheduler)
+        assert head.status == RequestStatus.WAITING
+    warm_first = make()
+    warm_first._kvb_late_passes["head"] = MAX_LATE_PASSES  # its late passes are spent
+    warm_first.add_request(request("branch", 13 * BS, priority=SHORT, arrival=long_ago))
+    warm_first.add_request(
+        request("head", 8 * BS, priority=SHORT + 100, arrival=long_ago + 1, first=3000)
+    )
+    warm_first.add_request(sibling(long_ago + 2))
+    assert "sibling" not in scheduled_ids(warm_first.schedule())
