@@ -33,13 +33,17 @@ higher-ranked requests first.
 fit in the free device blocks. Under a tight device budget that idles blocks a later request
 could use: a forking agent's sibling branch shares most of its history with the branch running
 (vLLM's prefix cache holds those blocks once for both) and needs only a few blocks of its own,
-while the head of the queue, another conversation's history, needs all of its own. So while the
-best-ranked waiting request does not fit, the first short request behind it that does (its
-blocks counted net of the prefix blocks running requests hold) is admitted, and the ones ahead
-of it keep their place for the next step. A request is passed only during its first
-``aging_s`` seconds of waiting (8 s by default); after that the blocks drain for it as under
-vLLM's order, so it is never starved. Long (cold) prefills are never backfilled: they would
-hold blocks for seconds. ``KVBRANCH_BACKFILL=0`` turns it off (for A/B runs).
+while the head of the queue, another conversation's history, needs all of its own. So the
+scheduler plays vLLM's admission ahead, in rank order, counting each request's blocks net of
+the prefix blocks running requests hold *and* of its common prefix with the requests admitted
+ahead of it in this step (so the two branches of a fork, both waiting, are admitted together);
+a request that does not fit is passed when a short request behind it fits, and keeps its place
+for the next step. A request is passed freely during its first ``aging_s`` seconds of waiting
+(8 s by default); after that only for a fork's sibling (a request at least half of whose
+blocks are so shared) and at most ``MAX_LATE_PASSES`` (2) times, each time delaying it by one
+short turn beside the one running; then the blocks drain for it as under vLLM's order, so it
+is never starved. Long (cold) prefills are never backfilled: they would hold blocks for
+seconds. ``KVBRANCH_BACKFILL=0`` turns it off (for A/B runs).
 
 **Unranked requests.** A request vLLM receives with priority 0 (a route whose body has no
 ``priority``, e.g. /v1/messages) would be first in vLLM's order; it ranks as the coldest
