@@ -280,7 +280,8 @@ class WarmFirstScheduler(Scheduler):
         hit, _, _ = manager.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
-        shared = max([shared_blocks(hit)] + [common_prefix_blocks(request, a) for a in admitted])
+        ahead = admitted if len(hit) == 1 else []  # one KV group only, as shared_blocks
+        shared = max([shared_blocks(hit)] + [common_prefix_blocks(request, a) for a in ahead])
         return total - shared, 2 * shared >= total
 
     def _device_blocks_needed(self, request: Any) -> int:
