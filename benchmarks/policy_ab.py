@@ -39,6 +39,12 @@ CONFIGS = {"off": common.SCHEDULER_OFF_FLAGS, "on": []}
 #: switched off by its variable, e.g. ``KVBRANCH_ASYNC_SAVE=0``).
 
 
+def off_label(args) -> str:
+    """What the "off" configuration is, for the report."""
+    changes = " ".join(x for x in (args.off_env, f"`{args.off_flags}`" * bool(args.off_flags)) if x)
+    return f"the defaults with {changes}" if changes else "vLLM scheduling"
+
+
 def pass_summary(records: list[dict], wall_s: float) -> dict[str, float]:
     first = [r["ttft_s"] for r in records if r["step"] == 0]
     later = [r["ttft_s"] for r in records if r["step"] > 0]
@@ -99,7 +105,7 @@ def report(args, convs, passes, info, elapsed, bindings, raw) -> str:
         f"user turns, {args.concurrency} at a time, {args.pause_s} s between steps, max_tokens "
         f"{args.max_tokens}, a fresh cache_salt per pass; device KV {args.kv_cache_gib} GiB; "
         f"engines on core(s) {args.cpu_cores}; "
-        f"off = {'the defaults with ' + args.off_env if args.off_env else 'vLLM scheduling'}; "
+        f"off = {off_label(args)}; "
         f"raw: `{raw.relative_to(reporting.ROOT)}`\n"
     )
     rows, verdicts = [], []
@@ -155,6 +161,12 @@ def main() -> int:
     ap.add_argument("--pause-s", type=float, default=0.5, help="tool time between steps")
     ap.add_argument("--cpu-cores", default="0", help="the engines' core(s), the same for both")
     ap.add_argument(
+        "--off-flags",
+        default="",
+        help="launcher flags: 'off' runs the launcher's defaults with these instead of vLLM's "
+        "own scheduling (e.g. '--cold-prefill-chunk 512': a setting of the policy A/B'd)",
+    )
+    ap.add_argument(
         "--off-env",
         default="",
         help="K=V: 'off' runs the launcher's defaults with this variable set instead of "
@@ -170,9 +182,11 @@ def main() -> int:
     specs: dict[str, common.ServerSpec] = {}
     for name, flags in CONFIGS.items():
         env = {}
-        if name == "off" and args.off_env:
-            key, _, value = args.off_env.partition("=")
-            flags, env = [], {key: value}
+        if name == "off" and (args.off_env or args.off_flags):
+            flags = args.off_flags.split()
+            if args.off_env:
+                key, _, value = args.off_env.partition("=")
+                env = {key: value}
         server_args = common.server_args(
             True,
             args.kv_cache_gib,

@@ -52,6 +52,7 @@ def _args() -> argparse.Namespace:
         cpu_cores="0",
         reserved_cpus=1,
         off_env="",
+        off_flags="",
     )
 
 
@@ -68,3 +69,12 @@ def test_throughput_verdict_has_three_outcomes():
     mixed = policy_ab.report(_args(), convs, _passes([9.0, 11.5, 9.5, 11.0]), INFO, 1.0, {}, RAW)
     assert "**not shown either way**" in _verdict(mixed)
     assert "Answers identical on and off: 36/36." in same
+
+
+def test_the_report_says_what_off_is():
+    args = _args()
+    assert policy_ab.off_label(args) == "vLLM scheduling"
+    args.off_flags = "--cold-prefill-chunk 512"
+    assert policy_ab.off_label(args) == "the defaults with `--cold-prefill-chunk 512`"
+    args.off_env = "KVBRANCH_BACKFILL=0"
+    assert "KVBRANCH_BACKFILL=0" in policy_ab.off_label(args)
