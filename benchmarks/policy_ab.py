@@ -17,6 +17,9 @@ interval.
 
 * ``off`` — kvbranch with vLLM's own scheduling (``common.SCHEDULER_OFF_FLAGS``);
 * ``on``  — kvbranch with the launcher's defaults (the policy on, docs/scheduling.md).
+
+``--off-env K=V`` / ``--off-flags '...'`` make ``off`` the defaults with one part of the policy
+changed instead (``KVBRANCH_BACKFILL=0``; ``--cold-prefill-chunk 512``).
 """
 
 from __future__ import annotations
