@@ -44,8 +44,10 @@ CONFIGS = {"off": common.SCHEDULER_OFF_FLAGS, "on": []}
 
 def off_label(args) -> str:
     """What the "off" configuration is, for the report."""
-    changes = " ".join(x for x in (args.off_env, f"`{args.off_flags}`" * bool(args.off_flags)) if x)
-    return f"the defaults with {changes}" if changes else "vLLM scheduling"
+    changes = [args.off_env] if args.off_env else []
+    if args.off_flags:
+        changes.append(f"`{args.off_flags}`")
+    return f"the defaults with {' '.join(changes)}" if changes else "vLLM scheduling"
 
 
 def pass_summary(records: list[dict], wall_s: float) -> dict[str, float]:

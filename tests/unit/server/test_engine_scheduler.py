@@ -286,16 +286,15 @@ def passes(
     waiting, free: int = 5, now: float = 10.0, lookahead: int = 16, late_left: int = 0
 ) -> set[str]:
     passed, late = requests_to_pass(
-        waiting,
-        lambda r, admitted: (r.need, getattr(r, "pairs", False)),
-        free,
-        now,
-        8.0,
-        lookahead,
-        lambda r: late_left,
+        waiting, fake_assess, free, now, 8.0, lookahead, lambda r: late_left
     )
     assert late <= passed
     return passed
+
+
+def fake_assess(request, admitted) -> tuple[int, bool]:
+    """The fakes carry their net blocks (``need``) and whether they are a sibling (``pairs``)."""
+    return request.need, getattr(request, "pairs", False)
 
 
 def test_requests_to_pass_rules():
@@ -330,13 +329,7 @@ def test_admissions_ahead_count_and_a_late_pass_is_only_for_a_sibling():
     assert passes([first, overdue, two], free=6, late_left=2) == {"overdue"}
     assert passes([first, overdue, two], free=6, late_left=0) == set()  # its passes are spent
     passed, late = requests_to_pass(
-        [first, overdue, two],
-        lambda r, admitted: (r.need, getattr(r, "pairs", False)),
-        6,
-        10.0,
-        8.0,
-        16,
-        lambda r: 1,
+        [first, overdue, two], fake_assess, 6, 10.0, 8.0, 16, lambda r: 1
     )
     assert passed == late == {"overdue"}
 
@@ -348,21 +341,23 @@ def test_a_sibling_is_admitted_beside_its_branch_past_a_head_that_waited_long():
     from server.engine_scheduler import MAX_LATE_PASSES
 
     long_ago = time.time() - 60
-    for cls in (WarmFirstScheduler, Scheduler):
-        sched = make(cls)
+
+    def fork_waiting(sched: Scheduler) -> Request:
+        """A branch, a long-waiting head (9 blocks: 6 are left beside the branch), the sibling."""
         sched.add_request(request("branch", 13 * BS, priority=SHORT, arrival=long_ago))
         head = request("head", 8 * BS, priority=SHORT + 100, arrival=long_ago + 1, first=3000)
-        sched.add_request(head)  # 9 blocks: 6 are left beside the branch
+        sched.add_request(head)
         sched.add_request(sibling(long_ago + 2))
+        return head
+
+    for cls in (WarmFirstScheduler, Scheduler):
+        sched = make(cls)
+        head = fork_waiting(sched)
         ids = scheduled_ids(sched.schedule())
         assert "branch" in ids and "head" not in ids
         assert ("sibling" in ids) is (cls is WarmFirstScheduler)
         assert head.status == RequestStatus.WAITING
-    warm_first = make()
-    warm_first._kvb_late_passes["head"] = MAX_LATE_PASSES  # its late passes are spent
-    warm_first.add_request(request("branch", 13 * BS, priority=SHORT, arrival=long_ago))
-    warm_first.add_request(
-        request("head", 8 * BS, priority=SHORT + 100, arrival=long_ago + 1, first=3000)
-    )
-    warm_first.add_request(sibling(long_ago + 2))
-    assert "sibling" not in scheduled_ids(warm_first.schedule())
+    spent = make()
+    spent._kvb_late_passes["head"] = MAX_LATE_PASSES  # its late passes are spent
+    fork_waiting(spent)
+    assert "sibling" not in scheduled_ids(spent.schedule())
