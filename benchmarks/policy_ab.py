@@ -20,6 +20,11 @@ interval.
 
 ``--off-env K=V`` / ``--off-flags '...'`` make ``off`` the defaults with one part of the policy
 changed instead (``KVBRANCH_BACKFILL=0``; ``--cold-prefill-chunk 512``).
+
+``--step-trace DIR`` also records both engines' steps (the connector's step trace,
+:mod:`benchmarks.step_profile`) and reports what each pass cost the engine — busy seconds,
+forward of prefill and of decode-only steps, steps, idle — side by side: whether a difference
+in wall is more work or the same work ordered with more waiting.
 """
 
 from __future__ import annotations
@@ -31,10 +36,14 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import bfcl_traces, common, real_traces, reporting  # noqa: E402
 from benchmarks.reporting import median, percentile  # noqa: E402
+from benchmarks.step_profile import paired_steps, window_totals  # noqa: E402
+from server.connector.engine.step_trace import ENV_STEP_TRACE  # noqa: E402
 
 #: name -> launcher flags, both with the connector.
 CONFIGS = {"off": common.SCHEDULER_OFF_FLAGS, "on": []}
@@ -61,6 +70,34 @@ def pass_summary(records: list[dict], wall_s: float) -> dict[str, float]:
     }
 
 
+#: Server counters read from ``/metrics`` before and after each pass: (sample name, label
+#: ``source`` or None) -> key in a pass's ``counters``.
+SERVER_COUNTERS = {
+    ("vllm:num_preemptions_total", None): "preemptions (vLLM, all)",
+    ("kvbranch_scheduler_preemptions_total", None): "preemptions for warmer work",
+    ("kvbranch_prompt_tokens_total", "device"): "prompt tokens from device cache",
+    ("kvbranch_prompt_tokens_total", "host"): "prompt tokens from host store",
+    ("kvbranch_prompt_tokens_total", "recomputed"): "prompt tokens recomputed",
+}
+
+
+def read_counters(metrics_text: str) -> dict[str, float]:
+    """:data:`SERVER_COUNTERS` out of a ``/metrics`` page (summed over other labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(SERVER_COUNTERS.values(), 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            key = SERVER_COUNTERS.get((sample.name, sample.labels.get("source")))
+            if key is not None:
+                out[key] += sample.value
+    return out
+
+
+async def counters_of(http, url: str) -> dict[str, float]:
+    return read_counters((await http.get(f"{url}/metrics", timeout=30)).text)
+
+
 async def run(args, convs, servers: dict[str, common.ServerProcess], log) -> list[dict]:
     from openai import AsyncOpenAI
 
@@ -73,19 +110,26 @@ async def run(args, convs, servers: dict[str, common.ServerProcess], log) -> lis
     for n, c in clients.items():
         await real_traces.run_step(c, models[n], warm, 0, "warmup", 2)
     passes = []
+    http = httpx.AsyncClient()
     for i in range(args.passes):
         order = list(servers) if i % 2 == 0 else list(reversed(servers))
         row: dict = {"pass": i, "order": order}
         for name in order:
+            before = await counters_of(http, servers[name].url)
+            started = time.monotonic()  # the step trace's clock
             records, wall = await real_traces.run_pass(
                 clients[name], models[name], convs, args.concurrency, f"pass{i}-{name}", args
             )
             row[name] = {"records": records, **pass_summary(records, wall)}
+            row[name]["window"] = (started, time.monotonic())
+            after = await counters_of(http, servers[name].url)
+            row[name]["counters"] = {k: after[k] - before[k] for k in after}
             log(
                 f"pass {i} [{name}]: wall {wall:.1f}s, {row[name]['out_tps']:.2f} tok/s, "
                 f"later p50 {row[name]['later_p50']:.2f}s"
             )
         passes.append(row)
+    await http.aclose()
     return passes
 
 
@@ -95,6 +139,48 @@ METRICS = {
     "later_p50": ("p50 TTFT of steps after each conversation's first", "lower is better"),
     "first_p95": ("p95 TTFT of first steps", "target: <= 1.5"),
 }
+
+
+#: Engine totals per pass (``--step-trace``), as (label, key).
+ENGINE_METRICS = (
+    ("engine busy s (forward and copies)", "busy_s"),
+    ("forward of steps with prefill, s", "prefill_forward_s"),
+    ("forward of decode-only steps, s", "decode_forward_s"),
+    ("engine steps", "steps"),
+    ("prefill tokens computed", "prefill_tokens"),
+    ("engine idle s (gaps > 0.25 s)", "idle_s"),
+)
+
+
+def add_engine_totals(passes: list[dict], trace_dir: Path) -> None:
+    """Each pass's engine totals (``engine``), from the step trace of its server."""
+    for name in CONFIGS:
+        pairs = paired_steps(trace_dir / name)
+        for p in passes:
+            p[name]["engine"] = window_totals(pairs, *p[name]["window"])
+
+
+def engine_table(passes: list[dict], rng: random.Random) -> list[str]:
+    rows = []
+    for label, key in ENGINE_METRICS:
+        off = [p["off"]["engine"][key] for p in passes]
+        on = [p["on"]["engine"][key] for p in passes]
+        ratios = [b / a for a, b in zip(off, on, strict=True) if a > 0]
+        lo, hi = reporting.bootstrap_median(ratios, rng) if ratios else (float("nan"),) * 2
+        ratio = f"{median(ratios):.3f}" if ratios else "-"
+        rows.append([label, median(off), median(on), ratio, f"{lo:.3f}-{hi:.3f}"])
+    header = ["engine, per pass (step trace)", "off p50", "on p50", "on/off (median)", "95% CI"]
+    return ["What each pass cost the engine:\n", reporting.md_table(header, rows)]
+
+
+def counters_table(passes: list[dict]) -> list[str]:
+    rows = [
+        [key, median([p["off"]["counters"][key] for p in passes]),
+         median([p["on"]["counters"][key] for p in passes])]
+        for key in SERVER_COUNTERS.values()
+    ]  # fmt: skip
+    header = ["server counters, per pass (/metrics)", "off p50", "on p50"]
+    return [reporting.md_table(header, rows)]
 
 
 def report(args, convs, passes, info, elapsed, bindings, raw) -> str:
@@ -135,6 +221,10 @@ def report(args, convs, passes, info, elapsed, bindings, raw) -> str:
             )
     header = ["metric", "off p50 of passes", "on p50 of passes", "on/off (median)", "95% CI", ""]
     lines.append(reporting.md_table(header, rows))
+    if all("engine" in p["on"] for p in passes):
+        lines += engine_table(passes, rng)
+    if all("counters" in p["on"] for p in passes):
+        lines += counters_table(passes)
     same = sum(
         ra["answer"] == rb["answer"]
         for p in passes
@@ -177,6 +267,11 @@ def main() -> int:
         help="K=V: 'off' runs the launcher's defaults with this variable set instead of "
         "vLLM's own scheduling (one part of the policy off)",
     )
+    ap.add_argument(
+        "--step-trace",
+        type=Path,
+        help="record both engines' steps here and report each pass's engine work",
+    )
     common.add_server_args(ap, kv_cache_gib=0.2, max_model_len=4096)
     common.add_run_args(ap)
     args = common.parse_run_args(ap)
@@ -192,6 +287,8 @@ def main() -> int:
             if args.off_env:
                 key, _, value = args.off_env.partition("=")
                 env = {key: value}
+        if args.step_trace:
+            env[ENV_STEP_TRACE] = str(args.step_trace / name / "steps")
         server_args = common.server_args(
             True,
             args.kv_cache_gib,
@@ -203,6 +300,8 @@ def main() -> int:
     with common.servers_up(specs) as servers:
         bindings = {n: common.omp_binding(s) for n, s in servers.items()}
         passes = asyncio.run(run(args, convs, servers, log))
+    if args.step_trace:  # the servers flushed their traces when they stopped
+        add_engine_totals(passes, args.step_trace)
     elapsed = time.monotonic() - t0
     raw = reporting.raw_path("policy_ab")
     info = info_job.result()

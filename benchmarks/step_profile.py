@@ -226,6 +226,35 @@ def step_breakdown(folder: Path) -> dict[str, Any] | None:
     return out
 
 
+def window_totals(pairs: list[tuple[dict, dict | None]], t0: float, t1: float) -> dict[str, float]:
+    """The engine's work in the steps that began in ``[t0, t1)`` (monotonic seconds): busy
+    seconds (forward and copies), forward of steps with prefill and of decode-only steps, steps,
+    prefill and decode tokens, and idle seconds (gaps over :data:`IDLE_GAP_S` between them).
+    What one pass of a workload cost the engine, comparable between two servers that ran the
+    same pass (``policy_ab.py --step-trace``)."""
+    tot = dict.fromkeys(
+        ("busy_s", "prefill_forward_s", "decode_forward_s", "steps", "prefill_tokens",
+         "decode_tokens", "idle_s"),
+        0.0,
+    )  # fmt: skip
+    inside = [(w, s) for w, s in pairs if t0 <= w["t"] < t1]
+    for i, (w, s) in enumerate(inside):
+        load, forward, save = worker_times(w)
+        tot["busy_s"] += load + forward + save
+        tot["steps"] += 1
+        if s is not None and s["prefill"]:
+            tot["prefill_forward_s"] += forward
+        elif s is not None and s["decode"]:
+            tot["decode_forward_s"] += forward
+        if s is not None:
+            tot["prefill_tokens"] += s["prefill"]
+            tot["decode_tokens"] += s["decode"]
+        if i + 1 < len(inside):
+            gap = inside[i + 1][0]["t"] - w["save1"]
+            tot["idle_s"] += gap if gap > IDLE_GAP_S else 0.0
+    return tot
+
+
 def request_breakdown(
     folder: Path, requests: Iterable[tuple[str, float, float]]
 ) -> list[dict[str, Any]]:

@@ -78,3 +78,49 @@ def test_the_report_says_what_off_is():
     assert policy_ab.off_label(args) == "the defaults with `--cold-prefill-chunk 512`"
     args.off_env = "KVBRANCH_BACKFILL=0"
     assert "KVBRANCH_BACKFILL=0" in policy_ab.off_label(args)
+
+
+def test_engine_work_per_pass_from_the_step_trace(tmp_path):
+    """--step-trace: each pass's engine totals come from the steps that began inside its
+    window, and the report puts them side by side."""
+    import json
+
+    passes = _passes([10.0, 10.0])
+    for p in passes:
+        p["off"]["window"] = (100.0 * p["pass"], 100.0 * p["pass"] + 10)
+        p["on"]["window"] = (100.0 * p["pass"] + 50, 100.0 * p["pass"] + 60)
+    for name, start, forward in (("off", 0.0, 0.5), ("on", 50.0, 0.6)):
+        steps = tmp_path / name / "steps"
+        steps.mkdir(parents=True)
+        times = [start + 1.0, start + 2.0, start + 101.0]  # two steps in pass 0, one in pass 1
+        sched = [
+            {"t": t - 0.01, "prefill": 256, "decode": 0, "loads": 0, "saves": 0} for t in times
+        ]
+        worker = [
+            {"t": t, "load0": t, "load1": t, "save0": t + forward, "save1": t + forward}
+            for t in times
+        ]
+        (steps / "scheduler-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sched))
+        (steps / "worker-2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in worker))
+    policy_ab.add_engine_totals(passes, tmp_path)
+    assert passes[0]["on"]["engine"]["steps"] == 2 and passes[1]["on"]["engine"]["steps"] == 1
+    assert abs(passes[0]["off"]["engine"]["busy_s"] - 1.0) < 1e-9
+    assert abs(passes[0]["off"]["engine"]["idle_s"] - 0.5) < 1e-9  # 1.5 -> 2.0
+    text = policy_ab.report(_args(), [{}] * 3, passes, INFO, 1.0, {}, RAW)
+    busy = next(line for line in text.splitlines() if line.startswith("| engine busy"))
+    assert "| 1.200 |" in busy  # on/off: 0.6 s against 0.5 s of forward per step
+
+
+def test_server_counters_are_read_by_name_and_source():
+    page = (
+        "# TYPE vllm:num_preemptions counter\n"
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 3.0\n'
+        "# TYPE kvbranch_prompt_tokens counter\n"
+        'kvbranch_prompt_tokens_total{source="device"} 100.0\n'
+        'kvbranch_prompt_tokens_total{source="recomputed"} 42.0\n'
+    )
+    got = policy_ab.read_counters(page)
+    assert got["preemptions (vLLM, all)"] == 3.0
+    assert got["prompt tokens from device cache"] == 100.0
+    assert got["prompt tokens recomputed"] == 42.0
+    assert got["preemptions for warmer work"] == 0.0

@@ -5,14 +5,21 @@ from __future__ import annotations
 import json
 
 from benchmarks.pd_turns import turn_order
-from benchmarks.step_profile import markdown, request_breakdown, request_table, step_breakdown
+from benchmarks.step_profile import (
+    markdown,
+    paired_steps,
+    request_breakdown,
+    request_table,
+    step_breakdown,
+    window_totals,
+)
 
 
 def write(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_breakdown_splits_forward_copies_gaps_and_idle(tmp_path):
+def write_three_steps(tmp_path):
     steps = tmp_path / "steps"
     steps.mkdir()
     write(
@@ -39,6 +46,10 @@ def test_breakdown_splits_forward_copies_gaps_and_idle(tmp_path):
             {"t": 3.01, "load0": 3.1, "load1": 3.1, "save0": 3.1, "save1": 3.1},
         ],
     )
+
+
+def test_breakdown_splits_forward_copies_gaps_and_idle(tmp_path):
+    write_three_steps(tmp_path)
     out = step_breakdown(tmp_path)
     assert out is not None
     assert out["steps"] == 3
@@ -50,6 +61,21 @@ def test_breakdown_splits_forward_copies_gaps_and_idle(tmp_path):
     assert abs(out["idle_s"] - 1.8) < 1e-9  # 1.21 -> 3.01
     assert abs(out["between_steps_s"] - 0.11) < 1e-9  # 0.9 -> 1.01
     assert "forward, steps with prefill" in markdown("kvbranch", tmp_path)
+
+
+def test_window_totals_count_only_the_steps_that_began_inside(tmp_path):
+    write_three_steps(tmp_path)
+    pairs = paired_steps(tmp_path)
+    whole = window_totals(pairs, 0.0, 10.0)
+    assert whole["steps"] == 3
+    assert abs(whole["busy_s"] - (0.89 + 0.2 + 0.09)) < 1e-9  # forward and copies
+    assert abs(whole["prefill_forward_s"] - 0.8) < 1e-9
+    assert abs(whole["decode_forward_s"] - (0.19 + 0.09)) < 1e-9
+    assert whole["prefill_tokens"] == 100 and whole["decode_tokens"] == 4
+    assert abs(whole["idle_s"] - 1.8) < 1e-9
+    first_two = window_totals(pairs, 0.0, 2.0)
+    assert first_two["steps"] == 2 and first_two["idle_s"] == 0.0
+    assert window_totals(pairs, 5.0, 6.0)["steps"] == 0
 
 
 def test_no_trace_is_no_breakdown(tmp_path):
