@@ -29,6 +29,17 @@ the first chunk of a cold admitted from the queue). Batches of resumed turns kee
 budget. ``running`` is kept in ``(priority, arrival)`` order so that the budget goes to the
 higher-ranked requests first.
 
+**Colds one after the other.** While warmer work exists every prefill is capped at the chunk
+and the step keeps vLLM's budget, so a cold prefill waiting behind a running one was admitted
+beside it and the two shared every step. Besides finishing both late, that computes twice
+what they share: vLLM's prefix cache hits only blocks complete when a request is admitted, so
+two conversations with the same tools prompt, prefilled side by side, each computed it
+(measured: 2.1k extra prompt tokens in every other pass of the real traces, 10% of a pass's
+prefill; RESULTS.md policy_ab 19:43 step trace). So a waiting long prefill that ranks behind
+a running one, or behind one admitted ahead of it in this step, is not admitted while that
+one prefills (:func:`colds_to_queue`); the running one finishes its prompt in at most
+``prompt / chunk`` steps, then the next is admitted and finds the shared blocks cached.
+
 **Backfill.** vLLM admits waiting requests in rank order and stops at the first that does not
 fit in the free device blocks. Under a tight device budget that idles blocks a later request
 could use: a forking agent's sibling branch shares most of its history with the branch running
@@ -181,6 +192,22 @@ def requests_to_pass(
     return passed, late
 
 
+def colds_to_queue(running: Iterable[Any], waiting: Iterable[Any]) -> set[str]:
+    """Waiting long prefills not to admit this step (module docstring, "Colds one after the
+    other"): those ranked behind a long prefill that runs, or behind the best-ranked waiting
+    one, which vLLM admits first. A long prefill ranked ahead of every running one is left to
+    vLLM (it was preempted for warmer work, or outranks them by the plugin's deadlines)."""
+    ahead = [rank(r) for r in running if is_long(r)]
+    queued: set[str] = set()
+    for request in waiting:
+        if request.status not in READY or not is_long(request):
+            continue
+        if ahead and rank(request) > min(ahead):
+            queued.add(request.request_id)
+        ahead.append(rank(request))
+    return queued
+
+
 def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
     """The running request to preempt for ``head`` (the best-ranked waiting request): the
     worst-ranked *long* (cold) prefill that ranks behind ``head``; ``None`` if there is none.
@@ -232,6 +259,8 @@ class WarmFirstScheduler(Scheduler):
             self.scheduler_config.long_prefill_token_threshold = cap
             self.max_num_scheduled_tokens = budget
         self._kvb_passed = self._backfill() if self._kvb_backfill and self.waiting else set()
+        if self._kvb_dynamic and self.waiting:
+            self._kvb_passed |= colds_to_queue(self.running, self.waiting)
         return super().schedule(*args, **kwargs)
 
     def _handle_blocked_waiting_request(self, request: Any) -> bool:

@@ -21,6 +21,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from server.engine_scheduler import (
     WarmFirstScheduler,
     blocks_needed,
+    colds_to_queue,
     preemption_victim,
     requests_to_pass,
 )
@@ -35,7 +36,9 @@ NUM_BLOCKS = 20  # one is vLLM's null block: 19 usable
 STEP_TOKENS = 256
 
 
-def make(cls: type[Scheduler] = WarmFirstScheduler, policy: str = "priority") -> Scheduler:
+def make(
+    cls: type[Scheduler] = WarmFirstScheduler, policy: str = "priority", chunk: int = 0
+) -> Scheduler:
     if not (default_model_dir() / "config.json").exists():
         pytest.skip("the embedded model is not built (scripts/setup.sh builds it)")
     model = ModelConfig(model=str(default_model_dir()), dtype="float32", max_model_len=1024)
@@ -46,6 +49,7 @@ def make(cls: type[Scheduler] = WarmFirstScheduler, policy: str = "priority") ->
         enable_chunked_prefill=True,
         policy=policy,
         is_encoder_decoder=False,
+        long_prefill_token_threshold=chunk,
     )
     cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
     cache.num_gpu_blocks = NUM_BLOCKS
@@ -361,3 +365,47 @@ def test_a_sibling_is_admitted_beside_its_branch_past_a_head_that_waited_long():
     spent._kvb_late_passes["head"] = MAX_LATE_PASSES  # its late passes are spent
     fork_waiting(spent)
     assert "sibling" not in scheduled_ids(spent.schedule())
+
+
+def test_two_colds_sharing_a_prompt_go_one_after_the_other_and_share_its_blocks():
+    """With warmer work running every prefill is capped and the step keeps its budget; a cold
+    prefill waiting behind a running one is not admitted beside it (vLLM's scheduler would
+    admit it and both would compute their common tools prompt). When the first has prefilled,
+    the second is admitted and finds the shared blocks cached."""
+    tools = list(range(1, 1 + 8 * BS))  # the common part: 8 blocks
+
+    def run(cls: type[Scheduler]) -> tuple[int, int]:
+        sched = make(cls, chunk=2 * BS)
+        warm = request("warm", BS, priority=WARM, arrival=0.5, first=900)
+        first = request("first", tools + list(range(500, 500 + 2 * BS)), COLD, arrival=1.0)
+        second = request("second", tools + list(range(700, 700 + 2 * BS)), encode(11, 2), 2.0)
+        for r in (warm, first, second):
+            sched.add_request(r)
+        beside = computed = 0  # steps with both colds scheduled; the second's tokens computed
+        for _ in range(20):
+            out = sched.schedule()
+            beside += {"first", "second"} <= scheduled_ids(out)
+            computed += out.num_scheduled_tokens.get("second", 0)
+            if second.num_computed_tokens >= second.num_prompt_tokens:
+                break
+        assert second.num_computed_tokens >= second.num_prompt_tokens
+        return beside, second.num_prompt_tokens - computed
+
+    beside, hit = run(WarmFirstScheduler)
+    assert beside == 0
+    assert hit >= 8 * BS  # the tools prompt came from the first's blocks
+    beside_vllm, hit_vllm = run(Scheduler)
+    assert beside_vllm > 0 and hit_vllm < 8 * BS  # what vLLM's own scheduler does
+
+
+def test_colds_to_queue_rule():
+    running_long = fake(COLD, 64, 2000, arrival=1.0)
+    later = waiting_fake("later", 40, encode(20, 2), arrival=3.0)
+    later.num_computed_tokens, later.num_prompt_tokens = 0, 2000
+    earlier = waiting_fake("earlier", 40, encode(5, 2), arrival=0.5)  # e.g. preempted for warm
+    earlier.num_computed_tokens, earlier.num_prompt_tokens = 0, 2000
+    short = waiting_fake("short", 2, WARM, arrival=4.0)
+    assert colds_to_queue([running_long], [short, later]) == {"later"}
+    assert colds_to_queue([running_long], [earlier, later]) == {"later"}
+    assert colds_to_queue([], [earlier, later]) == {"later"}  # behind the one admitted first
+    assert colds_to_queue([fake(WARM, 10, 10)], [short]) == set()
