@@ -24,7 +24,8 @@ changed instead (``KVBRANCH_BACKFILL=0``; ``--cold-prefill-chunk 512``).
 ``--step-trace DIR`` also records both engines' steps (the connector's step trace,
 :mod:`benchmarks.step_profile`) and reports what each pass cost the engine — busy seconds,
 forward of prefill and of decode-only steps, steps, idle — side by side: whether a difference
-in wall is more work or the same work ordered with more waiting.
+in wall is more work or the same work ordered with more waiting. Every run also reads each
+server's ``/metrics`` before and after each pass (preemptions, prompt tokens by source).
 """
 
 from __future__ import annotations
@@ -109,27 +110,26 @@ async def run(args, convs, servers: dict[str, common.ServerProcess], log) -> lis
     warm = {"id": "warm", "tools": [], "steps": [[{"role": "user", "content": "Hi"}]]}
     for n, c in clients.items():
         await real_traces.run_step(c, models[n], warm, 0, "warmup", 2)
-    passes = []
-    http = httpx.AsyncClient()
-    for i in range(args.passes):
-        order = list(servers) if i % 2 == 0 else list(reversed(servers))
-        row: dict = {"pass": i, "order": order}
-        for name in order:
-            before = await counters_of(http, servers[name].url)
-            started = time.monotonic()  # the step trace's clock
-            records, wall = await real_traces.run_pass(
-                clients[name], models[name], convs, args.concurrency, f"pass{i}-{name}", args
-            )
-            row[name] = {"records": records, **pass_summary(records, wall)}
-            row[name]["window"] = (started, time.monotonic())
-            after = await counters_of(http, servers[name].url)
-            row[name]["counters"] = {k: after[k] - before[k] for k in after}
-            log(
-                f"pass {i} [{name}]: wall {wall:.1f}s, {row[name]['out_tps']:.2f} tok/s, "
-                f"later p50 {row[name]['later_p50']:.2f}s"
-            )
-        passes.append(row)
-    await http.aclose()
+    passes: list[dict] = []
+    async with httpx.AsyncClient() as http:  # /metrics before and after each pass
+        for i in range(args.passes):
+            order = list(servers) if i % 2 == 0 else list(reversed(servers))
+            row: dict = {"pass": i, "order": order}
+            for name in order:
+                before = await counters_of(http, servers[name].url)
+                started = time.monotonic()  # the step trace's clock
+                records, wall = await real_traces.run_pass(
+                    clients[name], models[name], convs, args.concurrency, f"pass{i}-{name}", args
+                )
+                row[name] = {"records": records, **pass_summary(records, wall)}
+                row[name]["window"] = (started, time.monotonic())
+                after = await counters_of(http, servers[name].url)
+                row[name]["counters"] = {k: after[k] - before[k] for k in after}
+                log(
+                    f"pass {i} [{name}]: wall {wall:.1f}s, {row[name]['out_tps']:.2f} tok/s, "
+                    f"later p50 {row[name]['later_p50']:.2f}s"
+                )
+            passes.append(row)
     return passes
 
 
