@@ -36,6 +36,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import bfcl_traces, common, real_traces, reporting  # noqa: E402
 from benchmarks.reporting import median, percentile  # noqa: E402
-from benchmarks.step_profile import paired_steps, window_totals  # noqa: E402
+from benchmarks.step_profile import paired_steps, sum_samples, window_totals  # noqa: E402
 from server.connector.engine.step_trace import ENV_STEP_TRACE  # noqa: E402
 
 #: name -> launcher flags, both with the connector.
@@ -84,15 +85,12 @@ SERVER_COUNTERS = {
 
 def read_counters(metrics_text: str) -> dict[str, float]:
     """:data:`SERVER_COUNTERS` out of a ``/metrics`` page (summed over other labels)."""
-    from prometheus_client.parser import text_string_to_metric_families
 
-    out = dict.fromkeys(SERVER_COUNTERS.values(), 0.0)
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            key = SERVER_COUNTERS.get((sample.name, sample.labels.get("source")))
-            if key is not None:
-                out[key] += sample.value
-    return out
+    def key_of(sample: Any) -> str | None:
+        return SERVER_COUNTERS.get((sample.name, sample.labels.get("source")))
+
+    found = sum_samples(metrics_text, key_of)
+    return {key: found.get(key, 0.0) for key in SERVER_COUNTERS.values()}
 
 
 async def counters_of(http, url: str) -> dict[str, float]:

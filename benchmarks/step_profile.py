@@ -29,9 +29,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -131,21 +131,41 @@ def server_processes(server_pid: int) -> list[tuple[str, int]]:
     return found
 
 
-def scrape_metrics(base_url: str) -> dict[str, Any]:
-    """Sum and count of each histogram in :data:`HISTOGRAMS`, and each counter's value."""
+def sum_samples(metrics_text: str, key_of: Callable[[Any], Hashable | None]) -> dict[Any, float]:
+    """The samples of a Prometheus text page summed by ``key_of(sample)`` (None: left out):
+    the one parser behind :func:`scrape_metrics` and ``policy_ab.read_counters``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    out: dict[str, Any] = {}
-    for family in text_string_to_metric_families(text):
+    out: dict[Any, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            for name in HISTOGRAMS:
-                if sample.name in (f"{name}_sum", f"{name}_count"):
-                    entry = out.setdefault(name, {"sum": 0.0, "count": 0.0})
-                    entry["sum" if sample.name.endswith("_sum") else "count"] += sample.value
-            for name in COUNTERS:
-                if sample.name in (name, f"{name}_total") and not sample.name.endswith("_created"):
-                    out[name] = out.get(name, 0.0) + sample.value
+            key = key_of(sample)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def metric_key(sample: Any) -> tuple[str, str] | str | None:
+    """``(histogram, "sum" | "count")`` for :data:`HISTOGRAMS`, the name for :data:`COUNTERS`."""
+    for name in HISTOGRAMS:
+        for part in ("sum", "count"):
+            if sample.name == f"{name}_{part}":
+                return (name, part)
+    for name in COUNTERS:
+        if sample.name in (name, f"{name}_total"):
+            return name
+    return None
+
+
+def scrape_metrics(base_url: str) -> dict[str, Any]:
+    """Sum and count of each histogram in :data:`HISTOGRAMS`, and each counter's value."""
+    sums = sum_samples(httpx.get(f"{base_url}/metrics", timeout=30).text, metric_key)
+    out: dict[str, Any] = {}
+    for key, value in sums.items():
+        if isinstance(key, tuple):
+            out.setdefault(key[0], {"sum": 0.0, "count": 0.0})[key[1]] = value
+        else:
+            out[key] = value
     return out
 
 
@@ -183,6 +203,30 @@ def worker_times(w: dict) -> tuple[float, float, float]:
     return load, max(w["save0"] - w["t"] - load, 0.0), w["save1"] - w["save0"]
 
 
+class StepCost(NamedTuple):
+    """One engine step: its worker and scheduler records, its copies and forward (seconds),
+    and the gap from its end to the next step's start (None for the last step)."""
+
+    worker: dict
+    sched: dict | None
+    load: float
+    forward: float
+    save: float
+    gap: float | None
+
+    @property
+    def idle(self) -> bool:
+        """A gap long enough to be the engine waiting for work, not its own overhead."""
+        return self.gap is not None and self.gap > IDLE_GAP_S
+
+
+def step_costs(pairs: list[tuple[dict, dict | None]]) -> Iterator[StepCost]:
+    """Each step of :func:`paired_steps` with its times: the loop both breakdowns share."""
+    for i, (w, s) in enumerate(pairs):
+        gap = pairs[i + 1][0]["t"] - w["save1"] if i + 1 < len(pairs) else None
+        yield StepCost(w, s, *worker_times(w), gap)
+
+
 def step_breakdown(folder: Path) -> dict[str, Any] | None:
     """Totals over every engine step of a run (``folder/steps``), seconds and shares."""
     pairs = paired_steps(folder)
@@ -191,11 +235,11 @@ def step_breakdown(folder: Path) -> dict[str, Any] | None:
     worker = [w for w, _ in pairs]
     tot = Counter[str]()
     decode_only: list[float] = []
-    for i, (w, s) in enumerate(pairs):
-        load, forward, save = worker_times(w)
-        tot["forward_s"] += forward
-        tot["load_s"] += load
-        tot["save_s"] += save
+    for step in step_costs(pairs):
+        s = step.sched
+        tot["forward_s"] += step.forward
+        tot["load_s"] += step.load
+        tot["save_s"] += step.save
         if s is not None:
             tot["connector_sched_s"] += s.get("build_s", 0.0) + sum(s.get("hook_s", {}).values())
             tot["prefill_tokens"] += s["prefill"]
@@ -204,16 +248,15 @@ def step_breakdown(folder: Path) -> dict[str, Any] | None:
             tot["save_blocks"] += s["saves"]
             if s["prefill"]:
                 tot["prefill_steps"] += 1
-                tot["prefill_step_forward_s"] += forward
+                tot["prefill_step_forward_s"] += step.forward
             elif s["decode"]:
-                decode_only.append(forward)
-        if i + 1 < len(pairs):
-            gap = pairs[i + 1][0]["t"] - w["save1"]
-            if gap > IDLE_GAP_S:
-                tot["idle_s"] += gap
+                decode_only.append(step.forward)
+        if step.gap is not None:
+            if step.idle:
+                tot["idle_s"] += step.gap
                 tot["idle_gaps"] += 1
             else:
-                tot["between_steps_s"] += gap
+                tot["between_steps_s"] += step.gap
     wall = worker[-1]["save1"] - worker[0]["t"]
     out: dict[str, Any] = {"steps": len(worker), "wall_s": wall}
     for key in STEP_TOTALS:
@@ -237,21 +280,19 @@ def window_totals(pairs: list[tuple[dict, dict | None]], t0: float, t1: float) -
          "decode_tokens", "idle_s"),
         0.0,
     )  # fmt: skip
-    inside = [(w, s) for w, s in pairs if t0 <= w["t"] < t1]
-    for i, (w, s) in enumerate(inside):
-        load, forward, save = worker_times(w)
-        tot["busy_s"] += load + forward + save
+    for step in step_costs([(w, s) for w, s in pairs if t0 <= w["t"] < t1]):
+        s = step.sched
+        tot["busy_s"] += step.load + step.forward + step.save
         tot["steps"] += 1
         if s is not None and s["prefill"]:
-            tot["prefill_forward_s"] += forward
+            tot["prefill_forward_s"] += step.forward
         elif s is not None and s["decode"]:
-            tot["decode_forward_s"] += forward
+            tot["decode_forward_s"] += step.forward
         if s is not None:
             tot["prefill_tokens"] += s["prefill"]
             tot["decode_tokens"] += s["decode"]
-        if i + 1 < len(inside):
-            gap = inside[i + 1][0]["t"] - w["save1"]
-            tot["idle_s"] += gap if gap > IDLE_GAP_S else 0.0
+        if step.idle:
+            tot["idle_s"] += step.gap or 0.0
     return tot
 
 

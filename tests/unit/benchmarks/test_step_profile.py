@@ -7,10 +7,12 @@ import json
 from benchmarks.pd_turns import turn_order
 from benchmarks.step_profile import (
     markdown,
+    metric_key,
     paired_steps,
     request_breakdown,
     request_table,
     step_breakdown,
+    sum_samples,
     window_totals,
 )
 
@@ -114,3 +116,25 @@ def test_request_breakdown_splits_a_ttft_around_its_prefill_step(tmp_path):
     assert abs(row["save_s"] - 0.01) < 1e-9
     assert abs(row["after_s"] - 0.05) < 1e-9
     assert "| turn 2 | 900 | 160 | 4 | 120 |" in request_table(rows)
+
+
+def test_metrics_page_sums_histograms_and_counters_over_label_sets():
+    page = (
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_bucket{le="1.0",model_name="a"} 2.0\n'
+        'vllm:time_to_first_token_seconds_count{model_name="a"} 2.0\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="a"} 1.5\n'
+        'vllm:time_to_first_token_seconds_count{model_name="b"} 1.0\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="b"} 0.5\n'
+        "# TYPE vllm:num_preemptions counter\n"
+        'vllm:num_preemptions_total{engine="0"} 3.0\n'
+        'vllm:num_preemptions_created{engine="0"} 1.7e9\n'
+        "# TYPE other counter\n"
+        "other_total 9.0\n"
+    )
+    got = sum_samples(page, metric_key)
+    assert got == {
+        ("vllm:time_to_first_token_seconds", "count"): 3.0,
+        ("vllm:time_to_first_token_seconds", "sum"): 2.0,
+        "vllm:num_preemptions_total": 3.0,
+    }
