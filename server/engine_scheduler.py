@@ -43,12 +43,14 @@ one prefills (:func:`colds_to_queue`); the running one finishes its prompt in at
 **A resumed turn's step without cold chunks.** Capped, a cold prefill still takes its chunk
 in every step, so a resumed turn admitted beside it pays for that chunk in its own first step
 (on the Xeon VM a 256-token chunk costs about as much as the whole resumed step alone). So in
-a step where a short prefill ranked ahead of them starts (the best-ranked waiting request,
-when it is short, ready and fits in the free blocks) or continues, the running long prefills
-ranked behind it sit the step out (:func:`colds_to_pause`; vLLM's own per-request skip,
-``next_decode_eligible_step``); decodes go on. Each such step delays a cold by one short step;
-the plugin's deadlines bound how many requests may rank ahead of it, so it is never starved.
-``KVBRANCH_COLD_PAUSE=0`` turns it off (for A/B runs).
+a step where a short prefill (plugin level < 2) ranked ahead of them starts (the best-ranked
+waiting request, when it is short, ready and fits in the free blocks) or continues, the
+running prefills ranked behind it with more than a chunk left sit the step out
+(:func:`colds_to_pause`; vLLM's own per-request skip, ``next_decode_eligible_step``): the
+long ones, and the new conversations whose uncached part the plugin estimated short because
+a tools prompt they share was cached. Decodes go on. Each such step delays a prefill by one
+short step; the plugin's deadlines bound how many requests may rank ahead of it, so it is
+never starved. ``KVBRANCH_COLD_PAUSE=0`` turns it off (for A/B runs).
 
 **Backfill.** vLLM admits waiting requests in rank order and stops at the first that does not
 fit in the free device blocks. Under a tight device budget that idles blocks a later request
@@ -219,9 +221,10 @@ def colds_to_queue(running: Iterable[Any], waiting: Iterable[Any]) -> set[str]:
     return queued
 
 
-def colds_to_pause(running: Iterable[Any], starting: Any | None) -> list[Any]:
-    """Running long prefills to leave out of this step (module docstring, "A resumed turn's
-    step without cold chunks"): those ranked behind the best-ranked short prefill of the step,
+def colds_to_pause(running: Iterable[Any], starting: Any | None, chunk: int) -> list[Any]:
+    """Running prefills to leave out of this step (module docstring, "A resumed turn's step
+    without cold chunks"): those with more than a ``chunk`` of prompt left (they would take a
+    whole chunk of the step) ranked behind the best-ranked short prefill of the step,
     ``starting`` (a waiting request vLLM admits first) or a running one still prefilling."""
     running = list(running)
     short = [rank(r) for r in running if is_prefilling(r) and not is_long(r)]
@@ -230,7 +233,11 @@ def colds_to_pause(running: Iterable[Any], starting: Any | None) -> list[Any]:
     if not short:
         return []
     best = min(short)
-    return [r for r in running if is_long(r) and rank(r) > best]
+    return [r for r in running if left_to_prefill(r) > chunk and rank(r) > best]
+
+
+def left_to_prefill(request: Any) -> int:
+    return max(request.num_prompt_tokens - request.num_computed_tokens, 0)
 
 
 def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
@@ -302,7 +309,7 @@ class WarmFirstScheduler(Scheduler):
             free = self.kv_cache_manager.block_pool.get_num_free_blocks()
             if self._device_blocks_needed(head) <= free:
                 starting = head
-        for cold in colds_to_pause(self.running, starting):
+        for cold in colds_to_pause(self.running, starting, self._kvb_cap):
             cold.next_decode_eligible_step = max(
                 cold.next_decode_eligible_step, self.current_step + 2
             )

@@ -441,9 +441,14 @@ def test_colds_to_pause_rule():
     colder = fake(COLDER, 64, 2000, arrival=0.2)
     decoding = fake(COLD, 2000, 2000, arrival=0.1, tokens=2001)
     warm_waiting = waiting_fake("warm", 2, WARM, arrival=4.0)
-    assert colds_to_pause([cold, decoding], warm_waiting) == [cold]  # decodes go on
-    assert colds_to_pause([cold, colder], None) == []  # nothing short prefills
+    assert colds_to_pause([cold, decoding], warm_waiting, 256) == [cold]  # decodes go on
+    assert colds_to_pause([cold, colder], None, 256) == []  # nothing short prefills
     # A short prefill ranked behind the cold does not pause it; one ahead does.
     late_short = waiting_fake("late", 2, encode(30, 1), arrival=9.0)
-    assert colds_to_pause([cold], late_short) == []
-    assert colds_to_pause([cold, colder, fake(SHORT, 0, 300)], None) == [colder]
+    assert colds_to_pause([cold], late_short, 256) == []
+    assert colds_to_pause([cold, colder, fake(SHORT, 0, 300)], None, 256) == [colder]
+    # A new conversation estimated short (its tools prompt cached) but with more than a chunk
+    # left sits out too; a prefill with at most a chunk left finishes in this step.
+    new_conversation = fake(encode(12, 1), 0, 700, arrival=2.0)
+    last_chunk = fake(COLDER, 1900, 2000, arrival=0.3)
+    assert colds_to_pause([new_conversation, last_chunk], warm_waiting, 256) == [new_conversation]
