@@ -40,18 +40,6 @@ a running one, or behind one admitted ahead of it in this step, is not admitted 
 one prefills (:func:`colds_to_queue`); the running one finishes its prompt in at most
 ``prompt / chunk`` steps, then the next is admitted and finds the shared blocks cached.
 
-**A resumed turn's step without cold chunks.** Capped, a cold prefill still takes its chunk
-in every step, so a resumed turn admitted beside it pays for that chunk in its own first step
-(on the Xeon VM a 256-token chunk costs about as much as the whole resumed step alone). So in
-a step where a short prefill (plugin level < 2) ranked ahead of them starts (the best-ranked
-waiting request, when it is short, ready and fits in the free blocks) or continues, the
-running prefills ranked behind it with more than a chunk left sit the step out
-(:func:`colds_to_pause`; vLLM's own per-request skip, ``next_decode_eligible_step``): the
-long ones, and the new conversations whose uncached part the plugin estimated short because
-a tools prompt they share was cached. Decodes go on. Each such step delays a prefill by one
-short step; the plugin's deadlines bound how many requests may rank ahead of it, so it is
-never starved. ``KVBRANCH_COLD_PAUSE=0`` turns it off (for A/B runs).
-
 **Backfill.** vLLM admits waiting requests in rank order and stops at the first that does not
 fit in the free device blocks. Under a tight device budget that idles blocks a later request
 could use: a forking agent's sibling branch shares most of its history with the branch running
@@ -75,10 +63,9 @@ request arriving now instead (:meth:`WarmFirstScheduler.add_request`).
 Under vLLM's FCFS policy it keeps vLLM's own rules. The launcher selects it with vLLM's own
 ``--scheduler-cls`` on CPU, where vLLM uses the synchronous scheduler; on CUDA it is not used.
 
-Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``,
-``current_step``, a request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``,
-``num_tokens``, ``arrival_time``, ``block_hashes``, ``next_decode_eligible_step``,
-``kv_cache_manager.block_pool.get_num_free_blocks()``,
+Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``, a
+request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens``,
+``arrival_time``, ``block_hashes``, ``kv_cache_manager.block_pool.get_num_free_blocks()``,
 ``kv_cache_manager.coordinator.find_longest_cache_hit``, a block's ``ref_cnt``,
 ``_preempt_request``, ``_request_blocks_can_be_freed`` and ``_handle_blocked_waiting_request``).
 """
@@ -96,7 +83,7 @@ from vllm.v1.request import RequestStatus
 
 from server.plugin.priority import DEFAULT_AGING_S, aging_from_env, level_in, unranked
 from server.scheduler_counters import SchedulerCounters, publish
-from server.settings import ENV_BACKFILL, ENV_COLD_PAUSE, on_unless_zero
+from server.settings import ENV_BACKFILL, on_unless_zero
 
 QUALNAME = "server.engine_scheduler.WarmFirstScheduler"
 
@@ -221,25 +208,6 @@ def colds_to_queue(running: Iterable[Any], waiting: Iterable[Any]) -> set[str]:
     return queued
 
 
-def colds_to_pause(running: Iterable[Any], starting: Any | None, chunk: int) -> list[Any]:
-    """Running prefills to leave out of this step (module docstring, "A resumed turn's step
-    without cold chunks"): those with more than a ``chunk`` of prompt left (they would take a
-    whole chunk of the step) ranked behind the best-ranked short prefill of the step,
-    ``starting`` (a waiting request vLLM admits first) or a running one still prefilling."""
-    running = list(running)
-    short = [rank(r) for r in running if is_prefilling(r) and not is_long(r)]
-    if starting is not None:
-        short.append(rank(starting))
-    if not short:
-        return []
-    best = min(short)
-    return [r for r in running if left_to_prefill(r) > chunk and rank(r) > best]
-
-
-def left_to_prefill(request: Any) -> int:
-    return max(request.num_prompt_tokens - request.num_computed_tokens, 0)
-
-
 def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
     """The running request to preempt for ``head`` (the best-ranked waiting request): the
     worst-ranked *long* (cold) prefill that ranks behind ``head``; ``None`` if there is none.
@@ -273,7 +241,6 @@ class WarmFirstScheduler(Scheduler):
         #: Times each waiting request was passed after its first ``aging_s`` (for siblings).
         self._kvb_late_passes: dict[str, int] = {}
         self._kvb_backfill = self._kvb_priority and on_unless_zero(ENV_BACKFILL)
-        self._kvb_cold_pause = self._kvb_dynamic and on_unless_zero(ENV_COLD_PAUSE)
 
     def add_request(self, request: Any) -> None:
         """A request the plugin did not rank (priority 0: a route whose vLLM body has no
@@ -294,26 +261,7 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_passed = self._backfill() if self._kvb_backfill and self.waiting else set()
         if self._kvb_dynamic and self.waiting:
             self._kvb_passed |= colds_to_queue(self.running, self.waiting)
-        if self._kvb_cold_pause and self.running:
-            self._pause_colds()
         return super().schedule(*args, **kwargs)
-
-    def _pause_colds(self) -> None:
-        """Leave running long prefills out of this step while a short one ranked ahead of
-        them prefills (:func:`colds_to_pause`). ``schedule`` counts this step as
-        ``current_step + 1`` and skips a running request while the step is below its
-        ``next_decode_eligible_step``: one step, then it runs again."""
-        head = next((r for r in self.waiting if r.request_id not in self._kvb_passed), None)
-        starting = None
-        if head is not None and head.status in READY and not is_long(head):
-            free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-            if self._device_blocks_needed(head) <= free:
-                starting = head
-        for cold in colds_to_pause(self.running, starting, self._kvb_cap):
-            cold.next_decode_eligible_step = max(
-                cold.next_decode_eligible_step, self.current_step + 2
-            )
-            self.kvb_counters.cold_pauses += 1
 
     def _handle_blocked_waiting_request(self, request: Any) -> bool:
         """vLLM asks this for each waiting request it looks at; ``False`` skips the request

@@ -17,8 +17,6 @@ class SchedulerCounters:
     backfills: int = 0
     #: Waiting requests passed by those steps, summed.
     passed_requests: int = 0
-    #: Running cold prefills left out of a step for a short prefill ranked ahead of them.
-    cold_pauses: int = 0
 
 
 _published: SchedulerCounters | None = None

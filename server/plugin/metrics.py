@@ -146,11 +146,6 @@ def _scheduler_metrics(sched: SchedulerStats | None):
                 "Waiting requests passed by a backfill, summed over steps",
                 sched.passed_requests,
             ),
-            (
-                "kvbranch_scheduler_cold_pauses",
-                "Steps a running cold prefill sat out for a short prefill ranked ahead of it",
-                sched.cold_pauses,
-            ),
         ],
     )
 

@@ -81,7 +81,6 @@ def test_metrics_exports_kvbranch_counters(kvbranch_server):
     # The warm-first scheduler (on by default on CPU) publishes its decisions from the engine.
     assert "kvbranch_scheduler_backfills_total" in r.text
     assert "kvbranch_scheduler_preemptions_total" in r.text
-    assert "kvbranch_scheduler_cold_pauses_total" in r.text
 
 
 def test_plain_server_reports_connector_not_loaded(plain_server):

@@ -109,7 +109,6 @@ class SchedulerStats(_Internal):
     preemptions: int
     backfills: int
     passed_requests: int
-    cold_pauses: int
 
 
 class EngineStats(Stats):

@@ -21,7 +21,6 @@ from vllm.v1.structured_output import StructuredOutputManager
 from server.engine_scheduler import (
     WarmFirstScheduler,
     blocks_needed,
-    colds_to_pause,
     colds_to_queue,
     preemption_victim,
     requests_to_pass,
@@ -410,45 +409,3 @@ def test_colds_to_queue_rule():
     assert colds_to_queue([running_long], [earlier, later]) == {"later"}
     assert colds_to_queue([], [earlier, later]) == {"later"}  # behind the one admitted first
     assert colds_to_queue([fake(WARM, 10, 10)], [short]) == set()
-
-
-def test_a_resumed_turn_starts_in_a_step_without_the_cold_chunk():
-    """A running cold prefill sits out the step in which a short request ranked ahead of it
-    starts, and runs again in the next; vLLM's scheduler gives it its chunk in that step too.
-    (No model runs here: the short request admitted first waits for its first token.)"""
-
-    def run(cls: type[Scheduler]) -> list[set[str]]:
-        sched = make(cls, chunk=2 * BS)
-        warm = request("warm", BS, priority=WARM, arrival=0.5, first=900)
-        cold = request("cold", 10 * BS, priority=COLD, arrival=1.0)
-        for r in (warm, cold):
-            sched.add_request(r)
-        steps = [scheduled_ids(sched.schedule())]
-        assert cold.num_computed_tokens < cold.num_prompt_tokens  # still prefilling
-        sched.add_request(request("resumed", BS, priority=WARM, arrival=2.0, first=800))
-        steps += [scheduled_ids(sched.schedule()) for _ in range(2)]
-        return steps
-
-    ours = run(WarmFirstScheduler)
-    assert ours[0] == {"warm", "cold"}
-    assert ours[1] == {"resumed"}  # the cold sat this step out
-    assert ours[2] == {"cold"}
-    assert run(Scheduler)[1] == {"resumed", "cold"}
-
-
-def test_colds_to_pause_rule():
-    cold = fake(COLD, 64, 2000, arrival=1.0)
-    colder = fake(COLDER, 64, 2000, arrival=0.2)
-    decoding = fake(COLD, 2000, 2000, arrival=0.1, tokens=2001)
-    warm_waiting = waiting_fake("warm", 2, WARM, arrival=4.0)
-    assert colds_to_pause([cold, decoding], warm_waiting, 256) == [cold]  # decodes go on
-    assert colds_to_pause([cold, colder], None, 256) == []  # nothing short prefills
-    # A short prefill ranked behind the cold does not pause it; one ahead does.
-    late_short = waiting_fake("late", 2, encode(30, 1), arrival=9.0)
-    assert colds_to_pause([cold], late_short, 256) == []
-    assert colds_to_pause([cold, colder, fake(SHORT, 0, 300)], None, 256) == [colder]
-    # A new conversation estimated short (its tools prompt cached) but with more than a chunk
-    # left sits out too; a prefill with at most a chunk left finishes in this step.
-    new_conversation = fake(encode(12, 1), 0, 700, arrival=2.0)
-    last_chunk = fake(COLDER, 1900, 2000, arrival=0.3)
-    assert colds_to_pause([new_conversation, last_chunk], warm_waiting, 256) == [new_conversation]

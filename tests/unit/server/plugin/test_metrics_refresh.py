@@ -42,7 +42,7 @@ STATS = {
     "requests": 10,
     "sessions": [],
     "pd": None,
-    "scheduler": {"preemptions": 11, "backfills": 12, "passed_requests": 13, "cold_pauses": 14},
+    "scheduler": {"preemptions": 11, "backfills": 12, "passed_requests": 13},
 }
 
 
@@ -74,7 +74,6 @@ def test_a_scrape_is_served_from_the_async_snapshot(monkeypatch):
     assert values["kvbranch_connector_up"] == 1 and values["kvbranch_requests"] == 10
     assert values["kvbranch_scheduler_preemptions"] == 11
     assert values["kvbranch_scheduler_backfills"] == 12
-    assert values["kvbranch_scheduler_cold_pauses"] == 14
 
 
 def test_a_connector_that_does_not_answer_is_down_without_a_blocking_call(monkeypatch):
