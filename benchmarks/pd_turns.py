@@ -7,7 +7,8 @@
 * ``single-kvbranch``— one kvbranch instance on one core (the same compute as each P/D instance);
 * ``single-plain``   — one plain vLLM instance on one core (P/D's own overhead is measured
                        against it);
-* ``pd-kvbranch-nosched`` (opt-in) — kvbranch P/D with ``--no-agent-priority``.
+* ``pd-kvbranch-sched`` (opt-in) — kvbranch P/D with ``--agent-priority`` (off by default on P/D
+                       instances since 2026-12-03, docs/scheduling.md "On P/D").
 
     .venv/bin/python benchmarks/pd_turns.py                 # ~15 minutes on 2 cores
     .venv/bin/python benchmarks/pd_turns.py --conversations 2 --turns 4   # quicker
@@ -44,8 +45,8 @@ CONFIGS = {
     "pd-kvbranch": ["--disagg"],
     "single-kvbranch": ["--cpu-cores", "0"],
     "single-plain": ["--cpu-cores", "0", "--no-connector"],
-    # kvbranch P/D without agent-aware scheduling (on by default on CPU, docs/scheduling.md).
-    "pd-kvbranch-nosched": ["--disagg", "--no-agent-priority"],
+    # kvbranch P/D with agent-aware scheduling (off by default on P/D instances).
+    "pd-kvbranch-sched": ["--disagg", "--agent-priority"],
 }
 #: Opt-in: the same with vLLM's own 1 s message-queue busy-wait (the launcher's default is 2 ms,
 #: server/engine_spin.py), for the side-by-side measurement of that default.

@@ -278,6 +278,8 @@ def flag_value(passthrough: list[str], flag: str) -> str | None:
     return value
 
 
+#: Instances of a P/D pair (``--disagg`` and ``--cluster`` start them with ``--role``).
+PD_ROLES = ("prefill", "decode")
 #: server/engine_scheduler.py's scheduler (named here: importing it imports vLLM).
 WARM_FIRST_SCHEDULER = "server.engine_scheduler.WarmFirstScheduler"
 
@@ -297,8 +299,13 @@ def scheduling_plan(
     policy = flag_value(passthrough, "--scheduling-policy")
     wanted = getattr(args, "agent_priority", False)
     if wanted is None:  # the default: where the warm-first scheduler runs (settings.py),
-        # and not for the plain-vLLM baseline (--no-connector): that one keeps vLLM's order.
-        wanted = not cuda and not getattr(args, "no_connector", False)
+        # and not for the plain-vLLM baseline (--no-connector): that one keeps vLLM's order;
+        # nor on P/D instances, where it measured no better (docs/scheduling.md, "On P/D").
+        wanted = (
+            not cuda
+            and not getattr(args, "no_connector", False)
+            and getattr(args, "role", "single") not in PD_ROLES
+        )
     if wanted and policy in (None, "priority"):
         if policy is None:
             argv += ["--scheduling-policy", "priority"]

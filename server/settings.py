@@ -368,8 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULT_COLD_PREFILL_CHUNK = 256
 #: ``--agent-priority`` default: ``None`` is on where vLLM runs the warm-first scheduler (CPU,
 #: measured there: docs/scheduling.md) and off elsewhere (vLLM's asynchronous CUDA scheduler
-#: gets the priority without preemption or the by-need chunk: not measured) and for the
-#: plain-vLLM baseline (``--no-connector``).
+#: gets the priority without preemption or the by-need chunk: not measured), for the
+#: plain-vLLM baseline (``--no-connector``) and on P/D instances (``--role prefill|decode``:
+#: measured no better there, docs/scheduling.md "On P/D").
 DEFAULT_AGENT_PRIORITY: bool | None = None
 #: ``--priority-aging-s`` default (server/plugin/priority.py: DEFAULT_AGING_S; 4 and 8 s were
 #: measured side by side, docs/scheduling.md).
@@ -395,7 +396,8 @@ def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
         "with aging (a warmer request passes a colder one only within a bounded window), and "
         "on CPU preempt a colder running prefill that holds the device blocks a warmer "
         "request needs; a client's own 'priority' can only make its request later "
-        "(default: on with the CPU backend, off on CUDA and with --no-connector)",
+        "(default: on with the CPU backend, off on CUDA, with --no-connector and on P/D "
+        "instances: --disagg, --cluster, --role prefill|decode)",
     )
     group.add_argument(
         "--priority-aging-s",

@@ -45,6 +45,13 @@ logger = logging.getLogger("kvbranch.router")
 
 CONNECT_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 512
+#: How long the router keeps an idle connection to an instance for reuse. Below the instances'
+#: own keep-alive (vLLM's uvicorn closes an idle connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+#: 5 s by default), or a request sent on a connection the instance is closing at that moment
+#: fails with ReadError; httpx's default expiry is also 5 s. Seen in a P/D benchmark
+#: (RESULTS.md agent_workload 2026-12-03 09:06): a fork fanned out to P failed that way, P
+#: was marked down until its next probe, and two forks and a prefetch got 502/503 meanwhile.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class Router:
@@ -73,7 +80,9 @@ class Router:
         self.index = index
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS),
+            limits=httpx.Limits(
+                max_connections=MAX_CONNECTIONS, keepalive_expiry=KEEPALIVE_EXPIRY_S
+            ),
         )
         self.pool = Pool(
             prefill_urls,

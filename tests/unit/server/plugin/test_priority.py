@@ -256,6 +256,13 @@ def test_warm_first_scheduler_with_the_priority_on_cpu_only():
     assert scheduling_plan(build_parser().parse_args([]), [], cuda=True) == ([], None)
     # Plain vLLM (the baseline) keeps vLLM's own order unless asked.
     assert scheduling_plan(build_parser().parse_args(["--no-connector"]), []) == ([], None)
+    # P/D instances keep vLLM's order unless asked (measured no better there: RESULTS.md
+    # agent_workload 2026-12-03 08:31 and 09:06).
+    for role in ("prefill", "decode"):
+        assert scheduling_plan(build_parser().parse_args(["--role", role]), []) == ([], None)
+        on = build_parser().parse_args(["--role", role, "--agent-priority"])
+        assert scheduling_plan(on, [])[0][-2:] == ["--scheduler-cls", WARM_FIRST_SCHEDULER]
+    assert scheduling_plan(build_parser().parse_args(["--role", "single"]), [])[1] == 8.0
     assert "--scheduler-cls" not in scheduling_plan(args, ["--scheduler-cls", "x.Y"])[0]
 
 
