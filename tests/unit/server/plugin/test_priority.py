@@ -257,7 +257,7 @@ def test_warm_first_scheduler_with_the_priority_on_cpu_only():
     # Plain vLLM (the baseline) keeps vLLM's own order unless asked.
     assert scheduling_plan(build_parser().parse_args(["--no-connector"]), []) == ([], None)
     # P/D instances keep vLLM's order unless asked (measured no better there: RESULTS.md
-    # agent_workload 2026-12-03 08:31 and 09:06).
+    # agent_workload 2026-12-03 08:31 and 09:05).
     for role in ("prefill", "decode"):
         assert scheduling_plan(build_parser().parse_args(["--role", role]), []) == ([], None)
         on = build_parser().parse_args(["--role", role, "--agent-priority"])

@@ -22,7 +22,7 @@ def test_the_app_sweeps_the_index_on_a_timer_without_any_read():
 
 def test_the_router_drops_idle_connections_before_the_instances_close_them():
     """Equal keep-alives race: a request sent on a connection the instance closes at that
-    moment fails with ReadError (RESULTS.md agent_workload 2026-12-03 09:06, a fork to P)."""
+    moment fails with ReadError (RESULTS.md agent_workload 2026-12-03 09:05, a fork to P)."""
     import vllm.envs
 
     from server.router.app import KEEPALIVE_EXPIRY_S, Router
