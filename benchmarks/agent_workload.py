@@ -33,7 +33,8 @@ Per configuration: TTFT p50/p95 per turn index, job completion time per session,
 by source (device cache / host store / recomputed, from the server's accounting), output
 tokens per second, peak summed RSS of the server's process group; ratios against plain vLLM.
 Raw data and the workload go to benchmarks/out/; a TTFT-vs-turn plot to
-benchmarks/agent_workload_<profile>.png; a section is appended to benchmarks/RESULTS.md.
+benchmarks/agent_workload_<profile>.png (``_pd.png`` for runs of P/D configurations only); a
+section is appended to benchmarks/RESULTS.md.
 
 Over 400 lines on purpose: the workload, its runner and the command line read as one script;
 the summary, plot and report are in :mod:`benchmarks.agent_report`.
@@ -397,6 +398,13 @@ def base_config(name: str) -> str:
     return split_config(name)[0]
 
 
+def plot_name(profile: str, configs: list[str]) -> str:
+    """The plot's file: one per profile for single instances, another for runs that are all
+    P/D, so that a P/D run never replaces the plain/kvbranch plot the results cite."""
+    pd_only = all(base_config(c).startswith("pd") for c in configs)
+    return f"agent_workload_{profile}{'_pd' if pd_only else ''}.png"
+
+
 #: Workload options (``None`` defaults: the profile's value): flag, type, help.
 WORKLOAD_OPTIONS = [
     ("--sessions", int, "S concurrent sessions"),
@@ -490,7 +498,7 @@ def main() -> int:
             "summary": sums,
         },
     )
-    png: Path | None = reporting.plot_path(f"agent_workload_{args.profile}.png", args.no_results)
+    png: Path | None = reporting.plot_path(plot_name(args.profile, args.configs), args.no_results)
     p = workload["params"]
     if not plot(
         results,
