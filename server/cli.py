@@ -48,6 +48,7 @@ from server.settings import (
     NIXL_CONNECTOR_CLASS,
     PD_CONNECTOR_CLASS,
     PD_CONNECTOR_MODULE,
+    PD_ROLES,
     PLUGIN_NAME,
     LaunchError,
     advertise_url,
@@ -216,13 +217,13 @@ def plan_launch(
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
-        if args.role in ("prefill", "decode"):
+        if args.role in PD_ROLES:
             kv_transfer_config = pd_transfer_config(args, kv_transfer_config)
             # vLLM checks hybrid-KV support by the class name "MultiConnector"; ours is a
             # subclass, and the kvbranch connector has one KV cache group anyway.
             argv += ["--disable-hybrid-kv-cache-manager"]
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    elif args.role in ("prefill", "decode"):
+    elif args.role in PD_ROLES:
         argv += ["--kv-transfer-config", json.dumps(pd_transfer_config(args, None))]
     if index_enabled(args) and not has_flag(passthrough, "--kv-events-config"):
         # The plugin's index publisher reads vLLM's KV events (device cache and, through the
@@ -259,7 +260,7 @@ def plan_launch(
     env[ENV_ADVERTISE_URL] = advertise_url(args)
     if args.cpu_cores and not cuda:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_cores
-    if args.role in ("prefill", "decode"):
+    if args.role in PD_ROLES:
         env.update(pd_environment(args))
     if keys:
         env[ENV_API_KEYS] = ",".join(keys)
@@ -278,8 +279,6 @@ def flag_value(passthrough: list[str], flag: str) -> str | None:
     return value
 
 
-#: Instances of a P/D pair (``--disagg`` and ``--cluster`` start them with ``--role``).
-PD_ROLES = ("prefill", "decode")
 #: server/engine_scheduler.py's scheduler (named here: importing it imports vLLM).
 WARM_FIRST_SCHEDULER = "server.engine_scheduler.WarmFirstScheduler"
 

@@ -45,6 +45,8 @@ PD_CONNECTOR_CLASS = "KVBranchPDConnector"
 NIXL_CONNECTOR_CLASS = "VerifiedNixlConnector"
 PD_CONNECTOR_MODULE = "server.connector.pd"
 ROLES = ("single", "prefill", "decode", "router")
+#: The roles of a P/D pair's instances (``--disagg`` and ``--cluster`` start them with ``--role``).
+PD_ROLES = ("prefill", "decode")
 GIB = 1 << 30
 
 
