@@ -200,6 +200,9 @@ class InstanceInfo(BaseModel):
     inflight: int = 0
     requests: int = 0
     failures: int = 0
+    #: Named by ``--prefill``/``--decode``, or listed by the shared index (its heartbeat
+    #: lives). A router sends turns only to instances that are alive and listed.
+    listed: bool = True
 
 
 class IndexEntry(BaseModel):

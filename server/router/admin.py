@@ -335,7 +335,7 @@ class Admin:
         pool = self.pool
         await pool.refresh_members()
         await pool.probe_all()
-        ok = any(i.alive for i in pool.prefills) and any(i.alive for i in pool.decodes)
+        ok = pool.routable(pool.prefills) and pool.routable(pool.decodes)
         body: dict[str, Any] = {}
         for inst in pool.prefills:
             if inst.alive:
@@ -360,7 +360,7 @@ class Admin:
         except ValidationError as exc:  # a prefill instance that speaks another contract
             logger.warning("prefill health does not match the contract: %s", exc)
             health = RouterHealthInfo.model_validate(view)
-        serving = any(i.alive for i in pool.all)  # fallbacks still serve
+        serving = pool.routable(pool.all)  # fallbacks still serve
         return JSONResponse(
             health.model_dump(exclude_unset=True), status_code=200 if serving else 503
         )

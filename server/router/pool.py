@@ -103,6 +103,7 @@ class Instance:
             inflight=self.inflight,
             requests=self.requests,
             failures=self.failures,
+            listed=self.seed or self.listed,
         ).model_dump()
 
 
@@ -226,6 +227,10 @@ class Pool:
         try:
             records = await self.store.members()
         except IndexUnavailable as exc:
+            # The last view is kept through the outage, so it counts as seen: an index that
+            # comes back empty after an outage longer than a heartbeat TTL still gives the
+            # instances one TTL to re-register before they are left out.
+            self._members_seen_at = self._members_at
             self.members_failures += 1
             if self.members_failures == 1:
                 logger.warning("index unreachable, routing on affinity alone: %s", exc)
@@ -237,7 +242,8 @@ class Pool:
         if not records and any(i.listed and not i.seed for i in self.all):
             # Everyone gone at once: the index lost its records (a Redis restarted empty, a
             # failover), not the fleet. Keep the last view until the instances' next heartbeats
-            # re-register them — for at most one heartbeat TTL — instead of answering 503.
+            # re-register them — for at most one heartbeat TTL from the last read that listed
+            # them or failed — instead of answering 503.
             if now - self._members_seen_at < DEFAULT_HEARTBEAT_TTL_S:
                 return
         if records:
@@ -271,6 +277,11 @@ class Pool:
     def eligible(self, inst: Instance) -> bool:
         """A seed always; an instance learnt from the index only while the index lists it."""
         return inst.seed or inst.listed
+
+    def routable(self, instances: list[Instance]) -> bool:
+        """Some instance of ``instances`` would get a turn now (as last probed): up and
+        eligible. Health reports this, so it says degraded whenever turns would get 503."""
+        return any(i.alive and self.eligible(i) for i in instances)
 
     def fresh(self, inst: Instance, now: float) -> bool:
         """``inst``'s last probe is recent enough to go by (or it is ejected)."""

@@ -191,14 +191,20 @@ class Cluster:
         for router in self.routers:
             router.wait_ready()
         self.startup_s["routers"] = time.monotonic() - started
-        for router in self.routers:
-            wait_for(
-                f"{router.name} lists all four instances alive",
-                lambda r=router: self.alive_urls(r) >= {i.url for i in self.instances},
-                members_timeout_s,
-            )
+        self.wait_whole(members_timeout_s)
         for proc in [*self.instances, *self.routers]:
             self.memory_mib[proc.name] = tree_memory_mib(proc)
+
+    def wait_whole(self, timeout_s: float = 60.0) -> None:
+        """Until each router's health lists all four instances alive. The fault tests start
+        with it: each leaves the cluster whole, and one that failed midway must not fail the
+        next one too."""
+        for router in self.routers:
+            wait_for(
+                f"{router.name} lists all four instances alive and listed",
+                lambda r=router: self.alive_urls(r) >= {i.url for i in self.instances},
+                timeout_s,
+            )
 
     def stop(self) -> None:
         for proc in [*self.routers, *self.instances]:
@@ -215,7 +221,8 @@ class Cluster:
         return r.json()
 
     def alive_urls(self, router: ServerProcess) -> set[str]:
-        return {i["url"] for i in self.health(router)["instances"] if i["alive"]}
+        """The instances ``router`` would send a turn to: alive and listed by the index."""
+        return {i["url"] for i in self.health(router)["instances"] if i["alive"] and i["listed"]}
 
     def instance_id(self, inst: ServerProcess) -> str:
         r = httpx.get(inst.url + HEALTH_PATH, timeout=10)

@@ -226,7 +226,7 @@ def test_routers_find_all_four_instances_through_the_index(cluster):
     for router in cluster.routers:
         health = cluster.health(router)
         assert health["status"] == "ok"
-        assert {i["url"] for i in health["instances"] if i["alive"]} == set(records)
+        assert cluster.alive_urls(router) == set(records)
 
 
 # --- stateless routers ------------------------------------------------------------------------
@@ -393,6 +393,7 @@ def test_a_tampered_hold_costs_a_recompute_never_a_wrong_answer(cluster, plain_s
 
 def test_redis_down_routers_keep_answering_and_pulls_return_with_it(cluster, plain_server):
     """Leaves the cluster whole: Redis back (empty), all four instances re-registered."""
+    cluster.wait_whole()
     session = new_session("redis")
     messages = conversation(seed=405)
     first = turn(cluster.a, messages, session)
@@ -409,9 +410,25 @@ def test_redis_down_routers_keep_answering_and_pulls_return_with_it(cluster, pla
     for router in cluster.routers:
         assert cluster.health(router)["status"] == "ok"
     _record(redis_down_turns_s=round(time.monotonic() - down_at, 1))
+    # An outage longer than a heartbeat TTL: every record has expired when Redis is back, and
+    # the routers must still give the instances a TTL to re-register (the CI run of
+    # 2026-12-03 answered 503 after a 13 s outage).
+    time.sleep(max(0.0, HEARTBEAT_TTL_S + 1 - (time.monotonic() - down_at)))
 
     cluster.redis.start()
     back_at = time.monotonic()
+    # While the instances re-register (their heartbeat backoff reaches 5 s in an outage), each
+    # router reads an empty index at least once: its health must stay ok all along (health says
+    # degraded exactly when a turn would get 503).
+    health_seen: list[str] = []
+    registered_at = None
+    while registered_at is None or time.monotonic() < registered_at + 2.0:
+        health_seen += [cluster.health(router)["status"] for router in cluster.routers]
+        if registered_at is None and len(cluster.members()) == 4:
+            registered_at = time.monotonic()
+        assert time.monotonic() < back_at + 15 + HEARTBEAT_TTL_S, "instances did not re-register"
+        time.sleep(0.2)
+    assert set(health_seen) == {"ok"}, health_seen
     statuses: list[int] = []
     pulled = None
 
@@ -445,6 +462,7 @@ def test_redis_down_routers_keep_answering_and_pulls_return_with_it(cluster, pla
 
 def test_a_killed_decode_costs_a_recompute_and_its_restart_voids_old_holds(cluster, plain_server):
     """Leaves the cluster whole: the killed D restarted (a new instance id)."""
+    cluster.wait_whole()
     convs: dict[str, list[dict]] = {}
     answers: dict[str, str] = {}
     victim = None
@@ -516,6 +534,7 @@ def test_a_killed_decode_costs_a_recompute_and_its_restart_voids_old_holds(clust
 
 def test_a_prefill_killed_mid_stream_moves_its_sessions_to_the_other(cluster, plain_server):
     """Leaves one P: the killed one is not restarted (the last test needs only one)."""
+    cluster.wait_whole()
     session = new_session("pkill")
     messages = conversation(seed=420)
     first = turn(cluster.a, messages, session)

@@ -125,6 +125,44 @@ def test_an_index_that_comes_back_empty_keeps_the_last_view_for_one_heartbeat_tt
     asyncio.run(go())
 
 
+class _Clock:
+    """Stands in for the pool module's ``time``: an outage longer than a TTL without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_an_outage_longer_than_a_ttl_still_leaves_one_ttl_to_re_register(monkeypatch):
+    """CI 2026-12-03: Redis was down 13 s (> the 10 s TTL) and came back empty; the router had
+    counted the TTL from its last read before the outage and answered 503 at once."""
+
+    async def go() -> None:
+        clock = _Clock()
+        monkeypatch.setattr(pool_mod, "time", clock)
+        store = MemoryIndexStore(hold_ttl_s=10)
+        pool = Pool([], [], client=_client(), store=store)
+        await store.heartbeat(_record(P1, "prefill"), ttl_s=600)
+        assert len(await pool.live(pool.prefills)) == 1
+        pool.store = _Down(hold_ttl_s=10)
+        for _ in range(3):  # the outage outlasts a TTL
+            clock.now += pool_mod.DEFAULT_HEARTBEAT_TTL_S / 2
+            await pool.refresh_members(max_age=0)
+        clock.now += 1
+        pool.store = MemoryIndexStore(hold_ttl_s=10)  # back, and empty
+        assert [i.url for i in await pool.live(pool.prefills)] == [P1]
+        assert pool.routable(pool.prefills)
+        clock.now += pool_mod.DEFAULT_HEARTBEAT_TTL_S  # no heartbeat within a TTL: gone
+        assert await pool.live(pool.prefills) == []
+        # health says so: still alive, but not listed, so no turn goes there (degraded)
+        assert pool.prefills[0].info()["alive"] and not pool.prefills[0].info()["listed"]
+        assert not pool.routable(pool.prefills)
+
+    asyncio.run(go())
+
+
 def test_instances_unlisted_long_ago_are_forgotten(monkeypatch):
     async def go() -> None:
         store = MemoryIndexStore(hold_ttl_s=10)
