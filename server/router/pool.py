@@ -137,6 +137,11 @@ class Pool:
         self._turns_routed = 0
         self._members_at = -1e9
         self._members_seen_at = -1e9
+        #: The last membership read that failed, and the last read that listed anyone before
+        #: one that found nobody (router clock): for one heartbeat TTL after either, an
+        #: instance the index stops listing stays listed — the instances are re-registering.
+        self._failed_read_at = -1e9
+        self._lost_after = -1e9
         self.members_failures = 0
         #: The cluster secret: it signs the requests that carry transfer params or claims.
         self.secret = secret if secret is not None else load_cluster_secret()
@@ -227,10 +232,10 @@ class Pool:
         try:
             records = await self.store.members()
         except IndexUnavailable as exc:
-            # The last view is kept through the outage, so it counts as seen: an index that
-            # comes back empty after an outage longer than a heartbeat TTL still gives the
-            # instances one TTL to re-register before they are left out.
-            self._members_seen_at = self._members_at
+            # The last view is kept through the outage and for one heartbeat TTL after it:
+            # a Redis that restarted comes back empty, and the instances re-register one by
+            # one over their heartbeat backoff (up to 5 s apart), not all at once.
+            self._failed_read_at = self._members_at
             self.members_failures += 1
             if self.members_failures == 1:
                 logger.warning("index unreachable, routing on affinity alone: %s", exc)
@@ -240,17 +245,21 @@ class Pool:
             self.members_failures = 0
         now = time.monotonic()
         if not records and any(i.listed and not i.seed for i in self.all):
-            # Everyone gone at once: the index lost its records (a Redis restarted empty, a
-            # failover), not the fleet. Keep the last view until the instances' next heartbeats
-            # re-register them — for at most one heartbeat TTL from the last read that listed
-            # them or failed — instead of answering 503.
-            if now - self._members_seen_at < DEFAULT_HEARTBEAT_TTL_S:
-                return
+            # Everyone gone at once, without a failed read in between: the index lost its
+            # records (a fast failover), not the fleet. Keep the last view for one heartbeat
+            # TTL from the last read that listed anyone.
+            self._lost_after = max(self._lost_after, self._members_seen_at)
         if records:
             self._members_seen_at = now
+        # While the view is kept, an instance missing from the index stays listed (instead of
+        # the router answering 503 until every instance has re-registered); one that died
+        # meanwhile fails its probe anyway.
+        keep = now - max(self._failed_read_at, self._lost_after) < DEFAULT_HEARTBEAT_TTL_S
         by_url = {r.url.rstrip("/"): r for r in records if r.role in ("prefill", "decode")}
         for inst in self.all:
             rec = by_url.pop(inst.url, None)
+            if rec is None and keep:
+                continue
             inst.listed = rec is not None and rec.role == inst.role
             if inst.listed:
                 inst.record, inst.unlisted_since = rec, None

@@ -136,29 +136,38 @@ class _Clock:
 
 
 def test_an_outage_longer_than_a_ttl_still_leaves_one_ttl_to_re_register(monkeypatch):
-    """CI 2026-12-03: Redis was down 13 s (> the 10 s TTL) and came back empty; the router had
-    counted the TTL from its last read before the outage and answered 503 at once."""
+    """CI 2026-12-03: Redis was down 13 s (> the 10 s TTL) and came back empty. The router had
+    counted the TTL from its last read before the outage (503 at once); then, counting from the
+    outage, a read that found some instances re-registered left out the others (503 while no D
+    had re-registered yet)."""
 
     async def go() -> None:
         clock = _Clock()
         monkeypatch.setattr(pool_mod, "time", clock)
         store = MemoryIndexStore(hold_ttl_s=10)
         pool = Pool([], [], client=_client(), store=store)
-        await store.heartbeat(_record(P1, "prefill"), ttl_s=600)
-        assert len(await pool.live(pool.prefills)) == 1
+        for url, role in ((P1, "prefill"), (D1, "decode")):
+            await store.heartbeat(_record(url, role), ttl_s=600)
+        assert len(await pool.live(pool.prefills)) == len(await pool.live(pool.decodes)) == 1
         pool.store = _Down(hold_ttl_s=10)
         for _ in range(3):  # the outage outlasts a TTL
             clock.now += pool_mod.DEFAULT_HEARTBEAT_TTL_S / 2
             await pool.refresh_members(max_age=0)
         clock.now += 1
-        pool.store = MemoryIndexStore(hold_ttl_s=10)  # back, and empty
+        back = MemoryIndexStore(hold_ttl_s=10)  # back, and empty
+        pool.store = back
         assert [i.url for i in await pool.live(pool.prefills)] == [P1]
-        assert pool.routable(pool.prefills)
-        clock.now += pool_mod.DEFAULT_HEARTBEAT_TTL_S  # no heartbeat within a TTL: gone
-        assert await pool.live(pool.prefills) == []
+        assert [i.url for i in await pool.live(pool.decodes)] == [D1]
+        clock.now += 2
+        await back.heartbeat(_record(P1, "prefill"), ttl_s=600)  # P1 re-registers first
+        assert [i.url for i in await pool.live(pool.decodes)] == [D1]  # D1 not yet: still kept
+        assert pool.routable(pool.prefills) and pool.routable(pool.decodes)
+        clock.now += pool_mod.DEFAULT_HEARTBEAT_TTL_S  # D1 never came back within a TTL: gone
+        assert await pool.live(pool.decodes) == []
+        assert [i.url for i in await pool.live(pool.prefills)] == [P1]
         # health says so: still alive, but not listed, so no turn goes there (degraded)
-        assert pool.prefills[0].info()["alive"] and not pool.prefills[0].info()["listed"]
-        assert not pool.routable(pool.prefills)
+        assert pool.decodes[0].info()["alive"] and not pool.decodes[0].info()["listed"]
+        assert not pool.routable(pool.decodes)
 
     asyncio.run(go())
 
