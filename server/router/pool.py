@@ -15,7 +15,9 @@ failed leg on it before falling back.
 Membership: the instances named by ``--prefill``/``--decode`` (seeds), plus — with a shared
 index (:mod:`server.index`) — every instance whose heartbeat is live there, refreshed at most
 once per ``MEMBERS_MAX_AGE_S``. An instance the index lists is chosen only while its heartbeat
-lives: once its record expires, no turn is aimed at it, whatever this router last saw.
+lives: once its record expires, no turn is aimed at it, whatever this router last saw — except
+for one heartbeat TTL after the index was unreachable or lost its records, while the instances
+re-register (:meth:`Pool.refresh_members`).
 
 Choice (:mod:`server.router.choice` scores it): a decode instance is the one that holds the
 branch's KV when it is up, else the least busy. A prefill instance is the cheapest: the prefill
@@ -88,6 +90,11 @@ class Instance:
     unlisted_since: float | None = None
 
     @property
+    def eligible(self) -> bool:
+        """A seed always; an instance learnt from the index only while the index lists it."""
+        return self.seed or self.listed
+
+    @property
     def load(self) -> int:
         """Requests this router has in flight there, or the instance's own count at its last
         heartbeat when larger (other routers' requests)."""
@@ -103,7 +110,7 @@ class Instance:
             inflight=self.inflight,
             requests=self.requests,
             failures=self.failures,
-            listed=self.seed or self.listed,
+            listed=self.eligible,
         ).model_dump()
 
 
@@ -283,14 +290,16 @@ class Pool:
             (self.prefills if rec.role == "prefill" else self.decodes).append(inst)
             logger.info("%s %s joined (instance %s)", rec.role, url, rec.instance_id)
 
-    def eligible(self, inst: Instance) -> bool:
-        """A seed always; an instance learnt from the index only while the index lists it."""
-        return inst.seed or inst.listed
+    @staticmethod
+    def usable(inst: Instance, now: float) -> bool:
+        """``inst`` gets turns as last probed: eligible, up and not ejected."""
+        return inst.eligible and inst.alive and now >= inst.ejected_until
 
     def routable(self, instances: list[Instance]) -> bool:
-        """Some instance of ``instances`` would get a turn now (as last probed): up and
-        eligible. Health reports this, so it says degraded whenever turns would get 503."""
-        return any(i.alive and self.eligible(i) for i in instances)
+        """Some instance of ``instances`` would get a turn now (as last probed). Health reports
+        this, so it says degraded whenever turns would get 503."""
+        now = time.monotonic()
+        return any(self.usable(i, now) for i in instances)
 
     def fresh(self, inst: Instance, now: float) -> bool:
         """``inst``'s last probe is recent enough to go by (or it is ejected)."""
@@ -300,13 +309,13 @@ class Pool:
         """The eligible instances that are up. Only stale ones are probed here; the router's
         background refresh (:meth:`keep_fresh`) keeps them fresh, so a turn rarely waits."""
         await self.refresh_members()
-        candidates = [i for i in instances if self.eligible(i)]
+        candidates = [i for i in instances if i.eligible]
         now = time.monotonic()
         stale = [i for i in candidates if not self.fresh(i, now)]
         if stale:
             await asyncio.gather(*(self.probe(i) for i in stale))
         now = time.monotonic()
-        return [i for i in candidates if i.alive and now >= i.ejected_until]
+        return [i for i in candidates if self.usable(i, now)]
 
     async def keep_fresh(self) -> None:
         """Refresh membership and probe what is about to go stale, off the turns' path (the
@@ -316,7 +325,7 @@ class Pool:
             try:
                 await self.refresh_members(max_age=MEMBERS_MAX_AGE_S * 0.9)  # about once a second
                 soon = time.monotonic() + PROBE_MAX_AGE_S / 2
-                due = [i for i in self.all if self.eligible(i) and not self.fresh(i, soon)]
+                due = [i for i in self.all if i.eligible and not self.fresh(i, soon)]
                 if due:
                     await asyncio.gather(*(self.probe(i, PROBE_MAX_AGE_S / 2) for i in due))
             except Exception:  # noqa: BLE001 - a refresh must never end the loop
