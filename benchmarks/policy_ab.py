@@ -77,7 +77,6 @@ def pass_summary(records: list[dict], wall_s: float) -> dict[str, float]:
 SERVER_COUNTERS = {
     ("vllm:num_preemptions_total", None): "preemptions (vLLM, all)",
     ("kvbranch_scheduler_preemptions_total", None): "preemptions for warmer work",
-    ("kvbranch_scheduler_decode_pauses_total", None): "steps decodes sat out",
     ("kvbranch_prompt_tokens_total", "device"): "prompt tokens from device cache",
     ("kvbranch_prompt_tokens_total", "host"): "prompt tokens from host store",
     ("kvbranch_prompt_tokens_total", "recomputed"): "prompt tokens recomputed",

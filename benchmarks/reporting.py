@@ -128,12 +128,7 @@ def git_rev() -> str:
 
 #: Server switches a run's environment may carry, shown with its command (an allowlist: the
 #: environment also holds secrets such as KVBRANCH_CLUSTER_SECRET).
-REPORTED_ENV = (
-    "KVBRANCH_ASYNC_SAVE",
-    "KVBRANCH_BACKFILL",
-    "KVBRANCH_DECODE_PAUSE",
-    "KVBRANCH_PREFAULT",
-)
+REPORTED_ENV = ("KVBRANCH_ASYNC_SAVE", "KVBRANCH_BACKFILL", "KVBRANCH_PREFAULT")
 
 
 def command_line() -> str:

@@ -40,16 +40,6 @@ a running one, or behind one admitted ahead of it in this step, is not admitted 
 one prefills (:func:`colds_to_queue`); the running one finishes its prompt in at most
 ``prompt / chunk`` steps, then the next is admitted and finds the shared blocks cached.
 
-**A resumed turn's first step without decodes.** On this CPU backend a step that mixes a
-short prefill with decodes costs far more than the two apart: a <= 100-token resumed step
-alone has a 0.27 s forward, beside 1-3 decodes 0.41-0.51 s, while a decode-only step of 1-3
-requests takes 0.09-0.13 s (step trace of RESULTS.md policy_ab 2026-12-03 07:07). So in a step
-where a short prefill starts (the best-ranked waiting request, when it is short, ready and fits
-in the free blocks) or continues, the running decodes sit the step out (:func:`decodes_to_pause`;
-vLLM's own per-request skip, ``next_decode_eligible_step``), and the resumed turn's first token
-comes from the step alone. A decode that sat out the previous step is not paused again, so
-decodes run at least every other step. ``KVBRANCH_DECODE_PAUSE=0`` turns it off (A/B runs).
-
 **Backfill.** vLLM admits waiting requests in rank order and stops at the first that does not
 fit in the free device blocks. Under a tight device budget that idles blocks a later request
 could use: a forking agent's sibling branch shares most of its history with the branch running
@@ -73,10 +63,9 @@ request arriving now instead (:meth:`WarmFirstScheduler.add_request`).
 Under vLLM's FCFS policy it keeps vLLM's own rules. The launcher selects it with vLLM's own
 ``--scheduler-cls`` on CPU, where vLLM uses the synchronous scheduler; on CUDA it is not used.
 
-Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``,
-``current_step``, a request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``,
-``num_tokens``, ``arrival_time``, ``block_hashes``, ``next_decode_eligible_step``,
-``kv_cache_manager.block_pool.get_num_free_blocks()``,
+Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_config``, a
+request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens``,
+``arrival_time``, ``block_hashes``, ``kv_cache_manager.block_pool.get_num_free_blocks()``,
 ``kv_cache_manager.coordinator.find_longest_cache_hit``, a block's ``ref_cnt``,
 ``_preempt_request``, ``_request_blocks_can_be_freed`` and ``_handle_blocked_waiting_request``).
 """
@@ -94,7 +83,7 @@ from vllm.v1.request import RequestStatus
 
 from server.plugin.priority import DEFAULT_AGING_S, aging_from_env, level_in, unranked
 from server.scheduler_counters import SchedulerCounters, publish
-from server.settings import ENV_BACKFILL, ENV_DECODE_PAUSE, on_unless_zero
+from server.settings import ENV_BACKFILL, on_unless_zero
 
 QUALNAME = "server.engine_scheduler.WarmFirstScheduler"
 
@@ -219,20 +208,6 @@ def colds_to_queue(running: Iterable[Any], waiting: Iterable[Any]) -> set[str]:
     return queued
 
 
-def decodes_to_pause(
-    running: Iterable[Any], starting: Any | None, paused_last: set[str]
-) -> list[Any]:
-    """Running decodes to leave out of this step (module docstring, "A resumed turn's first
-    step without decodes"): all of them when a short prefill starts (``starting``, a waiting
-    request vLLM admits first) or continues, but those in ``paused_last`` (they sat out the
-    previous step); none otherwise."""
-    running = list(running)
-    short = starting is not None or any(is_prefilling(r) and not is_long(r) for r in running)
-    if not short:
-        return []
-    return [r for r in running if not is_prefilling(r) and r.request_id not in paused_last]
-
-
 def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
     """The running request to preempt for ``head`` (the best-ranked waiting request): the
     worst-ranked *long* (cold) prefill that ranks behind ``head``; ``None`` if there is none.
@@ -266,9 +241,6 @@ class WarmFirstScheduler(Scheduler):
         #: Times each waiting request was passed after its first ``aging_s`` (for siblings).
         self._kvb_late_passes: dict[str, int] = {}
         self._kvb_backfill = self._kvb_priority and on_unless_zero(ENV_BACKFILL)
-        self._kvb_decode_pause = self._kvb_priority and on_unless_zero(ENV_DECODE_PAUSE)
-        #: Decodes left out of the previous step (not paused twice in a row).
-        self._kvb_paused_decodes: set[str] = set()
 
     def add_request(self, request: Any) -> None:
         """A request the plugin did not rank (priority 0: a route whose vLLM body has no
@@ -289,29 +261,7 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_passed = self._backfill() if self._kvb_backfill and self.waiting else set()
         if self._kvb_dynamic and self.waiting:
             self._kvb_passed |= colds_to_queue(self.running, self.waiting)
-        if self._kvb_decode_pause:
-            self._pause_decodes()
         return super().schedule(*args, **kwargs)
-
-    def _pause_decodes(self) -> None:
-        """Leave running decodes out of this step while a short prefill starts or continues
-        (:func:`decodes_to_pause`). ``schedule`` counts this step as ``current_step + 1`` and
-        skips a running request while the step is below its ``next_decode_eligible_step``:
-        one step, then it runs again."""
-        starting = None
-        head = next((r for r in self.waiting if r.request_id not in self._kvb_passed), None)
-        if head is not None and head.status in READY and not is_long(head):
-            free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-            if self._device_blocks_needed(head) <= free:
-                starting = head
-        paused = decodes_to_pause(self.running, starting, self._kvb_paused_decodes)
-        for decode in paused:
-            decode.next_decode_eligible_step = max(
-                decode.next_decode_eligible_step, self.current_step + 2
-            )
-        self._kvb_paused_decodes = {r.request_id for r in paused}
-        if paused:
-            self.kvb_counters.decode_pauses += 1
 
     def _handle_blocked_waiting_request(self, request: Any) -> bool:
         """vLLM asks this for each waiting request it looks at; ``False`` skips the request

@@ -17,8 +17,6 @@ class SchedulerCounters:
     backfills: int = 0
     #: Waiting requests passed by those steps, summed.
     passed_requests: int = 0
-    #: Steps whose running decodes sat out for a short prefill (a resumed turn's first step).
-    decode_pauses: int = 0
 
 
 _published: SchedulerCounters | None = None

@@ -34,8 +34,6 @@ ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
 ENV_PRIORITY_AGING_S = "KVBRANCH_PRIORITY_AGING_S"
 #: ``0``: the warm-first scheduler does not backfill (server/engine_scheduler.py; for A/B runs).
 ENV_BACKFILL = "KVBRANCH_BACKFILL"
-#: ``0`` lets decodes share a resumed turn's first step again (A/B runs; server.engine_scheduler).
-ENV_DECODE_PAUSE = "KVBRANCH_DECODE_PAUSE"
 
 
 def on_unless_zero(name: str) -> bool:

@@ -146,11 +146,6 @@ def _scheduler_metrics(sched: SchedulerStats | None):
                 "Waiting requests passed by a backfill, summed over steps",
                 sched.passed_requests,
             ),
-            (
-                "kvbranch_scheduler_decode_pauses",
-                "Steps whose running decodes sat out for a short prefill's first step",
-                sched.decode_pauses,
-            ),
         ],
     )
 

@@ -109,7 +109,6 @@ class SchedulerStats(_Internal):
     preemptions: int
     backfills: int
     passed_requests: int
-    decode_pauses: int = 0
 
 
 class EngineStats(Stats):

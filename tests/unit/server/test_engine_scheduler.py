@@ -22,7 +22,6 @@ from server.engine_scheduler import (
     WarmFirstScheduler,
     blocks_needed,
     colds_to_queue,
-    decodes_to_pause,
     preemption_victim,
     requests_to_pass,
 )
@@ -410,63 +409,3 @@ def test_colds_to_queue_rule():
     assert colds_to_queue([running_long], [earlier, later]) == {"later"}
     assert colds_to_queue([], [earlier, later]) == {"later"}  # behind the one admitted first
     assert colds_to_queue([fake(WARM, 10, 10)], [short]) == set()
-
-
-# --- a resumed turn's first step without decodes ------------------------------------------
-
-
-def decoding(sched: Scheduler, rid: str = "decode") -> Request:
-    """A request past its prompt with one output token to compute (what vLLM's update after a
-    forward leaves: no model runs here)."""
-    r = request(rid, 2 * BS, priority=SHORT, arrival=time.time() - 5, first=3000)
-    sched.add_request(r)
-    sched.schedule()
-    assert r.num_computed_tokens == r.num_prompt_tokens
-    r.append_output_token_ids(7)
-    return r
-
-
-@pytest.mark.parametrize("cls", [WarmFirstScheduler, Scheduler])
-def test_a_resumed_turn_starts_in_a_step_without_the_decodes(cls):
-    """The running decode sits out the step in which a short prefill starts and runs in the
-    next; vLLM's own scheduler runs it in both steps. A decode that sat out a step is not
-    paused in the next, so decodes run at least every other step."""
-    sched = make(cls)
-    decode = decoding(sched)
-    now = time.time()
-    sched.add_request(request("resumed", BS, priority=WARM, arrival=now, first=800))
-    steps = [scheduled_ids(sched.schedule())]
-    if decode.num_computed_tokens == decode.num_tokens:  # it ran: its next output token
-        decode.append_output_token_ids(8)
-    sched.add_request(request("next", BS, priority=WARM, arrival=now, first=900))
-    steps.append(scheduled_ids(sched.schedule()))
-    if cls is WarmFirstScheduler:
-        assert steps == [{"resumed"}, {"next", "decode"}]
-        # Both steps paused a decode: the second the one "resumed" became (prompt done).
-        assert sched.kvb_counters.decode_pauses == 2
-    else:
-        assert steps == [{"resumed", "decode"}, {"next", "decode"}]
-
-
-def test_no_decode_pause_when_turned_off(monkeypatch):
-    monkeypatch.setenv("KVBRANCH_DECODE_PAUSE", "0")
-    sched = make()
-    decoding(sched)
-    sched.add_request(request("resumed", BS, priority=WARM, arrival=time.time(), first=800))
-    assert scheduled_ids(sched.schedule()) == {"resumed", "decode"}
-
-
-def test_decodes_to_pause_rule():
-    def named(rid, request):
-        request.request_id = rid
-        return request
-
-    decode = named("d", fake(SHORT, 2000, 2000, tokens=2001))
-    other = named("o", fake(SHORT, 900, 900, tokens=905))
-    cold = named("c", fake(COLD, 64, 2000, arrival=1.0))
-    short = named("s", fake(WARM, 0, 300))
-    starting = waiting_fake("w", 2, WARM, arrival=4.0)
-    assert decodes_to_pause([decode, other], starting, set()) == [decode, other]
-    assert decodes_to_pause([decode, other], starting, {"d"}) == [other]  # not twice in a row
-    assert decodes_to_pause([decode, cold], None, set()) == []  # only a cold chunk beside
-    assert decodes_to_pause([decode, short], None, set()) == [decode]  # a short one continues
