@@ -17,7 +17,7 @@ vLLM's own key check, where it applies, runs before it).
   or delete.
 * **Hostile JSON**: a body nested deeper than :data:`sdk.contract.wire.MAX_JSON_DEPTH`, or
   with a lone UTF-16 surrogate in any string, is a 400 naming where
-  (:mod:`server.plugin.json_body`): past this layer both would raise (``RecursionError``,
+  (:mod:`server.checks.json_body`): past this layer both would raise (``RecursionError``,
   ``UnicodeEncodeError``): a 500, and a dropped keep-alive connection.
 * **What only the cluster sends** (:mod:`server.plugin.cluster_gate`): transfer params and
   hold claims without the router's proof get 403; with API keys, vLLM's dev routes need a key
@@ -37,25 +37,18 @@ from typing import Any
 from sdk.contract import (
     API_PREFIX,
     BRANCH_HEADER,
-    BRANCH_XARG,
     CACHE_SALT_FIELD,
-    EXTRA_ARGS_FIELD,
     GENERATE_PATHS,
     MAX_BODY_BYTES,
-    NESTED_XARGS_PATH,
-    SAMPLING_PARAMS_FIELD,
-    SESSION_FIELD,
     SESSION_HEADER,
-    SESSION_XARG,
     UNSALTABLE_PATHS,
-    XARGS_FIELD,
     check_cache_salt,
-    check_id,
 )
 from server import dialects
+from server.checks import json_body
+from server.checks.ids import id_problem
 from server.errors import send_error
-from server.plugin import cluster_gate, json_body
-from server.plugin.middleware import xargs_of
+from server.plugin import cluster_gate
 from server.plugin.request import drain, header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
 
@@ -67,40 +60,6 @@ def _guarded(path: str) -> bool:
         or path == API_PREFIX
         or path.startswith(API_PREFIX + "/")
     )
-
-
-def id_problem(
-    payload: dict,
-    session_header: str | None,
-    branch_header: str | None,
-    path: str = GENERATE_PATHS[0],
-) -> tuple[str, str] | None:
-    """(param, message) for the first malformed session/branch id of a generating request, or
-    None. Empty or absent ids mean "none" (as in vLLM and the planner). Pure, for tests."""
-    xargs = xargs_of(payload, path)
-    xargs = xargs if isinstance(xargs, dict) else {}
-    where = (
-        f"{SAMPLING_PARAMS_FIELD}.{EXTRA_ARGS_FIELD}" if path == NESTED_XARGS_PATH else XARGS_FIELD
-    )
-    candidates = [
-        (SESSION_FIELD, payload.get(SESSION_FIELD)),
-        (SESSION_HEADER, session_header),
-        (f"{where}.{SESSION_XARG}", xargs.get(SESSION_XARG)),
-        (f"{where}.{BRANCH_XARG}", xargs.get(BRANCH_XARG)),
-        (BRANCH_HEADER, branch_header),
-    ]
-    for param, value in candidates:
-        if value is None or value == "":
-            continue
-        if param == SESSION_FIELD and not isinstance(value, str):
-            continue  # vLLM's own request model rejects it with its message
-        if param == f"{where}.{SESSION_XARG}" and not isinstance(value, str):
-            continue  # vLLM ignores a non-string one
-        try:
-            check_id(value, param)
-        except ValueError as exc:
-            return param, str(exc)[:300]
-    return None
 
 
 class KVBranchGuard:

@@ -50,6 +50,7 @@ from sdk.contract import (
     XARGS_FIELD,
 )
 from server import dialects
+from server.checks.ids import xargs_of
 from server.connector.control.models import Split
 from server.plugin.engine_tokens import VllmEngine
 from server.plugin.priority import policy_from_env
@@ -72,16 +73,6 @@ logger = logging.getLogger("kvbranch.middleware")
 
 _NO_XARGS_PATHS = NO_XARGS_PATHS  # nothing to strip there
 _USAGE_MARKER = f'"{USAGE_FIELD}"'.encode()
-
-
-def xargs_of(payload: dict, path: str) -> Any:
-    """The client's extension args on this route (``None`` when absent or not accepted)."""
-    if path in _NO_XARGS_PATHS:
-        return None
-    if path == NESTED_XARGS_PATH:
-        params = payload.get(SAMPLING_PARAMS_FIELD)
-        return params.get(EXTRA_ARGS_FIELD) if isinstance(params, dict) else None
-    return payload.get(XARGS_FIELD)
 
 
 def attach_split(target: dict, split: dict) -> None:

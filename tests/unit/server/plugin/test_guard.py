@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from server.plugin.guard import KVBranchGuard, id_problem
+from server.checks.ids import id_problem
+from server.plugin.guard import KVBranchGuard
 
 
 @pytest.mark.parametrize(

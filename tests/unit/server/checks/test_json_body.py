@@ -1,4 +1,4 @@
-"""server.plugin.json_body: the guard's one parse, and what it refuses (too deep, lone
+"""server.checks.json_body: the guard's one parse, and what it refuses (too deep, lone
 surrogates) with the place named."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from server.plugin.json_body import MAX_JSON_DEPTH, parse, problem_of
+from server.checks.json_body import MAX_JSON_DEPTH, parse, problem_of
 
 
 def nested(depth: int) -> bytes:
