@@ -4,10 +4,12 @@ backend keeps it (:mod:`server.index.memory` in the router's own process, the de
 
 The index is *advisory* (docs/cluster.md): nothing read from it is trusted. A hold it offers is
 claimed on D and checked by P's connector (seal, expiry, claim, once, token prefix, chained block
-hashes) before one block moves; an instance it lists is probed before a turn goes there; a block
-it says P holds is only a cost estimate (vLLM and the host store check token ids locally). So a
-stale, lost, evicted or tampered entry can cost a recompute, never a wrong answer — which is why
-every backend may forget anything at any time (TTLs, caps, a Redis restart).
+hashes) before one block moves; an instance it lists counts only when the record's seal
+verifies under the cluster secret, and is probed before a turn goes there; a block it says P
+holds is only a cost estimate (vLLM and the host store check token ids locally). So a stale,
+lost, evicted or tampered entry can cost a recompute, never a wrong answer nor traffic sent to
+a URL no instance of the cluster vouched for — which is why every backend may forget anything
+at any time (TTLs, caps, a Redis restart).
 
 Three kinds of record:
 
@@ -16,7 +18,9 @@ Three kinds of record:
   never replaces a newer one's hold), the session's *home* prefill instance, and which instances
   have the session (session routes go there instead of to every instance);
 * **instance level**, written by each instance about itself only: its record (URL, role, model,
-  block size, NIXL side channel, load) under its identity, refreshed by a heartbeat with a TTL;
+  block size, NIXL side channel, load) under its identity, refreshed by a heartbeat with a TTL
+  and sealed with the cluster secret — the one thing routers read from the index that decides
+  where traffic goes, so a record whose seal fails is never listed (:mod:`.record_seal`);
 * **block level**, written by each instance about itself only: which block hashes it holds, per
   tier (device cache, host store), stamped with its identity and *generation*. A restart (new
   identity) or a bumped generation (a lost event stream, a cleared cache) makes every older entry
@@ -108,6 +112,9 @@ class InstanceRecord:
     #: Data-parallel engines behind this URL.
     engines: int = 1
     started_at: float = field(default_factory=time.time)
+    #: The instance's seal over every field above (:mod:`server.index.record_seal`): routers
+    #: list only records whose seal verifies under the cluster secret.
+    mac: str = ""
 
 
 @dataclass

@@ -4,7 +4,8 @@ plugin of every instance started with a shared ``--index``.
 * **heartbeat** every :data:`HEARTBEAT_INTERVAL_S`: the instance's
   :class:`~server.index.base.InstanceRecord` (identity, URL, role, model, block size, NIXL side
   channel, block generation, load) with a :data:`~server.index.base.DEFAULT_HEARTBEAT_TTL_S`
-  TTL;
+  TTL, sealed with the cluster secret (:mod:`server.index.record_seal`: routers list no record
+  whose seal fails, so a writer of the shared index cannot add an instance);
 * **block events**: one :class:`~server.index.events.EventConsumer` per engine's KV event
   publisher (vLLM's ``get_kv_event_sources``), feeding ``publish_blocks`` under this instance's
   identity and generation;
@@ -24,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from server.connector.pd.transfer_auth import load_cluster_secret
+from server.index import record_seal
 from server.index.base import DEFAULT_HEARTBEAT_TTL_S, IndexStore, InstanceRecord, Role, Tier
 from server.index.events import EventConsumer, Generation
 
@@ -91,8 +94,11 @@ class IndexPublisher:
         ttl_s: float = DEFAULT_HEARTBEAT_TTL_S,
         max_pending: int = MAX_PENDING_BATCHES,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        secret: bytes | None = None,
     ) -> None:
         self.store = store
+        #: The cluster secret: every heartbeat is sealed with it, or no router lists the record.
+        self.secret = secret if secret is not None else load_cluster_secret()
         self.record = record
         self.interval_s = interval_s
         self.ttl_s = ttl_s
@@ -173,7 +179,9 @@ class IndexPublisher:
             await self.shutdown()
 
     async def heartbeat(self) -> None:
-        record = replace(self.record(), generation=self.generation.value)
+        record = record_seal.seal(
+            replace(self.record(), generation=self.generation.value), self.secret
+        )
         try:
             await asyncio.wait_for(self.store.heartbeat(record, self.ttl_s), self.call_timeout_s)
         except Exception:

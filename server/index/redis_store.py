@@ -557,6 +557,7 @@ class RedisIndexStore(IndexStore):
             "kv_usage": repr(float(record.kv_usage)),
             "engines": str(record.engines),
             "started_at": repr(float(record.started_at)),
+            "mac": record.mac,
         }
         pairs = [x for kv in fields.items() for x in kv]
         k = self.keys
@@ -731,6 +732,7 @@ def _record(instance_id: str, fields: dict[bytes, bytes]) -> InstanceRecord | No
             kv_usage=float(text.get("kv_usage", "0")),
             engines=int(text.get("engines", "1")),
             started_at=float(text.get("started_at", "0")),
+            mac=text.get("mac", ""),
         )
     except (KeyError, ValueError, UnicodeDecodeError):
         return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 
 import httpx
@@ -37,8 +37,11 @@ from sdk.contract import (
     STATS_PATH,
 )
 from server.index import IndexStore, MemoryIndexStore
+from server.tenants import KeyTable
 from server.router.admin import Admin
-from server.router.pool import CACHE_AWARE, Pool
+from server.router.edge import Edge
+from server.router.limits import TENANT_INFLIGHT
+from server.router.pool import CACHE_AWARE, PROBE_MAX_CONNECTIONS, PROBE_TIMEOUT_S, Pool
 from server.router.turn import TurnFlow
 
 logger = logging.getLogger("kvbranch.router")
@@ -70,7 +73,13 @@ class Router:
         secret: bytes | None = None,
         index: IndexStore | None = None,
         policy: str = CACHE_AWARE,
+        api_keys: Sequence[str] = (),
+        tenant_inflight: int = TENANT_INFLIGHT,
     ) -> None:
+        #: The cluster's API keys (digests only): the edge refuses a request without one of
+        #: them (401) before any route runs; none configured, every request is let through.
+        self.keys = KeyTable(api_keys)
+        self.tenant_inflight = tenant_inflight
         if index is None:
             index = (
                 MemoryIndexStore(hold_ttl_s)
@@ -84,18 +93,28 @@ class Router:
                 max_connections=MAX_CONNECTIONS, keepalive_expiry=KEEPALIVE_EXPIRY_S
             ),
         )
+        # Health probes get their own client and connections: a tenant that holds all of the
+        # turns' MAX_CONNECTIONS must not make probes time out (instances marked down, 503s).
+        probe_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(PROBE_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(
+                max_connections=PROBE_MAX_CONNECTIONS, keepalive_expiry=KEEPALIVE_EXPIRY_S
+            ),
+        )
+        self.registry = CollectorRegistry()
         self.pool = Pool(
             prefill_urls,
             decode_urls,
             client=client,
+            probe_client=probe_client,
             api_key=api_key,
             on_restart=self._drop_holds_of,
             secret=secret,
             store=index,
             policy=policy,
+            registry=self.registry,
         )
         self._tasks: set[asyncio.Task[int]] = set()
-        self.registry = CollectorRegistry()
         self.turn_flow = TurnFlow(self.pool, self.index, self.registry)
         self.admin = Admin(self.pool, self.index, fanout_timeout_s)
 
@@ -111,12 +130,13 @@ class Router:
 
     @property
     def client(self) -> httpx.AsyncClient:
-        """The one HTTP client every part talks to the instances with (tests swap it)."""
+        """The HTTP client every part talks to the instances with (the probes have their own:
+        ``pool.probe_client``). Tests swap it: setting it sets the probes' one too."""
         return self.pool.client
 
     @client.setter
     def client(self, client: httpx.AsyncClient) -> None:
-        self.pool.client = client
+        self.pool.client = self.pool.probe_client = client
 
     async def sweep_forever(self) -> None:
         """Drop expired index entries on a timer (started by the app's lifespan)."""
@@ -144,10 +164,18 @@ def build_app(router: Router) -> FastAPI:
                 with suppress(asyncio.CancelledError):
                     await task
             await router.client.aclose()
+            await router.pool.probe_client.aclose()
             await router.index.close()
 
     app = FastAPI(title="kvbranch router", version=PROTOCOL_VERSION, lifespan=lifespan)
     app.state.router = router
+    # Outermost of ours: headers, keys and in-flight bounds before any route reads the body.
+    app.add_middleware(
+        Edge,  # type: ignore[arg-type]
+        keys=router.keys,
+        registry=router.registry,
+        tenant_inflight=router.tenant_inflight,
+    )
     admin = router.admin
 
     for path in COMPLETION_PATHS:

@@ -1,10 +1,15 @@
 """The router's instance pool: which prefill and decode instances are up, and which one a turn
 goes to.
 
-Health is probed lazily (at most once per ``PROBE_MAX_AGE_S`` per instance, when a turn needs
-it) and an instance that could not be reached is marked down at once; it comes back on the next
-probe that answers 200. Each probe also reads the instance's ``instance_id``: a changed id means
-the instance restarted and lost the blocks it held, so ``on_restart`` drops its index entries.
+Health is probed lazily (at most once per ``PROBE_MAX_AGE_S`` per instance, when a turn or a
+health check needs it; callers that find a probe of the same instance in flight wait for it, so
+a flood of ``/health`` requests costs no more probes than one) and an instance that could not be
+reached is marked down at once; it comes back on the next probe that answers 200. Probes go
+through their own HTTP client (``probe_client``: the router builds one with its own small
+connection pool), never the turns' pool: a tenant that holds every pooled connection must not
+make probes time out and mark the instances down for everyone. Each probe also reads the
+instance's ``instance_id``: a changed id means the instance restarted and lost the blocks it
+held, so ``on_restart`` drops its index entries.
 
 Ejection (a circuit breaker, as vllm-router has one): an instance whose health check answers
 but whose requests fail (unreachable or 5xx) ``EJECT_AFTER_FAILURES`` times in a row is left out
@@ -14,10 +19,14 @@ failed leg on it before falling back.
 
 Membership: the instances named by ``--prefill``/``--decode`` (seeds), plus — with a shared
 index (:mod:`server.index`) — every instance whose heartbeat is live there, refreshed at most
-once per ``MEMBERS_MAX_AGE_S``. An instance the index lists is chosen only while its heartbeat
-lives: once its record expires, no turn is aimed at it, whatever this router last saw — except
-for one heartbeat TTL after the index was unreachable or lost its records, while the instances
-re-register (:meth:`Pool.refresh_members`).
+once per ``MEMBERS_MAX_AGE_S``, and only when the record's seal verifies under the cluster secret
+(:mod:`server.index.record_seal`): a record anyone else wrote into the index is ignored, counted
+(``kvbranch_router_index_records_refused_total``) and logged (at most once per
+``REFUSED_LOG_INTERVAL_S``), so a writer of the index can never point turns at a URL. An
+instance the index lists is chosen only while its heartbeat lives: once its record expires, no
+turn is aimed at it, whatever this router last saw — except for one heartbeat TTL after the
+index was unreachable or lost its records, while the instances re-register
+(:meth:`Pool.refresh_members`).
 
 Choice (:mod:`server.router.choice` scores it): a decode instance is the one that holds the
 branch's KV when it is up, else the least busy. A prefill instance is the cheapest: the prefill
@@ -35,15 +44,24 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client import CollectorRegistry, Counter
 
 from sdk.contract import HEALTH_PATH, InstanceInfo
 from server.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.connector.pd.transfer_auth import load_cluster_secret
-from server.index import BlockHits, IndexStore, IndexUnavailable, InstanceRecord, Key, TurnStart
+from server.index import (
+    BlockHits,
+    IndexStore,
+    IndexUnavailable,
+    InstanceRecord,
+    Key,
+    TurnStart,
+    record_seal,
+)
 from server.index.base import DEFAULT_HEARTBEAT_TTL_S
 from server.router import choice
 
@@ -59,6 +77,11 @@ FORGET_UNLISTED_S = 60.0
 #: How stale this router's copy of the index's membership may be.
 MEMBERS_MAX_AGE_S = 1.0
 PROBE_TIMEOUT_S = 3.0
+#: Connections the probes' own client keeps (one probe per instance at a time; more instances
+#: than this wait their turn, still never behind client traffic).
+PROBE_MAX_CONNECTIONS = 32
+#: A refused index record is logged at most this often (the metric counts every one).
+REFUSED_LOG_INTERVAL_S = 60.0
 #: Failed requests in a row (unreachable or 5xx) after which an instance is left out ...
 EJECT_AFTER_FAILURES = 3
 #: ... for this long, whatever its health check says (vllm-router's breaker waits 30 s too).
@@ -88,6 +111,8 @@ class Instance:
     listed: bool = True
     #: When the index stopped listing it (router clock; None while listed).
     unlisted_since: float | None = None
+    #: The probe in flight, which concurrent callers wait for instead of sending their own.
+    probing: asyncio.Future[bool] | None = field(default=None, repr=False, compare=False)
 
     @property
     def eligible(self) -> bool:
@@ -123,17 +148,22 @@ class Pool:
         decode_urls: list[str],
         *,
         client: httpx.AsyncClient,
+        probe_client: httpx.AsyncClient | None = None,
         api_key: str | None = None,
         on_restart: Callable[[str], object] | None = None,
         secret: bytes | None = None,
         store: IndexStore | None = None,
         policy: str = CACHE_AWARE,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         if store is None and (not prefill_urls or not decode_urls):
             raise ValueError("a router needs at least one prefill and one decode instance")
         self.prefills = [Instance(u.rstrip("/"), "prefill") for u in prefill_urls]
         self.decodes = [Instance(u.rstrip("/"), "decode") for u in decode_urls]
         self.client = client
+        #: Health probes' own client (its own connections); the turns' client when not given
+        #: (tests with one fake transport). The router gives it one of its own.
+        self.probe_client = probe_client if probe_client is not None else client
         self.api_key = api_key
         self._on_restart = on_restart
         #: The shared index whose membership this pool follows (None: seeds only).
@@ -150,8 +180,17 @@ class Pool:
         self._failed_read_at = -1e9
         self._lost_after = -1e9
         self.members_failures = 0
-        #: The cluster secret: it signs the requests that carry transfer params or claims.
+        #: The cluster secret: it signs the requests that carry transfer params or claims,
+        #: and verifies the instances' records in the index.
         self.secret = secret if secret is not None else load_cluster_secret()
+        self.records_refused = 0
+        self._refused_metric = Counter(
+            "kvbranch_router_index_records_refused",
+            "Instance records read from the index whose seal did not verify (ignored)",
+            registry=registry,
+        )
+        self._refused_logged_at = -1e9
+        self._refused_unlogged = 0
 
     @property
     def all(self) -> list[Instance]:
@@ -170,13 +209,22 @@ class Pool:
         return {ROUTER_PROOF_HEADER: sign(self.secret, method, path, content)}
 
     async def probe(self, inst: Instance, max_age: float = PROBE_MAX_AGE_S) -> bool:
+        """Whether ``inst`` is up: its last probe when younger than ``max_age``, else the probe
+        in flight if there is one, else a new probe. The probe runs on its own (shielded): a
+        caller that goes away does not cancel it for the others."""
         now = time.monotonic()
         if now < inst.ejected_until:
             return False
         if now - inst.checked_at < max_age:
             return inst.alive
+        if inst.probing is None:
+            inst.probing = asyncio.ensure_future(self._probe_now(inst))
+            inst.probing.add_done_callback(lambda _: setattr(inst, "probing", None))
+        return await asyncio.shield(inst.probing)
+
+    async def _probe_now(self, inst: Instance) -> bool:
         try:
-            r = await self.client.get(
+            r = await self.probe_client.get(
                 inst.url + HEALTH_PATH, headers=self.auth_headers(), timeout=PROBE_TIMEOUT_S
             )
             alive = r.status_code == 200
@@ -227,7 +275,31 @@ class Pool:
         inst.consecutive_failures = 0
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(i, 0.0) for i in self.all))
+        """Every instance as of at most ``PROBE_MAX_AGE_S`` ago (what health reports): cached,
+        so however many health checks arrive, each instance gets at most one probe per
+        ``PROBE_MAX_AGE_S`` from them."""
+        await asyncio.gather(*(self.probe(i) for i in self.all))
+
+    def trusted(self, record: InstanceRecord) -> bool:
+        """``record`` was sealed by an instance holding the cluster secret, recently; else it is
+        counted, logged at most once per ``REFUSED_LOG_INTERVAL_S`` and False."""
+        if record_seal.verify(record, self.secret):
+            return True
+        self.records_refused += 1
+        self._refused_metric.inc()
+        self._refused_unlogged += 1
+        now = time.monotonic()
+        if now - self._refused_logged_at >= REFUSED_LOG_INTERVAL_S:
+            logger.warning(
+                "ignored %d index record(s) whose seal does not verify, the last for instance "
+                "%.80r at %.200r: a process without this cluster's secret (or with another "
+                "KVBRANCH_CLUSTER_SECRET) writes to the index",
+                self._refused_unlogged,
+                record.instance_id,
+                record.url,
+            )
+            self._refused_logged_at, self._refused_unlogged = now, 0
+        return False
 
     async def refresh_members(self, max_age: float = MEMBERS_MAX_AGE_S) -> None:
         """Follow the shared index's membership: learn new instances, leave out the ones whose
@@ -237,7 +309,7 @@ class Pool:
             return
         self._members_at = time.monotonic()
         try:
-            records = await self.store.members()
+            records = [r for r in await self.store.members() if self.trusted(r)]
         except IndexUnavailable as exc:
             # The last view is kept through the outage and for one heartbeat TTL after it:
             # a Redis that restarted comes back empty, and the instances re-register one by

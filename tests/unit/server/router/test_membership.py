@@ -7,7 +7,15 @@ import asyncio
 
 import httpx
 
-from server.index import BlockHits, IndexUnavailable, InstanceRecord, MemoryIndexStore, TurnStart
+from server.connector.pd.transfer_auth import load_cluster_secret
+from server.index import (
+    BlockHits,
+    IndexUnavailable,
+    InstanceRecord,
+    MemoryIndexStore,
+    TurnStart,
+    record_seal,
+)
 from server.router import choice
 from server.router import pool as pool_mod
 from server.router.pool import Pool
@@ -27,7 +35,9 @@ def _client(down: set[str] | None = None) -> httpx.AsyncClient:
 
 
 def _record(url: str, role: str, load: int = 0) -> InstanceRecord:
-    return InstanceRecord("iid-" + url, url, role, block_size=16, load=load)  # type: ignore[arg-type]
+    """A heartbeat as an instance sends it: sealed with the cluster secret the pool verifies."""
+    record = InstanceRecord("iid-" + url, url, role, block_size=16, load=load)  # type: ignore[arg-type]
+    return record_seal.seal(record, load_cluster_secret())
 
 
 def test_instances_come_from_heartbeats_and_leave_when_their_record_expires():
