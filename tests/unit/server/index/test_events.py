@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import msgspec
 import pytest
+from vllm.distributed.kv_events import ZmqEventPublisher
 
 from server.connector.vllm_compat import (
     AllBlocksCleared,
@@ -18,8 +19,6 @@ from server.connector.vllm_compat import (
 )
 from server.index import InstanceRecord, MemoryIndexStore
 from server.index.events import EventConsumer, Generation, hash64, tier_of
-
-ZmqEventPublisher = pytest.importorskip("vllm.distributed.kv_events").ZmqEventPublisher
 
 IID = "inst-1"
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
+from vllm.distributed.kv_events import ZmqEventPublisher
 
 from server.connector.vllm_compat import BlockStored, KVEventBatch
 from server.index import IndexUnavailable, InstanceRecord, MemoryIndexStore
@@ -166,11 +167,8 @@ def test_role_and_sources_and_record():
 
 
 async def test_real_vllm_publisher_end_to_end(tmp_path):
-    kv_events = pytest.importorskip("vllm.distributed.kv_events")
     endpoint, replay = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/rp.sock"
-    vllm_pub = kv_events.ZmqEventPublisher(
-        0, endpoint=endpoint, replay_endpoint=replay, topic="kvbranch"
-    )
+    vllm_pub = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic="kvbranch")
     store = FlakyStore()
     pub = IndexPublisher(store, record, [(endpoint, replay, "kvbranch")], interval_s=0.05)
     task = asyncio.create_task(pub.run())
