@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -85,9 +86,11 @@ __all__ = [
     "RequestStatus",
     "SchedulerOutput",
     "VllmConfig",
+    "install_nixl_side_channel",
     "kv_events_enabled",
     "maybe_convert_block_hash",
     "nixl_base_worker",
+    "nixl_zmq_path",
 ]
 
 
@@ -238,3 +241,63 @@ def nixl_progress_thread_off() -> Iterator[None]:
         yield
     finally:
         module.nixl_agent_config = original
+
+
+# --- NIXL: the handshake side channel ---------------------------------------------------------
+# Upstream's scheduler starts ``self._nixl_handshake_listener(encoded_data, ready_event,
+# stop_event, host, port)`` in a thread (``set_xfer_handshake_metadata``), and its worker runs
+# ``self._nixl_handshake(...)`` on an executor, opening its REQ socket with ``base_worker``'s
+# module-level ``zmq_ctx``. Both are looked up on the instance at call time, so an instance
+# attribute replaces them for our connectors only; the REQ socket is wrapped only on a thread
+# inside our ``_nixl_handshake`` (a thread-local), any other use of ``zmq_ctx`` is untouched.
+_handshake_wrap = threading.local()
+
+
+def nixl_zmq_path(host: str, port: int) -> str:
+    """The side channel's ZMQ address, as upstream writes it (IPv6 hosts bracketed)."""
+    from vllm.utils.network_utils import make_zmq_path
+
+    return make_zmq_path("tcp", host, port)
+
+
+def _wrapping_zmq_ctx(original: Any) -> Any:
+    import zmq
+
+    @contextlib.contextmanager
+    def zmq_ctx(socket_type: Any, addr: str) -> Iterator[Any]:
+        with original(socket_type, addr) as sock:
+            wrap = getattr(_handshake_wrap, "wrap", None)
+            yield wrap(sock) if wrap is not None and socket_type == zmq.REQ else sock
+
+    zmq_ctx.kvbranch_original = original  # type: ignore[attr-defined]
+    return zmq_ctx
+
+
+def install_nixl_side_channel(
+    sched: Any,
+    worker: Any,
+    listener: Callable[..., None],
+    wrap_requester: Callable[[Any], Any],
+) -> None:
+    """Replace NIXL's handshake side channel on one connector: the scheduler's listener thread
+    body becomes ``listener`` (upstream's arguments: ``encoded_data, ready_event, stop_event,
+    host, port``), and the REQ socket the worker's ``_nixl_handshake`` asks a peer with is
+    ``wrap_requester(sock)`` (it must offer ``setsockopt``, ``send`` and ``recv_multipart``).
+    ``sched``/``worker``: the connector's, either may be None. Call it before vLLM hands the
+    scheduler its handshake metadata (vLLM does so after the connector is built)."""
+    if sched is not None:
+        sched._nixl_handshake_listener = listener
+    if worker is not None:
+        module = importlib.import_module(_LAZY["nixl_base_worker"][0])
+        if not hasattr(module.zmq_ctx, "kvbranch_original"):
+            module.zmq_ctx = _wrapping_zmq_ctx(module.zmq_ctx)
+        upstream = type(worker)._nixl_handshake
+
+        def nixl_handshake(*args: Any, **kwargs: Any) -> Any:
+            _handshake_wrap.wrap = wrap_requester
+            try:
+                return upstream(worker, *args, **kwargs)
+            finally:
+                _handshake_wrap.wrap = None
+
+        worker._nixl_handshake = nixl_handshake

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from server.connector.config import NixlChildConfig
 from server.connector.control.models import ClaimHold
 from server.connector.control.transport import ControlError
+from server.connector.pd import side_channel
 from server.connector.pd.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
 from server.connector.pd.read_bounds import fail_slow_reads, report_unqueued
 from server.connector.pd.transfer_auth import (
@@ -179,6 +180,10 @@ class VerifiedNixlConnector(NixlConnector):
         self.block_size = vllm_config.cache_config.block_size
         self.compat = compat_of(vllm_config)
         self.secret = load_cluster_secret()
+        # NIXL's handshake listener and requester: authenticated, and no frame kills them.
+        self.side_channel = side_channel.install(
+            self.connector_scheduler, self.connector_worker, self.secret
+        )
         self.consumed = ConsumedHandles()
         self.holds = HoldRegistry(config.claim_ttl_s)
         self.hold_ttl_s = float(config.decoder_kv_blocks_ttl)
