@@ -31,6 +31,7 @@ from server.connector.config import ConnectorConfig, NixlChildConfig
 from server.engine_idle import ENV_IDLE_POLL_S
 from server.engine_spin import ENV_MQ_SPIN_S
 from server.engine_spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
+from server.index.event_sockets import exposed_endpoints
 from server.phases import Phases, PhaseTracker, StdoutTee, watch_listening
 from server.settings import (
     CONNECTOR_CLASS,
@@ -225,6 +226,15 @@ def plan_launch(
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     elif args.role in PD_ROLES:
         argv += ["--kv-transfer-config", json.dumps(pd_transfer_config(args, None))]
+    exposed = exposed_endpoints(passthrough)
+    if exposed and not getattr(args, "allow_remote_kv_events", False):
+        raise LaunchError(
+            f"--kv-events-config would publish KV events on {', '.join(exposed)}, reachable "
+            "beyond this machine: whoever connects reads every tenant's token ids (vLLM's "
+            "socket has no authentication). Use ipc:// or a loopback tcp:// endpoint and "
+            "reach it privately (docs/kv_events.md), or pass --allow-remote-kv-events on a "
+            "private network"
+        )
     if index_enabled(args) and not has_flag(passthrough, "--kv-events-config"):
         # The plugin's index publisher reads vLLM's KV events (device cache and, through the
         # connector's take_events, host store) from this instance's own engine over ipc://

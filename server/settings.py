@@ -319,6 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="namespace in the index: several clusters can share one Redis (default %(default)s)",
     )
     cluster.add_argument(
+        "--allow-remote-kv-events",
+        action="store_true",
+        help="instance: accept a --kv-events-config (after '--') whose sockets reach beyond "
+        "this machine (tcp://* or any non-loopback address; vLLM's own default is "
+        "tcp://*:5557). Without it the launcher refuses one: KV events carry every tenant's "
+        "token ids and vLLM's socket has no authentication (docs/kv_events.md)",
+    )
+    cluster.add_argument(
         "--advertise-url",
         default=None,
         metavar="URL",
