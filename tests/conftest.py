@@ -6,15 +6,25 @@ about 45 blocks of 128 tokens; pin budget 0.05 GiB, 9 blocks) so that eviction a
 behaviour is reachable in tests with short prompts;
 ``VLLM_SERVER_DEV_MODE=1`` so tests can drop the device prefix cache (``POST
 /reset_prefix_cache``) and make the host store the only source.
-``plain_server`` — the same engine without the connector: the reference for greedy outputs.
+``plain_server`` — vLLM's own server with no kvbranch code on its request path (no plugin,
+no middleware, no connector; :mod:`tests.vanilla_vllm`), configured like the others: the
+reference for greedy outputs.
+``no_connector_server`` — kvbranch's launcher with ``--no-connector``: the plugin without the
+connector (what that mode answers is itself under test).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import threading
 
+import httpx
 import pytest
 
+from server.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ROOT
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
 
@@ -36,11 +46,44 @@ def kvbranch_server():
         yield server
 
 
+PLAIN_ARGS = ["--kv-cache-gib", "0.5", "--max-model-len", "4096", "--no-connector"]
+
+
+class VanillaVLLM(ServerProcess):
+    """vLLM's own server (``python -m tests.vanilla_vllm``), started and stopped like ours."""
+
+    def launch(self) -> VanillaVLLM:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
+        env[ENV_PARENT_PID] = str(os.getpid())  # it stops when the tests die
+        if threading.current_thread() is threading.main_thread():
+            env[ENV_PARENT_DEATHSIG] = "1"
+        else:
+            env.pop(ENV_PARENT_DEATHSIG, None)
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.vanilla_vllm", "--port", str(self.port), *self.args],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        ServerProcess.running.add(self)
+        return self
+
+
 @pytest.fixture(scope="session")
 def plain_server():
-    with ServerProcess(
-        ["--kv-cache-gib", "0.5", "--max-model-len", "4096", "--no-connector"], name="plain"
-    ) as server:
+    with VanillaVLLM(PLAIN_ARGS, name="plain") as server:
+        # the reference has none of kvbranch's routes (nor, so, its plugin)
+        r = httpx.get(f"{server.url}/v1/kvbranch/health", timeout=30)
+        assert r.status_code == 404, f"the vLLM reference serves kvbranch's routes: {r.text}"
+        yield server
+
+
+@pytest.fixture(scope="session")
+def no_connector_server():
+    with ServerProcess(PLAIN_ARGS, name="no-connector") as server:
         yield server
 
 

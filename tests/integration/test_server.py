@@ -83,8 +83,8 @@ def test_metrics_exports_kvbranch_counters(kvbranch_server):
     assert "kvbranch_scheduler_preemptions_total" in r.text
 
 
-def test_plain_server_reports_connector_not_loaded(plain_server):
-    with client(plain_server) as c:
+def test_no_connector_server_reports_connector_not_loaded(no_connector_server):
+    with client(no_connector_server) as c:
         health = c.get("/v1/kvbranch/health").json()
         assert health["connector"]["loaded"] is False
         r = c.post("/v1/kvbranch/sessions", json={})
