@@ -61,7 +61,12 @@ def error_response(
     return JSONResponse(_body(status, message, param, **extra), status_code=status, headers=headers)
 
 
-def asgi_error(status: int, message: str, param: str | None = None) -> tuple[dict[str, Any], bytes]:
+def asgi_error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[dict[str, Any], bytes]:
     """The ``http.response.start`` message and the body of an error, for raw ASGI code."""
     body = json.dumps(_body(status, message, param), default=str).encode()
     start = {
@@ -70,13 +75,20 @@ def asgi_error(status: int, message: str, param: str | None = None) -> tuple[dic
         "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
+            *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items()),
         ],
     }
     return start, body
 
 
-async def send_error(send: Send, status: int, message: str, param: str | None = None) -> None:
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> None:
     """Answer an ASGI request with an error."""
-    start, body = asgi_error(status, message, param)
+    start, body = asgi_error(status, message, param, headers)
     await send(start)
     await send({"type": "http.response.body", "body": body, "more_body": False})

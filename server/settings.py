@@ -270,6 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
         "round-robin (no index at all: the baseline benchmarks/cluster_agents.py measures)",
     )
     pd.add_argument(
+        "--router-tenant-inflight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="router: requests in flight per API key (tenant) before 429 with Retry-After "
+        "(default 128; without keys every client shares one count per Authorization header)",
+    )
+    pd.add_argument(
         "--nixl-port",
         type=_port,
         default=None,

@@ -9,8 +9,12 @@ imports it without the plugin or vLLM.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
+from collections.abc import Iterable
+from typing import Any
 
-__all__ = ["ANONYMOUS", "bearer_key", "scope_of", "tenant_id"]
+__all__ = ["ANONYMOUS", "KeyTable", "bearer_key", "keys_of", "scope_of", "tenant_id"]
 
 #: 128 bits of the digest, as hex.
 DIGEST_CHARS = 32
@@ -44,3 +48,39 @@ def scope_of(authorization: str | None) -> str:
         return tenant_id(key)
     digest = hashlib.sha256(b"kvbranch-authorization\0" + authorization.encode())
     return "h_" + digest.hexdigest()[:DIGEST_CHARS]
+
+
+def keys_of(args: Any) -> list[str]:
+    """The keys vLLM enforces for these arguments (its rule: ``--api-key`` wins over
+    ``VLLM_API_KEY``; empty ones are dropped) — the instances' keys, and the router's."""
+    listed = getattr(args, "api_key", None)
+    return [k for k in (listed or [os.environ.get("VLLM_API_KEY")]) if k]
+
+
+class KeyTable:
+    """A server's API keys, held as digests: :meth:`owner` is the tenant of a request's
+    ``Authorization`` header when it carries one of them. One table for both doors — the
+    instances (:mod:`server.plugin.tenancy`) and the router (:mod:`server.router.edge`) — so
+    both accept exactly the same keys and name their tenants the same way."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = {hashlib.sha256(k.encode()).digest(): tenant_id(k) for k in keys if k}
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def owner(self, authorization: str | None) -> str | None:
+        """The tenant of a configured bearer key, parsed as vLLM parses it; ``None`` without
+        keys, without a header, or for a key this server does not have."""
+        key = bearer_key(authorization)
+        if not self._digests or key is None:
+            return None
+        try:
+            digest = hashlib.sha256(key.encode("utf-8")).digest()
+        except UnicodeEncodeError:  # a lone surrogate: not any key of ours
+            return None
+        owner = None
+        for known, tenant in self._digests.items():  # compare all: no hint of which matched
+            if hmac.compare_digest(digest, known):
+                owner = tenant
+        return owner

@@ -16,34 +16,24 @@ configured key has no owner: the guard refuses it on every generating route.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import os
 from typing import Any
 
 from server.settings import ENV_API_KEYS  # the launcher sets it from the keys it saw
-from server.tenants import DIGEST_CHARS, bearer_key, tenant_id
+from server.tenants import DIGEST_CHARS, KeyTable, keys_of, tenant_id
 
 __all__ = ["app_args_of", "keys_of", "owner_of", "tenancy_on", "tenant_id", "tenant_salt"]
 
-#: id(args) -> (args, {sha256(key): owner}); keeping args alive keeps its id unique.
-_CACHE: dict[int, tuple[Any, dict[bytes, str]]] = {}
+#: id(args) -> (args, its key table); keeping args alive keeps its id unique.
+_CACHE: dict[int, tuple[Any, KeyTable]] = {}
 
 
-def keys_of(args: Any) -> list[str]:
-    """The keys vLLM enforces for these arguments (its rule: ``--api-key`` wins over
-    ``VLLM_API_KEY``; empty ones are dropped)."""
-    listed = getattr(args, "api_key", None)
-    return [k for k in (listed or [os.environ.get("VLLM_API_KEY")]) if k]
-
-
-def _table(app_args: Any) -> dict[bytes, str]:
+def _table(app_args: Any) -> KeyTable:
     if app_args is None:
-        keys = [k for k in os.environ.get(ENV_API_KEYS, "").split(",") if k]
-        return {hashlib.sha256(k.encode()).digest(): tenant_id(k) for k in keys}
+        return KeyTable(os.environ.get(ENV_API_KEYS, "").split(","))
     cached = _CACHE.get(id(app_args))
     if cached is None or cached[0] is not app_args:
-        table = {hashlib.sha256(k.encode()).digest(): tenant_id(k) for k in keys_of(app_args)}
-        cached = _CACHE[id(app_args)] = (app_args, table)
+        cached = _CACHE[id(app_args)] = (app_args, KeyTable(keys_of(app_args)))
     return cached[1]
 
 
@@ -59,18 +49,8 @@ def tenancy_on(app_args: Any = None) -> bool:
 
 
 def owner_of(authorization: str | None, app_args: Any = None) -> str | None:
-    """The tenant of a configured bearer key, parsed as vLLM parses it; ``None`` without keys,
-    without a header, or for a key the server does not have."""
-    table = _table(app_args)
-    key = bearer_key(authorization)
-    if not table or key is None:
-        return None
-    digest = hashlib.sha256(key.encode("utf-8")).digest()
-    owner = None
-    for known, tenant in table.items():  # compare every key: no timing hint of which matched
-        if hmac.compare_digest(digest, known):
-            owner = tenant
-    return owner
+    """The tenant of a configured bearer key (:meth:`server.tenants.KeyTable.owner`)."""
+    return _table(app_args).owner(authorization)
 
 
 def tenant_salt(owner: str, client_salt: Any) -> str:

@@ -43,8 +43,7 @@ from server.router import relay
 from server.router.edge import (
     SESSION_ROUTE_HEADERS,
     Refused,
-    check_headers,
-    read_body,
+    read_session_body,
     tenant_of,
     unavailable,
 )
@@ -233,8 +232,7 @@ class Admin:
                 404, f"no kvbranch route {request.method} {API_PREFIX}/{path[:200]}"
             )
         try:
-            check_headers(request)
-            body = await read_body(request)
+            body = await read_session_body(request)
         except Refused as refused:
             return refused.response
         prefills = await self.pool.live(self.pool.prefills)

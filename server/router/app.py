@@ -37,12 +37,12 @@ from sdk.contract import (
     STATS_PATH,
 )
 from server.index import IndexStore, MemoryIndexStore
-from server.tenants import KeyTable
 from server.router.admin import Admin
-from server.router.edge import Edge
+from server.router.edge import Edge, EdgeState
 from server.router.limits import TENANT_INFLIGHT
 from server.router.pool import CACHE_AWARE, PROBE_MAX_CONNECTIONS, PROBE_TIMEOUT_S, Pool
 from server.router.turn import TurnFlow
+from server.tenants import KeyTable
 
 logger = logging.getLogger("kvbranch.router")
 
@@ -78,8 +78,7 @@ class Router:
     ) -> None:
         #: The cluster's API keys (digests only): the edge refuses a request without one of
         #: them (401) before any route runs; none configured, every request is let through.
-        self.keys = KeyTable(api_keys)
-        self.tenant_inflight = tenant_inflight
+        keys = KeyTable(api_keys)
         if index is None:
             index = (
                 MemoryIndexStore(hold_ttl_s)
@@ -115,6 +114,7 @@ class Router:
             registry=self.registry,
         )
         self._tasks: set[asyncio.Task[int]] = set()
+        self.edge = EdgeState(keys, self.registry, tenant_inflight=tenant_inflight)
         self.turn_flow = TurnFlow(self.pool, self.index, self.registry)
         self.admin = Admin(self.pool, self.index, fanout_timeout_s)
 
@@ -170,12 +170,7 @@ def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvbranch router", version=PROTOCOL_VERSION, lifespan=lifespan)
     app.state.router = router
     # Outermost of ours: headers, keys and in-flight bounds before any route reads the body.
-    app.add_middleware(
-        Edge,  # type: ignore[arg-type]
-        keys=router.keys,
-        registry=router.registry,
-        tenant_inflight=router.tenant_inflight,
-    )
+    app.add_middleware(Edge, state=router.edge)  # type: ignore[arg-type]
     admin = router.admin
 
     for path in COMPLETION_PATHS:

@@ -57,6 +57,7 @@ _ROUTER_FLAGS = {
     "--shutdown-grace-s": 1,
     "--pd-hold-ttl-s": 1,
     "--cluster-name": 1,
+    "--router-tenant-inflight": 1,
 }
 _REDIS_START_S = 10.0
 

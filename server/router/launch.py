@@ -71,7 +71,8 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
     import uvicorn
 
     from server.router.app import Router, build_app
-    from server.router.limits import MAX_CONCURRENCY, HeaderDeadlineProtocol
+    from server.router.limits import TENANT_INFLIGHT, HeaderDeadlineProtocol
+    from server.tenants import keys_of
 
     index_url = getattr(args, "index", None) or "memory"
     shared = index_url != "memory"
@@ -89,6 +90,8 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
         args.decode or [],
         hold_ttl_s=router_ttl(args),
         api_key=args.api_key[0] if args.api_key else None,
+        api_keys=keys_of(args),
+        tenant_inflight=getattr(args, "router_tenant_inflight", None) or TENANT_INFLIGHT,
         index=store,
         policy=getattr(args, "router_policy", "cache-aware"),
     )
@@ -104,8 +107,10 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
         port=args.port,
         log_level="warning" if args.log_level == "info" else args.log_level,
         timeout_graceful_shutdown=args.shutdown_grace_s,
+        # No limit_concurrency: uvicorn's counts idle connections too (2,100 idle sockets
+        # made it refuse every real request); the edge bounds requests in flight instead,
+        # and the protocol closes idle connections to make room (server.router.limits).
         http=HeaderDeadlineProtocol,
-        limit_concurrency=MAX_CONCURRENCY,
     )
     server = uvicorn.Server(config)
     server.run(sockets=[sock] if sock is not None else None)

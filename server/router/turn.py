@@ -52,17 +52,11 @@ from sdk.contract import (
     HoldClaimResult,
 )
 from server import dialects
+from server.checks.ids import xargs_of
 from server.errors import error_response
 from server.index import Hold, IndexStore, IndexUnavailable, Key, TurnStart
 from server.router import relay
-from server.router.edge import (
-    FORWARD_HEADERS,
-    Refused,
-    check_headers,
-    read_body,
-    tenant_of,
-    unavailable,
-)
+from server.router.edge import FORWARD_HEADERS, Refused, read_turn, tenant_of, unavailable
 from server.router.pool import ROUND_ROBIN, Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
@@ -100,7 +94,7 @@ def turn_key(payload: dict[str, Any], request: Request) -> Key | None:
     session = dialects.session_of(payload, request.url.path, request.headers.get(SESSION_HEADER))
     if session is None:
         return None
-    xargs = payload.get("vllm_xargs")
+    xargs = xargs_of(payload, request.url.path)
     branch = xargs.get(BRANCH_XARG) if isinstance(xargs, dict) else None
     branch = branch or request.headers.get(BRANCH_HEADER) or DEFAULT_BRANCH
     return (tenant_of(request), session, str(branch))
@@ -156,16 +150,9 @@ class TurnFlow:
 
     async def completion(self, request: Request) -> Response:
         try:
-            check_headers(request)
-            raw = await read_body(request)
+            payload = await read_turn(request)
         except Refused as refused:
             return refused.response
-        try:
-            payload = json.loads(raw)
-        except ValueError:
-            return error_response(400, "request body is not valid JSON")
-        if not isinstance(payload, dict):
-            return error_response(400, "request body must be a JSON object")
         if TRANSFER_PARAMS_FIELD in payload:
             return error_response(400, "kv_transfer_params is set by the router; remove it")
         turn = _Turn(
@@ -417,9 +404,10 @@ class _Turn:
         body = dict(self.payload, max_tokens=1, stream=False, n=1)
         body.pop("max_completion_tokens", None)
         body.pop("stream_options", None)
-        min_tokens = body.get("min_tokens")
-        if isinstance(min_tokens, int) and min_tokens > 1:
-            body["min_tokens"] = 1  # vLLM refuses min_tokens > max_tokens; D keeps the client's
+        if body.get("min_tokens") is not None:  # an int: read_turn checked it
+            # vLLM refuses min_tokens > max_tokens; D keeps the client's (checked against the
+            # client's own max_tokens by read_turn, so D will not refuse it after P's prefill)
+            body["min_tokens"] = min(body["min_tokens"], 1)
         body[TRANSFER_PARAMS_FIELD] = params
         r = await self.post(inst, body)
         if 400 <= r.status_code < 500:
