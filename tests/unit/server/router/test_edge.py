@@ -257,3 +257,34 @@ def test_a_body_under_the_bound_still_flows(monkeypatch):
     r = call(make_router(fakes), "POST", SESSIONS_PATH, json={"session_id": "s1"})
     assert r.status_code == 201
     assert {json.loads(c)["session_id"] for _, _, _, c in fakes.seen} == {"s1"}
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_upstream_released():
+    from prometheus_client import CollectorRegistry
+
+    from server.router.edge import Edge
+    from server.tenants import KeyTable
+
+    state = EdgeState(KeyTable([]), CollectorRegistry(), send_timeout_s=0.2)
+    released = []
+
+    async def streaming_app(scope, receive, send):  # a relay: writes until told to stop
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            while True:
+                await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        finally:
+            released.append(True)  # the relay's upstream close
+
+    async def never_read(message):
+        if message["type"] == "http.response.body":
+            await asyncio.Event().wait()  # the client's window stays full
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "path": "/v1/chat/completions", "headers": [], "method": "POST"}
+    asyncio.run(asyncio.wait_for(Edge(streaming_app, state)(scope, receive, never_read), 30))
+    assert released == [True]
+    assert state.slow_clients._value.get() == 1
+    assert state.total == 0 and state.inflight == {}
