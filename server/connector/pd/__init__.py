@@ -7,6 +7,7 @@
 * ``transfer_params`` — the params' allow-list, identity, verified token prefix (pure)
 * ``hold_registry``  — D's holds of finished turns' blocks, claims (pure)
 * ``read_bounds``    — reads never queued or in flight too long
+* ``side_channel``   — NIXL's handshake listener and requester: authenticated, unkillable
 
 ``server.connector.pd`` is the module path users' vLLM configs and our launcher name
 (``settings.PD_CONNECTOR_MODULE``): ``KVBranchPDConnector`` and ``VerifiedNixlConnector`` are
