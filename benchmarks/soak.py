@@ -1,0 +1,663 @@
+"""A soak of a kvbranch cluster with faults and abuse (issue 37 item 8): minutes of legitimate
+tenants beside hostile traffic while processes are SIGKILLed, then every answer replayed on plain
+vLLM.
+
+    with_server_slot .venv/bin/python -m benchmarks.soak --quick     # 2 min of traffic
+    with_server_slot .venv/bin/python -m benchmarks.soak             # 5 min
+    with_server_slot .venv/bin/python -m benchmarks.soak --prefills 2 --decodes 2 --minutes 10
+
+The cluster is the launcher's cluster form, one process each, started here: a Redis (the index),
+``--prefills`` P (core 0) and ``--decodes`` D (core 1) publishing into it, and two routers
+that find them through it, all with three API keys — tenants A and B are legitimate, C is the
+abusive one — and a small ``--router-tenant-inflight`` so that C's share is reachable.
+
+Traffic, through both routers, until ``--minutes`` have passed and every role has been
+faulted once:
+
+* legitimate (A, B; ``--agents`` each): sessions created over the session routes, several
+  turns alternating the routers, streaming and not, a fork per session with a turn on it, a
+  tool-call request (a tool result in the history, ``strict`` tools), the session deleted;
+  a request to a router that is down is retried once on the other one (a client with two
+  endpoints);
+* hostile (:mod:`benchmarks.soak_abuse`): rounds of malformed bodies and headers, floods of
+  unauthenticated chats, a batch of idle sockets held open, C past its in-flight share;
+* a fault every ``--fault-every`` seconds, cycling router → Redis → D → P: SIGKILL, restart,
+  and the next fault only once both routers list every instance alive again.
+
+Then the cluster is stopped and plain vLLM (:mod:`tests.vanilla_vllm`: vLLM's own server, no
+kvbranch code) is started on the same cores, and every served legitimate request's body is
+replayed on it (greedy, same ``max_tokens``, non-streaming): the answers must be identical.
+
+Report (:mod:`benchmarks.soak_report`): per tenant the requests served, 4xx and 5xx by cause,
+failures during a fault of the only instance of a role apart; RSS of every process tree and the
+Redis key count sampled every ``--sample-every`` seconds; every target met or not. Raw data
+(bodies included): ``benchmarks/out/soak-<time>.json``; the record without bodies and the plot:
+``benchmarks/soak[_quick].json|png``; a section appended to RESULTS.md (unless --no-results).
+Everything it started is stopped on exit, Ctrl-C and errors included; all traffic goes to
+127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common, reporting, soak_abuse, soak_report  # noqa: E402
+from benchmarks.soak_abuse import Outcome  # noqa: E402
+from benchmarks.textgen import WORDS  # noqa: E402
+from sdk.contract import (  # noqa: E402
+    CHAT_COMPLETIONS_PATH,
+    HEALTH_PATH,
+    SESSIONS_PATH,
+    branches_path,
+    session_path,
+)
+from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET  # noqa: E402
+from server.process import MODEL_NAME, ServerProcess, free_port  # noqa: E402
+from tests.conftest import VanillaVLLM  # noqa: E402
+from tests.integration.cluster_fixture import restart, sigkill, tree_memory_mib  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+FAULT_CYCLE = ("router", "redis", "decode", "prefill")
+#: Hard bounds on every loop (the time bounds are the run's deadline).
+MAX_SESSIONS_PER_AGENT = 500
+MAX_ABUSE_ROUNDS = 500
+MAX_FAULTS = 64
+#: How long past ``--minutes`` the run may go to finish its fault cycle and recover.
+GRACE_S = 1200.0
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+            "strict": True,  # explicit: kvbranch's default and plain vLLM's then agree
+        },
+    }
+]
+
+
+# --- the cluster ---------------------------------------------------------------------------------
+class SoakCluster:
+    """Redis, P's, D's and two routers, each its own process; names ``prefill0``, ``decode0``,
+    ``router0``, ``redis``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.redis = RedisServer()
+        self.keys = {t: f"tenant-{t.lower()}-{secrets.token_hex(8)}" for t in ("A", "B", "C")}
+        key_flags = [a for k in self.keys.values() for a in ("--api-key", k)]
+        env = {ENV_CLUSTER_SECRET: secrets.token_hex(32), "PYTHONHASHSEED": "0"}
+        size = [
+            "--kv-cache-gib",
+            str(args.kv_cache_gib),
+            "--host-store-gib",
+            str(args.host_store_gib),
+            "--max-model-len",
+            str(args.max_model_len),
+        ]
+        self.procs: dict[str, ServerProcess] = {}
+        for role, count, core in (("prefill", args.prefills, "0"), ("decode", args.decodes, "1")):
+            for n in range(count):
+                argv = [
+                    *key_flags,
+                    *size,
+                    "--role",
+                    role,
+                    "--cpu-cores",
+                    core,
+                    "--nixl-port",
+                    str(free_port()),
+                    "--index",
+                    self.redis.url,
+                ]
+                self.procs[f"{role}{n}"] = ServerProcess(
+                    argv, name=f"soak-{role}{n}", ready_timeout=1200, env=env
+                )
+        for n in range(2):
+            argv = [
+                *key_flags,
+                "--role",
+                "router",
+                "--index",
+                self.redis.url,
+                "--router-tenant-inflight",
+                str(args.tenant_inflight),
+            ]
+            self.procs[f"router{n}"] = ServerProcess(
+                argv, name=f"soak-router{n}", ready_timeout=300, env=env
+            )
+        self.routers = [self.procs["router0"], self.procs["router1"]]
+        self.instances = [p for n, p in self.procs.items() if not n.startswith("router")]
+
+    def of_role(self, role: str) -> list[str]:
+        return ["redis"] if role == "redis" else [n for n in self.procs if n.startswith(role)]
+
+    def start(self, log: reporting.Progress) -> None:
+        self.redis.start()
+        for inst in self.instances:
+            inst.launch()
+        for inst in self.instances:
+            inst.wait_ready()
+        log(f"{len(self.instances)} instances ready")
+        for router in self.routers:
+            router.launch()
+        for router in self.routers:
+            router.wait_ready()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.terminate()
+        for proc in self.procs.values():
+            proc.stop()
+        self.redis.close()
+
+    def kill(self, name: str) -> None:
+        if name == "redis":
+            self.redis.kill()
+        else:
+            sigkill(self.procs[name])
+
+    def restart(self, name: str) -> None:
+        if name == "redis":
+            self.redis.start()
+        else:
+            restart(self.procs[name])
+
+    def headers(self, tenant: str = "A") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[tenant]}"}
+
+    async def whole(self, client: httpx.AsyncClient) -> bool:
+        """Each router lists every instance alive and listed (what a turn needs)."""
+        want = {i.url for i in self.instances}
+        for router in self.routers:
+            try:
+                r = await client.get(router.url + HEALTH_PATH, headers=self.headers(), timeout=10)
+                alive = {i["url"] for i in r.json()["instances"] if i["alive"] and i["listed"]}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return False
+            if not want <= alive:
+                return False
+        return True
+
+    async def wait_whole(self, client: httpx.AsyncClient, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if await self.whole(client):
+                return True
+            await asyncio.sleep(1.0)
+        return False
+
+    def _redis(self) -> Any:
+        import redis
+
+        return redis.Redis(unix_socket_path=str(self.redis.socket), socket_timeout=2)
+
+    def sample(self) -> dict[str, Any]:
+        """RSS (MiB) of every process tree (None while it is down) and Redis' key count."""
+        rss: dict[str, float | None] = {}
+        for name, proc in self.procs.items():
+            rss[name] = tree_memory_mib(proc)[0] if proc.proc is not None else None
+        try:
+            with self._redis() as r:
+                keys: int | None = int(r.dbsize())
+        except Exception:  # noqa: BLE001 - Redis down (a fault): no sample
+            keys = None
+        return {"rss": rss, "redis_keys": keys}
+
+    def keys_without_ttl(self, limit: int = 200_000) -> tuple[int, int]:
+        """(keys, keys without a TTL), scanning at most ``limit`` keys."""
+        keys = no_ttl = 0
+        with self._redis() as r:
+            for key in r.scan_iter(count=1000):
+                keys += 1
+                no_ttl += r.ttl(key) == -1
+                if keys >= limit:
+                    break
+        return keys, no_ttl
+
+
+# --- legitimate tenants -------------------------------------------------------------------------
+def normalized(message: dict[str, Any]) -> dict[str, Any]:
+    """What is compared of an answer: the text and the tool calls (name, arguments; not ids)."""
+    calls = [
+        [c.get("function", {}).get("name"), c.get("function", {}).get("arguments")]
+        for c in message.get("tool_calls") or []
+    ]
+    return {"content": message.get("content") or "", "tool_calls": calls}
+
+
+def replay_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The body plain vLLM gets: no kvbranch session fields, not streamed."""
+    drop = {common.SESSION_FIELD, common.XARGS_FIELD, "stream", "stream_options"}
+    return {k: v for k, v in body.items() if k not in drop}
+
+
+class Soak:
+    """One run's shared state: the cluster, its clock, what was recorded."""
+
+    def __init__(self, cluster: SoakCluster, args: argparse.Namespace) -> None:
+        self.cluster = cluster
+        self.args = args
+        self.t0 = time.monotonic()
+        self.stop = asyncio.Event()
+        self.events: list[dict[str, Any]] = []
+        self.served: list[dict[str, Any]] = []
+        self.faults: list[dict[str, Any]] = []
+        self.samples: list[dict[str, Any]] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def record(self, out: Outcome) -> None:
+        ev = out.to_dict()
+        ev["t0"], ev["t1"] = round(out.t0 - self.t0, 3), round(out.t1 - self.t0, 3)
+        self.events.append(ev)
+
+    async def request(
+        self,
+        client: httpx.AsyncClient,
+        tenant: str,
+        router: int,
+        kind: str,
+        case: str,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        stream: bool = False,
+    ) -> tuple[int | None, dict[str, Any] | None]:
+        """One legitimate request (retried once on the other router if this one is down):
+        ``(status, answer)``; a served chat's body and answer are kept for the replay."""
+        for _attempt in range(2):
+            url = self.cluster.routers[router].url
+            out = Outcome(tenant, kind, case, router, time.monotonic(), 0.0)
+            answer = None
+            try:
+                if stream:
+                    try:
+                        res = await common.stream_request(
+                            client, url + path, body or {}, timeout_s=300
+                        )
+                    except RuntimeError as exc:  # a non-200: "... -> HTTP 503: ..."
+                        out.status = int(str(exc).split("HTTP ", 1)[1][:3])
+                        out.extra["body"] = str(exc)[-200:]
+                    else:
+                        if res.prompt_tokens == 0:
+                            out.error = "the stream ended without its usage chunk"
+                        else:
+                            out.status = 200
+                            answer = {"content": res.content, "tool_calls": []}
+                else:
+                    r = await client.request(method, url + path, json=body, timeout=300)
+                    out.status = r.status_code
+                    if r.status_code >= 400:
+                        out.extra["body"] = r.text[:200]
+                    elif path == CHAT_COMPLETIONS_PATH:
+                        answer = normalized(r.json()["choices"][0]["message"])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                out.error = f"{type(exc).__name__}: {exc}"[:200]
+            out.t1 = time.monotonic()
+            self.record(out)
+            if answer is not None and body is not None:
+                self.served.append(
+                    {
+                        "tenant": tenant,
+                        "kind": kind,
+                        "t0": self.events[-1]["t0"],
+                        "body": replay_body(body),
+                        "answer": answer,
+                        "plain": None,
+                    }
+                )
+            if not (isinstance(out.error, str) and out.error.startswith("ConnectError")):
+                return out.status, answer
+            router = 1 - router  # this router is down: the client's other endpoint
+        return None, None
+
+    async def agent(self, tenant: str, n: int) -> None:
+        """Sessions one after another: create, turns alternating routers (odd turns streamed),
+        a fork after turn 2 with a turn on it, a tool-call request, delete."""
+        args, rng = self.args, random.Random(f"{self.args.seed}-{tenant}-{n}")
+        headers = self.cluster.headers(tenant)
+        async with httpx.AsyncClient(headers=headers) as client:
+            for s in range(MAX_SESSIONS_PER_AGENT):
+                if self.stop.is_set():
+                    return
+                sid, router = f"soak-{tenant}{n}-{s}-{rng.randrange(16**6):06x}", (n + s) % 2
+                await self.request(
+                    client,
+                    tenant,
+                    router,
+                    "session",
+                    "create",
+                    "POST",
+                    SESSIONS_PATH,
+                    {"session_id": sid},
+                )
+                notes = " ".join(rng.choice(WORDS) for _ in range(args.system_words))
+                history = [{"role": "system", "content": f"You are a terse agent. Notes: {notes}"}]
+                for turn in range(1, args.turns + 1):
+                    if self.stop.is_set():
+                        break
+                    history.append(
+                        {
+                            "role": "user",
+                            "content": f"Step {turn}: tool "
+                            f"{rng.choice(WORDS)} returned {rng.randrange(10**5)}. Next?",
+                        }
+                    )
+                    body = self.chat_body(history, sid)
+                    status, answer = await self.request(
+                        client,
+                        tenant,
+                        router,
+                        "stream" if turn % 2 else "turn",
+                        f"t{turn}",
+                        "POST",
+                        CHAT_COMPLETIONS_PATH,
+                        body,
+                        stream=bool(turn % 2),
+                    )
+                    router = 1 - router
+                    if answer is None:
+                        history.pop()
+                        await asyncio.sleep(1.0)  # a failed turn: the client backs off
+                        continue
+                    history.append({"role": "assistant", "content": answer["content"]})
+                    if turn == 2:
+                        await self.fork(client, tenant, router, sid, history)
+                await self.tool_request(client, tenant, 1 - router, sid, rng)
+                await self.request(
+                    client, tenant, router, "session", "delete", "DELETE", session_path(sid)
+                )
+
+    def chat_body(self, messages: list[dict], sid: str, branch: str | None = None) -> dict:
+        return {
+            "model": MODEL_NAME,
+            "messages": list(messages),
+            "temperature": 0.0,
+            "max_tokens": self.args.max_tokens,
+            **common.session_fields(sid, branch),
+        }
+
+    async def fork(
+        self, client: httpx.AsyncClient, tenant: str, router: int, sid: str, history: list[dict]
+    ) -> None:
+        status, _ = await self.request(
+            client,
+            tenant,
+            router,
+            "session",
+            "fork",
+            "POST",
+            branches_path(sid),
+            {"parent": "main", "branch_id": "alt"},
+        )
+        if status is None or status >= 300:
+            return
+        messages = [*history, {"role": "user", "content": "Try another way instead."}]
+        await self.request(
+            client,
+            tenant,
+            1 - router,
+            "fork",
+            "alt",
+            "POST",
+            CHAT_COMPLETIONS_PATH,
+            self.chat_body(messages, sid, "alt"),
+        )
+
+    async def tool_request(
+        self, client: httpx.AsyncClient, tenant: str, router: int, sid: str, rng: random.Random
+    ) -> None:
+        city = rng.choice(["Paris", "Rome", "Oslo", "Lima"])
+        messages = [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {
+                            "name": "get_weather",
+                            "arguments": json.dumps({"city": city}),
+                        },
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": f"{rng.randrange(30)} C"},
+            {"role": "user", "content": "And in Madrid?"},
+        ]
+        body = {**self.chat_body(messages, f"{sid}-tool"), "tools": TOOLS, "max_tokens": 24}
+        await self.request(
+            client, tenant, router, "tool", "tool", "POST", CHAT_COMPLETIONS_PATH, body
+        )
+
+    # --- hostile traffic, faults, samples ------------------------------------------------------
+    async def pause(self, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), seconds)
+
+    async def abuse(self) -> None:
+        args, rng = self.args, random.Random(f"{self.args.seed}-abuse")
+        key, idle = self.cluster.keys["C"], []
+        async with httpx.AsyncClient() as client:
+            for rounds in range(MAX_ABUSE_ROUNDS):
+                if self.stop.is_set():
+                    break
+                r = rounds % 2
+                url = self.cluster.routers[r].url
+                for case in soak_abuse.abuse_cases(MODEL_NAME, rng):
+                    await soak_abuse.send_case(client, url, r, case, key, self.record)
+                await soak_abuse.flood(client, url, r, MODEL_NAME, args.flood, rng, self.record)
+                if rounds % 2 == 0:
+                    n = 3 * args.tenant_inflight
+                    await soak_abuse.over_share(client, url, r, MODEL_NAME, key, n, self.record)
+                if rounds % 4 == 1 and args.idle_sockets:
+                    port = self.cluster.routers[r].port
+                    idle.append(
+                        asyncio.create_task(
+                            soak_abuse.idle_sockets("127.0.0.1", port, args.idle_sockets, 20.0)
+                        )
+                    )
+                await self.pause(args.abuse_every)
+            held = await asyncio.gather(*idle)
+        self.idle_held = list(held)
+
+    async def fault_loop(self, client: httpx.AsyncClient, log: reporting.Progress) -> None:
+        """A fault every ``fault_every`` s (SIGKILL, restart, wait until whole) until the traffic
+        time is over and each role was faulted once; then the traffic stops."""
+        args = self.args
+        traffic_end, hard_end = args.minutes * 60, args.minutes * 60 + GRACE_S
+        try:
+            for i in range(MAX_FAULTS):
+                await asyncio.sleep(max(0.0, (i + 1) * args.fault_every - self.now()))
+                if self.now() >= hard_end or (self.now() >= traffic_end and i >= len(FAULT_CYCLE)):
+                    break
+                role = FAULT_CYCLE[i % len(FAULT_CYCLE)]
+                victims = self.cluster.of_role(role)
+                victim = victims[(i // len(FAULT_CYCLE)) % len(victims)]
+                fault = {
+                    "role": role,
+                    "victim": victim,
+                    "t_kill": round(self.now(), 3),
+                    "t_back": None,
+                    "only": len(victims) == 1,
+                }
+                self.faults.append(fault)
+                await asyncio.to_thread(self.cluster.kill, victim)
+                log(f"fault {i}: SIGKILL {victim}")
+                await asyncio.to_thread(self.cluster.restart, victim)
+                if not await self.cluster.wait_whole(client, args.recovery_s):
+                    log(f"the cluster did not recover from the kill of {victim}: no more faults")
+                    break
+                fault["t_back"] = round(self.now(), 3)
+                log(
+                    f"fault {i}: {victim} back, cluster whole after "
+                    f"{fault['t_back'] - fault['t_kill']:.0f}s"
+                )
+            rest = traffic_end - self.now()
+            if rest > 0:
+                await asyncio.sleep(rest)
+        finally:
+            self.stop.set()
+
+    async def sampler(self, done: asyncio.Event) -> None:
+        while not done.is_set():
+            sample = await asyncio.to_thread(self.cluster.sample)
+            sample["t"] = round(self.now(), 1)
+            self.samples.append(sample)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), self.args.sample_every)
+
+    async def progress(self, log: reporting.Progress) -> None:
+        while not self.stop.is_set():
+            await self.pause(30)
+            counts: dict[str, int] = {}
+            for ev in self.events:
+                counts[soak_report.outcome(ev)] = counts.get(soak_report.outcome(ev), 0) + 1
+            log(f"t={self.now():.0f}s events {counts}, served {len(self.served)}")
+
+    async def run(self, log: reporting.Progress) -> dict[str, Any]:
+        done = asyncio.Event()
+        async with httpx.AsyncClient() as client:
+            if not await self.cluster.wait_whole(client, 120):
+                raise RuntimeError("the routers never listed every instance alive")
+            self.t0 = time.monotonic()
+            sampler = asyncio.create_task(self.sampler(done))
+            try:
+                agents = [
+                    self.agent(t, n) for t in soak_report.LEGIT for n in range(self.args.agents)
+                ]
+                await asyncio.gather(
+                    self.fault_loop(client, log), self.abuse(), self.progress(log), *agents
+                )
+                traffic_s = self.now()
+                whole = await self.cluster.wait_whole(client, self.args.recovery_s)
+                keys, no_ttl = await asyncio.to_thread(self.cluster.keys_without_ttl)
+            finally:
+                done.set()
+                await sampler
+        return {
+            "whole": whole,
+            "keys": keys,
+            "keys_without_ttl": no_ttl,
+            "traffic_s": traffic_s,
+            "idle_sockets_held": getattr(self, "idle_held", []),
+        }
+
+
+# --- the plain replay ----------------------------------------------------------------------------
+async def replay(
+    served: list[dict[str, Any]], args: argparse.Namespace, log: reporting.Progress
+) -> None:
+    """Every served legitimate body on plain vLLM, one at a time; ``plain`` filled in."""
+    argv = ["--kv-cache-gib", "0.5", "--max-model-len", str(args.max_model_len), "--no-connector"]
+    with VanillaVLLM(argv, name="soak-plain", ready_timeout=1200) as plain:
+        log(f"plain vLLM ready; replaying {len(served)} answers")
+        async with httpx.AsyncClient(timeout=300) as client:
+            for rec in served:
+                r = await client.post(plain.url + CHAT_COMPLETIONS_PATH, json=rec["body"])
+                if r.status_code == 200:
+                    rec["plain"] = normalized(r.json()["choices"][0]["message"])
+                else:
+                    rec["plain_error"] = f"{r.status_code}: {r.text[:200]}"
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    log = reporting.Progress()
+    info = reporting.machine_info_async()
+    cluster = SoakCluster(args)
+    soak = Soak(cluster, args)
+    try:
+        cluster.start(log)
+        log("cluster up; traffic begins")
+        end = await soak.run(log)
+    finally:
+        log("stopping the cluster")
+        cluster.stop()
+    if not args.no_replay:
+        await replay(soak.served, args, log)
+    config = {
+        "prefills": args.prefills,
+        "decodes": args.decodes,
+        "agents": args.agents,
+        "tenant_inflight": args.tenant_inflight,
+        "fault_every_s": args.fault_every,
+        "fault_cycle": list(FAULT_CYCLE),
+        "traffic_s": end["traffic_s"],
+        "turns": args.turns,
+        "max_tokens": args.max_tokens,
+        "idle_sockets": args.idle_sockets,
+        "flood": args.flood,
+    }
+    record = {
+        "config": config,
+        "events": soak.events,
+        "served": soak.served,
+        "faults": soak.faults,
+        "samples": soak.samples,
+        "end": end,
+    }
+    reporting.write_json(reporting.raw_path("soak"), record)
+    name = "soak_quick" if args.quick else "soak"
+    png = reporting.plot_path(f"{name}.png", args.no_results)
+    soak_report.plot(record, png)
+    slim = dict(record, served=[{k: v for k, v in r.items() if k != "body"} for r in soak.served])
+    reporting.write_json(reporting.plot_path(f"{name}.json", args.no_results), slim)
+    rel = png.relative_to(reporting.ROOT)
+    section = soak_report.section(record, info.result(), log.elapsed(), str(rel))
+    reporting.publish(section, args.no_results)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--minutes", type=float, default=5.0, help="traffic time (at least)")
+    ap.add_argument("--quick", action="store_true", help="2 minutes, a fault every 20 s")
+    ap.add_argument("--prefills", type=int, default=1)
+    ap.add_argument("--decodes", type=int, default=1)
+    ap.add_argument("--agents", type=int, default=2, help="concurrent agents per legit tenant")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--system-words", type=int, default=120)
+    ap.add_argument("--tenant-inflight", type=int, default=3, help="--router-tenant-inflight")
+    ap.add_argument("--fault-every", type=float, default=30.0)
+    ap.add_argument("--recovery-s", type=float, default=900.0, help="wait for the cluster whole")
+    ap.add_argument("--abuse-every", type=float, default=8.0)
+    ap.add_argument("--flood", type=int, default=100, help="unauthenticated chats per round")
+    ap.add_argument("--idle-sockets", type=int, default=600)
+    ap.add_argument("--sample-every", type=float, default=5.0)
+    ap.add_argument("--no-replay", action="store_true", help="skip the plain vLLM replay")
+    common.add_server_args(ap, kv_cache_gib=0.25, max_model_len=2048, host_store_gib=0.1)
+    common.add_run_args(ap, reserved_cpus=False)
+    args = common.parse_run_args(ap)
+    if args.quick:
+        args.minutes, args.fault_every = 2.0, 20.0
+    if args.agents > args.tenant_inflight:
+        ap.error("--tenant-inflight must exceed each legitimate tenant's agents per router")
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

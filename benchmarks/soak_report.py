@@ -1,0 +1,353 @@
+"""What the cluster soak (:mod:`benchmarks.soak`) found, from its records alone: per tenant the
+requests served, the 4xx and 5xx by cause, the failures that happened while the only instance of
+a role was down (reported apart, not counted against the cluster), the answers compared with
+the plain vLLM replay, memory and Redis keys over time, and every target met or not — as a
+RESULTS.md section and a plot.
+
+Pure functions of plain dicts (an event is :meth:`benchmarks.soak_abuse.Outcome.to_dict`, a fault
+is ``{"role", "victim", "t_kill", "t_back", "only"}``, a sample is ``{"t", "rss", "redis_keys"}``)
+so that the unit tests check the verdicts on made-up runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from benchmarks import reporting
+
+LEGIT = ("A", "B")
+#: A router that was never killed may grow this much over the soak (MiB of RSS, first sample
+#: after the cluster was up to the last): more is a leak worth a look at this run length.
+ROUTER_GROWTH_MIB = 64.0
+FAULT_COLOURS = {
+    "router": "tab:blue",
+    "redis": "tab:red",
+    "prefill": "tab:green",
+    "decode": "tab:purple",
+}
+
+
+def in_fault(event: dict[str, Any], faults: list[dict[str, Any]]) -> bool:
+    """Whether a request overlapped a fault that excuses its failure: the only instance of a
+    role down (P, D or Redis with one of each), or the very router it talked to killed."""
+    for f in faults:
+        end = f["t_back"] if f["t_back"] is not None else float("inf")
+        if event["t1"] < f["t_kill"] or event["t0"] > end:
+            continue
+        if f["only"] or f["victim"] == f"router{event['router']}":
+            return True
+    return False
+
+
+def outcome(event: dict[str, Any]) -> str:
+    """``ok`` (a legitimate request served, or a hostile one answered as expected), ``4xx`` (a
+    legitimate request refused), ``5xx``, ``lost`` (no answer) or ``unexpected`` (a hostile
+    request answered with a status outside its expected ones)."""
+    status = event["status"]
+    if status is None:
+        return "lost"
+    if status >= 500:
+        return "5xx"
+    if "expected" in event:
+        return (
+            "ok"
+            if status in event["expected"] and not event.get("no_retry_after")
+            else ("unexpected")
+        )
+    return "ok" if status < 400 else "4xx"
+
+
+def tenant_summary(events: list[dict[str, Any]], faults: list[dict[str, Any]]) -> dict[str, dict]:
+    """Per tenant: requests, served, 4xx and 5xx by cause (``status kind/case``), failures
+    outside and during faults, unexpected answers to hostile requests."""
+    out: dict[str, dict[str, Any]] = {}
+    for ev in events:
+        s = out.setdefault(
+            ev["tenant"],
+            {
+                "requests": 0,
+                "ok": 0,
+                "by_cause": Counter(),
+                "failed": 0,
+                "failed_in_fault": 0,
+                "unexpected": 0,
+                "failures": [],
+            },
+        )
+        s["requests"] += 1
+        kind = outcome(ev)
+        cause = f"{ev['status'] or 'no answer'} {ev['kind']}/{ev['case']}"
+        if kind == "ok":
+            s["ok"] += 1
+            if ev["status"] >= 400:
+                s["by_cause"][cause] += 1  # a hostile request refused as it should be
+            continue
+        s["by_cause"][cause] += 1
+        if kind == "4xx":
+            continue
+        if kind == "unexpected":
+            s["unexpected"] += 1
+            s["failures"].append(_brief(ev))
+        elif in_fault(ev, faults):
+            s["failed_in_fault"] += 1
+        else:
+            s["failed"] += 1
+            s["failures"].append(_brief(ev))
+    return out
+
+
+def _brief(ev: dict[str, Any]) -> str:
+    why = ev.get("error") or ev.get("body") or ""
+    return (
+        f"t={ev['t0']:.0f}s router{ev['router']} {ev['kind']}/{ev['case']}: "
+        f"{ev['status'] or 'no answer'} {why}"[:240]
+    )
+
+
+def compare_answers(served: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each served legitimate answer against the plain replay of its body (``answer`` and
+    ``plain``: content and tool calls): how many compared, the same, and the wrong ones."""
+    compared = [r for r in served if r.get("plain") is not None]
+    wrong = [r for r in compared if r["answer"] != r["plain"]]
+    return {
+        "compared": len(compared),
+        "same": len(compared) - len(wrong),
+        "not_replayed": len(served) - len(compared),
+        "wrong": [
+            {"kind": r["kind"], "t0": r["t0"], "cluster": r["answer"], "plain": r["plain"]}
+            for r in wrong
+        ],
+    }
+
+
+def memory_summary(samples: list[dict[str, Any]], faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per process: first, peak and last RSS (MiB), whether it was killed, and its growth first
+    → last when it never was; Redis keys min / max / last."""
+    killed = {f["victim"] for f in faults}
+    names = sorted({n for s in samples for n in s["rss"]})
+    procs = {}
+    for name in names:
+        series = [s["rss"][name] for s in samples if s["rss"].get(name)]
+        if not series:
+            continue
+        procs[name] = {
+            "first": series[0],
+            "peak": max(series),
+            "last": series[-1],
+            "killed": name in killed,
+            "growth": None if name in killed else series[-1] - series[0],
+        }
+    keys = [s["redis_keys"] for s in samples if s.get("redis_keys") is not None]
+    return {
+        "procs": procs,
+        "redis_keys": {"min": min(keys), "max": max(keys), "last": keys[-1]} if keys else None,
+    }
+
+
+def targets(
+    tenants: dict[str, dict],
+    answers: dict[str, Any],
+    memory: dict[str, Any],
+    faults: list[dict[str, Any]],
+    end: dict[str, Any],
+) -> list[tuple[str, bool, str]]:
+    """Every target of the soak: (what, met, the numbers)."""
+    legit = [tenants.get(t, {"failed": 0, "by_cause": Counter(), "ok": 0}) for t in LEGIT]
+    failed = sum(t["failed"] for t in legit)
+    throttled = sum(n for t in legit for c, n in t["by_cause"].items() if c.startswith("429"))
+    hostile = [tenants[t] for t in ("C", "anonymous") if t in tenants]
+    bad = sum(t["failed"] + t["unexpected"] for t in hostile)
+    c429 = sum(
+        n for c, n in tenants.get("C", {}).get("by_cause", {}).items() if c.startswith("429")
+    )
+    recovered = [f for f in faults if f["t_back"] is not None]
+    routers = {n: p for n, p in memory["procs"].items() if n.startswith("router")}
+    growth = [p["growth"] for p in routers.values() if p["growth"] is not None]
+    out = [
+        (
+            "legitimate requests failed (5xx or no answer) outside a fault of the only "
+            "instance of a role or of their own router: 0",
+            failed == 0,
+            f"{failed} (and {sum(t.get('failed_in_fault', 0) for t in legit)} during faults)",
+        ),
+        (
+            "wrong answers against the plain vLLM replay: 0",
+            answers["compared"] > 0 and not answers["wrong"],
+            f"{len(answers['wrong'])} of {answers['compared']} compared",
+        ),
+        (
+            "legitimate tenants never throttled (429): 0",
+            throttled == 0,
+            str(throttled),
+        ),
+        (
+            "hostile requests answered as expected (4xx naming the problem; no 5xx outside a "
+            "fault, no other status)",
+            bad == 0 and bool(hostile),
+            f"{bad} otherwise of {sum(t['requests'] for t in hostile)}",
+        ),
+        ("the tenant past its in-flight share got 429 with Retry-After", c429 > 0, str(c429)),
+        (
+            "the cluster recovered on its own from every fault",
+            len(recovered) == len(faults) and bool(faults) and end.get("whole", False),
+            f"{len(recovered)} of {len(faults)} faults; whole at the end: {end.get('whole')}",
+        ),
+        (
+            f"a router never killed grows at most {ROUTER_GROWTH_MIB:.0f} MiB",
+            bool(growth) and max(growth) <= ROUTER_GROWTH_MIB,
+            ", ".join(
+                f"{n} {p['growth']:+.1f} MiB" for n, p in routers.items() if p["growth"] is not None
+            )
+            or "no router ran throughout",
+        ),
+        (
+            "every Redis key has a TTL at the end",
+            end.get("keys_without_ttl") == 0,
+            f"{end.get('keys_without_ttl')} of {end.get('keys')} without one",
+        ),
+    ]
+    return out
+
+
+def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot: str) -> str:
+    """The RESULTS.md section of one soak run."""
+    cfg, faults = record["config"], record["faults"]
+    tenants = tenant_summary(record["events"], faults)
+    answers = compare_answers(record["served"])
+    memory = memory_summary(record["samples"], faults)
+    lines = reporting.run_header(
+        "Cluster soak: tenants, abuse and faults through 2 routers + Redis", info, elapsed_s
+    )
+    lines.append(
+        f"{cfg['prefills']} P + {cfg['decodes']} D + 2 routers + Redis, three API keys (A and B "
+        f"legitimate, C abusive), `--router-tenant-inflight {cfg['tenant_inflight']}`; "
+        f"{cfg['traffic_s']:.0f} s of traffic: {cfg['agents']} agents per legitimate tenant "
+        "(sessions over the session routes, several turns alternating routers, streaming and "
+        "not, a fork per session, a tool-call request), beside them malformed bodies and "
+        "headers, unauthenticated floods, idle sockets and tenant C past its share; a fault "
+        f"(SIGKILL, then restart) every {cfg['fault_every_s']:.0f} s, cycling "
+        f"{' → '.join(cfg['fault_cycle'])}. Answers replayed afterwards on plain vLLM "
+        "(tests/vanilla_vllm.py, no kvbranch code), greedy, same bodies."
+    )
+    lines.append("")
+    rows = []
+    for name in sorted(tenants):
+        t = tenants[name]
+        causes = ", ".join(f"{c} ×{n}" for c, n in sorted(t["by_cause"].items())) or "–"
+        rows.append(
+            [
+                name,
+                t["requests"],
+                t["ok"],
+                causes,
+                t["failed"],
+                t["failed_in_fault"],
+                t["unexpected"],
+            ]
+        )
+    lines.append(
+        reporting.md_table(
+            [
+                "tenant",
+                "requests",
+                "ok",
+                "4xx / 5xx / no answer by cause",
+                "failed",
+                "failed during fault",
+                "unexpected status",
+            ],
+            rows,
+        )
+    )
+    lines.append(
+        reporting.md_table(
+            ["fault", "victim", "killed at s", "back at s", "only one of its role"],
+            [
+                [
+                    f["role"],
+                    f["victim"],
+                    f"{f['t_kill']:.0f}",
+                    "never" if f["t_back"] is None else f"{f['t_back']:.0f}",
+                    f["only"],
+                ]
+                for f in faults
+            ],
+        )
+    )
+    mem_rows = [
+        [
+            n,
+            f"{p['first']:.0f}",
+            f"{p['peak']:.0f}",
+            f"{p['last']:.0f}",
+            "killed" if p["killed"] else f"{p['growth']:+.1f}",
+        ]
+        for n, p in memory["procs"].items()
+    ]
+    lines.append(
+        reporting.md_table(
+            ["process (RSS of its tree)", "first MiB", "peak", "last", "growth"], mem_rows
+        )
+    )
+    keys = memory["redis_keys"]
+    if keys:
+        lines.append(f"- Redis keys: min {keys['min']}, max {keys['max']}, last {keys['last']}.")
+    lines.append(
+        f"- Answers: {answers['same']} of {answers['compared']} identical to plain vLLM"
+        f" ({answers['not_replayed']} not replayed)."
+    )
+    for w in answers["wrong"][:5]:
+        lines.append(
+            f"- WRONG ({w['kind']}, t={w['t0']:.0f}s): cluster {w['cluster']!r} vs "
+            f"plain {w['plain']!r}"[:400]
+        )
+    for what, met, detail in targets(tenants, answers, memory, faults, record["end"]):
+        lines.append(f"- Target: {what} — {detail}: {'met' if met else '**NOT met**'}.")
+    for name, t in sorted(tenants.items()):
+        for f in t["failures"][:6]:
+            lines.append(f"- {name} failure: {f}")
+    lines.append(f"- Plot: `{plot}` (RSS over time, Redis keys; faults marked).")
+    return "\n".join(lines) + "\n"
+
+
+def plot(record: dict[str, Any], path: Path) -> bool:
+    """Memory (instances, routers) and Redis keys over time, the faults as vertical lines."""
+    plt = reporting.pyplot()
+    if plt is None or not record["samples"]:
+        return False
+    samples, faults = record["samples"], record["faults"]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    names = sorted({n for s in samples for n in s["rss"]})
+    for name in names:
+        ax = axes[1] if name.startswith("router") else axes[0]
+        pts = [(s["t"], s["rss"][name]) for s in samples if s["rss"].get(name)]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ".-", ms=3, label=name)
+    keys = [(s["t"], s["redis_keys"]) for s in samples if s.get("redis_keys") is not None]
+    axes[2].plot(
+        [k[0] for k in keys], [k[1] for k in keys], ".-", ms=3, color="tab:red", label="Redis keys"
+    )
+    for f in faults:
+        for ax in axes:
+            ax.axvline(f["t_kill"], color=FAULT_COLOURS.get(f["role"], "k"), ls="--", lw=1)
+        axes[0].annotate(
+            f"kill {f['victim']}",
+            (f["t_kill"], 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            fontsize=7,
+        )
+    for ax, label in zip(axes, ("instances RSS MiB", "routers RSS MiB", "Redis keys"), strict=True):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[2].set_xlabel("seconds since traffic began (dashed: a SIGKILL)")
+    axes[0].set_title("kvbranch cluster soak: memory and Redis keys under faults and abuse")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
