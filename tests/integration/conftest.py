@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
-from tests.integration.trust_cluster import CLUSTER_SECRET, KEYS, trust_instance
-from tests.server_process import ServerProcess
+from tests.integration.trust_cluster import trust_instance, trust_router
 
 
 @pytest.fixture(scope="session")
@@ -20,22 +18,7 @@ def keyed_pd():
         decode.launch()
         prefill.wait_ready()
         decode.wait_ready()
-        router = ServerProcess(
-            [
-                "--role",
-                "router",
-                "--prefill",
-                prefill.url,
-                "--decode",
-                decode.url,
-                "--pd-hold-ttl-s",
-                "900",
-                *KEYS,
-            ],
-            name="trust-router",
-            ready_timeout=120,
-            env={ENV_CLUSTER_SECRET: CLUSTER_SECRET},
-        ).start()
+        router = trust_router(prefill, decode).start()
         yield prefill, decode, router
     finally:
         for proc in (router, prefill, decode):

@@ -51,3 +51,27 @@ def trust_instance(role: str, core: str) -> ServerProcess:
         ready_timeout=900,
         env={ENV_CLUSTER_SECRET: CLUSTER_SECRET},
     )
+
+
+def trust_router(
+    prefill: ServerProcess, decode: ServerProcess, *extra: str, name: str = "trust-router"
+) -> ServerProcess:
+    """A router in front of ``prefill`` and ``decode`` with the two keys and the cluster
+    secret (``extra``: more router flags, e.g. ``--index``); not started yet."""
+    return ServerProcess(
+        [
+            "--role",
+            "router",
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--pd-hold-ttl-s",
+            "900",
+            *KEYS,
+            *extra,
+        ],
+        name=name,
+        ready_timeout=120,
+        env={ENV_CLUSTER_SECRET: CLUSTER_SECRET},
+    )
