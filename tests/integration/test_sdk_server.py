@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from sdk import AsyncKVBranchClient, KVBranchClient, NotFoundError
+from tests.integration.helpers import chat, text_of
 
 # Long enough for several full 128-token blocks, so later turns can hit the caches.
 SYSTEM = (
@@ -23,8 +24,9 @@ def make_client(server) -> KVBranchClient:
     return KVBranchClient(server.url, api_key=server.api_key, model=server.model, timeout=120)
 
 
-def test_session_flow(kvbranch_server):
+def test_session_flow(kvbranch_server, plain_server):
     with make_client(kvbranch_server) as client:
+        before = client.stats()
         assert client.kvbranch_available()
         assert client.health().connector.loaded
         session = client.session(system=SYSTEM, pin_ttl_s=600)
@@ -65,7 +67,9 @@ def test_session_flow(kvbranch_server):
             headers=kvbranch_server.headers(),
             timeout=30,
         ).raise_for_status()
+        before_third = client.stats()
         third = child.chat("Do you sell cakes?", max_tokens=MAX_TOKENS, temperature=0)
+        after_third = client.stats()
         assert third.split.branch_id == "alt"
         assert third.split.host_hit_tokens >= 256, third.split
         assert (
@@ -73,11 +77,19 @@ def test_session_flow(kvbranch_server):
             + third.split.host_hit_tokens
             + third.split.recomputed_tokens
         ) == third.split.prompt_tokens
+        # the server's counters moved by this one request and its host-store load
+        assert after_third.requests - before_third.requests == 1
+        host_loaded = after_third.hits_tokens["host"] - before_third.hits_tokens["host"]
+        assert host_loaded == third.split.host_hit_tokens
 
-        # greedy answers do not depend on where the KV came from: a request without a
-        # session (and another client, async and streamed) gives the same text
+        # greedy answers do not depend on where the KV came from: plain vLLM (no connector,
+        # so no host store, and a device cache that never saw these blocks) gives the same
+        # text, and so do the same prompt sent again without a session (another client too,
+        # async and streamed)
+        reference = text_of(chat(plain_server, child.messages[:-1], max_tokens=MAX_TOKENS))
+        assert third.text == reference
         plain = client.chat(child.messages[:-1], max_tokens=MAX_TOKENS, temperature=0)
-        assert plain.text == third.text
+        assert plain.text == reference
 
         async def streamed() -> str:
             async with AsyncKVBranchClient(
@@ -88,7 +100,7 @@ def test_session_flow(kvbranch_server):
                 )
                 return (await s.final()).text
 
-        assert asyncio.run(streamed()) == third.text
+        assert asyncio.run(streamed()) == reference
 
         prefetch = main.prefetch()
         # the branch was just used: still device-resident or all in the host store, so nothing
@@ -98,7 +110,9 @@ def test_session_flow(kvbranch_server):
         assert main.prefetch(to_device=True).status in {"scheduled", "already_resident"}
 
         stats = client.stats()
-        assert stats.requests >= 4 and stats.hits_tokens["host"] >= 256
+        # five chat requests (first, second, third, plain, streamed); prefetches count apart
+        assert stats.requests - before.requests == 5
+        assert stats.hits_tokens["host"] - before.hits_tokens["host"] >= host_loaded
         assert session.session_id in {s.session_id for s in stats.sessions}
 
         session.delete()
