@@ -22,22 +22,17 @@ from __future__ import annotations
 import uuid
 
 import jsonschema
-import pytest
-
-pytest.importorskip("langgraph")
-pytest.importorskip("llama_index.core")
-
-from langchain_core.messages import (  # noqa: E402
+from langchain_core.messages import (
     AIMessage,
     HumanMessage,
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.utils.function_calling import convert_to_openai_tool  # noqa: E402
-from langgraph.checkpoint.memory import InMemorySaver  # noqa: E402
-from llama_index.core.memory import Memory  # noqa: E402
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langgraph.checkpoint.memory import InMemorySaver
+from llama_index.core.memory import Memory
 
-from examples import langchain_agent, langgraph_agent, llamaindex_agent  # noqa: E402
+from examples import langchain_agent, langgraph_agent, llamaindex_agent
 from examples._common import reused_tokens  # noqa: E402
 from integrations.langchain import ChatKVBranch  # noqa: E402
 from integrations.llamaindex import KVBranchLLM  # noqa: E402
