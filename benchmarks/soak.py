@@ -45,6 +45,7 @@ import contextlib
 import json
 import random
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
@@ -144,6 +145,10 @@ class SoakCluster:
                 argv, name=f"soak-router{n}", ready_timeout=300, env=env
             )
         self.routers = [self.procs["router0"], self.procs["router1"]]
+        #: the process being killed and restarted now (its exit is ours, not a crash)
+        self.faulting: str | None = None
+        #: processes that exited on their own: name → when the sampler first saw it
+        self.died: dict[str, float] = {}
         self.instances = [p for n, p in self.procs.items() if not n.startswith("router")]
 
     def of_role(self, role: str) -> list[str]:
@@ -169,6 +174,7 @@ class SoakCluster:
         self.redis.close()
 
     def kill(self, name: str) -> None:
+        self.faulting = name
         if name == "redis":
             self.redis.kill()
         else:
@@ -179,6 +185,7 @@ class SoakCluster:
             self.redis.start()
         else:
             restart(self.procs[name])
+        self.faulting = None
 
     def headers(self, tenant: str = "A") -> dict[str, str]:
         return {"Authorization": f"Bearer {self.keys[tenant]}"}
@@ -201,6 +208,8 @@ class SoakCluster:
         while time.monotonic() < deadline:
             if await self.whole(client):
                 return True
+            if self.died:  # nothing restarts a crashed process: it will not be whole
+                return False
             await asyncio.sleep(1.0)
         return False
 
@@ -209,10 +218,16 @@ class SoakCluster:
 
         return redis.Redis(unix_socket_path=str(self.redis.socket), socket_timeout=2)
 
-    def sample(self) -> dict[str, Any]:
-        """RSS (MiB) of every process tree (None while it is down) and Redis' key count."""
+    def sample(self, now: float) -> dict[str, Any]:
+        """RSS (MiB) of every process tree (None while it is down) and Redis' key count; a
+        process found exited that no fault killed is noted in :attr:`died` (a crash)."""
         rss: dict[str, float | None] = {}
         for name, proc in self.procs.items():
+            if proc.proc is not None and proc.proc.poll() is not None:
+                if name != self.faulting and name not in self.died:
+                    self.died[name] = round(now, 1)
+                rss[name] = None
+                continue
             rss[name] = tree_memory_mib(proc)[0] if proc.proc is not None else None
         try:
             with self._redis() as r:
@@ -522,7 +537,7 @@ class Soak:
 
     async def sampler(self, done: asyncio.Event) -> None:
         while not done.is_set():
-            sample = await asyncio.to_thread(self.cluster.sample)
+            sample = await asyncio.to_thread(self.cluster.sample, self.now())
             sample["t"] = round(self.now(), 1)
             self.samples.append(sample)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -558,6 +573,7 @@ class Soak:
                 await sampler
         return {
             "whole": whole,
+            "died": dict(self.cluster.died),
             "keys": keys,
             "keys_without_ttl": no_ttl,
             "traffic_s": traffic_s,
@@ -653,10 +669,16 @@ def main() -> int:
     common.add_run_args(ap, reserved_cpus=False)
     args = common.parse_run_args(ap)
     if args.quick:
-        args.minutes, args.fault_every = 2.0, 20.0
+        args.minutes, args.fault_every, args.recovery_s = 2.0, 20.0, 300.0
     if args.agents > args.tenant_inflight:
         ap.error("--tenant-inflight must exceed each legitimate tenant's agents per router")
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
+    signal.signal(signal.SIGTERM, _interrupt)  # stop everything on a plain kill too
     return asyncio.run(main_async(args))
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

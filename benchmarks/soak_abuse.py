@@ -76,10 +76,12 @@ class Outcome:
 Record = Callable[[Outcome], None]
 
 
-def _chat(model: str, fields: str, content: str = "hi") -> bytes:
-    """A small chat body with ``fields`` spliced in as raw JSON text (so a lone surrogate can
-    travel as the JSON escape ``\\ud800``, which no JSON encoder writes)."""
-    head = json.dumps({"model": model, "messages": [{"role": "user", "content": content}]})
+def _chat(model: str, fields: str, content: str = '"hi"') -> bytes:
+    """A small chat body with ``fields`` (and the message's ``content``) spliced in as raw JSON
+    text, so that a lone surrogate can travel as the JSON escape ``\\ud800``, which no JSON
+    encoder writes."""
+    head = json.dumps({"model": model, "messages": [{"role": "user", "content": "@"}]})
+    head = head.replace('"@"', content)
     return (head[:-1] + ', "max_tokens": 2' + (", " + fields if fields else "") + "}").encode()
 
 
@@ -114,7 +116,7 @@ def abuse_cases(model: str, rng: random.Random) -> list[AbuseCase]:
             _chat(model, f'"session_id": "{sid}", "vllm_xargs": {{"{BRANCH_XARG}": "\\udfff"}}'),
             c400,
         ),
-        AbuseCase("content-surrogate", chat, _chat(model, "", content="a\\ud800b"), c400),
+        AbuseCase("content-surrogate", chat, _chat(model, "", content='"a\\ud800b"'), c400),
         AbuseCase("stream-int", chat, _chat(model, '"stream": 1'), c400),
         AbuseCase("session-path-id", chat, _chat(model, '"session_id": "../etc"'), c400),
         AbuseCase("session-long-id", chat, _chat(model, '"session_id": "' + "s" * 129 + '"'), c400),

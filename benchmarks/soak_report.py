@@ -203,6 +203,11 @@ def targets(
             or "no router ran throughout",
         ),
         (
+            "no process died on its own (every exit was a fault's SIGKILL)",
+            not end.get("died"),
+            ", ".join(f"{n} at t={t:.0f}s" for n, t in end.get("died", {}).items()) or "none",
+        ),
+        (
             "every Redis key has a TTL at the end",
             end.get("keys_without_ttl") == 0,
             f"{end.get('keys_without_ttl')} of {end.get('keys')} without one",
