@@ -55,7 +55,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, reporting, soak_abuse, soak_report  # noqa: E402
+from benchmarks import cluster_agents, common, reporting, soak_abuse, soak_report  # noqa: E402
 from benchmarks.soak_abuse import Outcome  # noqa: E402
 from benchmarks.textgen import WORDS  # noqa: E402
 from sdk.contract import (  # noqa: E402
@@ -65,8 +65,7 @@ from sdk.contract import (  # noqa: E402
     branches_path,
     session_path,
 )
-from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET  # noqa: E402
-from server.process import MODEL_NAME, ServerProcess, free_port  # noqa: E402
+from server.process import MODEL_NAME, ServerProcess  # noqa: E402
 from tests.conftest import VanillaVLLM  # noqa: E402
 from tests.integration.cluster_fixture import restart, sigkill, tree_memory_mib  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -104,46 +103,24 @@ class SoakCluster:
         self.redis = RedisServer()
         self.keys = {t: f"tenant-{t.lower()}-{secrets.token_hex(8)}" for t in ("A", "B", "C")}
         key_flags = [a for k in self.keys.values() for a in ("--api-key", k)]
-        env = {ENV_CLUSTER_SECRET: secrets.token_hex(32), "PYTHONHASHSEED": "0"}
-        size = [
-            "--kv-cache-gib",
-            str(args.kv_cache_gib),
-            "--host-store-gib",
-            str(args.host_store_gib),
-            "--max-model-len",
-            str(args.max_model_len),
-        ]
+        # cluster_agents' launch forms (its cluster secret, core binding, sizes), with the keys
         self.procs: dict[str, ServerProcess] = {}
         for role, count, core in (("prefill", args.prefills, "0"), ("decode", args.decodes, "1")):
             for n in range(count):
-                argv = [
-                    *key_flags,
-                    *size,
-                    "--role",
-                    role,
-                    "--cpu-cores",
-                    core,
-                    "--nixl-port",
-                    str(free_port()),
-                    "--index",
-                    self.redis.url,
-                ]
-                self.procs[f"{role}{n}"] = ServerProcess(
-                    argv, name=f"soak-{role}{n}", ready_timeout=1200, env=env
-                )
+                inst = cluster_agents.instance(role, core, self.redis.url, args)
+                inst.args += key_flags
+                self.procs[f"{role}{n}"] = inst
         for n in range(2):
-            argv = [
-                *key_flags,
-                "--role",
-                "router",
+            flags = [
                 "--index",
                 self.redis.url,
                 "--router-tenant-inflight",
                 str(args.tenant_inflight),
             ]
-            self.procs[f"router{n}"] = ServerProcess(
-                argv, name=f"soak-router{n}", ready_timeout=300, env=env
-            )
+            self.procs[f"router{n}"] = cluster_agents.router([*flags, *key_flags])
+        for name, proc in self.procs.items():
+            proc.name, proc.api_key = f"soak-{name}", self.keys["A"]
+            proc.ready_timeout = max(proc.ready_timeout, 300)
         self.routers = [self.procs["router0"], self.procs["router1"]]
         #: the process being killed and restarted now (its exit is ours, not a crash)
         self.faulting: str | None = None
