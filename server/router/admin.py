@@ -28,7 +28,6 @@ from pydantic import ValidationError
 from sdk.contract import (
     ALREADY_EXISTS,
     API_PREFIX,
-    HEALTH_PATH,
     PROTOCOL_VERSION,
     STATS_PATH,
     ClusterInfo,
@@ -51,7 +50,6 @@ from server.router.pool import Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
 
-HEALTH_BODY_TIMEOUT_S = 5.0
 
 FanKind = Literal["create", "delete", "other"]
 
@@ -334,19 +332,9 @@ class Admin:
         await pool.refresh_members()
         await pool.probe_all()
         ok = pool.routable(pool.prefills) and pool.routable(pool.decodes)
-        body: dict[str, Any] = {}
-        for inst in pool.prefills:
-            if inst.alive:
-                try:
-                    r = await pool.client.get(
-                        inst.url + HEALTH_PATH,
-                        headers=pool.auth_headers(),
-                        timeout=HEALTH_BODY_TIMEOUT_S,
-                    )
-                    body = r.json() if r.status_code == 200 else {}
-                except (httpx.HTTPError, ValueError):
-                    body = {}
-                break
+        # A live prefill instance's health as the probe just read it (no request of its own:
+        # a /health flood costs the instances at most the probes' one per instance per second).
+        body = next((dict(i.health) for i in pool.prefills if i.alive and i.health), {})
         view = {
             "status": "ok" if ok else "degraded",
             "role": "router",

@@ -113,6 +113,8 @@ class Instance:
     unlisted_since: float | None = None
     #: The probe in flight, which concurrent callers wait for instead of sending their own.
     probing: asyncio.Future[bool] | None = field(default=None, repr=False, compare=False)
+    #: The instance's health body as its last successful probe read it.
+    health: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def eligible(self) -> bool:
@@ -228,9 +230,12 @@ class Pool:
                 inst.url + HEALTH_PATH, headers=self.auth_headers(), timeout=PROBE_TIMEOUT_S
             )
             alive = r.status_code == 200
-            reported = r.json().get("instance_id") if alive else inst.instance_id
+            body = r.json() if alive else None
+            reported = body.get("instance_id") if isinstance(body, dict) else inst.instance_id
         except (httpx.HTTPError, ValueError):
-            alive, reported = False, inst.instance_id
+            alive, reported, body = False, inst.instance_id, None
+        if isinstance(body, dict):
+            inst.health = body  # the router's own /health shows it: no second request
         if alive and inst.instance_id and reported != inst.instance_id:
             if self._on_restart:
                 self._on_restart(inst.url)

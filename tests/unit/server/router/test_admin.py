@@ -120,6 +120,24 @@ def test_health_is_a_prefill_health_plus_the_routers_view():
     assert {i["url"]: i["alive"] for i in data["instances"]} == {P: True, D: True}
 
 
+def test_a_health_flood_costs_the_instances_no_request_of_its_own():
+    """The router's /health shows the body its probe read: P gets no health request beyond
+    the probes D gets too (each call used to send P one more, on the turns' pool)."""
+    asked: list[str] = []
+    fakes = Fakes()
+
+    def counting(request: httpx.Request) -> httpx.Response:
+        if request.url.path == HEALTH_PATH:
+            asked.append(request.url.host)
+        return fakes(request)
+
+    router = make_router(counting)
+    for _ in range(30):
+        r = call(router, "GET", HEALTH_PATH)
+        assert r.status_code == 200 and r.json()["instance_id"] == P
+    assert asked.count("p.test") == asked.count("d.test") < 30
+
+
 def test_health_without_a_decode_is_degraded_and_without_any_instance_503():
     def no_decode(request: httpx.Request) -> httpx.Response:
         if request.url.host == "d.test":
