@@ -23,10 +23,12 @@ import time
 import httpx
 import pytest
 
-from sdk.contract import HOLD_CLAIM_PATH
+from sdk.contract import CLAIM_FIELD, HOLD_CLAIM_PATH
 from server.connector.pd.transfer_auth import (
     EXPIRES_FIELD,
     MAC_FIELD,
+    claim_valid,
+    make_claim,
     seal,
 )
 from tests.integration.helpers import chat, client, system_prompt, text_of
@@ -262,6 +264,18 @@ def _at_p(prefill, decode, messages, params, **extra) -> tuple[httpx.Response, s
     return r, text_of(d.json())
 
 
+def _declined(server) -> dict[str, int]:
+    """The server's declined transfer handles, by reason."""
+    return dict(_pd_stats(server).get("handles_declined") or {})
+
+
+def _declined_since(server, before: dict[str, int]) -> dict[str, int]:
+    """The handles declined since ``before``, by reason (reasons that did not move left out)."""
+    now = _declined(server)
+    moved = {reason: count - before.get(reason, 0) for reason, count in now.items()}
+    return {reason: n for reason, n in moved.items() if n}
+
+
 def test_handles_are_checked_before_any_read(pd, plain_server):
     prefill, decode, router = pd
     messages, session = _ask_long("neg")
@@ -278,15 +292,23 @@ def test_handles_are_checked_before_any_read(pd, plain_server):
         assert answer == expected
         return r.json()["kvbranch"]["remote_hit_tokens"]
 
-    declined_before = sum(_pd_stats(prefill).get("handles_declined", {}).values())
     # unclaimed (D may release it any time) -> recompute
+    before = _declined(prefill)
     assert at_p(handle) == 0
-    # forged: edited block ids, host, tokens; invented from scratch; out of range; wrong types
+    assert _declined_since(prefill, before) == {"unclaimed": 1}
+    # Forged from the handle once CLAIMED: the claim is valid for the edited ones, so only the
+    # seal stands between them and a read of D's memory (forged from an unclaimed handle,
+    # each was refused as unclaimed whatever the seal covers). Edited block ids, host, tokens;
+    # invented from scratch; out of range; wrong types. Each is refused for its seal: a
+    # weaker seal shows as another reason (or none) even if the claim ran out meanwhile.
+    r = _claim(decode, handle)
+    assert r.status_code == 200, r.text
+    claimed = dict(handle, **r.json())
     nixl_port = handle["remote_port"]
     forged = [
-        dict(handle, remote_block_ids=[[b + 1 for b in handle["remote_block_ids"][0]]]),
-        dict(handle, remote_host="10.255.255.1"),
-        dict(handle, remote_num_tokens=10**9),
+        dict(claimed, remote_block_ids=[[b + 1 for b in handle["remote_block_ids"][0]]]),
+        dict(claimed, remote_host="10.255.255.1"),
+        dict(claimed, remote_num_tokens=10**9),
         {
             "remote_block_ids": [[0, 1, 2]],
             "remote_engine_id": "x",
@@ -294,6 +316,7 @@ def test_handles_are_checked_before_any_read(pd, plain_server):
             "remote_port": nixl_port,
             "remote_request_id": "r",
             "remote_num_tokens": 300,
+            CLAIM_FIELD: claimed[CLAIM_FIELD],
         },
         {
             "remote_block_ids": [[10**9, -1]],
@@ -303,53 +326,67 @@ def test_handles_are_checked_before_any_read(pd, plain_server):
             "remote_request_id": "r2",
             "remote_num_tokens": -5,
             MAC_FIELD: "00" * 32,
+            CLAIM_FIELD: claimed[CLAIM_FIELD],
         },
-        dict(handle, remote_block_ids="1,2,3", **{MAC_FIELD: 7}),
+        dict(claimed, remote_block_ids="1,2,3", **{MAC_FIELD: 7}),
     ]
+    before = _declined(prefill)
     for params in forged:
         assert at_p(params) == 0
-    # the real one, claimed by D: pulled, same answer
-    r = _claim(decode, handle)
+    assert _declined_since(prefill, before) == {"unsealed": len(forged)}
+    # The real one, on a hold of its own claimed right before its turn (the forgeries' turns
+    # may outlast the first claim): pulled, same answer.
+    fresh = _held_handle(decode, messages, session)
+    r = _claim(decode, fresh)
     assert r.status_code == 200, r.text
-    claimed = dict(handle, **r.json())
+    claimed = dict(fresh, **r.json())
+    before = _declined(prefill)
     assert at_p(claimed) > 0
     # reused: declined (D freed those blocks after the first read)
     assert at_p(claimed) == 0
+    assert _declined_since(prefill, before) == {"reused": 1}
     # a second claim of the same hold: 410 with a message
-    again = _claim(decode, handle)
+    again = _claim(decode, fresh)
     assert again.status_code == 410 and "message" in again.json()["error"]
     # claim route: bad bodies are 4xx
     with client(decode, as_router()) as c:
         for body in ({}, {"handle": "x"}, {"handle": {"remote_request_id": "r"}}, [1]):
             bad = c.post(HOLD_CLAIM_PATH, json=body)
             assert 400 <= bad.status_code < 500, bad.text
-    assert (
-        sum(_pd_stats(prefill).get("handles_declined", {}).values())
-        >= declined_before + len(forged) + 2
-    )
 
 
 def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
-    """Sealed with the cluster's own secret (as a buggy or slow peer would send them)."""
+    """Sealed with the cluster's own secret (as a buggy or slow peer would send them), and
+    claimed: each is declined for its own reason, not for a missing claim."""
     prefill, decode, router = pd
     messages, session = _ask_long("exp")
     handle = _held_handle(decode, messages, session)
-    r = _claim(decode, handle)
-    assert r.status_code == 200, r.text
-    claimed = dict(handle, **r.json())
     reply = text_of(chat(plain_server, messages, max_tokens=40))
     turn2 = _next_turn(messages, reply)
     expected = text_of(chat(plain_server, turn2, max_tokens=16))
-    stale = seal(dict(claimed, **{EXPIRES_FIELD: time.time() - 1}), SECRET.encode())
+    # P emptied first (it may wait for an earlier leg's blocks), then the claim: its
+    # deadline must outlast both turns below
     _empty_prefill_caches(prefill)
+    r = _claim(decode, handle)
+    assert r.status_code == 200, r.text
+    claimed = dict(handle, **r.json())
+    # Re-sealed past its expiry: a new seal is a new MAC, which D's claim does not name, so
+    # the claim is re-made for it (as D would) and only the expiry is left to decline it.
+    stale = seal(dict(claimed, **{EXPIRES_FIELD: time.time() - 1}), SECRET.encode())
+    stale[CLAIM_FIELD] = make_claim(stale, claimed[CLAIM_FIELD]["until"], SECRET.encode())
+    assert claim_valid(stale, SECRET.encode(), 0.0)
+    before = _declined(prefill)
     r, answer = _at_p(prefill, decode, turn2, stale)
     assert answer in (None, expected)
     assert answer is None or r.json()["kvbranch"]["remote_hit_tokens"] == 0
+    assert _declined_since(prefill, before) == {"expired": 1}
     # the same (fresh, claimed) blocks requested under another tenant's cache salt
+    before = _declined(prefill)
     _empty_prefill_caches(prefill)
     r, answer = _at_p(prefill, decode, turn2, claimed, cache_salt="someone-else")
     assert answer in (None, expected)
     assert answer is None or r.json()["kvbranch"]["remote_hit_tokens"] == 0
+    assert _declined_since(prefill, before) == {"identity": 1}
 
 
 def test_a_prefill_handle_for_another_prompt_is_not_read_by_d(pd, plain_server):
