@@ -497,7 +497,12 @@ class Soak:
                 self.faults.append(fault)
                 await asyncio.to_thread(self.cluster.kill, victim)
                 log(f"fault {i}: SIGKILL {victim}")
-                await asyncio.to_thread(self.cluster.restart, victim)
+                try:
+                    await asyncio.to_thread(self.cluster.restart, victim)
+                except RuntimeError as exc:  # it did not start again: reported, faults end
+                    fault["restart_error"] = str(exc).splitlines()[0]
+                    log(f"fault {i}: {victim} did not start again: {fault['restart_error']}")
+                    break
                 if not await self.cluster.wait_whole(client, args.recovery_s):
                     log(f"the cluster did not recover from the kill of {victim}: no more faults")
                     break

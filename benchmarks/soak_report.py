@@ -310,6 +310,9 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
         )
     for what, met, detail in targets(tenants, answers, memory, faults, record["end"]):
         lines.append(f"- Target: {what} — {detail}: {'met' if met else '**NOT met**'}.")
+    for f in faults:
+        if f.get("restart_error"):
+            lines.append(f"- {f['victim']} did not start again: {f['restart_error']}")
     for name, t in sorted(tenants.items()):
         for f in t["failures"][:6]:
             lines.append(f"- {name} failure: {f}")
