@@ -27,6 +27,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.common.env import (
+    ENV_ADVERTISE_URL,
+    ENV_API_KEYS,
+    ENV_CLUSTER_NAME,
+    ENV_CONTROL_SOCKET,
+    ENV_INDEX_URL,
+    ENV_MODEL_NAME,
+    ENV_PRIORITY_AGING_S,
+    ENV_ROLE,
+)
 from server.connector.config import ConnectorConfig, NixlChildConfig
 from server.engine_idle import ENV_IDLE_POLL_S
 from server.engine_spin import ENV_MQ_SPIN_S
@@ -37,14 +47,6 @@ from server.settings import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
     DEFAULT_COLD_PREFILL_CHUNK,
-    ENV_ADVERTISE_URL,
-    ENV_API_KEYS,
-    ENV_CLUSTER_NAME,
-    ENV_CONTROL_SOCKET,
-    ENV_INDEX_URL,
-    ENV_MODEL_NAME,
-    ENV_PRIORITY_AGING_S,
-    ENV_ROLE,
     GIB,
     NIXL_CONNECTOR_CLASS,
     PD_CONNECTOR_CLASS,

@@ -81,9 +81,9 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from server.plugin.priority import DEFAULT_AGING_S, aging_from_env, level_in, unranked
+from server.common.env import ENV_BACKFILL, on_unless_zero
+from server.common.priority_code import DEFAULT_AGING_S, aging_from_env, level_in, unranked
 from server.scheduler_counters import SchedulerCounters, publish
-from server.settings import ENV_BACKFILL, on_unless_zero
 
 QUALNAME = "server.engine_scheduler.WarmFirstScheduler"
 

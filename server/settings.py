@@ -1,10 +1,9 @@
-"""The launcher's settings: its flags (``build_parser``), the environment it hands vLLM and the
-plugin (``ENV_*``), the connector classes it configures, which API keys are in force
-(:func:`api_keys`), and :class:`LaunchError`.
+"""The launcher's settings: its flags (``build_parser``), the connector classes it configures,
+which API keys are in force (:func:`api_keys`), and :class:`LaunchError`. The environment it
+hands vLLM and the plugin (``ENV_*``) is :mod:`server.common.env`, which the processes it starts
+read without importing the launcher.
 
-Its own module so that what the launcher sets and what the plugin and the router read meet
-here, not in the launcher: :mod:`server.plugin` reads ``ENV_*`` without importing
-:mod:`server.cli`, and :mod:`server.cli` and :mod:`server.router.launch` both import from here
+Its own module so that :mod:`server.cli` and :mod:`server.router.launch` both import from here
 instead of from each other. Standard library only.
 """
 
@@ -15,32 +14,13 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+from server.common.priority_code import DEFAULT_PRIORITY_AGING_S
 from server.engine_idle import DEFAULT_IDLE_POLL_MS
 from server.engine_spin import DEFAULT_SPIN_MS
 
 PLUGIN_NAME = "kvbranch"
 CONNECTOR_CLASS = "KVBranchConnector"
 CONNECTOR_MODULE = "server.connector.connector"
-ENV_CONTROL_SOCKET = "KVBRANCH_CONTROL_SOCKET"
-ENV_API_KEYS = "KVBRANCH_API_KEYS"
-ENV_MODEL_NAME = "KVBRANCH_MODEL_NAME"
-ENV_ROLE = "KVBRANCH_ROLE"
-#: The cluster index an instance publishes into (``--index``; unset or "memory": none).
-ENV_INDEX_URL = "KVBRANCH_INDEX_URL"
-ENV_CLUSTER_NAME = "KVBRANCH_CLUSTER_NAME"
-#: The URL routers reach this instance at (``--advertise-url``), as its heartbeat says.
-ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
-#: Agent-aware priority's aging in seconds (``--agent-priority``; unset: the policy is off).
-ENV_PRIORITY_AGING_S = "KVBRANCH_PRIORITY_AGING_S"
-#: ``0``: the warm-first scheduler does not backfill (server/engine_scheduler.py; for A/B runs).
-ENV_BACKFILL = "KVBRANCH_BACKFILL"
-
-
-def on_unless_zero(name: str) -> bool:
-    """A switch that is on by default: ``NAME=0`` in the environment turns it off (A/B runs)."""
-    return os.environ.get(name, "").strip() != "0"
-
-
 PD_CONNECTOR_CLASS = "KVBranchPDConnector"
 NIXL_CONNECTOR_CLASS = "VerifiedNixlConnector"
 PD_CONNECTOR_MODULE = "server.connector.pd"
@@ -390,9 +370,6 @@ DEFAULT_COLD_PREFILL_CHUNK = 256
 #: plain-vLLM baseline (``--no-connector``) and on P/D instances (``--role prefill|decode``:
 #: measured no better there, docs/scheduling.md "On P/D").
 DEFAULT_AGENT_PRIORITY: bool | None = None
-#: ``--priority-aging-s`` default (server/plugin/priority.py: DEFAULT_AGING_S; 4 and 8 s were
-#: measured side by side, docs/scheduling.md).
-DEFAULT_PRIORITY_AGING_S = 8.0
 
 
 def add_scheduling_args(parser: argparse.ArgumentParser) -> None:

@@ -4,5 +4,5 @@
 Pure functions over a request's headers and parsed body — no FastAPI, no vLLM — so the router
 imports them without the plugin, and a rule is written once: a request the router lets through
 is one the instances accept, and one they refuse is refused at the router before any leg runs.
-May import: :mod:`sdk.contract`, :mod:`server.dialects`, :mod:`server.tenants`.
+May import: :mod:`sdk.contract`, :mod:`server.dialects`, :mod:`server.common.tenants`.
 """

@@ -283,8 +283,8 @@ def record_factory(
 def start(state: Any, engine_client: Any, args: Any) -> IndexPublisher | None:
     """Start the publisher task when the launcher named a shared index; None otherwise (or
     when the index URL cannot be opened: logged, the instance serves without it)."""
+    from server.common.env import ENV_ADVERTISE_URL, ENV_CLUSTER_NAME, ENV_INDEX_URL, ENV_ROLE
     from server.index import open_store
-    from server.settings import ENV_ADVERTISE_URL, ENV_CLUSTER_NAME, ENV_INDEX_URL, ENV_ROLE
 
     url = os.environ.get(ENV_INDEX_URL, "memory")
     if not url or url == "memory":

@@ -7,13 +7,14 @@ Redis could otherwise add a record naming a URL of their choosing: the router's 
 for a 200 and JSON, so every turn routed there would hand that URL a tenant's conversation.
 
 So every record carries :attr:`~server.index.base.InstanceRecord.mac`: the HMAC of
-:mod:`server.cluster_auth` (``"<unix ms>.<hex HMAC-SHA256>"``) over every field of the record —
-identity, URL, role, model, block size, NIXL side channel, generation, load — keyed with a key
-derived from the cluster secret for this one use (so a record's MAC is never a router proof, nor
-the other way round). Instances seal at every heartbeat; a router lists a record only when its
-MAC verifies and is at most :data:`~server.cluster_auth.MAX_SKEW_S` old. A Redis writer without
-the secret can delete records or replay a real instance's recent one (its own URL: an instance
-that is gone fails its probe), so at most turns recompute; it cannot point a router anywhere.
+:mod:`server.common.cluster_auth` (``"<unix ms>.<hex HMAC-SHA256>"``) over every field of the
+record — identity, URL, role, model, block size, NIXL side channel, generation, load — keyed
+with a key derived from the cluster secret for this one use (so a record's MAC is never a router
+proof, nor the other way round). Instances seal at every heartbeat; a router lists a record only
+when its MAC verifies and is at most :data:`~server.common.cluster_auth.MAX_SKEW_S` old. A Redis
+writer without the secret can delete records or replay a real instance's recent one (its own
+URL: an instance that is gone fails its probe), so at most turns recompute; it cannot point a
+router anywhere.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import hmac
 import json
 from dataclasses import replace
 
-from server import cluster_auth
+from server.common import cluster_auth
 from server.index.base import InstanceRecord
 
 #: Derives the record key from the cluster secret (domain separation from the router's proofs).

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server.settings import ENV_CONTROL_SOCKET, ENV_MODEL_NAME  # the launcher sets them
+from server.common.env import ENV_CONTROL_SOCKET, ENV_MODEL_NAME  # the launcher sets them
 
 logger = logging.getLogger("kvbranch.plugin")
 

@@ -5,7 +5,7 @@ a request:
 
 * **Transfer params** (``kv_transfer_params`` in the body, or smuggled in the extension args,
   where vLLM would also find them) are accepted only on a request the P/D router signed
-  (:mod:`server.cluster_auth`); a client's own get 403. The router refuses client params at
+  (:mod:`server.common.cluster_auth`); a client's own get 403. The router refuses client params at
   its edge; this is the same rule for a client that reaches P or D directly.
 * **Hold claims** (``POST /v1/kvbranch/holds/claim``) likewise: a claim keeps D's blocks from
   new work, so only the router may make one.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from server.cluster_auth import ROUTER_PROOF_HEADER, verify
+from server.common.cluster_auth import ROUTER_PROOF_HEADER, verify
 
 __all__ = ["ROUTER_PROOF_HEADER", "claim_refusal", "from_router", "is_dev_path", "transfer_refusal"]
 from sdk.contract import (

@@ -25,7 +25,7 @@ vLLM's own key check, where it applies, runs before it).
 * **Client salt**: with keys, a ``cache_salt`` vLLM would refuse gets vLLM's 400 here, since
   the middleware turns any client salt into a valid tenant salt.
 
-Errors use the contract's shape (:func:`server.errors.send_error`): ``{"error": {"message",
+Errors use the contract's shape (:func:`server.common.errors.send_error`): ``{"error": {"message",
 "type", "param", "code"}}``. The body it reads is kept for the middleware inside it
 (:func:`server.plugin.request.read_body`), so a request's body is read once.
 """
@@ -47,7 +47,7 @@ from sdk.contract import (
 from server import dialects
 from server.checks import json_body
 from server.checks.ids import id_problem
-from server.errors import send_error
+from server.common.errors import send_error
 from server.plugin import cluster_gate
 from server.plugin.request import drain, header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on

@@ -14,9 +14,9 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 
 from sdk.contract import CLAIM_HANDLE_FIELD, HOLD_CLAIM_PATH
+from server.common.errors import error_response
 from server.connector.control.models import ClaimHold
 from server.connector.control.transport import ControlError
-from server.errors import error_response
 
 router = APIRouter(tags=["kvbranch"])
 

@@ -18,7 +18,7 @@ JSON body, or to the usage chunk of a stream — vLLM returns ``kv_transfer_para
 non-streaming responses, so a side channel is the only way a streaming client learns it.
 
 The request body is the one the guard already read (:func:`server.plugin.request.read_body`:
-read once per request); stream events are cut and re-encoded by :mod:`server.sse`, as the
+read once per request); stream events are cut and re-encoded by :mod:`server.common.sse`, as the
 P/D router's relay does.
 """
 
@@ -51,13 +51,13 @@ from sdk.contract import (
 )
 from server import dialects
 from server.checks.ids import xargs_of
+from server.common.sse import EVENT_END, EventSplitter, encode_event, json_event
 from server.connector.control.models import Split
 from server.plugin.engine_tokens import VllmEngine
 from server.plugin.priority import policy_from_env
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
 from server.plugin.tool_schema import default_strict_tools
-from server.sse import EVENT_END, EventSplitter, encode_event, json_event
 
 __all__ = [
     "KVBranchMiddleware",

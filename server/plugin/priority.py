@@ -8,12 +8,12 @@ What is left is the estimated prefill work, bucketed SRPT-like into a *level* (0
 to compute, a resumed turn; higher: colder and longer). The priority is a virtual deadline,
 ``arrival + level * aging_s`` on the system's monotonic clock, in ticks of :data:`TICK_S`, with
 the level in its lowest digit (:func:`encode`, so that the engine's scheduler can read it back
-with :func:`level_in`, server/engine_scheduler.py): a request of level *L* is outranked
-only by a request of level *L'* < *L* that arrives less than ``(L - L') * aging_s`` after it,
-so a cold first turn is never starved. (An earlier version used ``int(elapsed / aging_s) +
-level``: the rounding made the window anywhere between ``(L - 1)`` and ``L`` times the aging,
-depending on when the server started — measured, a resumed turn 6.6 s after a level-2 cold
-lost its place with an aging of 4 s.)
+with :func:`level_in`, server/engine_scheduler.py; both in :mod:`server.common.priority_code`):
+a request of level *L* is outranked only by a request of level *L'* < *L* that arrives less than
+``(L - L') * aging_s`` after it, so a cold first turn is never starved. (An earlier version used
+``int(elapsed / aging_s) + level``: the rounding made the window anywhere between ``(L - 1)``
+and ``L`` times the aging, depending on when the server started — measured, a resumed turn 6.6 s
+after a level-2 cold lost its place with an aging of 4 s.)
 
 Why digests of prefixes, not lengths per (session, branch): a length says nothing about
 content, so a client could send a new 5k-token prompt of the length of its last one and be
@@ -40,41 +40,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.settings import DEFAULT_PRIORITY_AGING_S, ENV_PRIORITY_AGING_S
+from server.common.priority_code import (
+    DEFAULT_AGING_S,
+    LEVEL_BOUNDS,
+    aging_from_env,
+    encode,
+    unranked,
+)
 
 #: Characters per token, for the estimate (English and JSON with a BPE tokenizer: ~4).
 CHARS_PER_TOKEN = 4
 #: A prefix digest every this many characters (~128 tokens, one CPU KV block): the unmatched
 #: tail of a resumed turn is then at most half of level 0.
 CHUNK_CHARS = 512
-#: Estimated tokens to prefill -> level: <= 256 -> 0, <= 1024 -> 1, <= 4096 -> 2, else 3.
-LEVEL_BOUNDS = (256, 1024, 4096)
-DEFAULT_AGING_S = DEFAULT_PRIORITY_AGING_S
 #: A client's own positive ``priority`` counts as that many levels later, at most this many.
 MAX_CLIENT_LEVELS = 1000
-#: Resolution of the priority (vLLM's ``priority`` is an integer): 10 ms.
-TICK_S = 0.01
-#: Levels 0..COLDEST; the priority carries the level in base ``LEVELS``' lowest digit.
-COLDEST = len(LEVEL_BOUNDS)
-LEVELS = COLDEST + 1
-
-
-def encode(deadline_s: float, level: int) -> int:
-    """vLLM priority of a request: its deadline in ticks, then its level (lower first)."""
-    return round(deadline_s / TICK_S) * LEVELS + level
-
-
-def level_in(priority: int) -> int:
-    """The level a priority from :func:`encode` carries."""
-    return priority % LEVELS
-
-
-def unranked(now: float, aging_s: float) -> int:
-    """The priority of a request the policy could not rank (no prompt it understands, or a
-    route whose body has no ``priority``): the coldest level at its arrival, never ahead."""
-    return encode(now + COLDEST * aging_s, COLDEST)
-
-
 #: The routes whose vLLM body has a ``priority`` field (vLLM 0.32; /v1/messages has none).
 PRIORITY_PATHS = (
     "/v1/chat/completions",
@@ -222,18 +202,6 @@ class PriorityPolicy:
         computed = encode(self._clock() + (level + later) * self.aging_s, level)
         payload[PRIORITY_FIELD] = computed
         return Estimate(total, cached, new_tokens, level, computed)
-
-
-def aging_from_env() -> float | None:
-    """The aging the launcher set in the environment with ``--agent-priority`` (read by the
-    API server's plugin and by the engine's scheduler), else ``None``."""
-    import os
-
-    try:
-        aging_s = float(os.environ.get(ENV_PRIORITY_AGING_S, ""))
-    except ValueError:
-        return None
-    return aging_s if aging_s > 0 else None
 
 
 def policy_from_env() -> PriorityPolicy | None:

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from typing import Any
 
 from sdk.contract import MAX_BODY_BYTES, RESPONSES_PATH
-from server.errors import safe_text, send_error
+from server.common.errors import safe_text, send_error
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
 

@@ -4,7 +4,7 @@ Each route asks the connector one typed control op (a request model of
 :mod:`server.connector.control.models`; the client parses the answer into the op's answer
 model, strictly, so a field that drifted between the engine and the API process fails there)
 and answers through the contract's response model (:func:`_answer`: for most routes the
-answer model *is* that model). Errors are :func:`server.errors.error_response`.
+answer model *is* that model). Errors are :func:`server.common.errors.error_response`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from sdk.contract import (
     Stats,
 )
 from server import __version__
+from server.common.errors import error_response
 from server.connector.control.models import (
     ControlRequest,
     CreateSession,
@@ -52,7 +53,6 @@ from server.connector.control.models import (
     Unpin,
 )
 from server.connector.control.transport import ControlError
-from server.errors import error_response
 from server.plugin.state import PluginState
 from server.plugin.tenancy import app_args_of, owner_of
 

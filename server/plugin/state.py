@@ -10,8 +10,8 @@ import uuid
 from typing import Any
 
 from sdk.contract import PREFETCH_XARG
+from server.common.env import ENV_ROLE
 from server.connector.control.transport import AsyncControlClient
-from server.settings import ENV_ROLE
 
 logger = logging.getLogger("kvbranch.routes")
 

@@ -6,8 +6,8 @@ Whose keys: exactly the ones vLLM's own ``AuthenticationMiddleware`` accepts —
 ``--api-key``, keys after ``--``, a vLLM config file, the environment, or ``vllm serve`` with
 the plugin). Without app arguments (unit tests), the launcher's ``KVBRANCH_API_KEYS``.
 
-A tenant's id (``owner``) is a digest of its key (:func:`server.tenants.tenant_id`, the digest
-the router scopes its index with too) — the key itself is never stored or logged.
+A tenant's id (``owner``) is a digest of its key (:func:`server.common.tenants.tenant_id`, the
+digest the router scopes its index with too) — the key itself is never stored or logged.
 It scopes sessions (each tenant has its own id space) and salts the prefix cache, combined
 with any ``cache_salt`` the client sends (:func:`tenant_salt`). A header that does not carry a
 configured key has no owner: the guard refuses it on every generating route.
@@ -19,8 +19,8 @@ import hashlib
 import os
 from typing import Any
 
-from server.settings import ENV_API_KEYS  # the launcher sets it from the keys it saw
-from server.tenants import DIGEST_CHARS, KeyTable, keys_of, tenant_id
+from server.common.env import ENV_API_KEYS  # the launcher sets it from the keys it saw
+from server.common.tenants import DIGEST_CHARS, KeyTable, keys_of, tenant_id
 
 __all__ = ["app_args_of", "keys_of", "owner_of", "tenancy_on", "tenant_id", "tenant_salt"]
 
@@ -49,7 +49,7 @@ def tenancy_on(app_args: Any = None) -> bool:
 
 
 def owner_of(authorization: str | None, app_args: Any = None) -> str | None:
-    """The tenant of a configured bearer key (:meth:`server.tenants.KeyTable.owner`)."""
+    """The tenant of a configured bearer key (:meth:`server.common.tenants.KeyTable.owner`)."""
     return _table(app_args).owner(authorization)
 
 

@@ -35,8 +35,8 @@ from sdk.contract import (
     check_id,
     error_body,
 )
+from server.common.errors import error_response
 from server.connector.core.sessions import new_id
-from server.errors import error_response
 from server.index import IndexStore, IndexUnavailable
 from server.router import relay
 from server.router.edge import (

@@ -36,13 +36,13 @@ from sdk.contract import (
     PROTOCOL_VERSION,
     STATS_PATH,
 )
+from server.common.tenants import KeyTable
 from server.index import IndexStore, MemoryIndexStore
 from server.router.admin import Admin
 from server.router.edge import Edge, EdgeState
 from server.router.limits import TENANT_INFLIGHT
 from server.router.pool import CACHE_AWARE, PROBE_MAX_CONNECTIONS, PROBE_TIMEOUT_S, Pool
 from server.router.turn import TurnFlow
-from server.tenants import KeyTable
 
 logger = logging.getLogger("kvbranch.router")
 

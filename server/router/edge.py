@@ -18,10 +18,10 @@ Two halves:
   branch ids from every place a dialect reads them, strict types of the fields the router
   reads): a 400 that names the field.
 
-A request's tenant — the digest of its API key (:mod:`server.tenants`) — scopes the cluster
+A request's tenant — the digest of its API key (:mod:`server.common.tenants`) — scopes the cluster
 index the way the instances scope sessions; :class:`Edge` decides it once and the routes read
 it with :func:`tenant_of`. The router's own error replies come from the server's one error
-builder (:mod:`server.errors`).
+builder (:mod:`server.common.errors`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from server.checks import json_body
 from server.checks.fields import field_problem
 from server.checks.headers import header_problem
 from server.checks.ids import id_problem
-from server.errors import error_response, send_error
+from server.common.errors import error_response, send_error
+from server.common.tenants import KeyTable, scope_of
 from server.router.limits import BODY_TIMEOUT_S, MAX_INFLIGHT, SEND_TIMEOUT_S, TENANT_INFLIGHT
-from server.tenants import KeyTable, scope_of
 
 logger = logging.getLogger("kvbranch.router")
 
@@ -85,7 +85,7 @@ def unavailable(message: str) -> JSONResponse:
 
 def tenant_of(request: Request) -> str:
     """Whose request this is: the tenant :class:`Edge` decided (the digest of its API key —
-    :func:`server.tenants.scope_of`, the same tenant id the instances give a key they have).
+    :func:`server.common.tenants.scope_of`, the same tenant id the instances give a key they have).
     It scopes the cluster index."""
     tenant = request.scope.get("state", {}).get(TENANT_STATE)
     return tenant if isinstance(tenant, str) else scope_of(request.headers.get("authorization"))

@@ -70,9 +70,9 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
     """Serve the router on ``sock`` (bound by :func:`bind_listener`) or on --host/--port."""
     import uvicorn
 
+    from server.common.tenants import keys_of
     from server.router.app import Router, build_app
     from server.router.limits import TENANT_INFLIGHT, HeaderDeadlineProtocol
-    from server.tenants import keys_of
 
     index_url = getattr(args, "index", None) or "memory"
     shared = index_url != "memory"

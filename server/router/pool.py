@@ -51,7 +51,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter
 
 from sdk.contract import HEALTH_PATH, InstanceInfo
-from server.cluster_auth import ROUTER_PROOF_HEADER, sign
+from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.connector.pd.transfer_auth import load_cluster_secret
 from server.index import (
     BlockHits,
@@ -207,7 +207,8 @@ class Pool:
 
     def proof(self, method: str, path: str, content: bytes) -> dict[str, str]:
         """The header that tells an instance this request is the router's own
-        (:mod:`server.cluster_auth`): the only way transfer params or a claim are accepted."""
+        (:mod:`server.common.cluster_auth`): the only way transfer params or a claim are
+        accepted."""
         return {ROUTER_PROOF_HEADER: sign(self.secret, method, path, content)}
 
     async def probe(self, inst: Instance, max_age: float = PROBE_MAX_AGE_S) -> bool:

@@ -20,7 +20,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from sdk.contract import RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
-from server.sse import EventSplitter, Rewrite, encode_event, json_event, rewrite_events
+from server.common.sse import EventSplitter, Rewrite, encode_event, json_event, rewrite_events
 
 #: Called with the transfer params an answer carried (whatever they are; the caller checks).
 FileParams = Callable[[Any], None]

@@ -53,7 +53,7 @@ from sdk.contract import (
 )
 from server import dialects
 from server.checks.ids import xargs_of
-from server.errors import error_response
+from server.common.errors import error_response
 from server.index import Hold, IndexStore, IndexUnavailable, Key, TurnStart
 from server.router import relay
 from server.router.edge import FORWARD_HEADERS, Refused, read_turn, tenant_of, unavailable

@@ -25,12 +25,12 @@ import httpx
 import psutil
 
 from sdk.contract import HEALTH_PATH
+from server.common.tenants import scope_of
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
 from server.index import Hold, InstanceRecord
 from server.index.hold_cipher import HoldCipher
 from server.index.redis_store import RedisIndexStore, RedisKeys, decode_hold, digest, encode_hold
 from server.process import free_port
-from server.tenants import scope_of
 from tests.integration.helpers import size_args
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess

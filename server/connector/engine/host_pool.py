@@ -55,7 +55,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from server.settings import on_unless_zero
+from server.common.env import on_unless_zero
 
 #: ``0``: CPU saves in the step, on its critical path; anything else or unset: in a background
 #: thread (see the module docstring; docs/scheduling.md has the turn-1 measurement).

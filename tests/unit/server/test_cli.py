@@ -18,16 +18,8 @@ from server.cli import (
     resolve_model,
     split_passthrough,
 )
-from server.settings import (
-    CONNECTOR_CLASS,
-    CONNECTOR_MODULE,
-    ENV_API_KEYS,
-    ENV_CONTROL_SOCKET,
-    ENV_MODEL_NAME,
-    GIB,
-    LaunchError,
-    build_parser,
-)
+from server.common.env import ENV_API_KEYS, ENV_CONTROL_SOCKET, ENV_MODEL_NAME
+from server.settings import CONNECTOR_CLASS, CONNECTOR_MODULE, GIB, LaunchError, build_parser
 
 REPO = Path(__file__).resolve().parents[3]
 

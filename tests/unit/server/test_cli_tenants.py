@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from server.cli import main, plan_launch
-from server.settings import ENV_API_KEYS, LaunchError, build_parser
+from server.common.env import ENV_API_KEYS
+from server.settings import LaunchError, build_parser
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.cluster_auth import MAX_SKEW_S, sign, verify
+from server.common.cluster_auth import MAX_SKEW_S, sign, verify
 
 SECRET = b"s" * 32
 BODY = b'{"kv_transfer_params": {"do_remote_decode": true}}'

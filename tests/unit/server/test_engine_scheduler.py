@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from server.common.priority_code import encode
 from server.engine_scheduler import (
     WarmFirstScheduler,
     blocks_needed,
@@ -26,7 +27,6 @@ from server.engine_scheduler import (
     requests_to_pass,
 )
 from server.model_cache import default_model_dir
-from server.plugin.priority import encode
 
 BS = 16
 #: Priorities as the plugin encodes them (deadline s, level): a cold 1-4k-token prefill, a
@@ -202,7 +202,7 @@ def test_blocks_needed_covers_the_prompt_and_the_first_token():
 def test_an_unranked_request_ranks_coldest_not_first():
     """Priority 0 (a route whose vLLM body has no ``priority``, e.g. /v1/messages) would be
     vLLM's first place: it ranks as the coldest request arriving now instead."""
-    from server.plugin.priority import COLDEST, encode, level_in
+    from server.common.priority_code import COLDEST, encode, level_in
 
     sched = make()
     cold = cold_holding_blocks(sched)

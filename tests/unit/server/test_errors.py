@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from sdk.contract import ErrorBody, error_body, error_type
-from server.errors import asgi_error, error_response, send_error
+from server.common.errors import asgi_error, error_response, send_error
 
 
 def test_the_one_shape():

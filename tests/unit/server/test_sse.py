@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.sse import EventSplitter, encode_event, json_event, rewrite_events
+from server.common.sse import EventSplitter, encode_event, json_event, rewrite_events
 
 
 def test_events_cut_across_reads():

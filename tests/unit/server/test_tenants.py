@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from server.common.tenants import ANONYMOUS, bearer_key, scope_of, tenant_id
 from server.plugin.tenancy import owner_of
-from server.tenants import ANONYMOUS, bearer_key, scope_of, tenant_id
 
 
 def test_the_router_scope_is_the_instances_owner():

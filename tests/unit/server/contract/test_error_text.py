@@ -1,4 +1,4 @@
-"""server.errors with any text: an error quoting a lone surrogate still encodes (before, the
+"""server.common.errors with any text: an error quoting a lone surrogate still encodes (before, the
 Starlette form raised UnicodeEncodeError while answering)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from server.errors import asgi_error, error_response, safe_text, send_error
+from server.common.errors import asgi_error, error_response, safe_text, send_error
 
 
 def test_safe_text():

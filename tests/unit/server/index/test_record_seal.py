@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from server import cluster_auth
+from server.common import cluster_auth
 from server.index import InstanceRecord, record_seal
 from server.index.redis_store import _record
 

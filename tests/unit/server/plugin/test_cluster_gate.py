@@ -10,7 +10,7 @@ import json
 import pytest
 
 from sdk.contract import HOLD_CLAIM_PATH
-from server.cluster_auth import ROUTER_PROOF_HEADER, sign
+from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.plugin import cluster_gate
 from server.plugin.guard import KVBranchGuard
 

@@ -162,7 +162,7 @@ def test_a_lone_surrogate_is_a_named_400(path, raw, param):
 
 
 def test_a_lone_surrogate_salt_is_a_400_with_keys_too(monkeypatch):
-    from server.settings import ENV_API_KEYS
+    from server.common.env import ENV_API_KEYS
 
     monkeypatch.setenv(ENV_API_KEYS, "key-a")
     raw = b'{"model":"m","messages":[],"cache_salt":"\\ud800"}'

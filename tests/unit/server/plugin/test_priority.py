@@ -6,21 +6,17 @@ from __future__ import annotations
 import pytest
 
 from server.cli import WARM_FIRST_SCHEDULER, scheduling_plan
+from server.common.env import ENV_PRIORITY_AGING_S
+from server.common.priority_code import LEVEL_BOUNDS, LEVELS, TICK_S, encode, level_in, unranked
 from server.plugin.priority import (
-    LEVEL_BOUNDS,
-    LEVELS,
     MAX_CLIENT_LEVELS,
-    TICK_S,
     PriorityPolicy,
-    encode,
-    level_in,
     level_of,
     policy_from_env,
     prefix_digests,
     prompt_text,
-    unranked,
 )
-from server.settings import ENV_PRIORITY_AGING_S, build_parser
+from server.settings import build_parser
 
 CHAT = "/v1/chat/completions"
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from server.common.env import ENV_API_KEYS
 from server.plugin.responses_scope import ResponseOwners, ResponsesScope
-from server.settings import ENV_API_KEYS
 
 KEY_A, KEY_B = "key-a", "key-b"
 

@@ -1,5 +1,5 @@
 """The ``/v1/kvbranch`` routes answer through the contract's models, and their errors are the
-one error shape (server.errors). The connector is a fake control client (pure logic) that
+one error shape (server.common.errors). The connector is a fake control client (pure logic) that
 parses its canned answers as the real one does; the routes, FastAPI and the models are the
 real ones."""
 

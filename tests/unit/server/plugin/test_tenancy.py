@@ -22,11 +22,11 @@ from sdk.contract import (
     UNSALTABLE_PATHS,
     check_cache_salt,
 )
+from server.common.env import ENV_API_KEYS
 from server.plugin import tenancy
 from server.plugin.guard import KVBranchGuard
 from server.plugin.middleware import KVBranchMiddleware, rewrite_request
 from server.plugin.tenancy import owner_of, tenant_id, tenant_salt
-from server.settings import ENV_API_KEYS
 
 KEY_A, KEY_B = "key-a", "key-b"
 

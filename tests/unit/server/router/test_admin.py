@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from sdk.contract import HEALTH_PATH, SESSIONS_PATH, STATS_PATH, session_path
+from server.common.tenants import scope_of
 from server.router.app import Router
-from server.tenants import scope_of
 from tests.unit.server.router.fakes import (
     D,
     Fakes,

@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from sdk.contract import CHAT_COMPLETIONS_PATH, SESSIONS_PATH
+from server.common.tenants import tenant_id
 from server.router import edge
 from server.router.app import build_app
 from server.router.edge import EdgeState
-from server.tenants import tenant_id
 from tests.unit.server.router.fakes import Fakes, call, make_router
 
 KA, KB = "key-a", "key-b"
@@ -204,7 +204,7 @@ def test_the_edge_state_is_bounded_by_the_requests_in_flight():
     """After any number of tenants came and went, the edge keeps nothing of them."""
     from prometheus_client import CollectorRegistry
 
-    from server.tenants import KeyTable
+    from server.common.tenants import KeyTable
 
     state = EdgeState(KeyTable([]), CollectorRegistry())
     router = make_router(Fakes())
@@ -262,8 +262,8 @@ def test_a_body_under_the_bound_still_flows(monkeypatch):
 def test_a_client_that_stops_reading_is_cut_off_and_its_upstream_released():
     from prometheus_client import CollectorRegistry
 
+    from server.common.tenants import KeyTable
     from server.router.edge import Edge
-    from server.tenants import KeyTable
 
     state = EdgeState(KeyTable([]), CollectorRegistry(), send_timeout_s=0.2)
     released = []

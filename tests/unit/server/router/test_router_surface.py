@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from sdk.contract import HOLD_CLAIM_PATH
-from server.cluster_auth import ROUTER_PROOF_HEADER, verify
+from server.common.cluster_auth import ROUTER_PROOF_HEADER, verify
 from server.router import relay
 from server.router.admin import SESSION_ROUTES, known_route
 from tests.unit.server.router.fakes import D, Fakes, P, call, json_reply, make_router

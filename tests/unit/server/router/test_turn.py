@@ -22,8 +22,8 @@ from sdk.contract import (
     TRANSFER_PARAMS_FIELD,
 )
 from server import dialects
+from server.common.tenants import scope_of
 from server.router.turn import turn_key
-from server.tenants import scope_of
 from tests.unit.server.dialects.bodies import conversation
 from tests.unit.server.router.fakes import (
     D,

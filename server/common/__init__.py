@@ -1,0 +1,2 @@
+"""Small pure helpers that several processes share: the router, vLLM's API server (the plugin),
+the engine core, the launcher. They import only the standard library, sdk.contract and Starlette."""

@@ -1,0 +1,31 @@
+"""The environment the launcher hands every process it starts (vLLM's API server, its engine
+core, the router), and how those processes read a switch from it.
+
+The launcher writes these variables (:mod:`server.settings` has its flags); the plugin, the
+engine's scheduler, the connector and the index publisher read them. Its own module so that
+those readers, which run in other processes, import neither the launcher nor one another.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_CONTROL_SOCKET = "KVBRANCH_CONTROL_SOCKET"
+ENV_API_KEYS = "KVBRANCH_API_KEYS"
+ENV_MODEL_NAME = "KVBRANCH_MODEL_NAME"
+ENV_ROLE = "KVBRANCH_ROLE"
+#: The cluster index an instance publishes into (``--index``; unset or "memory": none).
+ENV_INDEX_URL = "KVBRANCH_INDEX_URL"
+ENV_CLUSTER_NAME = "KVBRANCH_CLUSTER_NAME"
+#: The URL routers reach this instance at (``--advertise-url``), as its heartbeat says.
+ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
+#: Agent-aware priority's aging in seconds (``--agent-priority``; unset: the policy is off).
+ENV_PRIORITY_AGING_S = "KVBRANCH_PRIORITY_AGING_S"
+#: ``0``: the warm-first scheduler does not backfill (server/engine_scheduler.py; for A/B runs).
+ENV_BACKFILL = "KVBRANCH_BACKFILL"
+
+
+def on_unless_zero(name: str) -> bool:
+    """A switch that is on by default: ``NAME=0`` in the environment turns it off (A/B runs)."""
+    return os.environ.get(name, "").strip() != "0"
