@@ -49,9 +49,9 @@ CONFIGS = {
     "pd-kvbranch-sched": ["--disagg", "--agent-priority"],
 }
 #: Opt-in: the same with vLLM's own 1 s message-queue busy-wait (the launcher's default is 2 ms,
-#: server/engine_spin.py), for the side-by-side measurement of that default.
+#: server/engine/spin.py), for the side-by-side measurement of that default.
 #: And with vLLM's own 1 ms poll of an engine that only holds blocks for its peer (the launcher's
-#: default is 20 ms and a new request ends it at once, server/engine_idle.py).
+#: default is 20 ms and a new request ends it at once, server/engine/idle.py).
 for _name in list(CONFIGS):
     CONFIGS[f"{_name}-spin1000"] = [*CONFIGS[_name], "--mq-spin-ms", "1000"]
     CONFIGS[f"{_name}-poll1"] = [*CONFIGS[_name], "--idle-poll-ms", "0"]

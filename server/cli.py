@@ -38,9 +38,9 @@ from server.common.env import (
     ENV_ROLE,
 )
 from server.connector.config import ConnectorConfig, NixlChildConfig
-from server.engine_idle import ENV_IDLE_POLL_S
-from server.engine_spin import ENV_MQ_SPIN_S
-from server.engine_spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
+from server.engine.idle import ENV_IDLE_POLL_S
+from server.engine.spin import ENV_MQ_SPIN_S
+from server.engine.spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
 from server.index.event_sockets import exposed_endpoints
 from server.phases import Phases, PhaseTracker, StdoutTee, watch_listening
 from server.settings import (
@@ -258,7 +258,7 @@ def plan_launch(
         "VLLM_PLUGINS": ",".join(plugins),
         "VLLM_LOGGING_LEVEL": args.log_level.upper(),
         ENV_MODEL_NAME: served,
-        # Every instance, with or without the connector (engine_spin.py).
+        # Every instance, with or without the connector (server/engine/spin.py).
         ENV_MQ_SPIN_S: str(args.mq_spin_ms / 1000.0),
         ENV_IDLE_POLL_S: str(args.idle_poll_ms / 1000.0),
     }
@@ -291,8 +291,8 @@ def flag_value(passthrough: list[str], flag: str) -> str | None:
     return value
 
 
-#: server/engine_scheduler.py's scheduler (named here: importing it imports vLLM).
-WARM_FIRST_SCHEDULER = "server.engine_scheduler.WarmFirstScheduler"
+#: server/engine/scheduler.py's scheduler (named here: importing it imports vLLM).
+WARM_FIRST_SCHEDULER = "server.engine.scheduler.WarmFirstScheduler"
 
 
 def scheduling_plan(

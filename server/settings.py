@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from server.common.priority_code import DEFAULT_PRIORITY_AGING_S
-from server.engine_idle import DEFAULT_IDLE_POLL_MS
-from server.engine_spin import DEFAULT_SPIN_MS
+from server.engine.idle import DEFAULT_IDLE_POLL_MS
+from server.engine.spin import DEFAULT_SPIN_MS
 
 PLUGIN_NAME = "kvbranch"
 CONNECTOR_CLASS = "KVBranchConnector"

@@ -22,7 +22,7 @@ ENV_CLUSTER_NAME = "KVBRANCH_CLUSTER_NAME"
 ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
 #: Agent-aware priority's aging in seconds (``--agent-priority``; unset: the policy is off).
 ENV_PRIORITY_AGING_S = "KVBRANCH_PRIORITY_AGING_S"
-#: ``0``: the warm-first scheduler does not backfill (server/engine_scheduler.py; for A/B runs).
+#: ``0``: the warm-first scheduler does not backfill (server/engine/scheduler.py; for A/B runs).
 ENV_BACKFILL = "KVBRANCH_BACKFILL"
 
 

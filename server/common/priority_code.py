@@ -1,6 +1,6 @@
 """How a request's vLLM ``priority`` carries the agent-aware policy's decision: written by the
 API server's plugin (:mod:`server.plugin.priority`, which ranks each prompt), read back by the
-engine core's warm-first scheduler (server/engine_scheduler.py). Each side runs in its own
+engine core's warm-first scheduler (server/engine/scheduler.py). Each side runs in its own
 process; this module is the whole of what they share, so neither imports the other.
 
 The priority is a virtual deadline, ``arrival + level * aging_s`` on the system's monotonic

@@ -8,7 +8,7 @@ What is left is the estimated prefill work, bucketed SRPT-like into a *level* (0
 to compute, a resumed turn; higher: colder and longer). The priority is a virtual deadline,
 ``arrival + level * aging_s`` on the system's monotonic clock, in ticks of :data:`TICK_S`, with
 the level in its lowest digit (:func:`encode`, so that the engine's scheduler can read it back
-with :func:`level_in`, server/engine_scheduler.py; both in :mod:`server.common.priority_code`):
+with :func:`level_in`, server/engine/scheduler.py; both in :mod:`server.common.priority_code`):
 a request of level *L* is outranked only by a request of level *L'* < *L* that arrives less than
 ``(L - L') * aging_s`` after it, so a cold first turn is never starved. (An earlier version used
 ``int(elapsed / aging_s) + level``: the rounding made the window anywhere between ``(L - 1)``

@@ -104,7 +104,7 @@ class EngineStoreStats(StoreStats):
 
 
 class SchedulerStats(_Internal):
-    """The warm-first scheduler's counters (:mod:`server.scheduler_counters`)."""
+    """The warm-first scheduler's counters (:mod:`server.engine.scheduler_counters`)."""
 
     preemptions: int
     backfills: int

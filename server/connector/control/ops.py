@@ -25,7 +25,6 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from pydantic import BaseModel
 
-from server import scheduler_counters
 from server.connector.control.models import (
     ControlError,
     ControlRequest,
@@ -48,6 +47,7 @@ from server.connector.control.models import (
 )
 from server.connector.core.planner import Planner
 from server.connector.core.sessions import RegistryError
+from server.engine import scheduler_counters
 
 logger = logging.getLogger("kvbranch.control")
 

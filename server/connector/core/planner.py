@@ -397,7 +397,7 @@ class Planner:
         """Forget everything the host store holds — pinned blocks and tails too — and every
         pin (sessions and branches stay, with their tokens: their KV is recomputed, and the
         next request of a branch pins it again). For ``reset_prefix_cache?reset_external=true``
-        and whenever the engine's weights or LoRA adapters change (``engine_changes.py``):
+        and whenever the engine's weights or LoRA adapters change (``engine/weight_changes.py``):
         block hashes name tokens, not weights, so old KV would be served under them. Requests
         running now save nothing more (their KV may be the old model's); tails waiting for
         their copy are dropped. Returns how many blocks and tails were stored."""

@@ -139,9 +139,9 @@ class KVBranchConnector(KVConnectorBase_V1):
         self._step: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             # In the engine core process: clear the store when weights or adapters change.
-            from server.plugin import engine_changes
+            from server.engine import weight_changes
 
-            engine_changes.install()
+            weight_changes.install()
             parallel = vllm_config.parallel_config
             engine = getattr(parallel, "data_parallel_index", None)
             engine = parallel.data_parallel_rank if engine is None else engine
@@ -320,7 +320,7 @@ class KVBranchConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         """``POST /reset_prefix_cache?reset_external=true``, vLLM's cache clears (pause, sleep)
-        and new weights or LoRA adapters (``server/plugin/engine_changes.py``): forget every
+        and new weights or LoRA adapters (``server/engine/weight_changes.py``): forget every
         block and tail, pinned or not, and every pin (sessions stay; their KV goes)."""
         return self.scheduler_side.reset_cache() if self.scheduler_side is not None else None
 

@@ -102,7 +102,7 @@ class KVBranchScheduler:
 
     def reset_cache(self) -> bool:
         """``POST /reset_prefix_cache?reset_external=true`` (and vLLM's own cache clears: a
-        pause or sleep that clears caches, and ``engine_changes.py`` after new weights or a
+        pause or sleep that clears caches, and ``engine/weight_changes.py`` after new weights or a
         reloaded LoRA): forget every block and tail, pinned or not, and every pin. Sessions
         and branches stay; their KV is recomputed."""
         dropped = self.planner.reset_store()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from vllm.v1.engine.core import EngineCoreProc
 
-from server import engine_idle
+from server.engine import idle as engine_idle
 
 
 class Scheduler:

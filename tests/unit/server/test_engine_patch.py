@@ -1,4 +1,4 @@
-"""The one installer both engine plugins use (:mod:`server.engine_patch`), on a stand-in class
+"""The one installer both engine plugins use (:mod:`server.engine.patch`), on a stand-in class
 (the plugins' own tests run it on vLLM's real classes)."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import types
 
 import pytest
 
-from server import engine_idle, engine_patch, engine_spin
+from server.engine import idle as engine_idle
+from server.engine import patch as engine_patch
+from server.engine import spin as engine_spin
 
 
 class Target:

@@ -1,4 +1,4 @@
-"""The warm-first scheduler's preemption (server/engine_scheduler.py) on vLLM's real ``Scheduler``:
+"""The warm-first scheduler's preemption (server/engine/scheduler.py) on vLLM's real ``Scheduler``:
 a cold prefill that holds the device blocks is preempted for a warmer waiting request, never
 for a colder one, and never while it decodes. Pure rules with small fakes at the end."""
 
@@ -19,7 +19,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from server.common.priority_code import encode
-from server.engine_scheduler import (
+from server.engine.scheduler import (
     WarmFirstScheduler,
     blocks_needed,
     colds_to_queue,
@@ -342,7 +342,7 @@ def test_a_sibling_is_admitted_beside_its_branch_past_a_head_that_waited_long():
     """Both branches of a fork waiting: the one admitted first holds the shared history, so
     its sibling fits beside it even past a long-waiting request that does not fit (a late pass,
     at most MAX_LATE_PASSES times per request). vLLM's own scheduler admits only the first."""
-    from server.engine_scheduler import MAX_LATE_PASSES
+    from server.engine.scheduler import MAX_LATE_PASSES
 
     long_ago = time.time() - 60
 

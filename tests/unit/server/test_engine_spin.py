@@ -8,7 +8,7 @@ import pytest
 import zmq
 from vllm.distributed.device_communicators import shm_broadcast
 
-from server import engine_spin
+from server.engine import spin as engine_spin
 
 
 @pytest.fixture

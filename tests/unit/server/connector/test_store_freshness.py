@@ -15,7 +15,7 @@ from server.connector.core.planner import BRANCH_XARG
 from server.connector.core.sessions import DEFAULT_BRANCH
 from server.connector.core.tails import identity_of
 from server.connector.engine.scheduler_side import KVBranchScheduler
-from server.plugin import engine_changes
+from server.engine import weight_changes as engine_changes
 from tests.unit.server.connector.fakes import BS
 
 

@@ -270,7 +270,7 @@ class Req:
 
 
 def test_cap_only_for_warmer_work():
-    from server.engine_scheduler import QUALNAME, cap_needed
+    from server.engine.scheduler import QUALNAME, cap_needed
 
     assert QUALNAME == WARM_FIRST_SCHEDULER
     cold = Req(10, 512, 4000)
@@ -294,7 +294,7 @@ def test_scheduler_config_threshold_is_assignable():
 def test_step_limits():
     from vllm.v1.request import RequestStatus
 
-    from server.engine_scheduler import step_limits
+    from server.engine.scheduler import step_limits
 
     def req(deadline: float, level: int, computed: int, prompt: int, waiting: bool = False):
         r = Req(encode(deadline, level), computed, prompt)

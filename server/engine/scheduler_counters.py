@@ -1,4 +1,4 @@
-"""What the warm-first scheduler (:mod:`server.engine_scheduler`) did, where ``/metrics`` can
+"""What the warm-first scheduler (:mod:`server.engine.scheduler`) did, where ``/metrics`` can
 read it: the scheduler and the connector's control socket both live in vLLM's engine-core
 process, so the scheduler publishes its counters here and the socket's ``stats`` op copies them
 into its answer (``kvbranch_scheduler_*`` on ``/metrics``). Standard library only: the control

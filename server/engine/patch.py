@@ -1,5 +1,5 @@
-"""The one installer of the engine plugins' vLLM patches (:mod:`server.engine_idle`,
-:mod:`server.engine_spin`): each wraps one method of one vLLM class with a wait whose length the
+"""The one installer of the engine plugins' vLLM patches (:mod:`server.engine.idle`,
+:mod:`server.engine.spin`): each wraps one method of one vLLM class with a wait whose length the
 launcher passed in an environment variable.
 
 What both need, written once: read the variable (unset or not a number: leave vLLM as it is);

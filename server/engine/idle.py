@@ -31,7 +31,7 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
-from server.engine_patch import install_patch, seconds_from_env
+from server.engine.patch import install_patch, seconds_from_env
 
 ENV_IDLE_POLL_S = "KVBRANCH_IDLE_POLL_S"
 DEFAULT_IDLE_POLL_MS = 20.0
