@@ -64,7 +64,7 @@ WORKLOAD = (
 
 
 def aiperf_command(args: argparse.Namespace, url: str, artifacts: Path) -> list[str]:
-    from server.model_cache import ensure_model
+    from server.launcher.model_cache import ensure_model
 
     return [
         str(args.aiperf),

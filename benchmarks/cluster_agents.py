@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common, reporting  # noqa: E402
 from benchmarks.pd_turns import conversation_turns  # noqa: E402
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET  # noqa: E402
-from server.process import ServerProcess, free_port  # noqa: E402
+from server.launcher.process import ServerProcess, free_port  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 CONFIGS = ("cluster", "single-router", "round-robin")

@@ -48,7 +48,7 @@ from sdk.contract import (  # noqa: E402
     prefetch_path,
 )
 from sdk.sse import aiter_sse  # noqa: E402
-from server.process import MODEL_NAME, ServerProcess  # noqa: E402
+from server.launcher.process import MODEL_NAME, ServerProcess  # noqa: E402
 
 BLOCK_TOKENS = 128
 #: Issue 14: a turn recomputes at most its new tokens (never seen by the server; the previous

@@ -65,7 +65,7 @@ from sdk.contract import (  # noqa: E402
     branches_path,
     session_path,
 )
-from server.process import MODEL_NAME, ServerProcess  # noqa: E402
+from server.launcher.process import MODEL_NAME, ServerProcess  # noqa: E402
 from tests.conftest import VanillaVLLM  # noqa: E402
 from tests.integration.cluster_fixture import restart, sigkill, tree_memory_mib  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402

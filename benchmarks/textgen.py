@@ -32,7 +32,7 @@ def tokenizer() -> Any:
     if _TOKENIZER is None:
         from transformers import AutoTokenizer
 
-        from server.model_cache import ensure_model
+        from server.launcher.model_cache import ensure_model
 
         _TOKENIZER = AutoTokenizer.from_pretrained(str(ensure_model()))
     return _TOKENIZER

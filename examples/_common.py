@@ -47,7 +47,10 @@ def server_url(base_url: str | None, name: str = "example") -> Iterator[str]:
     if base_url:
         yield base_url
         return
-    from server.process import ServerProcess, free_port  # the server extra: only when needed
+    from server.launcher.process import (  # the server extra: only when needed
+        ServerProcess,
+        free_port,
+    )
 
     port = free_port()
     print(

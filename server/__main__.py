@@ -1,6 +1,6 @@
-"""``python -m server`` — see :mod:`server.cli`."""
+"""``python -m server`` — see :mod:`server.launcher.cli`."""
 
-from server.cli import main
+from server.launcher.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

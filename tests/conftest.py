@@ -24,7 +24,7 @@ import threading
 import httpx
 import pytest
 
-from server.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ROOT
+from server.launcher.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ROOT
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
 

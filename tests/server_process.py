@@ -1,4 +1,4 @@
-"""The launcher's :class:`server.process.ServerProcess`, with vLLM's dev routes on.
+"""The launcher's :class:`server.launcher.process.ServerProcess`, with vLLM's dev routes on.
 
 Tests drop the device prefix cache (``POST /reset_prefix_cache``) to make the host store or a
 P/D pull the only source of a prefix; those routes exist only with ``VLLM_SERVER_DEV_MODE=1``,
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.process import MODEL_NAME, free_port
-from server.process import ServerProcess as _LauncherProcess
+from server.launcher.process import MODEL_NAME, free_port
+from server.launcher.process import ServerProcess as _LauncherProcess
 
 __all__ = ["MODEL_NAME", "ServerProcess", "free_port"]
 

@@ -4,12 +4,12 @@ integration tests compare greedy outputs with (the ``plain_server`` fixture).
 ``python -m server --no-connector`` is not that reference: it still loads the kvbranch endpoint
 plugin (its guard, middleware and routes rewrite every request: cache hints, tool schemas,
 sessions), so an "equals plain vLLM" check would put the same rewrite on both sides. Here the
-launcher's flags are only turned into vLLM's arguments (:func:`server.cli.plan_launch`, so the
-engine is configured the same: model, dtype, eager mode, KV cache size, tool parser), and then
+launcher's flags are only turned into vLLM's arguments (:func:`server.launcher.cli.plan_launch`, so
+the engine is configured the same: model, dtype, eager mode, KV cache size, tool parser), and then
 vLLM's own server runs with ``VLLM_PLUGINS=""``: vLLM loads no plugin at all, neither kvbranch's
-endpoint plugin nor its general (engine) plugin. What of kvbranch runs here is process
-management only: stop with the test process (:func:`server.process.die_with_launcher`) and
-leave no engine core behind (:func:`server.process.start_reaper`).
+endpoint plugin nor its general (engine) plugin. What of kvbranch runs here is process management
+only: stop with the test process (:func:`server.launcher.process.die_with_launcher`) and leave no
+engine core behind (:func:`server.launcher.process.start_reaper`).
 
 Run as ``python -m tests.vanilla_vllm --port N --no-connector <launcher flags>``.
 """
@@ -21,8 +21,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from server.cli import build_parser, plan_launch, split_passthrough
-    from server.process import die_with_launcher, start_reaper
+    from server.launcher.cli import build_parser, plan_launch, split_passthrough
+    from server.launcher.process import die_with_launcher, start_reaper
 
     ours, passthrough = split_passthrough(argv)
     args = build_parser().parse_args(ours)

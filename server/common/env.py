@@ -1,7 +1,7 @@
 """The environment the launcher hands every process it starts (vLLM's API server, its engine
 core, the router), and how those processes read a switch from it.
 
-The launcher writes these variables (:mod:`server.settings` has its flags); the plugin, the
+The launcher writes these variables (:mod:`server.launcher.settings` has its flags); the plugin, the
 engine's scheduler, the connector and the index publisher read them. Its own module so that
 those readers, which run in other processes, import neither the launcher nor one another.
 Standard library only.

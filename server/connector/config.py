@@ -1,6 +1,6 @@
-"""The connectors' typed configs: every ``kv_connector_extra_config`` key our code reads, with
-its default, written once here. The launcher (``server/cli.py``) builds them and dumps them into
-vLLM's ``--kv-transfer-config``; each connector parses its dict back through them.
+"""The connectors' typed configs: every ``kv_connector_extra_config`` key our code reads, with its
+default, written once here. The launcher (``server/launcher/cli.py``) builds them and dumps them
+into vLLM's ``--kv-transfer-config``; each connector parses its dict back through them.
 
 * :class:`ConnectorConfig` — the kvbranch connector's dict. Unknown keys are an error (a typo'd
   key would otherwise silently run on the default).

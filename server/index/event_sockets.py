@@ -4,7 +4,7 @@ otherwise.
 vLLM's KV events carry every block's token ids and cache salt (every tenant's prompts, in
 order) and vLLM's PUB socket has no authentication: whoever connects reads them all, and its
 default endpoint is ``tcp://*:5557`` (every interface). The launcher's own configuration is
-``ipc://`` in the instance's private directory (:func:`server.cli.kv_events_config`); this
+``ipc://`` in the instance's private directory (:func:`server.launcher.cli.kv_events_config`); this
 module reads a ``--kv-events-config`` given after ``--`` the way vLLM would and names the
 endpoints that would reach beyond the machine, so the launcher can refuse them without
 ``--allow-remote-kv-events`` (docs/kv_events.md says how to feed an external indexer privately).

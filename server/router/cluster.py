@@ -22,7 +22,7 @@ launcher's own ``PYTHONHASHSEED`` (block hashes must agree across instances), or
 Each child's log is a file in the run directory, printed as it starts. SIGTERM or SIGINT stops
 the cluster in order: routers first (they give in-flight requests ``--shutdown-grace-s``), then
 the instances, then Redis; whatever is left after the teardown time is SIGKILLed. Children also
-stop when the launcher dies (:mod:`server.process`).
+stop when the launcher dies (:mod:`server.launcher.process`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from server.launcher.settings import LaunchError
 from server.router.launch import _CLUSTER_FLAGS, bind_listener, instance_argv, redact, strip_flags
-from server.settings import LaunchError
 
 #: Redis's memory cap for the one-machine index: holds are a few KB each, block entries tens of
 #: bytes; volatile-lru evicts the least recently used record (all have TTLs) beyond it.
@@ -65,7 +65,7 @@ _REDIS_START_S = 10.0
 @dataclass
 class ChildSpec:
     """One child ``python -m server``: its name, role, port and argv (without ``--port``,
-    which :class:`server.process.ServerProcess` adds)."""
+    which :class:`server.launcher.process.ServerProcess` adds)."""
 
     name: str
     role: str
@@ -155,7 +155,7 @@ def plan_instances(
     """Every instance's argv: the user's instance flags, then its role, the index and its own
     NIXL port (and cores on CPU), then what came after ``--``."""
     if port_of is None:
-        from server.process import free_port
+        from server.launcher.process import free_port
 
         port_of = free_port
     base = strip_flags(instance_argv(ours), _LAUNCHER_FLAGS)
@@ -236,7 +236,7 @@ def redis_answers(sock: Path) -> bool:
 
 
 def _redis_child() -> None:  # in the forked child, before exec: main thread only (see below)
-    from server.process import set_parent_death_signal
+    from server.launcher.process import set_parent_death_signal
 
     os.setsid()  # the terminal's ^C reaches the launcher only; it stops Redis last
     set_parent_death_signal(signal.SIGTERM)
@@ -328,8 +328,8 @@ def child_env(secret: str) -> dict[str, str]:
 
 def run_cluster(args: argparse.Namespace, ours: list[str], passthrough: list[str]) -> None:
     from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
-    from server.phases import Phases
-    from server.process import TEARDOWN_S, ServerProcess
+    from server.launcher.phases import Phases
+    from server.launcher.process import TEARDOWN_S, ServerProcess
 
     phases = Phases()
     check_args(args)

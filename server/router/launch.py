@@ -4,8 +4,8 @@ on one machine (a demo and the tests' P/D cluster).
 Stopping is bounded (issue 13): on SIGTERM the router gives in-flight requests
 ``--shutdown-grace-s``, then cancels them (uvicorn alone would wait for a hanging stream
 forever); ``--disagg`` then stops P and D, SIGKILLing what is left after vLLM's teardown
-time (``server.process.TEARDOWN_S``). P and D stop on their own when the launcher dies
-(:mod:`server.process`).
+time (``server.launcher.process.TEARDOWN_S``). P and D stop on their own when the launcher dies
+(:mod:`server.launcher.process`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from server.settings import LaunchError
+from server.launcher.settings import LaunchError
 
 if TYPE_CHECKING:
     from server.index import IndexStore
@@ -185,7 +185,7 @@ def split_cores(n: int) -> tuple[str, str]:
 
 def run_disagg(args: argparse.Namespace, ours: list[str], passthrough: list[str]) -> None:
     from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
-    from server.process import TEARDOWN_S, ServerProcess, free_port
+    from server.launcher.process import TEARDOWN_S, ServerProcess, free_port
 
     base = instance_argv(ours)
     cores = None

@@ -30,7 +30,7 @@ from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
 from server.index import Hold, InstanceRecord
 from server.index.hold_cipher import HoldCipher
 from server.index.redis_store import RedisIndexStore, RedisKeys, decode_hold, digest, encode_hold
-from server.process import free_port
+from server.launcher.process import free_port
 from tests.integration.helpers import size_args
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from server.process import ROOT
+from server.launcher.process import ROOT
 from tests.integration.helpers import chat, text_of
 
 SCRIPT = textwrap.dedent(

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from sdk import KVBranchClient, RetryPolicy
-from server.process import free_port
+from server.launcher.process import free_port
 from tests.integration.helpers import (
     BLOCK,
     branch_info,

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from server.process import ROOT
+from server.launcher.process import ROOT
 from tests.integration.helpers import chat, create_session, system_prompt
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
-from server.process import free_port
+from server.launcher.process import free_port
 from tests.integration.helpers import RouterProof
 from tests.server_process import ServerProcess
 

@@ -11,15 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from server import cli
-from server.cli import (
+from server.common.env import ENV_API_KEYS, ENV_CONTROL_SOCKET, ENV_MODEL_NAME
+from server.launcher import cli
+from server.launcher.cli import (
     check_port_free,
     plan_launch,
     resolve_model,
     split_passthrough,
 )
-from server.common.env import ENV_API_KEYS, ENV_CONTROL_SOCKET, ENV_MODEL_NAME
-from server.settings import CONNECTOR_CLASS, CONNECTOR_MODULE, GIB, LaunchError, build_parser
+from server.launcher.settings import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    GIB,
+    LaunchError,
+    build_parser,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -194,7 +200,7 @@ def test_resolve_hub_name_passes_through(monkeypatch, tmp_path):
 
 
 def test_resolve_default_uses_embedded_model(monkeypatch, model_dir):
-    import server.model_cache as mc
+    import server.launcher.model_cache as mc
 
     monkeypatch.setattr(mc, "ensure_model", lambda: model_dir)
     assert resolve_model(None) == str(model_dir)
@@ -438,7 +444,7 @@ def test_subprocess_busy_port(model_dir):
 
 def test_kv_cache_too_small_for_max_model_len_is_one_clear_error(tmp_path):
     """The embedded model's shape: 30 layers, 3 KV heads of 64 → 46,080 bytes/token in fp32."""
-    from server.cli import check_kv_fits, kv_bytes_per_token
+    from server.launcher.cli import check_kv_fits, kv_bytes_per_token
 
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -528,7 +534,7 @@ def test_a_launched_server_is_told_its_launcher(monkeypatch):
     """ServerProcess hands the child its pid, so the child stops when the launcher dies."""
     import subprocess
 
-    from server.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ServerProcess
+    from server.launcher.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ServerProcess
 
     seen: dict = {}
 

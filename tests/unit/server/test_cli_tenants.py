@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from server.cli import main, plan_launch
 from server.common.env import ENV_API_KEYS
-from server.settings import LaunchError, build_parser
+from server.launcher.cli import main, plan_launch
+from server.launcher.settings import LaunchError, build_parser
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +85,7 @@ def test_disagg_needs_keys_before_the_double_dash(monkeypatch, capsys, extra_arg
         monkeypatch.setenv("VLLM_API_KEY", env)
     started = []
     monkeypatch.setattr("server.router.launch.run_disagg", lambda *a: started.append(a))
-    from server.process import free_port
+    from server.launcher.process import free_port
 
     assert main(["--disagg", "--port", str(free_port()), *extra_argv]) == 2
     assert not started

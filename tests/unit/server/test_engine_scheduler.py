@@ -26,7 +26,7 @@ from server.engine.scheduler import (
     preemption_victim,
     requests_to_pass,
 )
-from server.model_cache import default_model_dir
+from server.launcher.model_cache import default_model_dir
 
 BS = 16
 #: Priorities as the plugin encodes them (deadline s, level): a cold 1-4k-token prefill, a

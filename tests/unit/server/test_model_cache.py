@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import server.model_cache as mc
-from server.model_cache import (
+import server.launcher.model_cache as mc
+from server.launcher.model_cache import (
     MANIFEST,
     MANIFEST_VERSION,
     MODEL_NAME,

@@ -12,7 +12,7 @@ import textwrap
 import threading
 from pathlib import Path
 
-from server.phases import ENGINE_PHASES, Phases, PhaseTracker, watch_listening
+from server.launcher.phases import ENGINE_PHASES, Phases, PhaseTracker, watch_listening
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -58,7 +58,7 @@ def test_the_tee_forwards_every_byte_and_sees_children_lines():
     """In a subprocess: the tee replaces fd 1 there, which must not disturb pytest's own."""
     script = textwrap.dedent("""
         import subprocess, sys
-        from server.phases import PhaseTracker, StdoutTee
+        from server.launcher.phases import PhaseTracker, StdoutTee
         tracker = PhaseTracker()
         seen = []
         tee = StdoutTee(lambda line: seen.append(tracker.phase_of(line)))

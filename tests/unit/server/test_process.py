@@ -1,5 +1,5 @@
 """Process lifetime without vLLM (fast): the mechanisms behind "nothing runs on orphaned"
-(server.process), with tiny Python processes in vLLM's place. The real launcher, router and
+(server.launcher.process), with tiny Python processes in vLLM's place. The real launcher, router and
 instances are in tests/integration/test_router_lifecycle.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from server.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ROOT
+from server.launcher.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ROOT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -58,7 +58,7 @@ def test_an_instances_children_stop_when_it_is_killed():
     """``python -m server`` SIGKILLed: its reaper stops what vLLM started (the engine core)."""
     proc, grandchild = _spawn("""
         import subprocess, sys, time
-        from server.process import start_reaper
+        from server.launcher.process import start_reaper
         start_reaper(1.0)
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(child.pid, flush=True)
@@ -78,7 +78,7 @@ def test_a_launched_child_stops_when_its_launcher_is_killed(deathsig):
     """The --disagg launcher SIGKILLed: the P/D stand-in stops (parent-death signal/watchdog)."""
     proc, child = _spawn(f"""
         import os, subprocess, sys, time
-        code = ("from server.process import die_with_launcher; die_with_launcher(0.5); "
+        code = ("from server.launcher.process import die_with_launcher; die_with_launcher(0.5); "
                 "import time; time.sleep(600)")
         env = dict(os.environ, {ENV_PARENT_PID}=str(os.getpid()),
                    {ENV_PARENT_DEATHSIG}="{deathsig}")
@@ -98,7 +98,7 @@ def test_a_launched_child_stops_when_its_launcher_is_killed(deathsig):
 
 def test_a_child_started_by_hand_is_not_tied_to_its_parent(monkeypatch):
     """No launcher variable (e.g. nohup from a shell): die_with_launcher does nothing."""
-    from server.process import die_with_launcher
+    from server.launcher.process import die_with_launcher
 
     monkeypatch.delenv(ENV_PARENT_PID, raising=False)
     before = {t.name for t in __import__("threading").enumerate()}
@@ -112,7 +112,7 @@ def test_a_child_behind_a_wrapper_watches_its_launcher_by_pid():
     outlives the launcher."""
     proc, wrapper = _spawn(f"""
         import os, subprocess, sys, time
-        code = ("from server.process import die_with_launcher; die_with_launcher(0.5); "
+        code = ("from server.launcher.process import die_with_launcher; die_with_launcher(0.5); "
                 "import time; time.sleep(600)")
         env = dict(os.environ, {ENV_PARENT_PID}=str(os.getpid()), {ENV_PARENT_DEATHSIG}="1")
         shell = f"'{{sys.executable}}' -c '{{code}}'; true"

@@ -91,9 +91,10 @@ def test_nixl_child_passes_upstream_keys_through():
 
 @pytest.mark.parametrize("role", ["both", "prefill"])
 def test_launcher_dicts_parse(model_dir, tmp_path, monkeypatch, role):
-    """What server/cli.py writes is what the connectors read back (P/D: each child's dict)."""
-    from server.cli import plan_launch
-    from server.settings import build_parser
+    """What server/launcher/cli.py writes is what the connectors read back (P/D: each child's
+    dict)."""
+    from server.launcher.cli import plan_launch
+    from server.launcher.settings import build_parser
 
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))

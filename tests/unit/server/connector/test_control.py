@@ -318,7 +318,7 @@ def test_one_socket_per_engine_core():
 def test_launcher_puts_the_socket_in_a_fresh_private_directory(tmp_path, monkeypatch):
     import json as _json
 
-    from server.cli import build_parser, plan_launch
+    from server.launcher.cli import build_parser, plan_launch
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     model = tmp_path / "TinyModel"

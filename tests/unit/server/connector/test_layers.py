@@ -108,7 +108,7 @@ def test_old_module_paths_still_resolve(shim, name, target):
 
 
 def test_launcher_module_paths_resolve():
-    from server import settings
+    from server.launcher import settings
 
     assert hasattr(importlib.import_module(settings.CONNECTOR_MODULE), "KVBranchConnector")
     assert hasattr(importlib.import_module(settings.PD_CONNECTOR_MODULE), "KVBranchPDConnector")

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from server.cli import LaunchError, build_parser, pd_environment, pd_transfer_config
 from server.connector.pd.transfer_params import verified_prefix
+from server.launcher.cli import LaunchError, build_parser, pd_environment, pd_transfer_config
 from server.router.launch import instance_argv, router_ttl, split_cores
 
 

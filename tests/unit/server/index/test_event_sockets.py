@@ -1,5 +1,5 @@
-"""KV events stay on the machine unless the operator opts in (server/index/event_sockets.py and
-the launcher's check in server/cli.py): vLLM's KV-event socket has no authentication and the
+"""KV events stay on the machine unless the operator opts in (server/index/event_sockets.py and the
+launcher's check in server/launcher/cli.py): vLLM's KV-event socket has no authentication and the
 events carry every tenant's token ids."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from server.cli import plan_launch
 from server.index.event_sockets import exposed_endpoints, is_private
-from server.settings import LaunchError, build_parser
+from server.launcher.cli import plan_launch
+from server.launcher.settings import LaunchError, build_parser
 
 
 @pytest.fixture(autouse=True)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from server.cli import WARM_FIRST_SCHEDULER, scheduling_plan
 from server.common.env import ENV_PRIORITY_AGING_S
 from server.common.priority_code import LEVEL_BOUNDS, LEVELS, TICK_S, encode, level_in, unranked
+from server.launcher.cli import WARM_FIRST_SCHEDULER, scheduling_plan
+from server.launcher.settings import build_parser
 from server.plugin.priority import (
     MAX_CLIENT_LEVELS,
     PriorityPolicy,
@@ -16,7 +17,6 @@ from server.plugin.priority import (
     prefix_digests,
     prompt_text,
 )
-from server.settings import build_parser
 
 CHAT = "/v1/chat/completions"
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from server.launcher.settings import LaunchError, build_parser
 from server.router import cluster
 from server.router.cluster import (
     ChildSpec,
@@ -20,7 +21,6 @@ from server.router.cluster import (
     share_cores,
     strip_flags,
 )
-from server.settings import LaunchError, build_parser
 
 INDEX = "redis://10.0.0.2:6379/0"
 
@@ -221,7 +221,7 @@ def test_local_redis_argv_is_private_unpersisted_and_capped(monkeypatch, tmp_pat
 
 
 def test_main_dispatches_cluster(monkeypatch):
-    from server import cli
+    from server.launcher import cli
 
     seen = {}
     monkeypatch.setattr(cli, "check_port_free", lambda *a: None)

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from server.process import free_port
+from server.launcher.process import free_port
 from server.router.limits import HeaderDeadlineProtocol
 
 

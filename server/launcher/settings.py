@@ -3,8 +3,8 @@ which API keys are in force (:func:`api_keys`), and :class:`LaunchError`. The en
 hands vLLM and the plugin (``ENV_*``) is :mod:`server.common.env`, which the processes it starts
 read without importing the launcher.
 
-Its own module so that :mod:`server.cli` and :mod:`server.router.launch` both import from here
-instead of from each other. Standard library only.
+Its own module so that :mod:`server.launcher.cli` and :mod:`server.router.launch` both import from
+here instead of from each other. Standard library only.
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ parser (so every vLLM flag keeps its meaning) and call its ``run_server``.
 Everything after a literal ``--`` is handed to vLLM unchanged, e.g.
 ``python -m server -- --max-num-seqs 8 --seed 1``.
 
-A start takes 25-90 s on CPU: once the launch is planned (model resolved, KV cache size
-checked), the launcher prints each phase on stderr as it begins (importing vLLM, the engine
-core's own phases, and ``ready:`` with the URL once the server listens; :mod:`server.phases`).
-The flags, ``ENV_*`` names and :class:`LaunchError` live in :mod:`server.settings`.
+A start takes 25-90 s on CPU: once the launch is planned (model resolved, KV cache size checked),
+the launcher prints each phase on stderr as it begins (importing vLLM, the engine core's own phases,
+and ``ready:`` with the URL once the server listens; :mod:`server.launcher.phases`). The flags and
+:class:`LaunchError` live in :mod:`server.launcher.settings`, the ``ENV_*`` names in
+:mod:`server.common.env`.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from server.engine.idle import ENV_IDLE_POLL_S
 from server.engine.spin import ENV_MQ_SPIN_S
 from server.engine.spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
 from server.index.event_sockets import exposed_endpoints
-from server.phases import Phases, PhaseTracker, StdoutTee, watch_listening
-from server.settings import (
+from server.launcher.phases import Phases, PhaseTracker, StdoutTee, watch_listening
+from server.launcher.settings import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
     DEFAULT_COLD_PREFILL_CHUNK,
@@ -98,7 +99,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def resolve_model(model: str | None) -> str:
     if model is None:
-        from server.model_cache import ModelCacheError, ensure_model
+        from server.launcher.model_cache import ModelCacheError, ensure_model
 
         try:
             return str(ensure_model())
@@ -422,7 +423,7 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     validate_parsed_serve_args(vllm_args)
     url = f"http://{vllm_args.host}:{vllm_args.port}"
     phases.say(f"starting vLLM on {url} model={plan.served_model_name}")
-    from server.process import start_reaper
+    from server.launcher.process import start_reaper
 
     start_reaper(plan.shutdown_grace_s)  # vLLM's engine core must not outlive us (SIGKILL)
     tracker = PhaseTracker()  # vLLM's own log lines tell the engine's phases
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, passthrough = split_passthrough(argv)
     args = build_parser().parse_args(ours)
-    from server.process import die_with_launcher
+    from server.launcher.process import die_with_launcher
 
     die_with_launcher(args.shutdown_grace_s)  # started by a launcher: stop when it dies
     try:
