@@ -12,7 +12,7 @@ import httpx
 from sdk import KVBranchClient
 from sdk.contract import STATS_PATH, RouterStats, session_path
 from sdk.testing import FakeKVBranchServer
-from server import inspect as inspect_cli
+from server.tools import inspect as inspect_cli
 
 
 def _run(argv, transport):
