@@ -72,6 +72,18 @@ def chat(server, messages, *, session=None, branch=None, max_tokens=12, auth=Non
     return r.json()
 
 
+def live_sessions(server) -> float:
+    """The server's live sessions, every tenant's (``kvbranch_sessions`` on ``/metrics``: the
+    stats route shows a caller its own only)."""
+    with client(server) as c:
+        r = c.get("/metrics")
+    assert r.status_code == 200, r.text
+    for line in r.text.splitlines():
+        if line.startswith("kvbranch_sessions "):
+            return float(line.split()[1])
+    raise AssertionError("no kvbranch_sessions on /metrics")
+
+
 def text_of(response: dict) -> str:
     return response["choices"][0]["message"]["content"]
 

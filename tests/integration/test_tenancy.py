@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.integration.helpers import keyed_server_args, system_prompt
+from tests.integration.helpers import keyed_server_args, live_sessions, system_prompt
 from tests.server_process import ServerProcess
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
@@ -180,7 +180,9 @@ def test_every_generating_route_is_salted_per_tenant(keyed_server):
 def test_unauthenticated_generating_routes_are_refused(keyed_server):
     """vLLM checks keys only under /v1, /v2, /inference, /cohere: /invocations generates
     outside them, so without the guard anyone could generate (and make sessions) there."""
-    with _client(keyed_server, None) as anonymous:
+    with _client(keyed_server, None) as anonymous, _client(keyed_server, KEY_A) as a:
+        before = a.get("/v1/kvbranch/stats").json()
+        sessions_before = live_sessions(keyed_server)
         body = {
             "model": keyed_server.model,
             "messages": [{"role": "user", "content": "Hi"}],
@@ -191,6 +193,14 @@ def test_unauthenticated_generating_routes_are_refused(keyed_server):
         assert r.status_code == 401, r.text
         r = anonymous.post("/invocations", json=body, headers={"Authorization": "Bearer not-a-key"})
         assert r.status_code == 401, r.text
+        # and nothing happened behind the 401: no engine request (the connector counts every
+        # one, whatever its route) and no session, under any key or none
+        after = a.get("/v1/kvbranch/stats").json()
+        assert after["requests"] == before["requests"]
+        assert live_sessions(keyed_server) == sessions_before
+        for key in (KEY_A, KEY_B, KEY_C):
+            with _client(keyed_server, key) as c:
+                assert c.get("/v1/kvbranch/sessions/anon-1").status_code == 404
 
 
 def test_every_route_makes_sessions_its_key_can_reach(keyed_server):

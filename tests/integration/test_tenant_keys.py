@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.integration.helpers import live_sessions
 from tests.server_process import ServerProcess
 
 KEY_A, KEY_B = "pass-a-key", "pass-b-key"
@@ -45,8 +46,23 @@ def test_keys_after_double_dash_make_tenants(passthrough_server):
         assert a.post("/v1/chat/completions", json=body).status_code == 200
         assert b.get("/v1/kvbranch/sessions/pt-two").status_code == 404
         assert a.get("/v1/kvbranch/sessions/pt-two").status_code == 200
+    with _client(s, KEY_A) as a:
+        before = dict(a.get("/v1/kvbranch/stats").json(), live_sessions=live_sessions(s))
     with _client(s, None) as anonymous:
         assert anonymous.post("/invocations", json=body).status_code == 401
+    _nothing_happened(s, before, "pt-two", owners=(KEY_B,))
+
+
+def _nothing_happened(server, before: dict, session: str, owners: tuple[str, ...]) -> None:
+    """Behind a refusal: no engine request (the connector counts every one, whatever its
+    route), no new session, and none named ``session`` under any of ``owners``' keys."""
+    with _client(server, KEY_A) as a:
+        after = a.get("/v1/kvbranch/stats").json()
+    assert after["requests"] == before["requests"]
+    assert live_sessions(server) == before["live_sessions"]
+    for key in owners:
+        with _client(server, key) as c:
+            assert c.get(f"/v1/kvbranch/sessions/{session}").status_code == 404
 
 
 def test_vllm_api_key_env_makes_a_tenant(env_key_server):
@@ -57,10 +73,13 @@ def test_vllm_api_key_env_makes_a_tenant(env_key_server):
         "max_tokens": 1,
         "session_id": "env-one",
     }
+    with _client(s, KEY_A) as a:
+        before = dict(a.get("/v1/kvbranch/stats").json(), live_sessions=live_sessions(s))
     with _client(s, None) as anonymous:
         assert anonymous.post("/v1/chat/completions", json=body).status_code == 401
         # outside vLLM's guarded prefixes the kvbranch guard refuses it too
         assert anonymous.post("/invocations", json=body).status_code == 401
+    _nothing_happened(s, before, "env-one", owners=(KEY_A,))
     with _client(s, KEY_A) as a:
         assert a.post("/invocations", json=body).status_code == 200
         assert a.get("/v1/kvbranch/sessions/env-one").status_code == 200
