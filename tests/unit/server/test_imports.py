@@ -14,9 +14,9 @@ def test_the_graph_has_the_known_edges():
 
 
 def test_layers_import_downwards_only():
-    """The plugin reads the launcher's settings, not the launcher; the router builds its errors,
-    tenants and stream rewrites without the plugin (or vLLM's engine); the cache-hint dialects
-    both of them call import nothing of the server but themselves."""
+    """The plugin reads the launcher's environment (server.common.env), not the launcher; the
+    router builds its errors, tenants and stream rewrites without the plugin (or vLLM's engine);
+    the cache-hint dialects both of them call import nothing of the server but themselves."""
     graph = import_graph()
     for name, imports in graph.items():
         if name.startswith("server.plugin"):
