@@ -1,4 +1,7 @@
-"""The kvbranch KV connector (vLLM ``KVConnectorBase_V1``), in layers.
+"""The KV connector: runs in vLLM's engine-core process (scheduler role) and its workers (worker
+role). May import server.common, server.engine and vLLM; never the plugin, router or launcher.
+
+The kvbranch KV connector (vLLM ``KVConnectorBase_V1``), in layers.
 
 * ``core/``    — pure logic, no vLLM import: planner, block index, sessions, branches, leases,
   tails, the step's metadata

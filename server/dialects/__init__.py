@@ -1,4 +1,7 @@
-"""Cache hints in the clients' own dialects, mapped onto kvbranch sessions and pins.
+"""Shared by the router's process and vLLM's API server (the plugin): clients' cache hints.
+Pure; imports only sdk.contract and itself.
+
+Cache hints in the clients' own dialects, mapped onto kvbranch sessions and pins.
 
 Users arrive with the clients they already have; those already speak a cache-hint dialect:
 OpenAI's ``prompt_cache_key`` / ``prompt_cache_retention`` / ``prompt_cache_options``

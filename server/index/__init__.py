@@ -1,4 +1,7 @@
-"""The cluster index (the global cache manager): where each conversation's KV lives across
+"""The router's process (reads, memory backend) and each instance's API server (publisher).
+May import server.common, connector.pd.transfer_auth and vllm_compat; never plugin or router.
+
+The cluster index (the global cache manager): where each conversation's KV lives across
 every instance, shared by every router.
 
 * :mod:`server.index.base` — the one interface (:class:`IndexStore`) and its records;

@@ -1,4 +1,7 @@
-"""The vLLM endpoint plugin (entry point group ``vllm.endpoint_plugins``, name ``kvbranch``,
+"""vLLM's API-server process: the endpoint plugin (routes, guard, middleware, metrics).
+May import server.common, checks, dialects, index and the control socket; never the engine.
+
+The vLLM endpoint plugin (entry point group ``vllm.endpoint_plugins``, name ``kvbranch``,
 enabled through ``VLLM_PLUGINS``): the ``/v1/kvbranch`` routes, the completion middleware and
 the Prometheus collector."""
 

@@ -1,4 +1,7 @@
-"""The connector's pure logic: no vLLM import (``tests/unit/server/connector/test_layers.py``).
+"""Engine core, scheduler role: the connector's pure logic (the router borrows ``new_id``).
+Imports only itself and the standard library: no vLLM, nothing else of the server.
+
+The connector's pure logic: no vLLM import (``tests/unit/server/connector/test_layers.py``).
 
 * ``planner``     — load/save planning, the step's metadata, prompt-source accounting
 * ``block_index`` — hash → host slot map, LRU, pin refcounts (full blocks and tails)

@@ -1,4 +1,7 @@
-"""The engine adapters: what vLLM calls.
+"""Engine core and its workers: the adapters vLLM calls, one object per role.
+May import the rest of server.connector, server.common and server.engine; never the plugin.
+
+The engine adapters: what vLLM calls.
 
 * ``connector``      — ``KVBranchConnector`` (vLLM ``KVConnectorBase_V1``): a facade that
   delegates each hook to the object of its role
