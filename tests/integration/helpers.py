@@ -12,7 +12,7 @@ BLOCK = 128
 
 
 class RouterProof(httpx.Auth):
-    """Signs each request as the cluster's P/D router does (:mod:`server.cluster_auth`): what
+    """Signs each request as the cluster's P/D router does (:mod:`server.common.cluster_auth`): what
     a test needs to send transfer params or a hold claim straight to an instance, as the
     router would (and what no client has)."""
 
@@ -22,7 +22,7 @@ class RouterProof(httpx.Auth):
         self.secret = secret.encode()
 
     def auth_flow(self, request: httpx.Request):
-        from server.cluster_auth import ROUTER_PROOF_HEADER, sign
+        from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 
         request.headers[ROUTER_PROOF_HEADER] = sign(
             self.secret, request.method, request.url.path, request.content

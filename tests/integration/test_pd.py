@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from sdk import KVBranchClient
-from server.process import free_port
+from server.launcher.process import free_port
 from tests.integration.helpers import chat, client, size_args, system_prompt, text_of
 from tests.server_process import ServerProcess
 
