@@ -122,10 +122,12 @@ def compare_answers(served: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def memory_summary(samples: list[dict[str, Any]], faults: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per process: first, peak and last RSS (MiB), whether it was killed, and its growth first
-    → last when it never was; Redis keys min / max / last."""
-    killed = {f["victim"] for f in faults}
+def memory_summary(
+    samples: list[dict[str, Any]], faults: list[dict[str, Any]], died: Any = ()
+) -> dict[str, Any]:
+    """Per process: first, peak and last RSS (MiB), whether it was killed (or ``died`` on its
+    own), and its growth first → last when neither; Redis keys min / max / last."""
+    killed = {f["victim"] for f in faults} | set(died)
     names = sorted({n for s in samples for n in s["rss"]})
     procs = {}
     for name in names:
@@ -221,7 +223,7 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
     cfg, faults = record["config"], record["faults"]
     tenants = tenant_summary(record["events"], faults)
     answers = compare_answers(record["served"])
-    memory = memory_summary(record["samples"], faults)
+    memory = memory_summary(record["samples"], faults, record["end"].get("died", {}))
     lines = reporting.run_header(
         "Cluster soak: tenants, abuse and faults through 2 routers + Redis", info, elapsed_s
     )
@@ -287,7 +289,7 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
             f"{p['first']:.0f}",
             f"{p['peak']:.0f}",
             f"{p['last']:.0f}",
-            "killed" if p["killed"] else f"{p['growth']:+.1f}",
+            "killed or died" if p["killed"] else f"{p['growth']:+.1f}",
         ]
         for n, p in memory["procs"].items()
     ]
