@@ -68,8 +68,12 @@ from prometheus_client import CollectorRegistry
 from benchmarks import reporting
 from sdk.contract import HEALTH_PATH
 from server.index import IndexStore, InstanceRecord, Key, MemoryIndexStore, open_store
+from server.index.record_seal import seal
 from server.router.pool import Instance, Pool
 from server.router.turn import TurnFlow
+
+#: The simulated cluster's secret: routers sign with it, instance records are sealed with it.
+SIM_SECRET = b"sim"
 
 TENANT = "sim"
 SIM_HOLD_FIELD = "kvbranch_sim_hold"
@@ -138,6 +142,10 @@ class SimInstance:
         return len(self.busy_until)
 
     def record(self, clock: int) -> InstanceRecord:
+        """Its heartbeat record, sealed as an instance seals it (routers list no other)."""
+        return seal(self._record(clock), SIM_SECRET)
+
+    def _record(self, clock: int) -> InstanceRecord:
         return InstanceRecord(
             instance_id=self.iid,
             url=self.url,
@@ -439,10 +447,10 @@ class Simulation:
                     [i.url for i in self.fleet.decodes],
                     client=client,
                     store=store,
-                    secret=b"sim",
+                    secret=SIM_SECRET,
                 )
             else:
-                pool = Pool([], [], client=client, store=store, secret=b"sim")
+                pool = Pool([], [], client=client, store=store, secret=SIM_SECRET)
             flow = TurnFlow(pool, store, CollectorRegistry())
             self.routers.append(Router(pool, flow, store))
         if self.mode == "index":
