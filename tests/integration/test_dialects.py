@@ -19,11 +19,10 @@ from langchain_openai import ChatOpenAI
 from tests.integration.helpers import (
     BLOCK,
     client,
-    keyed_server_args,
     reset_device_cache,
     system_prompt,
 )
-from tests.server_process import ServerProcess
+from tests.integration.keyed_server import DIALECT_KEYS
 
 STEPS = [
     "Step 0. Tool result: weather in Paris is 18C, light rain. What next?",
@@ -349,15 +348,7 @@ def test_anthropic_bad_cache_control_is_a_clear_400(kvbranch_server):
 
 
 # --- tenants -------------------------------------------------------------------------------------
-KEY_A, KEY_B = "dialect-tenant-a", "dialect-tenant-b"
-
-
-@pytest.fixture(scope="module")
-def keyed_server():
-    args = keyed_server_args(KEY_A, KEY_B)
-    # a third server on a shared 2-core machine: give it time to start
-    with ServerProcess(args, name="dialects-keyed", ready_timeout=1500) as server:
-        yield server
+KEY_A, KEY_B = DIALECT_KEYS  # the session's keyed server (tests/integration/keyed_server.py)
 
 
 def test_hints_are_scoped_to_the_tenant(keyed_server):

@@ -15,13 +15,10 @@ import json
 from urllib.parse import urlsplit
 
 import httpx
-import pytest
 
-from tests.integration.helpers import keyed_server_args
-from tests.server_process import ServerProcess
+from tests.integration.keyed_server import HOSTILE_KEYS, MAX_SESSIONS
 
-KEY_A, KEY_B = "hostile-a-key", "hostile-b-key"
-MAX_SESSIONS = 20
+KEY_A, KEY_B = HOSTILE_KEYS  # the session's keyed server (tests/integration/keyed_server.py)
 
 
 def _connection(server) -> http.client.HTTPConnection:
@@ -108,18 +105,6 @@ def test_a_trailing_newline_session_id_creates_nothing(kvbranch_server):
 
 
 # --- a keyed server: the quota and the stored responses --------------------------------------
-@pytest.fixture(scope="module")
-def keyed_server():
-    args = [
-        *keyed_server_args(KEY_A, KEY_B),
-        "--max-sessions-per-tenant",
-        str(MAX_SESSIONS),
-    ]
-    env = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}  # vLLM ignores "store" without it
-    with ServerProcess(args, name="hostile-keyed", env=env) as server:
-        yield server
-
-
 def _client(server, key: str) -> httpx.Client:
     return httpx.Client(
         base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=600

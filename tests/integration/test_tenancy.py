@@ -6,29 +6,13 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 
-from tests.integration.helpers import keyed_server_args, live_sessions, system_prompt
-from tests.server_process import ServerProcess
+from tests.integration.helpers import live_sessions, system_prompt
+from tests.integration.keyed_server import MAX_BRANCHES, MAX_SESSIONS, TENANCY_KEYS
 
-KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
-KEY_C = "tenant-c-key"  # only the quota test uses it: quotas are per tenant
-MAX_SESSIONS, MAX_BRANCHES = 20, 4
-
-
-@pytest.fixture(scope="module")
-def keyed_server():
-    args = [
-        *keyed_server_args(KEY_A, KEY_B, KEY_C),
-        "--max-sessions-per-tenant",
-        str(MAX_SESSIONS),
-        "--max-branches-per-session",
-        str(MAX_BRANCHES),
-        "--",
-        "--enable-scale-out",
-    ]  # vLLM serves /inference/v1/generate only with it
-    with ServerProcess(args, name="tenancy") as server:
-        yield server
+# KEY_C: only the quota test uses it (quotas are per tenant). The server is the session's
+# keyed server (tests/integration/keyed_server.py).
+KEY_A, KEY_B, KEY_C = TENANCY_KEYS
 
 
 def _client(server, key):
