@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration import keyed_server as keyed
 from tests.integration.trust_cluster import trust_instance, trust_router
 
 
@@ -25,11 +24,3 @@ def keyed_pd():
         for proc in (router, prefill, decode):
             if proc is not None:
                 proc.stop()
-
-
-@pytest.fixture(scope="session")
-def keyed_server():
-    """One keyed single server for the tenancy, hostile-input and dialect modules, each with its
-    own tenants (:mod:`tests.integration.keyed_server`)."""
-    with keyed.keyed_server() as server:
-        yield server

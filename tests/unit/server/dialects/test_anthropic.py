@@ -1,7 +1,7 @@
 """Anthropic's cache_control breakpoints (server/dialects/anthropic.py) through the registry:
 the derived cc- session (one per conversation), the pin lease, the prefix a breakpoint counts,
 bad breakpoints named, and the usage rewrite. Pure logic; the real client against the real
-server is in tests/integration/test_dialects.py."""
+server is in tests/integration/keyed/test_dialects.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """OpenAI's cache hints (server/dialects/openai.py) through the registry: prompt_cache_key →
 session, retention / options → pin lease, bad hints named. Pure logic; the real clients
-against the real server are in tests/integration/test_dialects.py."""
+against the real server are in tests/integration/keyed/test_dialects.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ hint with a 400 naming the field, the middleware's rewrite keeps the pin xarg se
 engine adapter counts a breakpoint prefix through vLLM, and the pin lease and derived sessions
 reach the connector's session registry. The dialects' own logic is tested in
 tests/unit/server/dialects/; the real clients against the real server in
-tests/integration/test_dialects.py."""
+tests/integration/keyed/test_dialects.py."""
 
 from __future__ import annotations
 

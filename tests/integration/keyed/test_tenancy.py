@@ -8,10 +8,10 @@ import json
 import httpx
 
 from tests.integration.helpers import live_sessions, system_prompt
-from tests.integration.keyed_server import MAX_BRANCHES, MAX_SESSIONS, TENANCY_KEYS
+from tests.integration.keyed.server import MAX_BRANCHES, MAX_SESSIONS, TENANCY_KEYS
 
 # KEY_C: only the quota test uses it (quotas are per tenant). The server is the session's
-# keyed server (tests/integration/keyed_server.py).
+# keyed server (tests/integration/keyed/server.py).
 KEY_A, KEY_B, KEY_C = TENANCY_KEYS
 
 

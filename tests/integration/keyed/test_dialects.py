@@ -22,7 +22,7 @@ from tests.integration.helpers import (
     reset_device_cache,
     system_prompt,
 )
-from tests.integration.keyed_server import DIALECT_KEYS
+from tests.integration.keyed.server import DIALECT_KEYS
 
 STEPS = [
     "Step 0. Tool result: weather in Paris is 18C, light rain. What next?",
@@ -348,7 +348,7 @@ def test_anthropic_bad_cache_control_is_a_clear_400(kvbranch_server):
 
 
 # --- tenants -------------------------------------------------------------------------------------
-KEY_A, KEY_B = DIALECT_KEYS  # the session's keyed server (tests/integration/keyed_server.py)
+KEY_A, KEY_B = DIALECT_KEYS  # the session's keyed server (tests/integration/keyed/server.py)
 
 
 def test_hints_are_scoped_to_the_tenant(keyed_server):

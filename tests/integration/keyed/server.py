@@ -1,5 +1,6 @@
-"""The keyed single server, one per test session: the tenancy, hostile-input and dialect
-modules used to start one each (three engine starts, 35-60 s apiece on CI's 2 cores).
+"""The keyed single server of this package (started once, stopped after its last module): the
+tenancy, hostile-input and dialect modules used to start one each (three engine starts, 35-60 s
+apiece on CI's 2 cores).
 
 Each module keeps its own tenants (its own keys below), and quotas are per tenant, so one
 module's sessions never count against another's. The flags are the union of what the three

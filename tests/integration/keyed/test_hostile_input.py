@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tests.integration.keyed_server import HOSTILE_KEYS, MAX_SESSIONS
+from tests.integration.keyed.server import HOSTILE_KEYS, MAX_SESSIONS
 
-KEY_A, KEY_B = HOSTILE_KEYS  # the session's keyed server (tests/integration/keyed_server.py)
+KEY_A, KEY_B = HOSTILE_KEYS  # the session's keyed server (tests/integration/keyed/server.py)
 
 
 def _connection(server) -> http.client.HTTPConnection:
