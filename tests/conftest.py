@@ -9,8 +9,7 @@ behaviour is reachable in tests with short prompts;
 ``plain_server`` — vLLM's own server with no kvbranch code on its request path (no plugin,
 no middleware, no connector; :mod:`tests.vanilla_vllm`), configured like the others: the
 reference for greedy outputs.
-``no_connector_server`` — kvbranch's launcher with ``--no-connector``: the plugin without the
-connector (what that mode answers is itself under test).
+(``no_connector_server``, kvbranch's launcher with ``--no-connector``, is test_server.py's own.)
 """
 
 from __future__ import annotations
@@ -78,12 +77,6 @@ def plain_server():
         # the reference has none of kvbranch's routes (nor, so, its plugin)
         r = httpx.get(f"{server.url}/v1/kvbranch/health", timeout=30)
         assert r.status_code == 404, f"the vLLM reference serves kvbranch's routes: {r.text}"
-        yield server
-
-
-@pytest.fixture(scope="session")
-def no_connector_server():
-    with ServerProcess(PLAIN_ARGS, name="no-connector") as server:
         yield server
 
 

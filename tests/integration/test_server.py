@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
+from tests.conftest import PLAIN_ARGS
 from tests.integration.helpers import chat, client, text_of
+from tests.server_process import ServerProcess
 
 
 def test_greedy_answer_mentions_paris(kvbranch_server):
@@ -81,6 +84,14 @@ def test_metrics_exports_kvbranch_counters(kvbranch_server):
     # The warm-first scheduler (on by default on CPU) publishes its decisions from the engine.
     assert "kvbranch_scheduler_backfills_total" in r.text
     assert "kvbranch_scheduler_preemptions_total" in r.text
+
+
+@pytest.fixture(scope="module")
+def no_connector_server():
+    """kvbranch's launcher with ``--no-connector`` (one test uses it: stopped with the module,
+    not kept beside the later modules' servers)."""
+    with ServerProcess(PLAIN_ARGS, name="no-connector") as server:
+        yield server
 
 
 def test_no_connector_server_reports_connector_not_loaded(no_connector_server):
