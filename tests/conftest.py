@@ -14,16 +14,11 @@ reference for greedy outputs.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-import threading
 
 import httpx
 import pytest
 
-from server.launcher.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ROOT
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
 
@@ -51,24 +46,7 @@ PLAIN_ARGS = ["--kv-cache-gib", "0.5", "--max-model-len", "4096", "--no-connecto
 class VanillaVLLM(ServerProcess):
     """vLLM's own server (``python -m tests.vanilla_vllm``), started and stopped like ours."""
 
-    def launch(self) -> VanillaVLLM:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
-        env[ENV_PARENT_PID] = str(os.getpid())  # it stops when the tests die
-        if threading.current_thread() is threading.main_thread():
-            env[ENV_PARENT_DEATHSIG] = "1"
-        else:
-            env.pop(ENV_PARENT_DEATHSIG, None)
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.vanilla_vllm", "--port", str(self.port), *self.args],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        ServerProcess.running.add(self)
-        return self
+    module = "tests.vanilla_vllm"
 
 
 @pytest.fixture(scope="session")

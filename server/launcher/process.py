@@ -233,6 +233,10 @@ class ServerProcess:
         self.wait_ready()
         return self
 
+    #: What ``python -m`` runs: the launcher (a subclass may run another server with the same
+    #: flags, e.g. the tests' vLLM reference).
+    module = "server"
+
     def launch(self) -> ServerProcess:
         """Start the process without waiting (start several, then ``wait_ready`` each)."""
         # vLLM's dev routes (reset_prefix_cache, sleep, collective_rpc, ...) only when the
@@ -245,7 +249,7 @@ class ServerProcess:
             env.pop(ENV_PARENT_DEATHSIG, None)
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--port", str(self.port), *self.args],
+            [sys.executable, "-m", self.module, "--port", str(self.port), *self.args],
             cwd=ROOT,
             env=env,
             stdout=log,
