@@ -173,3 +173,22 @@ def llm_kwargs(server) -> dict:
         "temperature": 0,
         "timeout": 300,
     }
+
+
+def pd_activity(server) -> dict:
+    """What a refused request must leave as it was on a P or D instance: the engine requests
+    and pulled tokens the connector counted, and the P/D side's holds, claims (refused too) and
+    declined handles."""
+    with client(server) as c:
+        r = c.get("/v1/kvbranch/stats")
+    assert r.status_code == 200, r.text
+    stats = r.json()
+    pd = stats.get("pd") or {}
+    return {
+        "requests": stats["requests"],
+        "remote_tokens": stats["hits_tokens"]["remote"],
+        "declined": dict(pd.get("handles_declined") or {}),
+        "holds": pd.get("holds"),
+        "claims": pd.get("claims"),
+        "claims_refused": pd.get("claims_refused"),
+    }

@@ -15,7 +15,7 @@ import pytest
 
 from sdk import KVBranchClient
 from server.launcher.process import free_port
-from tests.integration.helpers import chat, client, size_args, system_prompt, text_of
+from tests.integration.helpers import chat, client, pd_activity, size_args, system_prompt, text_of
 from tests.server_process import ServerProcess
 
 INSTANCE_ARGS = [*size_args(0.5, 0.25, 4096), "--pd-hold-ttl-s", "120"]
@@ -213,25 +213,8 @@ def test_a_prompt_cache_key_turn_is_pulled_like_a_session(pd, plain_server, cach
     assert held and held[0]["decode"] == pd.decode.url
 
 
-def _activity(server) -> dict:
-    """What a refused request must leave as it was: the engine requests and pulled tokens the
-    connector counted, and the P/D side's holds, claims and declined handles."""
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    stats = r.json()
-    pd = stats.get("pd") or {}
-    return {
-        "requests": stats["requests"],
-        "remote_tokens": stats["hits_tokens"]["remote"],
-        "holds": pd.get("holds"),
-        "claims": pd.get("claims"),
-        "declined": dict(pd.get("handles_declined") or {}),
-    }
-
-
 def test_bad_input_to_the_router_is_a_clear_4xx(pd):
-    before = {s.name: _activity(s) for s in (pd.prefill, pd.decode)}
+    before = {s.name: pd_activity(s) for s in (pd.prefill, pd.decode)}
     with client(pd.router) as c:
         r = c.post(
             "/v1/chat/completions",
@@ -261,7 +244,7 @@ def test_bad_input_to_the_router_is_a_clear_4xx(pd):
         # the cluster still serves after all that
         assert c.get("/health").status_code == 200
     # and none of it reached an engine: no generation, no pull, no hold, no claim
-    assert {s.name: _activity(s) for s in (pd.prefill, pd.decode)} == before
+    assert {s.name: pd_activity(s) for s in (pd.prefill, pd.decode)} == before
 
 
 def test_the_sdk_runs_a_session_through_the_router(pd, plain_server):

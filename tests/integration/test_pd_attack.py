@@ -27,7 +27,7 @@ import pytest
 from sdk.contract import HOLD_CLAIM_PATH
 from server.connector.pd.transfer_auth import CLAIM_FIELD, MAC_FIELD
 from server.router.limits import HEADER_TIMEOUT_S
-from tests.integration.helpers import chat, client, system_prompt, text_of
+from tests.integration.helpers import chat, client, pd_activity, system_prompt, text_of
 from tests.integration.trust_cluster import KEY_B, as_router
 
 SYSTEM = system_prompt(words=120, seed=21)
@@ -81,24 +81,6 @@ def _declined(server) -> int:
     with client(server) as c:
         stats = c.get("/v1/kvbranch/stats").json()
     return sum((stats.get("pd") or {}).get("handles_declined", {}).values())
-
-
-def _activity(server) -> dict:
-    """What a refused request must leave as it was: the engine requests and pulled tokens the
-    connector counted, and the P/D side's handles, holds and claims."""
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    stats = r.json()
-    pd = stats.get("pd") or {}
-    return {
-        "requests": stats["requests"],
-        "remote_tokens": stats["hits_tokens"]["remote"],
-        "declined": dict(pd.get("handles_declined") or {}),
-        "holds": pd.get("holds"),
-        "claims": pd.get("claims"),
-        "claims_refused": pd.get("claims_refused"),
-    }
 
 
 def _still_right(server, plain_server) -> None:
@@ -178,14 +160,14 @@ def test_a_forged_pull_handle_at_p_recomputes(pd, plain_server):
 
 def test_params_in_the_extension_args_are_refused(pd):
     prefill, decode, router = pd
-    before = {s.name: _activity(s) for s in (prefill, decode)}
+    before = {s.name: pd_activity(s) for s in (prefill, decode)}
     xargs = {"kv_transfer_params": {"do_remote_decode": True}}
     for server in (prefill, decode, router):
         body = _body(server, _messages("hi"), 4, vllm_xargs=xargs)
         r = _post(server, body)
         assert r.status_code in (400, 403), r.text
     # refused before any engine saw them: no generation, no pull, no handle checked, no hold
-    assert {s.name: _activity(s) for s in (prefill, decode)} == before
+    assert {s.name: pd_activity(s) for s in (prefill, decode)} == before
 
 
 def test_hold_claims_come_from_the_router_only(pd):
@@ -200,7 +182,7 @@ def test_hold_claims_come_from_the_router_only(pd):
         auth=as_router(),
     )["kv_transfer_params"]
     assert held.get("remote_block_ids"), held
-    before = _activity(decode)
+    before = pd_activity(decode)
     for handle in ({"kvbranch_mac": "x"}, held):
         with client(decode) as c:
             r = c.post(HOLD_CLAIM_PATH, json={"handle": handle})
@@ -210,7 +192,7 @@ def test_hold_claims_come_from_the_router_only(pd):
         assert r.status_code == 404, r.text
     # none of them reached D's hold registry (not even as a refused claim), and the hold is
     # still unclaimed: the router's own claim gets it (a claim is granted once)
-    assert _activity(decode) == before
+    assert pd_activity(decode) == before
     with client(decode, as_router()) as c:
         r = c.post(HOLD_CLAIM_PATH, json={"handle": held})
     assert r.status_code == 200 and CLAIM_FIELD in r.json(), r.text

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import redis
 
-from tests.integration.helpers import chat, client, text_of
+from tests.integration.helpers import chat, pd_activity, text_of
 from tests.integration.trust_cluster import KEY_A, KEY_B, trust_router
 from tests.redis_server import RedisServer
 
@@ -68,25 +68,18 @@ def _keys(edge) -> int:
         return int(r.dbsize())
 
 
-def _engine_requests(server) -> int:
-    """Requests P's or D's engine ran (the connector's count): a refused request adds none."""
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    return int(r.json()["requests"])
-
-
 def _nothing_ran(edge):
-    """A context for probes that must leave P, D and Redis as they were."""
+    """A context for probes that must leave P, D (engine requests, pulls, holds, claims) and
+    Redis as they were."""
 
     class Unchanged:
         def __enter__(self):
-            self.before = (_engine_requests(edge.p), _engine_requests(edge.d), _keys(edge))
+            self.before = (pd_activity(edge.p), pd_activity(edge.d), _keys(edge))
             return self
 
         def __exit__(self, *exc):
             if exc[0] is None:
-                after = (_engine_requests(edge.p), _engine_requests(edge.d), _keys(edge))
+                after = (pd_activity(edge.p), pd_activity(edge.d), _keys(edge))
                 assert after == self.before, f"(P, D, Redis keys) {self.before} -> {after}"
 
     return Unchanged()
