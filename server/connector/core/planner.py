@@ -328,7 +328,14 @@ class Planner:
         """Forget the request; update its branch (lease renewal, tokens for prefetch/fork);
         plan the copy of its tail. Returns the prompt-source split (also put into
         ``kv_transfer_params``) and whether vLLM must keep the request's blocks until the
-        worker reports the tail copied (``get_finished``)."""
+        worker reports the tail copied (``get_finished``).
+
+        A request that ends while a peer's pull into its blocks runs (P/D: aborted in vLLM's
+        ``WAITING_FOR_REMOTE_KVS``) keeps no tail and never delays: its blocks are the read's
+        (what they hold is unknown until it ends), and vLLM itself keeps them until the worker
+        reports the read ended, then frees them and forgets the request. A tail copy would
+        have been a second report for the same request: the later of the two named a request
+        vLLM no longer had, and its assertion killed the engine core (the soak's dead D)."""
         with self.lock:
             plan = self.plans.pop(request.request_id, None)
             extra = _extra_args(request)
@@ -338,9 +345,10 @@ class Planner:
                 split = plan.split if plan.recorded else None
             else:
                 split = self.splits.get(str(extra[TAG_XARG])) if extra.get(TAG_XARG) else None
+            pulling = plan is not None and plan.remote_state == "loading"
             tail = (
                 finished_tail(request, self.block_size)
-                if self.index.num_slots and not (plan is not None and plan.stale)
+                if self.index.num_slots and not (plan is not None and (plan.stale or pulling))
                 else None
             )
             session_id = getattr(request, "session_id", None)
@@ -350,6 +358,8 @@ class Planner:
                     # Only blocks whose KV exists: the last sampled token is never fed
                     # back, so a block it completes has a hash but no computed KV.
                     computed = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
+                    if pulling and plan is not None:  # counts pulled tokens not yet landed
+                        computed = min(computed, plan.device_hit_tokens)
                     self.registry.observe_request(
                         session_id,
                         branch_id,

@@ -597,3 +597,25 @@ def test_pins_degraded_counts_transitions_not_checks():
         planner.request_finished(req)
     assert registry.get_branch("s1", DEFAULT_BRANCH).degraded
     assert registry.pins_degraded == 1
+
+
+def test_request_aborted_while_its_pull_runs_keeps_no_tail_and_never_delays():
+    """vLLM keeps the blocks of a request aborted in WAITING_FOR_REMOTE_KVS until the read's
+    report and then forgets the request: a tail copy (a second report for it) killed D's engine
+    core, and would have copied blocks the read had not written yet."""
+    planner, req = _pulling(4, session_id="s1")
+    req.num_computed_tokens = 20  # vLLM counts the pulled tokens before they land
+    split, delay = planner.finish(req, [1, 2, 3, 4, 5, 6])
+    assert (split, delay) == (None, False)
+    assert planner.pending_tail_saves == []
+    branch = planner.registry.get_branch("s1", DEFAULT_BRANCH)
+    assert branch.block_hashes == req.block_hashes[:1]  # the device hit only: KV that exists
+
+
+def test_request_finished_after_its_pull_landed_keeps_its_tail():
+    planner, req = _pulling(4)
+    req.num_computed_tokens = 20
+    planner.after_alloc(req, [], 0)  # the read landed: vLLM scheduled the request
+    req.num_computed_tokens = 22
+    _, delay = planner.finish(req, [1, 2, 3, 4, 5, 6])
+    assert delay and [rid for rid, _, _ in planner.pending_tail_saves] == ["r"]
