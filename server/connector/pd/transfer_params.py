@@ -46,12 +46,22 @@ INCOMING_KEYS = frozenset((*DIRECTION_KEYS, *SEALED_FIELDS, MAC_FIELD, CLAIM_FIE
 PEER_FIELDS = (*SEALED_FIELDS, MAC_FIELD, CLAIM_FIELD, "remote_block_size")
 
 
+#: Keys upstream adds to a prefill's returned params for D's *API server*, not its connector:
+#: ``remote_prefill_cached_tokens`` (P's prefix-cache hits, which vLLM 0.32's scheduler writes
+#: into P's params so that D reports them in ``prompt_tokens_details``). D's API server reads
+#: it from the request before the engine core gets it (``output_processor``) and upstream's
+#: connector never does, so the engine core drops it like any other key, but without a log
+#: line: it comes with every P/D turn, and is no sign of a client or router misbehaving.
+EXPECTED_EXTRA_KEYS = frozenset({"remote_prefill_cached_tokens"})
+
+
 def sanitize(params: dict[str, Any]) -> list[str]:
-    """Drop (in place) every key not in :data:`INCOMING_KEYS`; returns the dropped keys."""
+    """Drop (in place) every key not in :data:`INCOMING_KEYS`; returns the dropped keys worth
+    a log line (all but :data:`EXPECTED_EXTRA_KEYS`)."""
     dropped = [k for k in params if k not in INCOMING_KEYS]
     for key in dropped:
         del params[key]
-    return dropped
+    return [k for k in dropped if k not in EXPECTED_EXTRA_KEYS]
 
 
 def names_a_peer(params: dict[str, Any]) -> bool:

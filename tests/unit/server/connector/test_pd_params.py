@@ -203,6 +203,17 @@ def test_sanitize_keeps_nixl_and_sealed_keys_and_drops_every_marker():
     assert set(params) <= INCOMING_KEYS and MAC_FIELD in params and CLAIM_FIELD in params
 
 
+def test_sanitize_drops_ps_cached_token_count_without_a_word():
+    """vLLM's scheduler adds ``remote_prefill_cached_tokens`` to every P handle (for D's API
+    server's usage report): dropped in the engine core like any unknown key, but not reported
+    as a key a client may not set (the log line fired once per P/D turn)."""
+    params = dict(_p_handle(PROMPT), remote_prefill_cached_tokens=128)
+    assert sanitize(params) == []
+    assert "remote_prefill_cached_tokens" not in params and set(params) <= INCOMING_KEYS
+    params = dict(_p_handle(PROMPT), remote_prefill_cached_tokens=128, whatever=1)
+    assert sanitize(params) == ["whatever"]
+
+
 def test_issue_22_a_p_handle_marked_verified_with_another_prompt_reads_nothing_on_d():
     # The attack: P's params, seal and claim removed, "kvbranch_verified" added, sent to D with
     # a different prompt. The old code skipped every check and D read P's blocks.
