@@ -8,7 +8,9 @@ and removes them from what the client gets. It also puts P's prompt-source split
 usage chunk it asked for itself when the client did not ask for one.
 
 A client that leaves mid-stream closes the upstream response, so D sees the disconnect and
-aborts the request.
+aborts the request. An instance that stops mid-stream (its engine died, its connection broke)
+leaves the client an error event, never a clean end: a cut answer must not pass for a short
+complete one.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from sdk.contract import RESPONSE_FIELD, TRANSFER_PARAMS_FIELD
+from sdk.contract import RESPONSE_FIELD, TRANSFER_PARAMS_FIELD, error_body
+from sdk.contract.wire import SSE_DATA, SSE_EVENT_END
 from server.common.sse import EventSplitter, Rewrite, encode_event, json_event, rewrite_events
 
 #: Called with the transfer params an answer carried (whatever they are; the caller checks).
@@ -91,18 +94,43 @@ class _Upstream:
             await self.resp.aclose()  # a client that left: D sees the disconnect and aborts
 
 
+#: The event that ends a complete OpenAI stream.
+DONE_EVENT = SSE_DATA + b"[DONE]"
+
+
+def cut_short_event(why: str) -> bytes:
+    """The error event a relayed stream ends with when the instance's stream stopped before
+    its ``[DONE]``: OpenAI's shape for an error in a stream (the ``openai`` client and the
+    sdk raise on it), so a client never takes a cut answer for a short complete one."""
+    message = f"the answer is incomplete: the instance's stream ended before its end ({why})"
+    return encode_event(error_body(502, message)) + SSE_EVENT_END
+
+
 async def relay_events(upstream: _Upstream, rewrite: Rewrite) -> AsyncIterator[bytes]:
     """The upstream stream, each complete event passed through ``rewrite``; a trailing partial
-    event passes as is. The upstream is released however it ends."""
+    event passes as is. A stream that stops before ``[DONE]`` — the instance closed it, or the
+    connection broke — ends with :func:`cut_short_event` instead of a clean end. The upstream
+    is released however it ends."""
     events = EventSplitter()
+    done = False
     try:
-        async for data in upstream.resp.aiter_raw():
-            out = rewrite_events(events.feed(data), rewrite)
-            if out:
-                yield out
+        try:
+            async for data in upstream.resp.aiter_raw():
+                complete = events.feed(data)
+                done = done or DONE_EVENT in complete
+                out = rewrite_events(complete, rewrite)
+                if out:
+                    yield out
+        except httpx.HTTPError as exc:  # the instance went away mid-answer
+            if not done:
+                yield cut_short_event(type(exc).__name__)
+            return
         rest = events.rest()
+        done = done or rest.strip() == DONE_EVENT
         if rest:
             yield rest
+        if not done:
+            yield cut_short_event("no [DONE]")
     finally:
         await upstream.close()
 

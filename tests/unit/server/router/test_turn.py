@@ -450,3 +450,45 @@ def test_an_anthropic_messages_turn_is_keyed_by_its_breakpoint_session():
     assert turn_key(dict(first, session_id="x"), _request(MESSAGES_PATH, {}))[1] == key[1]
     no_breakpoint = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     assert turn_key(no_breakpoint, _request(MESSAGES_PATH, {})) is None
+
+
+class _Broken(httpx.AsyncByteStream):
+    """A stream whose instance goes away after ``data`` (no [DONE]); ``error``: the connection
+    breaks instead of closing cleanly."""
+
+    def __init__(self, data: bytes, error: bool) -> None:
+        self.data = data
+        self.error = error
+
+    async def __aiter__(self):
+        yield self.data
+        if self.error:
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
+
+
+@pytest.mark.parametrize("error", [False, True])
+def test_a_stream_cut_short_ends_with_an_error_event_not_a_clean_end(error):
+    """D's engine died mid-answer (the soak saw it): the client must not take the cut answer
+    for a short complete one."""
+    fakes = PD()
+    first = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+
+    def d(request: httpx.Request) -> httpx.Response:
+        if request.url.path == HOLD_CLAIM_PATH:
+            return fakes._d(request)
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=_Broken(first, error)
+        )
+
+    fakes.answer[D] = d
+    r = _turn(make_router(fakes), stream=True)
+    events = [e for e in r.content.split(b"\n\n") if e]
+    assert events[0] == first.strip()
+    last = json.loads(events[-1][len(b"data: ") :])
+    assert last["error"]["code"] == 502 and "incomplete" in last["error"]["message"]
+    assert b"data: [DONE]" not in r.content
+
+
+def test_a_complete_stream_gets_no_error_event():
+    r = _turn(make_router(PD()), stream=True)
+    assert b'"error"' not in r.content and r.content.rstrip().endswith(b"data: [DONE]")
