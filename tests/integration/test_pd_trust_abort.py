@@ -20,6 +20,10 @@ pull recomputes) and serve a real conversation afterwards.
 The second case plays the soak through the router: streamed turns with a ~1.5k-token prompt
 whose client leaves right after the first byte, two turns of one session racing, then the same
 answers as vLLM's own server.
+
+Named to run right after test_pd_trust.py on the same keyed pair: its finished turns leave D
+holding conversations for the hold TTL (900 s), and test_pd_trust counts D's holds against its
+small device cache (run before it, they filled D and its first test saw holds released).
 """
 
 from __future__ import annotations
