@@ -13,10 +13,11 @@ Two halves:
   may wait: a client that stops reading its stream is cut off after
   :data:`~server.router.limits.SEND_TIMEOUT_S` and the upstream stream released, so a slow
   reader never pins an instance's connection for long.
-* :func:`read_json` reads a route's body, bounded before it is read (413, 408), and applies the
-  instances' own rules to it (:mod:`server.checks`: JSON depth and lone surrogates, session and
-  branch ids from every place a dialect reads them, strict types of the fields the router
-  reads): a 400 that names the field.
+* :func:`read_turn` and :func:`read_session_body` read a route's body, bounded before it is
+  read (:func:`read_body`: 413, 408), and apply the instances' own rules to it
+  (:mod:`server.checks`: JSON depth and lone surrogates, session and branch ids from every
+  place a dialect reads them, strict types of the fields the router reads): a 400 that names
+  the field.
 
 A request's tenant — the digest of its API key (:mod:`server.common.tenants`) — scopes the cluster
 index the way the instances scope sessions; :class:`Edge` decides it once and the routes read
@@ -41,7 +42,7 @@ from server import dialects
 from server.checks import json_body
 from server.checks.fields import field_problem
 from server.checks.headers import header_problem
-from server.checks.ids import id_problem
+from server.checks.ids import MESSAGE_CHARS, id_problem
 from server.common.errors import error_response, send_error
 from server.common.tenants import KeyTable, scope_of
 from server.router.limits import BODY_TIMEOUT_S, MAX_INFLIGHT, SEND_TIMEOUT_S, TENANT_INFLIGHT
@@ -319,5 +320,5 @@ async def read_session_body(request: Request) -> bytes:
         try:
             check_id(value, field)
         except ValueError as exc:
-            raise Refused(error_response(400, str(exc)[:300], param=field)) from None
+            raise Refused(error_response(400, str(exc)[:MESSAGE_CHARS], param=field)) from None
     return raw
