@@ -14,10 +14,11 @@ the router's outermost layer runs it before any route reads a header.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from sdk.contract import BRANCH_HEADER, SESSION_HEADER
 
-__all__ = ["CHECKED_HEADERS", "SINGLE_HEADERS", "header_problem"]
+__all__ = ["CHECKED_HEADERS", "SINGLE_HEADERS", "header", "header_problem"]
 
 #: Headers that decide whose request it is and where its KV lives: at most once each.
 SINGLE_HEADERS = frozenset(
@@ -47,4 +48,14 @@ def header_problem(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str, str] | 
                 f"header {shown!r} must be printable ASCII (keys and ids are): "
                 "it holds a byte outside 0x20-0x7E"
             )
+    return None
+
+
+def header(scope: dict[str, Any], name: str) -> str | None:
+    """An ASGI request header by case-insensitive name (latin-1, as HTTP carries bytes)."""
+    key = name.lower().encode()
+    for k, v in scope.get("headers", []):
+        if k.lower() == key:
+            value: str = v.decode("latin-1")
+            return value
     return None

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sdk.contract import MAX_BODY_BYTES
+from server.checks.headers import header  # the plugin's layers read headers as the router does
 
 __all__ = ["RequestBody", "drain", "header", "read_body", "route_path"]
 
@@ -27,16 +28,6 @@ def route_path(scope: dict[str, Any]) -> str:
     path: str = scope.get("path", "")
     root: str = scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path
-
-
-def header(scope: dict[str, Any], name: str) -> str | None:
-    """An ASGI request header by case-insensitive name."""
-    key = name.lower().encode()
-    for k, v in scope.get("headers", []):
-        if k.lower() == key:
-            value: str = v.decode("latin-1")
-            return value
-    return None
 
 
 class RequestBody:

@@ -41,7 +41,7 @@ from sdk.contract import BRANCH_HEADER, MAX_BODY_BYTES, SESSION_HEADER, check_id
 from server import dialects
 from server.checks import json_body
 from server.checks.fields import field_problem
-from server.checks.headers import header_problem
+from server.checks.headers import header, header_problem
 from server.checks.ids import MESSAGE_CHARS, id_problem
 from server.common.errors import error_response, send_error
 from server.common.tenants import KeyTable, scope_of
@@ -90,13 +90,6 @@ def tenant_of(request: Request) -> str:
     It scopes the cluster index."""
     tenant = request.scope.get("state", {}).get(TENANT_STATE)
     return tenant if isinstance(tenant, str) else scope_of(request.headers.get("authorization"))
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key.lower() == name:
-            return str(value.decode("latin-1"))  # printable ASCII: header_problem checked
-    return None
 
 
 class EdgeState:
@@ -166,7 +159,7 @@ class Edge:
         if problem is not None:
             await self._refuse(send, "header", 400, problem[1], problem[0])
             return
-        authorization = _header(scope, b"authorization")
+        authorization = header(scope, "authorization")  # printable ASCII: checked above
         if self.state.keys:
             tenant = self.state.keys.owner(authorization)
             if tenant is None and path not in PUBLIC_PATHS:
