@@ -281,10 +281,15 @@ class Pool:
         inst.consecutive_failures = 0
 
     async def probe_all(self) -> None:
-        """Every instance as of at most ``PROBE_MAX_AGE_S`` ago (what health reports): cached,
-        so however many health checks arrive, each instance gets at most one probe per
-        ``PROBE_MAX_AGE_S`` from them."""
-        await asyncio.gather(*(self.probe(i) for i in self.all))
+        """Every instance as health reports it. An instance up as of ``PROBE_MAX_AGE_S`` ago is
+        not asked again, so a flood of health checks costs a live instance at most one probe per
+        ``PROBE_MAX_AGE_S``. One last seen down is probed now (joining a probe in flight, so
+        still one at a time): a background probe that saw it down just before it came back must
+        not make health say degraded about an instance that answers (CI 2026-12-05, a restarted
+        decode instance)."""
+        await asyncio.gather(
+            *(self.probe(i, PROBE_MAX_AGE_S if i.alive else 0.0) for i in self.all)
+        )
 
     def trusted(self, record: InstanceRecord) -> bool:
         """``record`` was sealed by an instance holding the cluster secret, recently; else it is

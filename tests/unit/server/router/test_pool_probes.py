@@ -126,3 +126,20 @@ async def test_callers_that_find_a_probe_in_flight_wait_for_it(instance: Instanc
         assert instance.health_requests == 2  # the decode instance's first probe only
     finally:
         await client.aclose()
+
+
+async def test_health_probes_an_instance_last_seen_down_again(instance: Instance) -> None:
+    """A background probe saw the decode instance down a moment ago and it is back now: the
+    health route's probe_all asks it again instead of reporting the cached 'down'."""
+    client = httpx.AsyncClient()
+    pool = Pool([instance.url], [instance.url], client=client)
+    try:
+        await pool.probe_all()
+        before = instance.health_requests
+        decode = pool.decodes[0]
+        pool.mark_down(decode)  # what the probe that raced the restart recorded
+        await pool.probe_all()
+        assert decode.alive
+        assert instance.health_requests == before + 1  # the live prefill instance: cached
+    finally:
+        await client.aclose()
