@@ -54,17 +54,23 @@ else
   echo "[setup] packages up to date ($VENV)"
 fi
 
-# The cluster index's contract tests run against a real redis-server (tests/redis_server.py).
-if ! command -v redis-server >/dev/null 2>&1; then
+# Services and tools the tests start or call (one per line in scripts/system-packages.txt:
+# the command that must exist, the Debian package that brings it, what needs it).
+missing=()
+while read -r cmd pkg _why; do
+  case "$cmd" in ''|'#'*) continue ;; esac
+  command -v "$cmd" >/dev/null 2>&1 || missing+=("$pkg")
+done < scripts/system-packages.txt
+if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    echo "[setup] installing redis-server (the cluster index tests start one)"
+    echo "[setup] installing ${missing[*]} (Debian packages the tests use)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -qq redis-server >/dev/null 2>&1 \
-      || { apt-get update -qq >/dev/null && apt-get install -y -qq redis-server >/dev/null; } \
-      || echo "[setup] warning: could not install redis-server; the cluster index tests will fail" >&2
+    apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null && apt-get install -y -qq "${missing[@]}" >/dev/null; } \
+      || echo "[setup] warning: could not install ${missing[*]}; the tests that use them will fail" >&2
   else
-    echo "[setup] warning: redis-server is not installed and this is not root; install it" \
-      "(apt-get install redis-server) or the cluster index tests will fail" >&2
+    echo "[setup] warning: ${missing[*]} not installed and this is not root; install them" \
+      "(sudo apt-get install ${missing[*]}) or the tests that use them will fail" >&2
   fi
 fi
 
