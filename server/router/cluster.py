@@ -49,7 +49,9 @@ REDIS_MAXMEMORY = "256mb"
 #: Flags that are the cluster's, not an instance's: never copied to a child as given (the
 #: launcher sets --index itself; each instance advertises its own URL).
 _LAUNCHER_FLAGS = {**_CLUSTER_FLAGS, "--index": 1, "--advertise-url": 1}
-#: Flags a router child keeps from the user's (the rest describe an instance).
+#: Flags a router child keeps from the user's (the rest describe an instance). Every flag whose
+#: help says "router:" is here, except --prefill/--decode, which the launcher sets itself
+#: (tests/unit/server/router/test_cluster_launch.py keeps that true).
 _ROUTER_FLAGS = {
     "--host": 1,
     "--api-key": 1,
@@ -58,6 +60,7 @@ _ROUTER_FLAGS = {
     "--pd-hold-ttl-s": 1,
     "--cluster-name": 1,
     "--router-tenant-inflight": 1,
+    "--router-policy": 1,
 }
 _REDIS_START_S = 10.0
 

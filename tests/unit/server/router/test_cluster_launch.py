@@ -168,6 +168,27 @@ def test_routers_on_consecutive_ports_with_the_index_and_every_instance_as_seed(
         assert not LEAKS & set(argv)
 
 
+def test_routers_get_the_router_policy_the_user_gave():
+    # --cluster --router-policy round-robin ran cache-aware routers (issue 40 item 5).
+    args, _, routers = plan(["--cluster", "--routers", "2", "--router-policy", "round-robin"])
+    for router in routers:
+        child = parse([*router.argv, "--port", str(router.port)])
+        assert child.router_policy == args.router_policy == "round-robin"
+
+
+def test_every_router_flag_reaches_the_routers():
+    # A flag documented as "router: ..." that the router children never see is silently
+    # ignored under --cluster; --prefill/--decode are the launcher's own seeds.
+    router_flags = {
+        flag
+        for action in build_parser()._actions
+        if (action.help or "").startswith("router:")
+        for flag in action.option_strings
+    }
+    assert {"--router-policy", "--router-tenant-inflight"} <= router_flags
+    assert router_flags - {"--prefill", "--decode"} <= set(cluster._ROUTER_FLAGS)
+
+
 def test_user_flags_with_equals_are_kept_or_dropped_whole():
     argv = [
         "--index=unix:///x",
