@@ -84,6 +84,15 @@ def machine_md(info: dict[str, str]) -> str:
     )
 
 
+def machine_line(info: dict[str, str]) -> str:
+    """The machine and software in one line, as every record carries it."""
+    return (
+        f"{info['cpu']}, {info['cores']} cores, {info['ram']} RAM, Linux {info['kernel']}; "
+        f"Python {info['python']}, vLLM {info['vllm']}, torch {info['torch']}, "
+        f"transformers {info['transformers']}"
+    )
+
+
 def load_md(loads: list[float]) -> str:
     """One line on how busy the (shared) machine was while measuring."""
     if not loads:
