@@ -31,7 +31,7 @@ from server.index import Hold, InstanceRecord
 from server.index.hold_cipher import HoldCipher
 from server.index.redis_store import RedisIndexStore, RedisKeys, decode_hold, digest, encode_hold
 from server.launcher.process import free_port
-from tests.integration.helpers import size_args
+from tests.integration.helpers import pd_instance, size_args
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
 
@@ -46,22 +46,8 @@ HEARTBEAT_TTL_S = 10.0
 
 
 def _instance(role: str, n: int, core: str, index_url: str, env: dict[str, str]) -> ServerProcess:
-    return ServerProcess(
-        [
-            *INSTANCE_ARGS,
-            "--role",
-            role,
-            "--cpu-cores",
-            core,
-            "--nixl-port",
-            str(free_port()),
-            "--index",
-            index_url,
-        ],
-        name=f"cluster-{role}{n}",
-        ready_timeout=900,
-        env=env,
-    )
+    args = [*INSTANCE_ARGS, "--index", index_url]
+    return pd_instance(args, role, core, name=f"cluster-{role}{n}", env=env)
 
 
 def _router(n: int, index_url: str, env: dict[str, str]) -> ServerProcess:

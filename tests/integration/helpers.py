@@ -8,6 +8,9 @@ import time
 
 import httpx
 
+from server.launcher.process import free_port
+from tests.server_process import ServerProcess
+
 BLOCK = 128
 
 
@@ -156,14 +159,6 @@ def size_args(kv_cache_gib: float, host_store_gib: float, max_model_len: int) ->
     ]
 
 
-def keyed_server_args(*keys: str) -> list[str]:
-    """A small server (for tenancy tests) that accepts each of ``keys``, one tenant per key."""
-    args = size_args(0.25, 0.1, 2048)
-    for key in keys:
-        args += ["--api-key", key]
-    return args
-
-
 def llm_kwargs(server) -> dict:
     """Keyword arguments for an integration LLM (``KVBranchLLM``, ``ChatKVBranch``), greedy."""
     return {
@@ -192,3 +187,21 @@ def pd_activity(server) -> dict:
         "claims": pd.get("claims"),
         "claims_refused": pd.get("claims_refused"),
     }
+
+
+def pd_instance(
+    args: list[str],
+    role: str,
+    core: str,
+    *,
+    name: str,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """A prefill or decode instance with ``args``, pinned to ``core``, on a NIXL port of its
+    own (not started): how every P/D fixture builds its instances."""
+    return ServerProcess(
+        [*args, "--role", role, "--cpu-cores", core, "--nixl-port", str(free_port())],
+        name=name,
+        ready_timeout=900,
+        env=env,
+    )

@@ -14,26 +14,25 @@ import httpx
 import pytest
 
 from sdk import KVBranchClient
-from server.launcher.process import free_port
-from tests.integration.helpers import chat, client, pd_activity, size_args, system_prompt, text_of
+from tests.integration.helpers import (
+    chat,
+    client,
+    pd_activity,
+    pd_instance,
+    size_args,
+    system_prompt,
+    text_of,
+)
 from tests.server_process import ServerProcess
 
 INSTANCE_ARGS = [*size_args(0.5, 0.25, 4096), "--pd-hold-ttl-s", "120"]
 MAX_TOKENS = 16
 
 
-def _instance(role: str, core: str) -> ServerProcess:
-    return ServerProcess(
-        [*INSTANCE_ARGS, "--role", role, "--cpu-cores", core, "--nixl-port", str(free_port())],
-        name=role,
-        ready_timeout=900,
-    )
-
-
 class Cluster:
     def __init__(self) -> None:
-        self.prefill = _instance("prefill", "0")
-        self.decode = _instance("decode", "1")
+        self.prefill = pd_instance(INSTANCE_ARGS, "prefill", "0", name="prefill")
+        self.decode = pd_instance(INSTANCE_ARGS, "decode", "1", name="decode")
         self.router: ServerProcess | None = None
 
     def start(self) -> Cluster:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import secrets
 
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
-from server.launcher.process import free_port
-from tests.integration.helpers import RouterProof
+from tests.integration.helpers import RouterProof, pd_instance
 from tests.server_process import ServerProcess
 
 CLUSTER_SECRET = secrets.token_hex(32)
@@ -37,20 +36,8 @@ def as_router() -> RouterProof:
 
 
 def trust_instance(role: str, core: str) -> ServerProcess:
-    return ServerProcess(
-        [
-            *TRUST_INSTANCE_ARGS,
-            "--role",
-            role,
-            "--cpu-cores",
-            core,
-            "--nixl-port",
-            str(free_port()),
-        ],
-        name=f"trust-{role}",
-        ready_timeout=900,
-        env={ENV_CLUSTER_SECRET: CLUSTER_SECRET},
-    )
+    env = {ENV_CLUSTER_SECRET: CLUSTER_SECRET}
+    return pd_instance(TRUST_INSTANCE_ARGS, role, core, name=f"trust-{role}", env=env)
 
 
 def trust_router(
