@@ -10,7 +10,10 @@ import argparse
 from pathlib import Path
 
 from benchmarks import common, reporting
+from benchmarks.records import Record, result
 from benchmarks.reporting import median, percentile, ratio
+
+NAME = "agent_workload"  # the records are the workload's (benchmarks/agent_workload.py)
 
 
 # --- summary -------------------------------------------------------------------------------------
@@ -225,3 +228,63 @@ def report(
             f"- Greedy outputs identical across configurations: {same}/{len(keys)} requests"
         )
     return "\n".join(lines) + "\n"
+
+
+#: Issue 14's target for the memory-pressure profile: plain/kvbranch p50 TTFT at turns >= 5.
+LATE_TTFT_TARGET = 3.3
+
+
+def records_of(
+    args: argparse.Namespace,
+    workload: dict,
+    results: dict[str, dict],
+    sums: dict[str, dict],
+    png: Path | None,
+) -> list[Record]:
+    """The run's results: p50 TTFT at turns >= 5 per configuration, and each kvbranch
+    configuration's ratios and targets against the first configuration (named by profile,
+    sessions x turns and device budget, so that profiles keep their own latest numbers)."""
+    p = workload["params"]
+    prefix = f"{args.profile} {p['sessions']}x{p['turns']}, {args.kv_cache_gib} GiB: "
+    plots = (png.name,) if png is not None and png.parent == reporting.BENCH_DIR else ()
+    names = list(sums)
+    late_p50 = prefix + "p50 TTFT turns >= 5"
+    out = [result(NAME, n, late_p50, sums[n]["ttft_p50_late"], "s", plots=plots) for n in names]
+    base_name = names[0]
+    base = sums[base_name]
+    for n in names[1:]:
+        s = sums[n]
+        pair = f"{base_name}/{n}"
+        late = base["ttft_p50_late"] / s["ttft_p50_late"] if s["ttft_p50_late"] else float("nan")
+        targeted = results[n]["kvbranch"] and not results[base_name]["kvbranch"]
+        out.append(
+            result(
+                NAME,
+                pair,
+                late_p50,
+                late,
+                "x",
+                target=f">= {LATE_TTFT_TARGET}x (memory-pressure profile)" if targeted else "",
+                met=late >= LATE_TTFT_TARGET if targeted else None,
+                plots=plots,
+            )
+        )
+        if base["jct_mean"] and s["jct_mean"]:
+            out.append(
+                result(NAME, pair, prefix + "mean JCT", base["jct_mean"] / s["jct_mean"], "x")
+            )
+        if targeted:
+            ok, tot = s["recompute_ok"]
+            out.append(
+                result(
+                    NAME,
+                    n,
+                    prefix + f"requests with recomputed <= new + {common.GLUE_TOKENS} "
+                    f"(turns >= 2, of {tot})",
+                    ok,
+                    "requests",
+                    target=f"all {tot}",
+                    met=ok == tot,
+                )
+            )
+    return out

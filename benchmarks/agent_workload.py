@@ -54,12 +54,18 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, reporting  # noqa: E402
+from benchmarks import agent_report, cli, common, reporting  # noqa: E402
 from benchmarks.agent_report import plot, report, summarize  # noqa: E402
+from benchmarks.records import Record  # noqa: E402
 from benchmarks.step_profile import StepProfiler  # noqa: E402
 from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
 from sdk.contract import DEFAULT_BRANCH  # noqa: E402
 
+NAME = agent_report.NAME
+DESCRIPTION = (
+    "concurrent forking agent sessions with tool pauses under device-memory pressure, plain vLLM "
+    "vs kvbranch (and P/D)"
+)
 CONFIG_NAMES = ("plain", "kvbranch", "kvbranch-to-device", "pd", "pd-kvbranch")
 # fmt: off
 PROFILES = {
@@ -424,10 +430,7 @@ WORKLOAD_OPTIONS = [
 ]
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="the quick profile (~10 min, 2 cores)")
     ap.add_argument(
         "--profile",
@@ -452,7 +455,10 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--py-spy", help="with --profile-dir: sample the servers with this py-spy")
     common.add_run_args(ap)
-    args = common.parse_run_args(ap)
+
+
+def finish_args(args: argparse.Namespace) -> None:
+    """The profile's defaults where an option was not given, and the configuration list."""
     args.profile = args.profile or ("quick" if args.quick else "full")
     for key, value in PROFILES[args.profile].items():
         if getattr(args, key) is None:
@@ -460,12 +466,11 @@ def parse_args() -> argparse.Namespace:
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in args.configs:
         if base_config(c) not in CONFIG_NAMES:
-            ap.error(f"unknown config {c!r}")
-    return args
+            raise SystemExit(f"unknown config {c!r} (known: {', '.join(CONFIG_NAMES)})")
 
 
-def main() -> int:
-    args = parse_args()
+def run(args: argparse.Namespace) -> list[Record]:
+    finish_args(args)
     log = reporting.Progress()
     if args.replay:
         workload = json.loads(args.replay.read_text())
@@ -510,8 +515,8 @@ def main() -> int:
         png = None
     section = report(args, workload, results, sums, info, elapsed, png, raw, wl_path)
     reporting.publish(section, args.no_results)
-    return 0
+    return agent_report.records_of(args, workload, results, sums, png)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))

@@ -74,9 +74,9 @@ SCHEDULER_OFF_FLAGS = ["--no-agent-priority", "--cold-prefill-chunk", "0"]
 
 
 def add_run_args(ap: argparse.ArgumentParser, seed: int = 0, reserved_cpus: bool = True) -> None:
-    """The options every benchmark has: seed, RESULTS.md opt-out and the core reservation."""
+    """The options every server benchmark has: seed and the core reservation (the dispatcher,
+    :mod:`benchmarks.cli`, adds ``--no-results``)."""
     ap.add_argument("--seed", type=int, default=seed)
-    ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
     if reserved_cpus:
         ap.add_argument(
             "--reserved-cpus",

@@ -1,6 +1,6 @@
 """How a benchmark run is written down: the machine and software it ran on, how busy the shared
 machine was, the command, numbers in markdown tables, raw data as JSON and a section appended
-to ``benchmarks/RESULTS.md``.
+to ``benchmarks/out/`` (the records of a run: :mod:`benchmarks.records`).
 
 Kept apart from :mod:`benchmarks.common` (servers and requests) so that a benchmark's report
 code reads only this module, and every benchmark writes its header the same way.
@@ -25,7 +25,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
 OUT_DIR = BENCH_DIR / "out"
-RESULTS_MD = BENCH_DIR / "RESULTS.md"
 
 
 # --- machine -------------------------------------------------------------------------------------
@@ -243,7 +242,7 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def plot_path(name: str, no_results: bool) -> Path:
-    """Where a run's plot goes: beside RESULTS.md (committed), or under ``out/`` for a run that
+    """Where a run's plot goes: in ``benchmarks/`` (committed, linked from the records), or under ``out/`` for a run that
     is not recorded (``--no-results``), so that a trial never replaces a recorded plot."""
     return (OUT_DIR if no_results else BENCH_DIR) / name
 
@@ -253,23 +252,16 @@ def raw_path(name: str) -> Path:
     return OUT_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
-def append_results(section: str) -> None:
-    """Append a section to benchmarks/RESULTS.md (creating it with a title)."""
-    if not RESULTS_MD.exists():
-        RESULTS_MD.write_text(
-            "# kvbranch benchmark results\n\nSections are appended by the "
-            "benchmark commands in this folder; newest last.\n"
-        )
-    with RESULTS_MD.open("a") as fh:
-        fh.write("\n" + section.rstrip() + "\n")
-    print(f"results appended to {RESULTS_MD}", flush=True)
-
-
-def publish(section: str, no_results: bool) -> None:
-    """Print a section and append it to RESULTS.md unless the run said not to."""
+def publish(section: str, no_results: bool) -> Path:
+    """Print a run's full Markdown report and keep it under ``out/`` (not committed): the
+    numbers that count go into the run's records (:mod:`benchmarks.records`), and RESULTS.md
+    is generated from those (``python -m benchmarks report``), never appended to."""
     print("\n" + section, flush=True)
-    if not no_results:
-        append_results(section)
+    path = OUT_DIR / f"report-{time.strftime('%Y%m%d-%H%M%S')}{'-trial' if no_results else ''}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(section.rstrip() + "\n")
+    print(f"full report kept in {path}", flush=True)
+    return path
 
 
 class Progress:

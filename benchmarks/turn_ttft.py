@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import sys
 import time
@@ -35,7 +36,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, reporting  # noqa: E402
+from benchmarks import cli, common, reporting  # noqa: E402
+from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.step_profile import StepProfiler, request_breakdown, request_table  # noqa: E402
 from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
 from sdk.contract import DEFAULT_BRANCH  # noqa: E402
@@ -43,6 +45,12 @@ from sdk.contract import DEFAULT_BRANCH  # noqa: E402
 #: Issue 14's target: TTFT at turns >= 3 within this factor of prefilling only the new tokens
 #: (and at most ``common.GLUE_TOKENS`` recomputed beyond them).
 TTFT_TARGET = 1.2
+
+NAME = "turn_ttft"
+DESCRIPTION = (
+    "per-turn TTFT of one conversation evicted from the device between turns, plain vLLM vs "
+    "kvbranch"
+)
 
 TASKS = [
     "Find why the nightly build of the {x} service fails and fix it.",
@@ -361,8 +369,7 @@ def report(
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=150, help="new user+tool tokens per turn")
     ap.add_argument("--system-tokens", type=int, default=400)
@@ -387,8 +394,9 @@ def main() -> int:
         help="trace kvbranch's engine steps into this folder and split each turn's TTFT",
     )
     common.add_run_args(ap)
-    args = common.parse_run_args(ap)
 
+
+def run(args: argparse.Namespace) -> list[Record]:
     log = reporting.Progress()
     info_job = reporting.machine_info_async()
     workload = build_workload(args)
@@ -396,7 +404,7 @@ def main() -> int:
     t0 = time.monotonic()
     for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
         if name not in ("plain", "kvbranch"):
-            ap.error(f"unknown config {name!r}")
+            raise SystemExit(f"unknown config {name!r} (plain, kvbranch)")
         results[name] = asyncio.run(run_config(name, name == "kvbranch", args, workload, log))
     elapsed = time.monotonic() - t0
     info = info_job.result()
@@ -408,8 +416,51 @@ def main() -> int:
     if not plot(results, png):
         png = None
     reporting.publish(report(args, results, info, elapsed, png, raw), args.no_results)
-    return 0
+    return records_of(results, png)
+
+
+def records_of(results: dict[str, dict], png: Path | None) -> list[Record]:
+    """The run's results: TTFT at the last turn, and the two targets of issue 14."""
+    plots = (png.name,) if png is not None and png.parent == reporting.BENCH_DIR else ()
+    out: list[Record] = []
+    for name, res in results.items():
+        last = res["turns"][-1]
+        out.append(result(NAME, name, f"TTFT at turn {last['turn']}", last["ttft_s"], "s"))
+    plain, kvb = results.get("plain"), results.get("kvbranch")
+    if plain and kvb:
+        p, k = plain["turns"][-1], kvb["turns"][-1]
+        ratio = p["ttft_s"] / k["ttft_s"] if k["ttft_s"] else float("nan")
+        out.append(result(NAME, "plain/kvbranch", f"TTFT ratio at turn {k['turn']}", ratio, "x"))
+    if kvb:
+        late = [t for t in kvb["turns"] if t["turn"] >= 3]
+        worst = max((t["ttft_s"] / t["ref_ttft_s"] for t in late), default=float("nan"))
+        out.append(
+            result(
+                NAME,
+                "kvbranch",
+                "worst TTFT / cold prefill of the new tokens, turns >= 3",
+                worst,
+                "x",
+                target=f"<= {TTFT_TARGET}x at every turn >= 3",
+                met=bool(late) and worst <= TTFT_TARGET,
+            )
+        )
+        rec = [t for t in kvb["turns"] if t["turn"] >= 2]
+        ok = sum(t["recomputed_tokens"] <= t["new_tokens"] + common.GLUE_TOKENS for t in rec)
+        out.append(
+            result(
+                NAME,
+                "kvbranch",
+                f"turns with recomputed <= new tokens + {common.GLUE_TOKENS} (turns >= 2, "
+                f"of {len(rec)})",
+                ok,
+                "turns",
+                target=f"all {len(rec)}",
+                met=ok == len(rec),
+            )
+        )
+    return [dataclasses.replace(r, plots=plots) for r in out]
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
