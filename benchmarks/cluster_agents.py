@@ -8,8 +8,8 @@
 * ``round-robin``  — one router, no index at all (``--router-policy round-robin``): P and D in
                      turn, nothing pulled, each P's prefix cache only by luck.
 
-    .venv/bin/python benchmarks/cluster_agents.py                 # ~20 minutes on 2 cores
-    .venv/bin/python benchmarks/cluster_agents.py --sessions 4 --turns 4   # quicker
+    .venv/bin/python -m benchmarks cluster_agents                       # ~20 minutes on 2 cores
+    .venv/bin/python -m benchmarks cluster_agents --sessions 4 --turns 4  # quicker
 
 Every configuration gets fresh instances: 2 prefill (core 0) and 2 decode (core 1), the same
 sizes, the same conversations (greedy; answers are compared across configurations), and the
@@ -37,13 +37,22 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, reporting  # noqa: E402
+from benchmarks import cli, common, reporting  # noqa: E402
 from benchmarks.pd_turns import conversation_turns  # noqa: E402
+from benchmarks.records import Record, result  # noqa: E402
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET  # noqa: E402
-from server.launcher.process import ServerProcess, free_port  # noqa: E402
+from server.launcher.process import ServerProcess  # noqa: E402
+from tests.integration.helpers import pd_instance  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
+NAME = "cluster_agents"
+DESCRIPTION = (
+    "agents over a kvbranch cluster: 2 routers + Redis vs one router vs round robin, one P "
+    "SIGKILLed mid-run"
+)
 CONFIGS = ("cluster", "single-router", "round-robin")
+#: The target: the cluster's hit rate at least this share of one router's.
+HIT_RATE_TARGET = 0.9
 SECRET = "cluster-bench-" + "0" * 50
 
 
@@ -58,24 +67,14 @@ def redis_info(server: RedisServer) -> dict[str, str]:
 
 
 def instance(role: str, core: str, index: str, args: argparse.Namespace) -> ServerProcess:
-    argv = [
-        "--role",
-        role,
-        "--cpu-cores",
-        core,
-        "--nixl-port",
-        str(free_port()),
-        "--kv-cache-gib",
-        str(args.kv_cache_gib),
-        "--host-store-gib",
-        str(args.host_store_gib),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--index",
-        index,
-    ]
+    """A P or D instance of the benchmark's cluster on ``index``, built the way every P/D
+    fixture of the tests builds one (:func:`tests.integration.helpers.pd_instance`)."""
+    sizes = ["--kv-cache-gib", str(args.kv_cache_gib), "--host-store-gib", str(args.host_store_gib)]
+    argv = [*sizes, "--max-model-len", str(args.max_model_len), "--index", index]
     env = {ENV_CLUSTER_SECRET: SECRET, "PYTHONHASHSEED": "0"}
-    return ServerProcess(argv, name=f"cb-{role}", ready_timeout=1200, env=env)
+    inst = pd_instance(argv, role, core, name=f"cb-{role}", env=env)
+    inst.ready_timeout = 1200  # shared machines: see common.start_server
+    return inst
 
 
 def router(argv: list[str]) -> ServerProcess:
@@ -160,19 +159,7 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
                         messages.append({"role": "assistant", "content": ""})
                         continue
                     turns.append(
-                        {
-                            "session": s,
-                            "turn": turn,
-                            "after_kill": killed_at is not None,
-                            "ttft_s": res.ttft_s,
-                            "prompt_tokens": res.prompt_tokens,
-                            "recomputed_tokens": res.recomputed_tokens,
-                            "device_hit_tokens": res.device_hit_tokens,
-                            "host_hit_tokens": res.host_hit_tokens,
-                            "remote_hit_tokens": res.remote_hit_tokens,
-                            "route": res.extra.get("route"),
-                            "content": res.content,
-                        }
+                        common.turn_row(res, session=s, turn=turn, after_kill=killed_at is not None)
                     )
                     log(
                         f"[{name}] s{s} t{turn} via {via.port}: {res.extra.get('route')} TTFT "
@@ -319,22 +306,35 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: f
     return "\n".join(lines) + "\n"
 
 
-async def main_async(args: argparse.Namespace) -> int:
-    log = reporting.Progress()
-    info_future = reporting.machine_info_async()
-    t0 = time.monotonic()
-    results = [await run_config(name, args, log) for name in args.configs]
-    section = report(results, args, info_future.result(), time.monotonic() - t0)
-    print(section)
-    reporting.write_json(reporting.raw_path("cluster_agents"), results)
-    reporting.publish(section, args.no_results)
-    return 0
+def records_of(results: list[dict]) -> list[Record]:
+    """Hit rate, p50 TTFT and failures per configuration, and the cluster's target."""
+    sums = {r["name"]: summary(r) for r in results}
+    out: list[Record] = []
+    for r in results:
+        s = sums[r["name"]]
+        out += [
+            result(NAME, r["name"], "hit rate of resumed turns", 100 * s["hit_rate"], "%"),
+            result(NAME, r["name"], "p50 TTFT of resumed turns", s["p50"], "s"),
+            result(NAME, r["name"], "failed requests", len(r["failures"]), "requests"),
+        ]
+    cluster, single = sums.get("cluster"), sums.get("single-router")
+    if cluster and single and single["hit_rate"]:
+        ratio = cluster["hit_rate"] / single["hit_rate"]
+        out.append(
+            result(
+                NAME,
+                "cluster/single-router",
+                "hit rate",
+                100 * ratio,
+                "%",
+                target=f">= {HIT_RATE_TARGET:.0%}",
+                met=ratio >= HIT_RATE_TARGET,
+            )
+        )
+    return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
@@ -344,9 +344,18 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=12)
     common.add_server_args(ap, kv_cache_gib=0.25, max_model_len=4096, host_store_gib=0.25)
     common.add_run_args(ap, reserved_cpus=False)
-    args = common.parse_run_args(ap)
-    return asyncio.run(main_async(args))
+
+
+def run(args: argparse.Namespace) -> list[Record]:
+    log = reporting.Progress()
+    info_future = reporting.machine_info_async()
+    t0 = time.monotonic()
+    results = [asyncio.run(run_config(name, args, log)) for name in args.configs]
+    section = report(results, args, info_future.result(), time.monotonic() - t0)
+    reporting.write_json(reporting.raw_path("cluster_agents"), results)
+    reporting.publish(section, args.no_results)
+    return records_of(results)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))

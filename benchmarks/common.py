@@ -313,6 +313,26 @@ class StreamResult:
         return asdict(self)
 
 
+def turn_row(res: StreamResult, **context: Any) -> dict[str, Any]:
+    """One streamed turn as the multi-turn benchmarks record it: ``context`` (conversation,
+    turn, ...) first, then TTFT, prompt tokens by source, the P/D route and the answer."""
+    return {
+        **context,
+        "ttft_s": res.ttft_s,
+        "total_s": res.total_s,
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": res.completion_tokens,
+        "device_hit_tokens": res.device_hit_tokens,
+        "host_hit_tokens": res.host_hit_tokens,
+        "remote_hit_tokens": res.remote_hit_tokens,
+        "recomputed_tokens": res.recomputed_tokens,
+        "content": res.content,
+        "load1": res.extra.get("load1"),
+        "prefill_leg_s": res.extra.get("prefill_leg_s"),
+        "route": res.extra.get("route"),
+    }
+
+
 def _finish(result: StreamResult, split: PromptSourceSplit | None) -> StreamResult:
     if split is not None:
         result.split = split.model_dump()

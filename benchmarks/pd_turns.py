@@ -37,8 +37,19 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, reporting  # noqa: E402
+from benchmarks import cli, common, reporting  # noqa: E402
+from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.textgen import text_of_tokens  # noqa: E402
+
+NAME = "pd_turns"
+DESCRIPTION = (
+    "multi-turn TTFT on prefill/decode disaggregation: upstream P/D vs kvbranch P/D vs single "
+    "instances"
+)
+#: The targets: kvbranch P/D's p50 TTFT at turns >= 3 this much lower than upstream P/D's, and
+#: turn 1 (nothing to reuse) within 3% of it.
+PD_TARGET = 1.6
+TURN1_TARGET = 1.03
 
 CONFIGS = {
     "pd": ["--disagg", "--no-connector", "--no-bidirectional"],
@@ -99,23 +110,7 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
                     **common.session_fields(f"pd-bench-{conv}"),
                 }
                 res = await common.stream_chat(client, server.url, body)
-                turns.append(
-                    {
-                        "conversation": conv,
-                        "turn": turn,
-                        "ttft_s": res.ttft_s,
-                        "total_s": res.total_s,
-                        "prompt_tokens": res.prompt_tokens,
-                        "completion_tokens": res.completion_tokens,
-                        "device_hit_tokens": res.device_hit_tokens,
-                        "host_hit_tokens": res.host_hit_tokens,
-                        "remote_hit_tokens": res.remote_hit_tokens,
-                        "recomputed_tokens": res.recomputed_tokens,
-                        "content": res.content,
-                        "load1": res.extra.get("load1"),
-                        "prefill_leg_s": res.extra.get("prefill_leg_s"),
-                    }
-                )
+                turns.append(common.turn_row(res, conversation=conv, turn=turn))
                 log(
                     f"[{name}] conv {conv} turn {turn}: TTFT {res.ttft_s:.2f}s, prompt "
                     f"{res.prompt_tokens} (device {res.device_hit_tokens}, host "
@@ -274,24 +269,44 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: f
     return "\n".join(lines)
 
 
-async def main_async(args: argparse.Namespace) -> int:
-    log = reporting.Progress()
-    info_job = reporting.machine_info_async()
-    results = [await run_config(name, args, log) for name in args.configs]
-    elapsed = log.elapsed()
-    info = info_job.result()
-    out = reporting.raw_path("pd_turns")
-    reporting.write_json(out, {"args": vars(args), "machine": info, "results": results})
-    plot(results, args.turns, reporting.plot_path("pd_turns.png", args.no_results))
-    reporting.publish(report(results, args, info, elapsed), args.no_results)
-    log(f"raw data: {out}")
-    return 0
+def records_of(results: list[dict], plots: tuple[str, ...]) -> list[Record]:
+    """Mean TTFT at turns >= 2 per configuration, and the two P/D targets."""
+    by = {r["name"]: r for r in results}
+    out = [
+        result(NAME, n, "mean TTFT turns >= 2", mean_ttft(r, 2), "s", plots=plots)
+        for n, r in by.items()
+    ]
+    if "pd" in by and "pd-kvbranch" in by:
+        if max(t["turn"] for t in by["pd"]["turns"]) >= 3:
+            ratio = p50_ttft(by["pd"], 3) / p50_ttft(by["pd-kvbranch"], 3)
+            out.append(
+                result(
+                    NAME,
+                    "pd/pd-kvbranch",
+                    "p50 TTFT turns >= 3",
+                    ratio,
+                    "x",
+                    target=f">= {PD_TARGET}x",
+                    met=ratio >= PD_TARGET,
+                )
+            )
+        first = {n: [t["ttft_s"] for t in by[n]["turns"] if t["turn"] == 1] for n in by}
+        turn1 = statistics.fmean(first["pd-kvbranch"]) / statistics.fmean(first["pd"])
+        out.append(
+            result(
+                NAME,
+                "pd-kvbranch/pd",
+                f"mean TTFT at turn 1 (n = {len(first['pd'])})",
+                turn1,
+                "x",
+                target=f"within 3% (<= {TURN1_TARGET})",
+                met=turn1 <= TURN1_TARGET,
+            )
+        )
+    return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     reporting.add_int_args(parser, {"--conversations": 4, "--turns": 6, "--system-tokens": 500})
     parser.add_argument(
@@ -309,8 +324,22 @@ def main() -> int:
     )
     common.add_server_args(parser, 1.0, 4096, None)
     common.add_run_args(parser, seed=7, reserved_cpus=False)
-    return asyncio.run(main_async(common.parse_run_args(parser)))
+
+
+def run(args: argparse.Namespace) -> list[Record]:
+    log = reporting.Progress()
+    info_job = reporting.machine_info_async()
+    results = [asyncio.run(run_config(name, args, log)) for name in args.configs]
+    elapsed = log.elapsed()
+    info = info_job.result()
+    out = reporting.raw_path("pd_turns")
+    reporting.write_json(out, {"args": vars(args), "machine": info, "results": results})
+    png = reporting.plot_path("pd_turns.png", args.no_results)
+    plot(results, args.turns, png)
+    reporting.publish(report(results, args, info, elapsed), args.no_results)
+    log(f"raw data: {out}")
+    return records_of(results, () if args.no_results else (png.name,))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))

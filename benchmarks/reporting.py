@@ -242,8 +242,9 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def plot_path(name: str, no_results: bool) -> Path:
-    """Where a run's plot goes: in ``benchmarks/`` (committed, linked from the records), or under ``out/`` for a run that
-    is not recorded (``--no-results``), so that a trial never replaces a recorded plot."""
+    """Where a run's plot goes: in ``benchmarks/`` (committed, linked from the records), or
+    under ``out/`` for a run that is not recorded (``--no-results``), so that a trial never
+    replaces a recorded plot."""
     return (OUT_DIR if no_results else BENCH_DIR) / name
 
 
