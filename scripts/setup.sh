@@ -76,4 +76,8 @@ fi
 
 "$VENV/bin/python" -m server.model_cache prepare >/dev/null
 echo "[setup] embedded model ready at $("$VENV/bin/python" -m server.model_cache path)"
+# the BFCL multi-turn traces the benchmarks replay (benchmarks/traces.md): the wheel, downloaded
+# once by pip into benchmarks/out/data, never installed (tests/unit/benchmarks reads it offline)
+"$VENV/bin/python" -c "from benchmarks import bfcl_traces; bfcl_traces.ensure_wheel()" \
+  2>&1 | { grep -v "^WARNING: Location" || true; }
 echo "[setup] done in $(( $(date +%s) - started ))s"
