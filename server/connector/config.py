@@ -15,7 +15,7 @@ Pure: pydantic and the core layer's constants, no vLLM.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -78,7 +78,9 @@ class ConnectorConfig(_ExtraConfig):
     pin_budget_bytes: int | None = Field(default=None, ge=0)
     #: A pin's lease when the request names none.
     pin_ttl_s: float = Field(default=300.0, gt=0)
-    #: The control socket's path (one per engine core, suffixed); ``None``: no socket.
+    #: The control socket's path (one per engine core, suffixed); ``None``: one named after
+    #: the kv-transfer-config's engine id in a private per-user directory (vLLM's own CLI:
+    #: server/common/control_path.py).
     control_socket: str | None = None
     #: Every request has an owner (API keys): one without must not make a session.
     tenants: bool = False
@@ -88,6 +90,17 @@ class ConnectorConfig(_ExtraConfig):
     tenant_pin_share: float = Field(default=1.0, gt=0, le=1)
     #: A session untouched this long is dropped.
     session_idle_ttl_s: float = Field(default=DEFAULT_IDLE_TTL_S, gt=0)
+    # Read by the API server's plugin, not the connector, when vLLM's own CLI started the
+    # server (server/plugin/vllm_serve.py, docs/vllm-serve.md); the launcher passes them in
+    # the environment instead (server.common.env). ``None``: the launcher's default.
+    #: ``single``, ``prefill`` or ``decode`` (``None``: from ``kv_role``).
+    role: Literal["single", "prefill", "decode"] | None = None
+    #: The cluster index this instance publishes into (``--index``).
+    index_url: str | None = Field(default=None, pattern=r"^(memory$|redis://|rediss://|unix://)")
+    #: Its namespace in the index (``--cluster-name``).
+    cluster_name: str | None = Field(default=None, min_length=1)
+    #: The URL routers reach this instance at (``--advertise-url``).
+    advertise_url: str | None = Field(default=None, pattern=r"^https?://")
 
     @classmethod
     def _owner(cls) -> str:

@@ -2,8 +2,10 @@
 May import server.common, checks, dialects, index and the control socket; never the engine.
 
 The vLLM endpoint plugin (entry point group ``vllm.endpoint_plugins``, name ``kvbranch``,
-enabled through ``VLLM_PLUGINS``): the ``/v1/kvbranch`` routes, the completion middleware and
-the Prometheus collector."""
+enabled through ``VLLM_PLUGINS``, which vLLM requires of every endpoint plugin): the
+``/v1/kvbranch`` routes, the completion middleware and the Prometheus collector. Its settings
+come from the launcher's environment, or from the kv-transfer-config when vLLM's own CLI started
+the server (:mod:`server.plugin.vllm_serve`, docs/vllm-serve.md)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,9 @@ class KVBranchPlugin:
         from server.connector.control.transport import AsyncControlClient
         from server.plugin.metrics import register_collector
         from server.plugin.state import PluginState
+        from server.plugin.vllm_serve import apply_kv_transfer_config
 
+        apply_kv_transfer_config(args)  # started by vLLM's own CLI: settings from the config
         path = os.environ.get(ENV_CONTROL_SOCKET)
         control = AsyncControlClient(path) if path else None
         names = getattr(args, "served_model_name", None) or [args.model]

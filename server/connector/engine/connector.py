@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from server.common.control_path import default_control_socket
 from server.connector.config import ConnectorConfig
 from server.connector.control.ops import Op
 from server.connector.core.block_index import StoreEvent, StoreEventLog
@@ -121,6 +122,10 @@ class KVBranchConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        if config.control_socket is None and role == KVConnectorRole.SCHEDULER:
+            # Started by vLLM's own CLI: the plugin finds it by the same engine id.
+            path = default_control_socket(str(self._kv_transfer_config.engine_id), create=True)
+            config = config.model_copy(update={"control_socket": path})
         block_size = vllm_config.cache_config.block_size
         groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
         enabled = len(groups) == 1
