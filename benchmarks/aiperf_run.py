@@ -3,7 +3,7 @@ plain vLLM and kvbranch, side by side, scaled to a 2-core machine and the embedd
 
     python3 -m venv benchmarks/.aiperf-venv                        # aiperf in its own venv
     benchmarks/.aiperf-venv/bin/pip install aiperf==0.13.0
-    .venv/bin/python benchmarks/aiperf_run.py                      # 4 sessions x 4 turns
+    .venv/bin/python -m benchmarks aiperf_run                      # 4 sessions x 4 turns
 
 Each configuration gets a fresh server (the same core reservation and device KV budget as the
 other benchmarks: ``benchmarks/common.py``), then ``aiperf profile`` runs S synthetic
@@ -37,9 +37,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, reporting  # noqa: E402
+from benchmarks import cli, common, reporting  # noqa: E402
+from benchmarks.records import Record, result  # noqa: E402
 from sdk.contract import SESSION_HEADER  # noqa: E402
 
+NAME = "aiperf_run"
+DESCRIPTION = "NVIDIA aiperf's multi-turn chat workload against plain vLLM and kvbranch"
 AIPERF = reporting.BENCH_DIR / ".aiperf-venv" / "bin" / "aiperf"
 #: aiperf's record metrics shown per configuration (its names; values in its units).
 METRICS = (
@@ -350,10 +353,32 @@ def report(
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def records_of(results: dict[str, dict]) -> list[Record]:
+    """Mean TTFT over all turns and p50 TTFT at the last turn per configuration, and the
+    first configuration's over the second's (aiperf's own numbers, ms)."""
+    out: list[Record] = []
+    last_turn: dict[str, float] = {}
+    for name, res in results.items():
+        mean = _stat(res, "time_to_first_token", "avg")
+        out.append(result(NAME, name, "mean TTFT, all turns", mean, "ms"))
+        if res["turns"]:
+            t = max(res["turns"])
+            last_turn[name] = reporting.median(res["turns"][t])
+            out.append(result(NAME, name, f"p50 TTFT at turn {t + 1}", last_turn[name], "ms"))
+    names = list(results)
+    if len(names) > 1:
+        a, b = names[0], names[1]
+        mean_a = _stat(results[a], "time_to_first_token", "avg")
+        mean_b = _stat(results[b], "time_to_first_token", "avg")
+        out.append(result(NAME, f"{a}/{b}", "mean TTFT, all turns", mean_a / mean_b, "x"))
+        if a in last_turn and b in last_turn:
+            t = max(results[a]["turns"])
+            ratio = last_turn[a] / last_turn[b]
+            out.append(result(NAME, f"{a}/{b}", f"p50 TTFT at turn {t + 1}", ratio, "x"))
+    return out
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     for flag, default, text in WORKLOAD:
         ap.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
     common.add_server_args(ap, 0.1, 2048, 2.0)
@@ -361,9 +386,11 @@ def main() -> int:
     ap.add_argument("--aiperf", type=Path, default=AIPERF, help="the aiperf command")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per aiperf run")
     common.add_run_args(ap)
-    args = common.parse_run_args(ap)
+
+
+def run(args: argparse.Namespace) -> list[Record]:
     if not args.aiperf.exists():
-        ap.error(f"{args.aiperf} not found: install aiperf in its own venv (see --help)")
+        raise SystemExit(f"{args.aiperf} not found: install aiperf in its own venv (see --help)")
     args.aiperf_version = subprocess.run(
         [str(args.aiperf), "--version"], capture_output=True, text=True, timeout=120
     ).stdout.strip().splitlines()[-1:] or ["?"]
@@ -371,7 +398,7 @@ def main() -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
         if c not in ("plain", "kvbranch"):
-            ap.error(f"unknown config {c!r}")
+            raise SystemExit(f"unknown config {c!r} (plain, kvbranch)")
 
     log = reporting.Progress()
     info_job = reporting.machine_info_async()
@@ -382,8 +409,11 @@ def main() -> int:
         out_dir / "results.json", {"args": vars(args), "machine": info, "results": results}
     )
     reporting.publish(report(args, results, info, log.elapsed()), args.no_results)
-    return 0 if all(r["rc"] == 0 for r in results.values()) else 1
+    failed = [n for n, r in results.items() if r["rc"] != 0]
+    if failed:
+        raise SystemExit(f"aiperf failed for {', '.join(failed)}: no records (see the report)")
+    return records_of(results)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """Load test: many concurrent agent sessions with forks and explicit pins, for minutes.
 
-    .venv/bin/python benchmarks/load_test.py --quick      # ~60 s of load (plus server start)
-    .venv/bin/python benchmarks/load_test.py              # ~3 min of load, 32 sessions
+    .venv/bin/python -m benchmarks load_test --quick      # ~60 s of load (plus server start)
+    .venv/bin/python -m benchmarks load_test              # ~3 min of load, 32 sessions
 
 Starts its own kvbranch server (real vLLM, real model, connector on), then runs S concurrent
 workers with the async sdk (``sdk.AsyncKVBranchClient``) until the duration is over. Each worker
@@ -28,12 +28,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, reporting  # noqa: E402
+from benchmarks import cli, common, reporting  # noqa: E402
+from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.reporting import percentile  # noqa: E402
 from benchmarks.textgen import WORDS  # noqa: E402
 from sdk import AsyncKVBranchClient  # noqa: E402
 from sdk.contract import Stats  # noqa: E402
 
+NAME = "load_test"
+DESCRIPTION = "many concurrent agent sessions with forks and explicit pins for minutes, on kvbranch"
 GIB = 1 << 30
 
 
@@ -127,7 +130,7 @@ async def sample_rss(
             pass
 
 
-async def run(args, server, log: reporting.Progress) -> dict:
+async def load(args, server, log: reporting.Progress) -> dict:
     sampler = common.MemorySampler(common.server_pgid(server))
     t0 = time.monotonic()
     rss: list[tuple[float, int]] = []
@@ -217,14 +220,54 @@ def summarize(data: dict) -> dict:
     }
 
 
-def report(
-    args, summary: dict, info: dict, json_path: Path, wall_s: float, binding: str
-) -> tuple[str, bool]:
-    checks = {
+def checks_of(summary: dict) -> dict[str, bool]:
+    return {
         "no failed operation": summary["ops_failed"] == 0,
         "pinned blocks 0 after all sessions were deleted": summary["pinned_blocks_after"] == 0,
         "no session left": summary["sessions_left"] == 0,
     }
+
+
+def records_of(args, summary: dict) -> list[Record]:
+    load = f"{args.sessions} sessions, {args.duration_s:.0f} s"
+    return [
+        result(NAME, "kvbranch", f"operations ok ({load})", summary["ops_ok"], "operations"),
+        result(
+            NAME,
+            "kvbranch",
+            "failed operations",
+            summary["ops_failed"],
+            "operations",
+            target="0",
+            met=summary["ops_failed"] == 0,
+        ),
+        result(NAME, "kvbranch", "chat p50 latency", summary["chat_p50_s"], "s"),
+        result(NAME, "kvbranch", "chat p95 latency", summary["chat_p95_s"], "s"),
+        result(
+            NAME,
+            "kvbranch",
+            "pinned blocks after every session was deleted",
+            summary["pinned_blocks_after"],
+            "blocks",
+            target="0",
+            met=summary["pinned_blocks_after"] == 0,
+        ),
+        result(
+            NAME,
+            "kvbranch",
+            "sessions left after the load",
+            summary["sessions_left"],
+            "sessions",
+            target="0",
+            met=summary["sessions_left"] == 0,
+        ),
+    ]
+
+
+def report(
+    args, summary: dict, info: dict, json_path: Path, wall_s: float, binding: str
+) -> tuple[str, bool]:
+    checks = checks_of(summary)
     rows = [
         [op, v["ok"], v["failed"], v["p50_s"], v["p95_s"]] for op, v in summary["per_op"].items()
     ]
@@ -272,10 +315,7 @@ def server_args_of(args) -> list[str]:
     )
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="~60 s of load instead of ~3 min")
     ap.add_argument("--sessions", type=int, default=32, help="concurrent sessions (workers)")
     ap.add_argument("--duration-s", type=float, help="seconds of load (default 180, quick 60)")
@@ -294,7 +334,9 @@ def main() -> int:
     common.add_server_args(ap, 0.5, 2048, 1.0)
     ap.add_argument("--sample-every-s", type=float, default=2.0, help="RSS sampling period")
     common.add_run_args(ap)
-    args = common.parse_run_args(ap)
+
+
+def run(args: argparse.Namespace) -> list[Record]:
     args.profile = "quick" if args.quick else "default"
     if args.duration_s is None:
         args.duration_s = 60.0 if args.quick else 180.0
@@ -304,16 +346,16 @@ def main() -> int:
     server = common.start_server("kvbranch", server_args_of(args), args.reserved_cpus)
     try:
         binding = common.omp_binding(server)
-        data = asyncio.run(run(args, server, log))
+        data = asyncio.run(load(args, server, log))
     finally:
         server.stop()
     summary = summarize(data)
     json_path = reporting.raw_path(f"load_test-{args.profile}")
     reporting.write_json(json_path, {"args": vars(args), "summary": summary, **data})
-    section, ok = report(args, summary, info_future.result(), json_path, log.elapsed(), binding)
+    section, _ = report(args, summary, info_future.result(), json_path, log.elapsed(), binding)
     reporting.publish(section, args.no_results)
-    return 0 if ok else 1
+    return records_of(args, summary)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))

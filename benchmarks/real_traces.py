@@ -1,8 +1,8 @@
 """Real agent traces through the unmodified ``openai`` client: plain vLLM vs kvbranch, with and
 without agent-aware scheduling (docs/scheduling.md).
 
-    .venv/bin/python benchmarks/real_traces.py                 # ~6 min on 2 cores (quiet)
-    .venv/bin/python benchmarks/real_traces.py --conversations 2 --no-results   # a smoke run
+    .venv/bin/python -m benchmarks real_traces                 # ~6 min on 2 cores (quiet)
+    .venv/bin/python -m benchmarks real_traces --conversations 2 --no-results   # a smoke run
 
 The conversations are the Berkeley Function Calling Leaderboard's multi-turn set
 (:mod:`benchmarks.bfcl_traces` says why that one and how it is replayed): each has a 3-5k-token
@@ -46,10 +46,16 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import bfcl_traces, common, reporting  # noqa: E402
+from benchmarks import bfcl_traces, cli, common, reporting  # noqa: E402
+from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.reporting import median, percentile  # noqa: E402
 from sdk.contract import RESPONSE_FIELD  # noqa: E402
 
+NAME = "real_traces"
+DESCRIPTION = (
+    "real agent traces (BFCL multi-turn) through the openai client: plain vLLM vs kvbranch, "
+    "with and without agent-aware scheduling"
+)
 DEFAULT_SCHED_FLAGS = "--agent-priority --cold-prefill-chunk 256"
 #: vLLM's per-request histograms (seconds): their _sum and _count before and after a pass.
 METRICS = ("request_queue_time_seconds", "request_prefill_time_seconds", "time_to_first_token")
@@ -274,48 +280,59 @@ def report(args, convs, results, sums, info, elapsed, raw) -> str:
     return "\n".join(lines)
 
 
-def targets(results: dict, sums: dict) -> list[str]:
-    out = ["Targets (issue 24):\n"]
+def target_records(results: dict, sums: dict) -> list[Record]:
+    """Issue 24's targets: resumed steps within 2x of the same steps alone, later steps 15x
+    faster than plain vLLM at no lower throughput, and the policy's throughput and cold-step
+    cost against kvbranch without it."""
+    out: list[Record] = []
     alone = next((res["alone"] for res in results.values() if res.get("alone")), None)
     scheds = [n for n in sums if n.startswith("kvbranch-sched")]
     off = "kvbranch" if "kvbranch" in sums else None
+    named = [off, *scheds] if off else scheds
     if alone and scheds:
         keys = {(r["conv"], r["step"]) for r in alone if r["step"] > 0}
         ref = median([r["ttft_s"] for r in alone if r["step"] > 0])
-        for name in [off, *scheds] if off else scheds:
+        for name in named:
             same = [r["ttft_s"] for r in results[name]["records"] if (r["conv"], r["step"]) in keys]
-            got = median(same)
+            got = median(same) / ref
+            metric = f"resumed-step p50 / the same steps alone ({ref:.2f} s, n = {len(same)})"
             out.append(
-                f"- {verdict(got <= 2 * ref) if name != off else '(reference)'} — {name}: "
-                f"resumed-step p50 {got:.2f} s vs the same steps alone {ref:.2f} s "
-                f"({got / ref:.2f}x; target <= 2x, n = {len(same)})"
+                result(NAME, name, metric, got, "x")
+                if name == off  # the reference: the target is the policy's
+                else result(NAME, name, metric, got, "x", target="<= 2x", met=got <= 2)
             )
     if "plain" in sums:
-        for name in [off, *scheds] if off else scheds:
+        for name in named:
             r = sums["plain"]["later_p50"] / sums[name]["later_p50"]
-            out.append(
-                f"- {verdict(r >= 15)} — {name}: p50 of steps after each conversation's first "
-                f"{r:.2f}x lower than plain vLLM (target >= 15x)"
-            )
+            later = "p50 TTFT of steps after each conversation's first"
+            out.append(result(NAME, f"plain/{name}", later, r, "x", target=">= 15x", met=r >= 15))
             t = sums[name]["out_tps"] / sums["plain"]["out_tps"]
-            out.append(
-                f"- {verdict(t >= 1)} — {name}: output tokens/s {t:.2f}x plain (target >= 1)"
-            )
+            out.append(result(NAME, f"{name}/plain", "output tokens/s", t, "x", ">= 1", t >= 1))
     for sched in scheds if off else []:
         t = sums[sched]["out_tps"] / sums[off]["out_tps"]
-        out.append(
-            f"- {verdict(t >= 0.97)} — {sched}: throughput with the policy {t:.2f}x without it"
-        )
+        out.append(result(NAME, f"{sched}/{off}", "output tokens/s", t, "x", ">= 0.97", t >= 0.97))
         r = sums[sched]["first_p95"] / sums[off]["first_p95"]
-        out.append(
-            f"- {verdict(r <= 1.5)} — {sched}: cold first step p95 with the policy {r:.2f}x "
-            f"without it (target <= 1.5x)"
-        )
+        first = "p95 TTFT of first steps (cold)"
+        out.append(result(NAME, f"{sched}/{off}", first, r, "x", "<= 1.5x", r <= 1.5))
     return out
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def targets(results: dict, sums: dict) -> list[str]:
+    out = ["Targets (issue 24):\n"]
+    for r in target_records(results, sums):
+        head = verdict(r.met) if r.met is not None else "(reference)"
+        goal = f" (target {r.target})" if r.target else ""
+        out.append(f"- {head} — {r.config}: {r.metric} {r.value:.2f}{r.unit}{goal}")
+    return out
+
+
+def records_of(results: dict, sums: dict) -> list[Record]:
+    later = "p50 TTFT of steps after each conversation's first"
+    per_config = [result(NAME, n, later, s["later_p50"], "s") for n, s in sums.items()]
+    return per_config + target_records(results, sums)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     reporting.add_int_args(
         ap,
         {
@@ -343,13 +360,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sched-flags", default=DEFAULT_SCHED_FLAGS, help="kvbranch-sched's flags")
     common.add_server_args(ap, kv_cache_gib=0.2, max_model_len=4096)
     common.add_run_args(ap)
-    args = common.parse_run_args(ap)
+
+
+def run(args: argparse.Namespace) -> list[Record]:
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    return args
-
-
-def main() -> int:
-    args = parse_args()
     log = reporting.Progress()
     convs = bfcl_traces.load(args.conversations, args.max_turns, args.skip, args.max_chars)
     log(f"{len(convs)} conversations, {sum(len(c['steps']) for c in convs)} steps")
@@ -372,8 +386,8 @@ def main() -> int:
         raw, {"args": vars(args), "machine": info, "results": results, "summary": sums}
     )
     reporting.publish(report(args, convs, results, sums, info, elapsed, raw), args.no_results)
-    return 0
+    return records_of(results, sums)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
