@@ -2,9 +2,9 @@
 tenants beside hostile traffic while processes are SIGKILLed, then every answer replayed on plain
 vLLM.
 
-    with_server_slot .venv/bin/python -m benchmarks.soak --quick     # 2 min of traffic
-    with_server_slot .venv/bin/python -m benchmarks.soak             # 5 min
-    with_server_slot .venv/bin/python -m benchmarks.soak --prefills 2 --decodes 2 --minutes 10
+    with_server_slot .venv/bin/python -m benchmarks soak --quick     # 2 min of traffic
+    with_server_slot .venv/bin/python -m benchmarks soak             # 5 min
+    with_server_slot .venv/bin/python -m benchmarks soak --prefills 2 --decodes 2 --minutes 10
 
 The cluster is the launcher's cluster form, one process each, started here: a Redis (the index),
 ``--prefills`` P (core 0) and ``--decodes`` D (core 1) publishing into it, and two routers
@@ -55,7 +55,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import cluster_agents, common, reporting, soak_abuse, soak_report  # noqa: E402
+from benchmarks import cli, cluster_agents, common, reporting, soak_abuse, soak_report  # noqa: E402
+from benchmarks.records import Record  # noqa: E402
 from benchmarks.soak_abuse import Outcome  # noqa: E402
 from benchmarks.textgen import WORDS  # noqa: E402
 from sdk.contract import (  # noqa: E402
@@ -70,6 +71,11 @@ from tests.conftest import VanillaVLLM  # noqa: E402
 from tests.integration.cluster_fixture import restart, sigkill, tree_memory_mib  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
+NAME = "soak"
+DESCRIPTION = (
+    "a soak of a kvbranch cluster: legitimate tenants beside hostile traffic while processes "
+    "are SIGKILLed, answers replayed on plain vLLM"
+)
 FAULT_CYCLE = ("router", "redis", "decode", "prefill")
 #: Hard bounds on every loop (the time bounds are the run's deadline).
 MAX_SESSIONS_PER_AGENT = 500
@@ -580,7 +586,7 @@ async def replay(
                     rec["plain_error"] = f"{r.status_code}: {r.text[:200]}"
 
 
-async def main_async(args: argparse.Namespace) -> int:
+async def soak_run(args: argparse.Namespace) -> list[Record]:
     log = reporting.Progress()
     info = reporting.machine_info_async()
     cluster = SoakCluster(args)
@@ -624,13 +630,10 @@ async def main_async(args: argparse.Namespace) -> int:
     rel = png.relative_to(reporting.ROOT)
     section = soak_report.section(record, info.result(), log.elapsed(), str(rel))
     reporting.publish(section, args.no_results)
-    return 0
+    return soak_report.records_of(record, png.name if not args.no_results else "")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--minutes", type=float, default=5.0, help="traffic time (at least)")
     ap.add_argument("--quick", action="store_true", help="2 minutes, a fault every 20 s")
     ap.add_argument("--prefills", type=int, default=1)
@@ -649,14 +652,16 @@ def main() -> int:
     ap.add_argument("--no-replay", action="store_true", help="skip the plain vLLM replay")
     common.add_server_args(ap, kv_cache_gib=0.25, max_model_len=2048, host_store_gib=0.1)
     common.add_run_args(ap, reserved_cpus=False)
-    args = common.parse_run_args(ap)
+
+
+def run(args: argparse.Namespace) -> list[Record]:
     if args.quick:
         args.minutes, args.fault_every, args.recovery_s = 2.0, 20.0, 300.0
     if args.agents > args.tenant_inflight:
-        ap.error("--tenant-inflight must exceed each legitimate tenant's agents per router")
+        raise SystemExit("--tenant-inflight must exceed each legitimate tenant's agents per router")
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
     signal.signal(signal.SIGTERM, _interrupt)  # stop everything on a plain kill too
-    return asyncio.run(main_async(args))
+    return asyncio.run(soak_run(args))
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -664,4 +669,4 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks import reporting
+from benchmarks.records import Record, result
 
 LEGIT = ("A", "B")
 #: A router that was never killed may grow this much over the soak (MiB of RSS, first sample
@@ -148,14 +149,26 @@ def memory_summary(
     }
 
 
+class Target(NamedTuple):
+    """One target of the soak: what it asks, whether it was met, the numbers in words, and the
+    one number it is decided on (for the run's record)."""
+
+    what: str
+    met: bool
+    detail: str
+    value: float
+    unit: str
+    goal: str
+
+
 def targets(
     tenants: dict[str, dict],
     answers: dict[str, Any],
     memory: dict[str, Any],
     faults: list[dict[str, Any]],
     end: dict[str, Any],
-) -> list[tuple[str, bool, str]]:
-    """Every target of the soak: (what, met, the numbers)."""
+) -> list[Target]:
+    """Every target of the soak."""
     legit = [tenants.get(t, {"failed": 0, "by_cause": Counter(), "ok": 0}) for t in LEGIT]
     failed = sum(t["failed"] for t in legit)
     throttled = sum(n for t in legit for c, n in t["by_cause"].items() if c.startswith("429"))
@@ -167,55 +180,99 @@ def targets(
     recovered = [f for f in faults if f["t_back"] is not None]
     routers = {n: p for n, p in memory["procs"].items() if n.startswith("router")}
     growth = [p["growth"] for p in routers.values() if p["growth"] is not None]
-    out = [
-        (
+    died = end.get("died", {})
+    no_ttl = end.get("keys_without_ttl")
+    return [
+        Target(
             "legitimate requests failed (5xx or no answer) outside a fault of the only "
             "instance of a role or of their own router: 0",
             failed == 0,
             f"{failed} (and {sum(t.get('failed_in_fault', 0) for t in legit)} during faults)",
+            failed,
+            "requests",
+            "0",
         ),
-        (
+        Target(
             "wrong answers against the plain vLLM replay: 0",
             answers["compared"] > 0 and not answers["wrong"],
             f"{len(answers['wrong'])} of {answers['compared']} compared",
+            len(answers["wrong"]),
+            "answers",
+            "0",
         ),
-        (
+        Target(
             "legitimate tenants never throttled (429): 0",
             throttled == 0,
             str(throttled),
+            throttled,
+            "requests",
+            "0",
         ),
-        (
+        Target(
             "hostile requests answered as expected (4xx naming the problem; no 5xx outside a "
             "fault, no other status)",
             bad == 0 and bool(hostile),
             f"{bad} otherwise of {sum(t['requests'] for t in hostile)}",
+            bad,
+            "requests answered otherwise",
+            "0",
         ),
-        ("the tenant past its in-flight share got 429 with Retry-After", c429 > 0, str(c429)),
-        (
+        Target(
+            "the tenant past its in-flight share got 429 with Retry-After",
+            c429 > 0,
+            str(c429),
+            c429,
+            "requests",
+            "> 0",
+        ),
+        Target(
             "the cluster recovered on its own from every fault",
             len(recovered) == len(faults) and bool(faults) and end.get("whole", False),
             f"{len(recovered)} of {len(faults)} faults; whole at the end: {end.get('whole')}",
+            len(faults) - len(recovered),
+            "faults not recovered from",
+            "0",
         ),
-        (
+        Target(
             f"a router never killed grows at most {ROUTER_GROWTH_MIB:.0f} MiB",
             bool(growth) and max(growth) <= ROUTER_GROWTH_MIB,
             ", ".join(
                 f"{n} {p['growth']:+.1f} MiB" for n, p in routers.items() if p["growth"] is not None
             )
             or "no router ran throughout",
+            max(growth) if growth else float("nan"),
+            "MiB",
+            f"<= {ROUTER_GROWTH_MIB:.0f} MiB",
         ),
-        (
+        Target(
             "no process died on its own (every exit was a fault's SIGKILL)",
-            not end.get("died"),
-            ", ".join(f"{n} at t={t:.0f}s" for n, t in end.get("died", {}).items()) or "none",
+            not died,
+            ", ".join(f"{n} at t={t:.0f}s" for n, t in died.items()) or "none",
+            len(died),
+            "processes",
+            "0",
         ),
-        (
+        Target(
             "every Redis key has a TTL at the end",
-            end.get("keys_without_ttl") == 0,
-            f"{end.get('keys_without_ttl')} of {end.get('keys')} without one",
+            no_ttl == 0,
+            f"{no_ttl} of {end.get('keys')} without one",
+            no_ttl if isinstance(no_ttl, int) else float("nan"),
+            "keys without a TTL",
+            "0",
         ),
     ]
-    return out
+
+
+def records_of(record: dict[str, Any], plot: str) -> list[Record]:
+    """One record per target of the run (benchmarks/records.py), the plot linked."""
+    faults = record["faults"]
+    tenants = tenant_summary(record["events"], faults)
+    answers = compare_answers(record["served"])
+    memory = memory_summary(record["samples"], faults, record["end"].get("died", {}))
+    return [
+        result("soak", "cluster", t.what, t.value, t.unit, t.goal, t.met, (plot,) if plot else ())
+        for t in targets(tenants, answers, memory, faults, record["end"])
+    ]
 
 
 def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot: str) -> str:
@@ -310,8 +367,8 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
             f"- WRONG ({w['kind']}, t={w['t0']:.0f}s): cluster {w['cluster']!r} vs "
             f"plain {w['plain']!r}"[:400]
         )
-    for what, met, detail in targets(tenants, answers, memory, faults, record["end"]):
-        lines.append(f"- Target: {what} — {detail}: {'met' if met else '**NOT met**'}.")
+    for t in targets(tenants, answers, memory, faults, record["end"]):
+        lines.append(f"- Target: {t.what} — {t.detail}: {'met' if t.met else '**NOT met**'}.")
     for f in faults:
         if f.get("restart_error"):
             lines.append(f"- {f['victim']} did not start again: {f['restart_error']}")
