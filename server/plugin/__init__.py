@@ -32,10 +32,14 @@ class KVBranchPlugin:
         from server.plugin.middleware import KVBranchMiddleware
         from server.plugin.responses_scope import ResponsesScope
         from server.plugin.routes import router
+        from server.plugin.turn_log import TurnRecorder
+        from server.plugin.ui import install as install_ui
 
         app.include_router(router)
         app.include_router(holds_router)
-        app.add_middleware(ResponsesScope)  # innermost: stored responses scoped by API key
+        turns = install_ui(app)  # the agent page (/kvbranch/ui) and its data route
+        app.add_middleware(TurnRecorder, log=turns)  # innermost: each turn's split, timed
+        app.add_middleware(ResponsesScope)  # stored responses scoped by API key
         app.add_middleware(KVBranchMiddleware)
         app.add_middleware(MetricsRefresh)  # /metrics: the connector's stats fetched async
         app.add_middleware(KVBranchGuard)  # added last = outermost: size and id checks first

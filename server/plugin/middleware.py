@@ -58,6 +58,7 @@ from server.plugin.priority import policy_from_env
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
 from server.plugin.tool_schema import default_strict_tools
+from server.plugin.turn_log import TAG_SCOPE_KEY
 
 __all__ = [
     "KVBranchMiddleware",
@@ -172,6 +173,7 @@ class KVBranchMiddleware:
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
             scope = dict(scope, headers=headers)
+            scope[TAG_SCOPE_KEY] = tag  # for the agent page's turn log (turn_log.py)
         else:
             tag = ""
 

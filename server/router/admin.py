@@ -36,6 +36,7 @@ from sdk.contract import (
     error_body,
 )
 from server.common.errors import error_response
+from server.common.ui_page import UI_DATA_PATH
 from server.connector.core.sessions import new_id
 from server.index import IndexStore, IndexUnavailable
 from server.router import relay
@@ -323,6 +324,45 @@ class Admin:
         )
         data["cluster"] = cluster.model_dump()
         return JSONResponse(data)
+
+    async def ui_data(self, request: Request) -> Response:
+        """The agent page's data (``/kvbranch/ui``) through the router: the sessions as a
+        prefill instance lists them for the caller's key (as :meth:`stats` does), with the
+        last turns of their branches from every live instance (a P/D turn is recorded where
+        it ran), each naming the instance's role. The key goes to the instances as the
+        client sent it: each answers for that key's tenant only."""
+        prefills = await self.pool.live(self.pool.prefills)
+        if not prefills:
+            return unavailable("no prefill instance is reachable")
+        others = [i for i in await self.pool.live(self.pool.decodes) if i not in prefills]
+        answers = await asyncio.gather(
+            *(self._fan_one(request, inst, UI_DATA_PATH, None) for inst in prefills + others)
+        )
+        first = answers[0]
+        if first.status != 200:
+            return merge("other", [first], None)
+        try:
+            data = json.loads(first.content)
+            sessions = data["sessions"]
+            listed = {(s["session_id"], b["branch_id"]) for s in sessions for b in s["branches"]}
+        except (ValueError, KeyError, TypeError):
+            return error_response(502, f"{first.inst.url} answered the page's data unreadably")
+        turns = []
+        for answer in answers:
+            if answer.status != 200:
+                continue
+            try:
+                theirs = json.loads(answer.content)["turns"]
+                turns += [
+                    dict(t, instance=answer.inst.role)
+                    for t in theirs
+                    if (t["session_id"], t["branch_id"]) in listed
+                ]
+            except (ValueError, KeyError, TypeError):
+                logger.warning("%s answered the page's data unreadably", answer.inst.url)
+        turns.sort(key=lambda t: t.get("at") or 0)
+        data.update(turns=turns, role="router")
+        return JSONResponse(data, headers={"Cache-Control": "no-store"})
 
     async def health(self) -> Response:
         """A prefill instance's health (the sdk reads it) plus the router's view of all (the

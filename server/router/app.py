@@ -37,6 +37,7 @@ from sdk.contract import (
     STATS_PATH,
 )
 from server.common.tenants import KeyTable
+from server.common.ui_page import UI_DATA_PATH, add_page_routes
 from server.index import IndexStore, MemoryIndexStore
 from server.router.admin import Admin
 from server.router.edge import Edge, EdgeState
@@ -187,6 +188,13 @@ def build_app(router: Router) -> FastAPI:
     @app.get(STATS_PATH)
     async def stats(request: Request) -> Response:
         return await admin.stats(request)
+
+    # The agent page: its static files (open: they carry no data) and its data (keyed).
+    add_page_routes(app)
+
+    @app.get(UI_DATA_PATH)
+    async def ui_data(request: Request) -> Response:
+        return await admin.ui_data(request)
 
     @app.api_route(API_PREFIX + "/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
     async def session_route(request: Request, path: str) -> Response:

@@ -45,6 +45,7 @@ from server.checks.headers import header, header_problem
 from server.checks.ids import MESSAGE_CHARS, id_problem
 from server.common.errors import error_response, send_error
 from server.common.tenants import KeyTable, scope_of
+from server.common.ui_page import PAGE_PATHS
 from server.router.limits import BODY_TIMEOUT_S, MAX_INFLIGHT, SEND_TIMEOUT_S, TENANT_INFLIGHT
 
 logger = logging.getLogger("kvbranch.router")
@@ -56,8 +57,9 @@ SESSION_ROUTE_HEADERS = ("authorization", "content-type")
 #: How long a client should wait before retrying when no instance answers.
 RETRY_AFTER = {"Retry-After": "5"}
 #: Routes served without a key: a load balancer's liveness check and Prometheus' scrape (as
-#: vLLM serves its own ``/health`` and ``/metrics``). Everything else needs one, with keys.
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+#: vLLM serves its own ``/health`` and ``/metrics``), and the agent page's static files (its
+#: data route needs a key). Everything else needs one, with keys.
+PUBLIC_PATHS = frozenset({"/health", "/metrics", *PAGE_PATHS})
 #: Where :class:`Edge` leaves the request's tenant in the ASGI scope's state.
 TENANT_STATE = "kvbranch_tenant"
 
