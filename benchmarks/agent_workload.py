@@ -61,7 +61,7 @@ from benchmarks.step_profile import StepProfiler  # noqa: E402
 from benchmarks.textgen import count_tokens, text_of_tokens  # noqa: E402
 from sdk.contract import DEFAULT_BRANCH  # noqa: E402
 
-NAME = agent_report.NAME
+NAME = "agent_workload"
 DESCRIPTION = (
     "concurrent forking agent sessions with tool pauses under device-memory pressure, plain vLLM "
     "vs kvbranch (and P/D)"

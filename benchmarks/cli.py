@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 from benchmarks import records, registry, reporting
 
@@ -31,7 +32,7 @@ def usage(entries: dict[str, registry.Entry]) -> str:
         "benchmarks:",
     ]
     for name, entry in entries.items():
-        text = entry.description if entry.module is not None else f"(cannot import: {entry.error})"
+        text = entry.description if not entry.error else f"(cannot import: {entry.error})"
         lines.append(f"  {name:<{width}}  {text}")
     lines += [
         "",
@@ -67,26 +68,24 @@ def command_of(argv: Sequence[str]) -> str:
     return " ".join([*env, ".venv/bin/python -m benchmarks", *argv])
 
 
-def parser_for(entry: registry.Entry) -> argparse.ArgumentParser:
-    assert entry.module is not None
+def parser_for(entry: registry.Entry, module: ModuleType) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{PROG} {entry.name}",
-        description=entry.module.__doc__ or entry.description,
+        description=module.__doc__ or entry.description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_shared_arguments(parser)
-    entry.module.add_arguments(parser)
+    module.add_arguments(parser)
     return parser
 
 
-def run_benchmark(entry: registry.Entry, argv: Sequence[str]) -> int:
-    parser = parser_for(entry)
+def run_benchmark(entry: registry.Entry, module: ModuleType, argv: Sequence[str]) -> int:
+    parser = parser_for(entry, module)
     args = parser.parse_args(list(argv))
     if getattr(args, "reserved_cpus", None) is not None and args.reserved_cpus < 0:
         args.reserved_cpus = None  # -1: vLLM's own reservation (benchmarks.common)
     machine = reporting.machine_info_async()
-    assert entry.module is not None
-    found = list(entry.module.run(args))
+    found = list(module.run(args))
     ctx = records.RunContext(
         machine=reporting.machine_line(machine.result()),
         commit=reporting.git_rev(),
@@ -119,7 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if entry is None:
         print(f"unknown benchmark {argv[0]!r}\n\n{usage(entries)}", file=sys.stderr)
         return 2
-    if entry.module is None:
-        print(f"benchmark {entry.name} cannot be imported: {entry.error}", file=sys.stderr)
+    try:
+        module = entry.load()
+    except Exception as exc:  # noqa: BLE001 - say why, as the listing does
+        print(f"benchmark {entry.name} cannot be imported: {exc!r}", file=sys.stderr)
         return 1
-    return run_benchmark(entry, argv[1:])
+    return run_benchmark(entry, module, argv[1:])

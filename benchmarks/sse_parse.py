@@ -1,7 +1,7 @@
 """SSE parsing: the sdk's own parser (sdk/sse.py) against httpx-sse, on correctness and speed.
 
 Why: issue 16 item 5 asks for SSE parsing from a well-kept library unless ours is measurably
-better. This script measures both and prints a Markdown section for benchmarks/RESULTS.md.
+better. This benchmark measures both, prints a Markdown report and returns records.
 
 Correctness: each case is a byte stream with the events the WHATWG event-stream rules give
 (html.spec.whatwg.org, "Interpreting an event stream"), fed whole and one byte at a time.
@@ -15,9 +15,8 @@ usage chunk, ``[DONE]``) cut into chunks of several sizes, parsed to events, bes
 (ours ``SSEDecoder.feed``; httpx-sse's line decoder plus event decoder, which is what its
 ``iter_sse`` runs per text chunk).
 
-    .venv/bin/python benchmarks/sse_parse.py [--mb 4] [--repeat 5] [--append]
-
-``--append`` adds the section to benchmarks/RESULTS.md.
+    .venv/bin/pip install httpx-sse       # the rival, not a dependency of kvbranch
+    .venv/bin/python -m benchmarks sse_parse [--mb 4] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -26,19 +25,29 @@ import argparse
 import codecs
 import json
 import platform
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import httpx_sse
-from httpx_sse._decoders import SSEDecoder as HxEventDecoder
-from httpx_sse._decoders import SSELineDecoder as HxLineDecoder
 
-from sdk.sse import SSEDecoder, iter_sse
+try:  # the rival: installed by hand (see above), so that listing benchmarks never needs it
+    import httpx_sse
+    from httpx_sse._decoders import SSEDecoder as HxEventDecoder
+    from httpx_sse._decoders import SSELineDecoder as HxLineDecoder
+except ImportError:
+    httpx_sse = None
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import cli, reporting  # noqa: E402
+from benchmarks.records import Record, result  # noqa: E402
+from sdk.sse import SSEDecoder, iter_sse  # noqa: E402
+
+NAME = "sse_parse"
+DESCRIPTION = "SSE parsing: the sdk's own parser against httpx-sse, on correctness and speed"
 Event = tuple[str, str, str | None, int | None]  # (event, data, id, retry)
 
 
@@ -226,11 +235,16 @@ def speed(megabytes: float, repeat: int) -> list[tuple[int, int, dict[str, float
     return rows
 
 
-def report(megabytes: float, repeat: int) -> str:
+def report(
+    megabytes: float,
+    repeat: int,
+    cases: list[tuple[Case, dict[str, str]]],
+    speeds: list[tuple[int, int, dict[str, float]]],
+) -> str:
     lines = [
         f"## sse_parse — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        f"`benchmarks/sse_parse.py --mb {megabytes:g} --repeat {repeat}` (Python "
+        f"`python -m benchmarks sse_parse --mb {megabytes:g} --repeat {repeat}` (Python "
         f"{platform.python_version()}, httpx {httpx.__version__}, httpx-sse "
         f"{getattr(httpx_sse, '__version__', '0.4.3')}; a shared 2-core machine, best of "
         f"{repeat}).",
@@ -240,7 +254,7 @@ def report(megabytes: float, repeat: int) -> str:
         "| case | sdk.sse | httpx-sse | note |",
         "|---|---|---|---|",
     ]
-    for case, verdicts in correctness():
+    for case, verdicts in cases:
         lines.append(
             f"| {case.name} | {verdicts['sdk.sse']} | {verdicts['httpx-sse']} | "
             f"{case.note} |".replace("\n", "\\n")
@@ -253,7 +267,7 @@ def report(megabytes: float, repeat: int) -> str:
         "| chunk bytes | parser | s | MB/s | x httpx-sse |",
         "|---|---|---|---|---|",
     ]
-    for piece, size, times in speed(megabytes, repeat):
+    for piece, size, times in speeds:
         for name, seconds in times.items():
             rival = name.replace("sdk.sse", "httpx-sse")
             ratio = times[rival] / seconds
@@ -263,18 +277,36 @@ def report(megabytes: float, repeat: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def records_of(
+    cases: list[tuple[Case, dict[str, str]]], speeds: list[tuple[int, int, dict[str, float]]]
+) -> list[Record]:
+    """Cases each parser gets right, and sdk.sse's speed over httpx-sse's per chunk size."""
+    out = [
+        result(NAME, parser, f"cases right (of {len(cases)})", right, "cases")
+        for parser in ("sdk.sse", "httpx-sse")
+        for right in [sum(v[parser] == "ok" for _, v in cases)]
+    ]
+    for piece, _, times in speeds:
+        for how in ("response", "parser"):
+            ratio = times[f"httpx-sse ({how})"] / times[f"sdk.sse ({how})"]
+            metric = f"speed, {how}, {piece}-byte chunks"
+            out.append(result(NAME, "sdk.sse/httpx-sse", metric, ratio, "x"))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mb", type=float, default=4.0, help="stream size in MB")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--append", action="store_true", help="append to RESULTS.md")
-    args = parser.parse_args()
-    text = report(args.mb, args.repeat)
-    print(text)
-    if args.append:
-        with RESULTS.open("a") as f:
-            f.write("\n" + text)
+
+
+def run(args: argparse.Namespace) -> list[Record]:
+    if httpx_sse is None:
+        raise SystemExit("sse_parse compares with httpx-sse: .venv/bin/pip install httpx-sse")
+    cases = correctness()
+    speeds = speed(args.mb, args.repeat)
+    reporting.publish(report(args.mb, args.repeat, cases, speeds), args.no_results)
+    return records_of(cases, speeds)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
