@@ -1,0 +1,109 @@
+"""Agents replaying trace conversations against one server: the timed half of the sweep.
+
+Each agent is a closed loop, as an agent is: it sends a step, reads the whole answer, waits the
+step's tool time (the trace's, or the stated distribution's), sends the next. Requests go
+through the unmodified ``openai`` client (what users arrive with): chat steps to chat
+completions, token-id steps to text completions. With ``sessions`` each request carries
+``prompt_cache_key`` = its conversation (kvbranch's session; plain vLLM ignores it); a
+sessionless trace sends none, so only the host tier can help there. Every request carries a
+``cache_salt`` of its agent count and copy, so nothing a previous count left in a cache
+matches (vLLM's own salt: plain vLLM honours it too). Greedy decoding throughout, so that
+answers compare across configurations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from benchmarks.capacity.sweep import Turn, assign
+from benchmarks.traces import Conversation, Step
+from sdk.contract import RESPONSE_FIELD
+
+
+async def send(
+    oai: Any, model: str, step: Step, salt: str, cache_key: str | None
+) -> dict[str, Any]:
+    """One streamed request: TTFT to the first content (or tool-call) piece, usage, and the
+    recomputed prompt tokens (kvbranch's split; plain vLLM: prompt minus cached)."""
+    extra: dict[str, Any] = {"cache_salt": salt}
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "max_tokens": step.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": extra,
+    }
+    if cache_key is not None:
+        kwargs["prompt_cache_key"] = cache_key
+    t0 = time.perf_counter()
+    if step.chat:
+        stream = await oai.chat.completions.create(messages=step.body["messages"], **kwargs)
+    else:
+        if cache_key is not None:  # the completions method has no such parameter
+            extra["prompt_cache_key"] = kwargs.pop("prompt_cache_key")
+        stream = await oai.completions.create(prompt=step.body["prompt"], **kwargs)
+    ttft, pieces, usage, split = None, [], None, None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            piece = _piece(choice, step.chat)
+            if piece:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                pieces.append(piece)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        split = (chunk.model_extra or {}).get(RESPONSE_FIELD) or split
+    total = time.perf_counter() - t0
+    prompt = usage.prompt_tokens if usage else 0
+    details = getattr(usage, "prompt_tokens_details", None) if usage else None
+    cached = (details.cached_tokens or 0) if details else 0
+    return {
+        "ttft_s": ttft if ttft is not None else total,
+        "total_s": total,
+        "prompt_tokens": prompt,
+        "completion_tokens": usage.completion_tokens if usage else 0,
+        "recomputed_tokens": split["recomputed_tokens"] if split else prompt - cached,
+        "answer": "".join(pieces),
+    }
+
+
+def _piece(choice: Any, chat: bool) -> str:
+    if not chat:
+        return choice.text or ""
+    delta = choice.delta
+    calls = "".join(
+        (tc.function.arguments or tc.function.name or "") if tc.function else ""
+        for tc in delta.tool_calls or []
+    )
+    return (delta.content or "") + calls
+
+
+async def run_agents(
+    oai: Any,
+    model: str,
+    convs: list[Conversation],
+    agents: int,
+    per_agent: int,
+    salt: str,
+    sessions: bool,
+) -> tuple[list[Turn], float]:
+    """``agents`` agents at once, each through its own conversations; (turns, wall seconds)."""
+    turns: list[Turn] = []
+
+    async def agent(a: int, items: list[tuple[int, int]]) -> None:
+        for index, copy in items:
+            conv = convs[index]
+            for pos, step in enumerate(conv.steps):
+                if pos and step.pause_s > 0:
+                    await asyncio.sleep(step.pause_s)
+                key = f"{salt}-{copy}-{conv.id}" if sessions else None
+                got = await send(oai, model, step, f"{salt}-c{copy}", key)
+                turns.append(Turn(agent=a, conv=conv.id, copy=copy, step=pos, **got))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(
+        *(agent(a, items) for a, items in enumerate(assign(convs, agents, per_agent)))
+    )
+    return turns, time.perf_counter() - t0

@@ -1,0 +1,148 @@
+"""The capacity sweep's rules, on hand-made numbers: who replays what, the SLO from the turns run
+alone, one count's percentiles and totals, the stop rule, the capacity it reports, the
+token-identity check and the records (pure logic: no server, no clock)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.capacity import sweep
+from benchmarks.capacity.sweep import StepSummary, Turn
+from benchmarks.traces import Conversation, Step
+
+
+def _turn(step: int, ttft: float, conv: str = "c", copy: int = 0, answer: str = "a", **kw) -> Turn:
+    base = dict(
+        agent=0,
+        conv=conv,
+        copy=copy,
+        step=step,
+        ttft_s=ttft,
+        total_s=ttft + 1,
+        prompt_tokens=100,
+        completion_tokens=8,
+        recomputed_tokens=10,
+        answer=answer,
+    )
+    base.update(kw)
+    return Turn(**base)
+
+
+def _summary(agents: int, p90: float, slo: float = 1.0) -> StepSummary:
+    turns = [_turn(1, p90)]
+    return sweep.summarize(agents, turns, wall_s=1.0, slo_s=slo)
+
+
+def _convs(n: int) -> list[Conversation]:
+    return [Conversation(f"c{i}", (Step({"prompt": [1]}, 1),)) for i in range(n)]
+
+
+# --- who replays what -----------------------------------------------------------------------------
+def test_assign_gives_each_agent_its_own_conversations_and_new_copies_past_the_pool() -> None:
+    got = sweep.assign(_convs(3), agents=2, per_agent=2)
+    assert got == [[(0, 0), (2, 0)], [(1, 0), (0, 1)]]
+    flat = [item for agent in sweep.assign(_convs(5), agents=4, per_agent=3) for item in agent]
+    assert len(flat) == len(set(flat)) == 12  # no two agents replay the same copy
+
+
+def test_assign_refuses_an_empty_sweep() -> None:
+    with pytest.raises(ValueError):
+        sweep.assign(_convs(2), agents=0, per_agent=1)
+    with pytest.raises(ValueError):
+        sweep.assign([], agents=1, per_agent=1)
+
+
+# --- the SLO --------------------------------------------------------------------------------------
+def test_slo_is_the_multiple_of_the_median_resumed_turn_alone() -> None:
+    ref, slo = sweep.slo_from_alone([0.3, 0.1, 0.2, 5.0], 4.0)
+    assert ref == pytest.approx(0.25)
+    assert slo == pytest.approx(1.0)
+
+
+def test_slo_needs_a_reference_and_a_positive_multiple() -> None:
+    with pytest.raises(ValueError):
+        sweep.slo_from_alone([], 4.0)
+    with pytest.raises(ValueError):
+        sweep.slo_from_alone([0.2], 0.0)
+
+
+# --- one count ------------------------------------------------------------------------------------
+def test_summarize_splits_resumed_from_cold_and_takes_percentiles() -> None:
+    turns = [_turn(0, 9.0), _turn(0, 7.0)] + [_turn(1, float(i)) for i in range(1, 11)]
+    s = sweep.summarize(4, turns, wall_s=2.0, slo_s=9.5)
+    assert (s.resumed_n, s.cold_n) == (10, 2)
+    assert s.resumed_p50 == pytest.approx(5.5)
+    assert s.resumed_p90 == pytest.approx(9.1)
+    assert s.resumed_p99 == pytest.approx(9.91)
+    assert s.cold_p50 == pytest.approx(8.0)
+    assert s.output_tps == pytest.approx(12 * 8 / 2.0)
+    assert s.requests_per_s == pytest.approx(6.0)
+    assert (s.recomputed_tokens, s.prompt_tokens) == (120, 1200)
+    assert s.meets_slo
+
+
+def test_a_count_meets_the_slo_at_the_bound_and_not_past_it_nor_without_resumed_turns() -> None:
+    assert sweep.meets(1.0, 1.0)
+    assert not sweep.meets(1.0001, 1.0)
+    assert not sweep.meets(math.nan, 1.0)
+    only_cold = sweep.summarize(1, [_turn(0, 0.1)], wall_s=1.0, slo_s=5.0)
+    assert not only_cold.meets_slo
+
+
+# --- stop rule and capacity -----------------------------------------------------------------------
+def test_the_sweep_goes_on_while_every_count_meets_and_stops_at_the_first_that_fails() -> None:
+    done = [_summary(1, 0.2), _summary(2, 0.5)]
+    assert not sweep.should_stop(done)
+    done.append(_summary(4, 1.5))
+    assert sweep.should_stop(done)
+
+
+def test_capacity_is_the_largest_count_before_the_first_failure() -> None:
+    assert sweep.capacity([_summary(1, 0.2), _summary(2, 0.9), _summary(4, 1.2)]) == 2
+    # a noisy pass above a failure does not count: the curve has already crossed the SLO
+    assert sweep.capacity([_summary(1, 0.2), _summary(2, 1.2), _summary(4, 0.9)]) == 1
+    assert sweep.capacity([_summary(1, 3.0)]) == 0
+    assert sweep.capacity([_summary(4, 0.1), _summary(1, 0.1), _summary(2, 0.1)]) == 4
+
+
+# --- token identity -------------------------------------------------------------------------------
+def test_answers_compare_by_inputs_only_where_both_configurations_ran() -> None:
+    plain = [_turn(0, 1, answer="x"), _turn(1, 1, answer="y"), _turn(1, 1, copy=1, answer="z")]
+    kvb = [_turn(0, 1, answer="x"), _turn(1, 1, answer="Y"), _turn(2, 1, answer="w")]
+    assert sweep.compare_answers(kvb, plain) == (1, 2)
+
+
+# --- records --------------------------------------------------------------------------------------
+def test_records_carry_the_slo_every_count_and_the_capacity_ratio_target() -> None:
+    summaries = {
+        "kvbranch": [_summary(1, 0.2), _summary(2, 0.4), _summary(4, 2.0)],
+        "plain": [_summary(1, 0.5), _summary(2, 3.0)],
+    }
+    recs = sweep.build_records(
+        "bfcl", summaries, 1.0, 0.25, 4.0, {"kvbranch": {1: (2, 2), 2: (1, 2)}}
+    )
+    by = {(r.config, r.metric): r for r in recs}
+    slo = by[("all", "bfcl SLO: resumed p90 TTFT")]
+    assert slo.value == 1.0 and "4x" in slo.note
+    p90 = by[("kvbranch", "bfcl agents=4 resumed TTFT p90")]
+    assert p90.value == 2.0 and p90.met is False
+    assert by[("kvbranch", "bfcl agents=2 resumed TTFT p90")].met is True
+    same = by[("kvbranch", "bfcl agents=2 answers identical to plain")]
+    assert same.value == 0.5 and same.met is False
+    assert by[("kvbranch", "bfcl agents=1 answers identical to plain")].met is True
+    cap = by[("kvbranch", "bfcl capacity at the SLO")]
+    assert cap.value == 2 and cap.met is False and ">= 10x" in cap.target
+    assert by[("plain", "bfcl capacity at the SLO")].value == 1
+    for metric in ("cold TTFT p99", "output throughput", "recomputed prompt tokens"):
+        assert ("plain", f"bfcl agents=2 {metric}") in by
+
+
+def test_the_ratio_target_is_not_judged_when_plain_meets_the_slo_nowhere() -> None:
+    summaries = {"kvbranch": [_summary(1, 0.2)], "plain": [_summary(1, 3.0)]}
+    recs = sweep.build_records("mooncake", summaries, 1.0, 0.25, 4.0, {})
+    cap = next(
+        r for r in recs if r.metric == "mooncake capacity at the SLO" and r.config == "kvbranch"
+    )
+    assert cap.met is None and "fewer agents" in cap.note and ">= 3x" in cap.target
