@@ -3,7 +3,7 @@
 
 Torch only (no vLLM import), so it runs on any CUDA machine with torch:
 
-    python benchmarks/cuda_copy_check.py [--quick]
+    python -m benchmarks cuda_copy_check [--quick]
 
 Checks, on both paged layouts vLLM uses (blocks first, and ``[2, blocks, ...]``):
 
@@ -26,7 +26,7 @@ fraction says how much of the link the block layout leaves on the table.
 
 Without CUDA (``--dry-run``, or automatically on a machine with no GPU) the same timing code runs
 on CPU tensors so the script itself is checked; the CUDA-only checks are reported as skipped and
-the numbers say nothing about a GPU. Exit status 1 when a check fails.
+the numbers say nothing about a GPU. A failed check is a record with its target not met.
 tests/unit/test_host_pool_cuda.py runs the same checks under pytest.
 """
 
@@ -42,9 +42,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import reporting  # noqa: E402  (standard library only)
+from benchmarks import cli, reporting  # noqa: E402  (standard library only)
+from benchmarks.records import Record, result  # noqa: E402  (standard library only)
 from server.connector.engine.host_pool import HostKVPool  # noqa: E402  (torch only)
 
+NAME = "cuda_copy_check"
+DESCRIPTION = (
+    "CUDA checks and timings of the host store's block copies (torch only; a CPU dry run "
+    "without CUDA)"
+)
 LAYOUTS = ("blocks_first", "kv_first")  # [blocks, 2, bs, heads, hd] and [2, blocks, bs, ...]
 
 
@@ -274,8 +280,7 @@ def time_copies(
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     reporting.add_int_args(
         parser, {"--layers": 28, "--block-size": 16, "--kv-heads": 8, "--head-dim": 128}
@@ -291,7 +296,39 @@ def main() -> int:
         action="store_true",
         help="run the timing code on CPU tensors (automatic without CUDA)",
     )
-    args = parser.parse_args()
+
+
+def records_of(results: dict) -> list[Record]:
+    """The checks passed (a dry run: none run, no target decided), the link's limit and the
+    largest paged copy's share of it per layout and direction."""
+    device = results["device"]
+    checks = results["checks"]
+    ran = [v for v in checks.values() if not v.startswith("skipped")]
+    passed = sum(v == "ok" for v in ran)
+    out = [
+        result(
+            NAME,
+            device,
+            f"copy checks passed (of {len(checks)}; {len(checks) - len(ran)} skipped)",
+            passed,
+            "checks",
+            target=f"all {len(checks)}" if ran else "",
+            met=passed == len(checks) if ran else None,
+            note=results.get("note", ""),
+        )
+    ]
+    for direction in ("h2d", "d2h"):
+        gbps = results["link"].get(f"{direction}_GBps")
+        if gbps is not None:
+            out.append(result(NAME, device, f"link limit {direction}", gbps, "GB/s"))
+    for row in results["timings"]:
+        if row["blocks"] == max(r["blocks"] for r in results["timings"]) and "of_link" in row:
+            metric = f"{row['direction']} of {row['blocks']} blocks ({row['layout']}), of the link"
+            out.append(result(NAME, device, metric, 100 * row["of_link"], "%"))
+    return out
+
+
+def run(args: argparse.Namespace) -> list[Record]:
     cuda = torch.cuda.is_available() and not args.dry_run
     device = "cuda" if cuda else "cpu"
     results: dict = {
@@ -331,8 +368,10 @@ def main() -> int:
             results["link"],
         )
     print(json.dumps(results, indent=1))
-    return 1 if failed else 0
+    if failed:  # the records say so too; the exit status is for scripts that check it
+        print("a copy check FAILED", file=sys.stderr)
+    return records_of(results)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
