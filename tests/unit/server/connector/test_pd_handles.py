@@ -9,24 +9,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from server.connector.pd import transfer_auth as auth
 from server.connector.pd.hold_registry import Hold, HoldRegistry
-from server.connector.pd.transfer_auth import (
-    CLAIM_FIELD,
-    EXPIRES_FIELD,
-    HASHES_FIELD,
-    IDENTITY_FIELD,
-    MAC_FIELD,
-    TOKENS_FIELD,
-    ConsumedHandles,
-    claim_valid,
-    expired,
-    is_sealed,
-    make_claim,
-    seal,
-)
+from server.connector.pd.transfer_auth import claim_valid, expired, is_sealed, make_claim, seal
 from server.connector.pd.transfer_params import identity_of, pullable_tokens, trim_block_ids
+from tests.unit.server.connector.fakes import BS, chained_hashes
 
-BS = 4
 SECRET = b"s" * 32
 
 
@@ -42,31 +30,20 @@ class FakeRequest:
     prompt_embeds: object = None
 
 
-def _hashes(tokens: list[int], salt: str | None = None) -> list[bytes]:
-    """A chained hash per full block, like vLLM's (salt in the first block's keys)."""
-    import hashlib
-
-    out, parent = [], (salt or "").encode()
-    for i in range(len(tokens) // BS):
-        parent = hashlib.sha256(parent + repr(tokens[i * BS : (i + 1) * BS]).encode()).digest()
-        out.append(parent)
-    return out
-
-
 def _handle(held: list[int], salt: str | None = None, n_blocks: int | None = None) -> dict:
-    req = FakeRequest(held, _hashes(held, salt), cache_salt=salt)
+    req = FakeRequest(held, chained_hashes(held, salt), cache_salt=salt)
     blocks = n_blocks if n_blocks is not None else -(-len(held) // BS)
     return {
         "remote_num_tokens": len(held),
-        TOKENS_FIELD: held,
-        HASHES_FIELD: [h.hex() for h in req.block_hashes],
-        IDENTITY_FIELD: identity_of(req),
+        auth.TOKENS_FIELD: held,
+        auth.HASHES_FIELD: [h.hex() for h in req.block_hashes],
+        auth.IDENTITY_FIELD: identity_of(req),
         "remote_block_ids": [list(range(100, 100 + blocks))],
     }
 
 
 def _prompt(tokens: list[int], salt: str | None = None) -> FakeRequest:
-    return FakeRequest(tokens, _hashes(tokens, salt), cache_salt=salt)
+    return FakeRequest(tokens, chained_hashes(tokens, salt), cache_salt=salt)
 
 
 def test_a_diverging_history_pulls_only_the_common_prefix():
@@ -109,9 +86,10 @@ def test_a_block_hash_that_disagrees_pulls_nothing():
     handle = _handle(held)
     # D's chained hash of the last verified full block (block 3) says it encodes something
     # else (another salt, adapter or image upstream in the chain): the tokens alone agree.
-    handle[HASHES_FIELD][2] = "00" * 32
+    handle[auth.HASHES_FIELD][2] = "00" * 32
     assert pullable_tokens(handle, _prompt(held + [5]), BS) == 0
-    handle[HASHES_FIELD] = handle[HASHES_FIELD][:1]  # too few hashes for the verified blocks
+    # too few hashes for the verified blocks
+    handle[auth.HASHES_FIELD] = handle[auth.HASHES_FIELD][:1]
     assert pullable_tokens(handle, _prompt(held + [5]), BS) == 0
 
 
@@ -120,7 +98,7 @@ def test_multimodal_or_embedding_requests_pull_nothing():
     req = _prompt(held + [5])
     req.mm_features = [object()]
     handle = _handle(held)
-    handle[IDENTITY_FIELD] = identity_of(req)
+    handle[auth.IDENTITY_FIELD] = identity_of(req)
     assert pullable_tokens(handle, req, BS) == 0
 
 
@@ -134,7 +112,7 @@ def test_bad_token_counts_pull_nothing(num):
 
 def test_seal_covers_every_field_that_names_memory():
     handle = _handle(list(range(1, 15)))
-    handle[EXPIRES_FIELD] = time.time() + 30
+    handle[auth.EXPIRES_FIELD] = time.time() + 30
     seal(handle, SECRET)
     assert is_sealed(handle, SECRET)
     assert not is_sealed(handle, b"other secret")
@@ -142,8 +120,8 @@ def test_seal_covers_every_field_that_names_memory():
         ("remote_block_ids", [[0, 1, 2, 3]]),
         ("remote_host", "10.0.0.9"),
         ("remote_num_tokens", 999),
-        (TOKENS_FIELD, [7] * 14),
-        (EXPIRES_FIELD, time.time() + 9999),
+        (auth.TOKENS_FIELD, [7] * 14),
+        (auth.EXPIRES_FIELD, time.time() + 9999),
     ):
         forged = dict(handle, **{key: value})
         assert not is_sealed(forged, SECRET), key
@@ -158,9 +136,9 @@ def test_seal_covers_every_field_that_names_memory():
         [],
         "x",
         {},
-        {MAC_FIELD: 5},
-        {MAC_FIELD: "ab"},
-        {MAC_FIELD: "ab", "remote_block_ids": {1, 2}},
+        {auth.MAC_FIELD: 5},
+        {auth.MAC_FIELD: "ab"},
+        {auth.MAC_FIELD: "ab", "remote_block_ids": {1, 2}},
     ],
 )
 def test_seal_check_never_raises(params):
@@ -168,25 +146,28 @@ def test_seal_check_never_raises(params):
 
 
 def test_expiry_is_checked_on_the_wall_clock():
-    assert expired({EXPIRES_FIELD: time.time() - 1})
-    assert not expired({EXPIRES_FIELD: time.time() + 10})
-    assert expired({}) and expired({EXPIRES_FIELD: "soon"}) and expired({EXPIRES_FIELD: True})
+    assert expired({auth.EXPIRES_FIELD: time.time() - 1})
+    assert not expired({auth.EXPIRES_FIELD: time.time() + 10})
+    assert expired({})
+    assert expired({auth.EXPIRES_FIELD: "soon"}) and expired({auth.EXPIRES_FIELD: True})
 
 
 def test_claims_are_bound_to_their_handle_and_deadline():
-    handle = seal(dict(_handle(list(range(1, 15))), **{EXPIRES_FIELD: time.time() + 60}), SECRET)
-    handle[CLAIM_FIELD] = make_claim(handle, time.time() + 30, SECRET)
+    deadline = {auth.EXPIRES_FIELD: time.time() + 60}
+    handle = seal(dict(_handle(list(range(1, 15))), **deadline), SECRET)
+    handle[auth.CLAIM_FIELD] = make_claim(handle, time.time() + 30, SECRET)
     assert claim_valid(handle, SECRET, margin_s=6)
     assert not claim_valid(handle, SECRET, margin_s=31)  # too close to its end
     other = seal(dict(handle, remote_request_id="other"), SECRET)
     assert not claim_valid(other, SECRET, margin_s=6)  # claim of another handle
-    stretched = dict(handle, **{CLAIM_FIELD: dict(handle[CLAIM_FIELD], until=time.time() + 999)})
+    forged = dict(handle[auth.CLAIM_FIELD], until=time.time() + 999)
+    stretched = dict(handle, **{auth.CLAIM_FIELD: forged})
     assert not claim_valid(stretched, SECRET, margin_s=6)  # forged deadline
-    assert not claim_valid({MAC_FIELD: "x", CLAIM_FIELD: "y"}, SECRET, margin_s=0)
+    assert not claim_valid({auth.MAC_FIELD: "x", auth.CLAIM_FIELD: "y"}, SECRET, margin_s=0)
 
 
 def test_a_handle_is_used_once():
-    seen = ConsumedHandles(capacity=4)
+    seen = auth.ConsumedHandles(capacity=4)
     assert seen.consume("h1", time.time() + 30)
     assert not seen.consume("h1", time.time() + 30)
     for i in range(10):  # bounded

@@ -8,7 +8,6 @@ built without an engine: only the request bookkeeping the hooks touch."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any
 
@@ -18,22 +17,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 from vllm.v1.request import RequestStatus
 
+from server.connector.pd import transfer_auth as auth
 from server.connector.pd.hold_registry import HoldRegistry
-from server.connector.pd.transfer_auth import (
-    CLAIM_FIELD,
-    EXPIRES_FIELD,
-    HASHES_FIELD,
-    IDENTITY_FIELD,
-    MAC_FIELD,
-    TOKENS_FIELD,
-    ConsumedHandles,
-    make_claim,
-    seal,
-)
+from server.connector.pd.transfer_auth import make_claim, seal
 from server.connector.pd.transfer_params import INCOMING_KEYS, identity_of, sanitize
 from server.connector.pd.verified_nixl import VerifiedNixlConnector
+from tests.unit.server.connector.fakes import BS, chained_hashes
 
-BS = 4
 SECRET = b"k" * 32
 COMPAT = {"model": "m", "dtype": "bfloat16", "kv_dtype": "auto", "block_size": BS}
 PEER = {
@@ -78,7 +68,7 @@ class Req:
         self.all_token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.kv_transfer_params = params
-        self.block_hashes = _hashes(prompt, kw.get("cache_salt"))
+        self.block_hashes = chained_hashes(prompt, kw.get("cache_salt"))
         self.cache_salt = kw.get("cache_salt")
         self.lora_request = None
         self.mm_features: list = []
@@ -101,14 +91,6 @@ class Blocks:
         return (list(self.ids),)
 
 
-def _hashes(tokens: list[int], salt: str | None = None) -> list[bytes]:
-    out, parent = [], (salt or "").encode()
-    for i in range(len(tokens) // BS):
-        parent = hashlib.sha256(parent + repr(tokens[i * BS : (i + 1) * BS]).encode()).digest()
-        out.append(parent)
-    return out
-
-
 def _connector(compat: dict = COMPAT, upstream: Any = None) -> VerifiedNixlConnector:
     conn = object.__new__(VerifiedNixlConnector)  # no engine: the hooks' decisions only
     conn.connector_scheduler = upstream if upstream is not None else Upstream()
@@ -116,7 +98,7 @@ def _connector(compat: dict = COMPAT, upstream: Any = None) -> VerifiedNixlConne
     conn.block_size = BS
     conn.compat = dict(compat)
     conn.secret = SECRET
-    conn.consumed = ConsumedHandles()
+    conn.consumed = auth.ConsumedHandles()
     conn.holds = HoldRegistry(30.0)
     conn.hold_ttl_s = 480.0
     conn.pull_timeout_s = 60.0
@@ -137,15 +119,15 @@ def _d_handle(held: list[int], compat: dict = COMPAT, claimed: bool = True) -> d
         remote_num_tokens=len(held),
         remote_blocks_expiry_time=time.perf_counter() + 400,
         **{
-            TOKENS_FIELD: held,
-            HASHES_FIELD: [h.hex() for h in req.block_hashes],
-            IDENTITY_FIELD: identity_of(req, compat),
-            EXPIRES_FIELD: time.time() + 400,
+            auth.TOKENS_FIELD: held,
+            auth.HASHES_FIELD: [h.hex() for h in req.block_hashes],
+            auth.IDENTITY_FIELD: identity_of(req, compat),
+            auth.EXPIRES_FIELD: time.time() + 400,
         },
     )
     seal(params, SECRET)
     if claimed:
-        params[CLAIM_FIELD] = make_claim(params, time.time() + 30, SECRET)
+        params[auth.CLAIM_FIELD] = make_claim(params, time.time() + 30, SECRET)
     return params
 
 
@@ -161,10 +143,10 @@ def _p_handle(prompt: list[int], compat: dict = COMPAT) -> dict:
         remote_num_tokens=len(prompt),
         remote_blocks_expiry_time=None,
         **{
-            TOKENS_FIELD: prompt,
-            HASHES_FIELD: [h.hex() for h in req.block_hashes],
-            IDENTITY_FIELD: identity_of(req, compat),
-            EXPIRES_FIELD: time.time() + 60,
+            auth.TOKENS_FIELD: prompt,
+            auth.HASHES_FIELD: [h.hex() for h in req.block_hashes],
+            auth.IDENTITY_FIELD: identity_of(req, compat),
+            auth.EXPIRES_FIELD: time.time() + 60,
         },
     )
     return seal(params, SECRET)
@@ -200,7 +182,7 @@ def test_sanitize_keeps_nixl_and_sealed_keys_and_drops_every_marker():
         "remote_block_size",
         "whatever",
     }
-    assert set(params) <= INCOMING_KEYS and MAC_FIELD in params and CLAIM_FIELD in params
+    assert set(params) <= INCOMING_KEYS and auth.MAC_FIELD in params and auth.CLAIM_FIELD in params
 
 
 def test_sanitize_drops_ps_cached_token_count_without_a_word():
@@ -218,7 +200,7 @@ def test_issue_22_a_p_handle_marked_verified_with_another_prompt_reads_nothing_o
     # The attack: P's params, seal and claim removed, "kvbranch_verified" added, sent to D with
     # a different prompt. The old code skipped every check and D read P's blocks.
     forged = _p_handle(PROMPT)
-    forged.pop(MAC_FIELD)
+    forged.pop(auth.MAC_FIELD)
     forged["kvbranch_verified"] = 1
     conn = _connector()
     req = Req("attack", [9, 9, 9, 9, 9, 9, 9, 9, 9], forged)
@@ -242,7 +224,7 @@ def test_a_client_remote_blocks_processed_marker_can_neither_skip_checks_nor_han
     # Old code: the marker skipped our checks; upstream then promised an async load for D's
     # blocks but never queued the read: "KV fetch in progress" for good.
     forged = dict(_d_handle(HELD), _remote_blocks_processed=True)
-    forged.pop(CLAIM_FIELD)
+    forged.pop(auth.CLAIM_FIELD)
     conn = _connector()
     req = Req("p", PROMPT, forged)
     assert _schedule(conn, req) == (0, False)
@@ -273,7 +255,7 @@ def test_verdicts_are_per_request_object_not_per_request_id():
     first = Req("same-id", PROMPT, _d_handle(HELD))
     assert _schedule(conn, first) == (14, True)
     # another request with the same id (a client-chosen id): checked on its own
-    second = Req("same-id", PROMPT, dict(_d_handle(HELD), **{MAC_FIELD: "0" * 64}))
+    second = Req("same-id", PROMPT, dict(_d_handle(HELD), **{auth.MAC_FIELD: "0" * 64}))
     assert _schedule(conn, second) == (0, False)
     assert conn.declined == {"unsealed": 1}
 
@@ -403,7 +385,7 @@ def test_a_check_that_raises_declines_the_handle():
 # --- 4. a declined handle leaves no peer to contact ---------------------------------------
 def test_a_declined_handle_leaves_no_field_that_names_a_peer():
     params = dict(_d_handle(HELD), remote_block_size=1)
-    params[EXPIRES_FIELD] = time.time() - 1  # expired (the seal no longer matches either)
+    params[auth.EXPIRES_FIELD] = time.time() - 1  # expired (the seal no longer matches either)
     conn = _connector()
     req = Req("p", PROMPT, params)
     _schedule(conn, req)

@@ -4,7 +4,6 @@ driven through the real scheduler side and planner with small fake requests."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,25 +15,7 @@ from server.connector.core.sessions import DEFAULT_BRANCH
 from server.connector.core.tails import identity_of
 from server.connector.engine.scheduler_side import KVBranchScheduler
 from server.engine import weight_changes as engine_changes
-from tests.unit.server.connector.fakes import BS
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    all_token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int = 0
-    session_id: str | None = None
-    cache_salt: str | None = None
-    sampling_params: Any = field(default_factory=lambda: SimpleNamespace(extra_args=None))
-
-    @property
-    def block_hashes(self) -> list[bytes]:
-        toks = self.all_token_ids
-        return [
-            repr((self.cache_salt, toks[: (k + 1) * BS])).encode() for k in range(len(toks) // BS)
-        ]
+from tests.unit.server.connector.fakes import BS, FakeRequest
 
 
 def make_side(num_slots: int = 64) -> KVBranchScheduler:

@@ -4,7 +4,6 @@ real engine is in tests/integration/test_tail_reuse.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -12,29 +11,7 @@ import pytest
 from server.connector.core.block_index import MAX_TAILS_PER_PARENT
 from server.connector.core.planner import BRANCH_XARG, PREFETCH_XARG, Planner
 from server.connector.core.tails import finished_tail, identity_of, parent_key, tail_key
-from tests.unit.server.connector.fakes import BS, make_planner
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    all_token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int = 0
-    session_id: str | None = None
-    cache_salt: str | None = None
-    mm_features: list | None = None
-    sampling_params: SimpleNamespace = field(
-        default_factory=lambda: SimpleNamespace(extra_args=None)
-    )
-
-    @property
-    def block_hashes(self) -> list[bytes]:
-        """Chained like vLLM's: each hash names the whole prefix and the salt."""
-        toks = self.all_token_ids
-        return [
-            repr((self.cache_salt, toks[: (k + 1) * BS])).encode() for k in range(len(toks) // BS)
-        ]
+from tests.unit.server.connector.fakes import BS, FakeRequest, make_planner
 
 
 def finish(

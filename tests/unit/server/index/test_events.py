@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -19,6 +18,7 @@ from server.connector.vllm_compat import (
 )
 from server.index import InstanceRecord, MemoryIndexStore
 from server.index.events import EventConsumer, Generation, hash64, tier_of
+from tests.unit.waiting import until
 
 IID = "inst-1"
 
@@ -37,14 +37,6 @@ def stored(hashes: list[int], medium: str = "GPU") -> BlockStored:
 
 def batch(*events: object) -> KVEventBatch:
     return KVEventBatch(ts=time.time(), events=list(events))
-
-
-async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.02)
 
 
 class Rig:
@@ -171,7 +163,7 @@ async def test_restarted_publisher_bumps_the_generation(rig):
     for h in (31, 32):  # seqs 0 and 1, both at or below the last one seen
         rig.publisher.publish(batch(stored([h])))
         try:
-            await until(lambda: rig.consumer.counters.restarts == 1, timeout=1.5)
+            await until(lambda: rig.consumer.counters.restarts == 1, timeout_s=1.5)
             break
         except AssertionError:
             continue

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +14,7 @@ from vllm.distributed.kv_events import ZmqEventPublisher
 from server.connector.vllm_compat import BlockStored, KVEventBatch
 from server.index import IndexUnavailable, InstanceRecord, MemoryIndexStore
 from server.index.publisher import IndexPublisher, record_factory, role_of, sources_of
+from tests.unit.waiting import until
 
 IID = "inst-7"
 
@@ -42,14 +42,6 @@ class FlakyStore(MemoryIndexStore):
 
 def record() -> InstanceRecord:
     return InstanceRecord(IID, "http://127.0.0.1:8001", "prefill", model="m", block_size=128)
-
-
-async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.02)
 
 
 async def hits(store: MemoryIndexStore, chain: list[int]) -> tuple[int, int]:
@@ -111,7 +103,7 @@ async def test_unreachable_index_warns_once_keeps_batches_and_recovers(running, 
     unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(unreachable) == 1
     store.down = False
-    await until(lambda: not pub.outage and not pub.pending, timeout=10)
+    await until(lambda: not pub.outage and not pub.pending, timeout_s=10)
     assert await hits(store, [5, 6]) == (2, 0)
     assert any("reachable again" in r.getMessage() for r in caplog.records)
 

@@ -4,7 +4,6 @@ router's proof; dev routes need a key when the server has keys."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -13,6 +12,7 @@ from sdk.contract import HOLD_CLAIM_PATH
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.plugin import cluster_gate
 from server.plugin.guard import KVBranchGuard
+from tests.unit.server.plugin.asgi import run_asgi
 
 CHAT = "/v1/chat/completions"
 SECRET = b"k" * 32
@@ -32,14 +32,6 @@ def _run(path, payload, headers=(), method="POST", keys=None):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
     scope = {
         "type": "http",
         "method": method,
@@ -50,9 +42,8 @@ def _run(path, payload, headers=(), method="POST", keys=None):
         from types import SimpleNamespace
 
         scope["app"] = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_key=keys)))
-    asyncio.run(KVBranchGuard(app)(scope, receive, send))
-    status = sent[0]["status"] if sent else None
-    text = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    sent = run_asgi(KVBranchGuard(app), scope, body)
+    status, text = sent.status, sent.body.decode()
     return status, text, bool(reached)
 
 

@@ -19,6 +19,7 @@ from server.plugin.guard import KVBranchGuard
 from server.plugin.middleware import rewrite_request
 from tests.unit.server.connector.fakes import BS, make_planner
 from tests.unit.server.dialects.bodies import CHAT, MESSAGES, anthropic, chat, conversation
+from tests.unit.server.plugin.asgi import run_asgi
 
 
 def test_a_client_cannot_set_the_pin_xarg_itself():
@@ -81,24 +82,15 @@ def _through_guard(path: str, payload: dict) -> tuple[int, dict | None]:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}", "more_body": False})
 
-    sent: list[dict] = []
-    body = json.dumps(payload).encode()
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
     scope = {
         "type": "http",
         "method": "POST",
         "path": path,
         "headers": [(b"content-type", b"application/json")],
     }
-    asyncio.run(KVBranchGuard(app)(scope, receive, send))
-    status = sent[0]["status"]
-    return status, (None if reached else json.loads(sent[1]["body"]))
+    sent = run_asgi(KVBranchGuard(app), scope, json.dumps(payload).encode())
+    status = sent.status
+    return status, (None if reached else json.loads(sent.body))
 
 
 def test_guard_refuses_bad_hints_with_400():

@@ -3,13 +3,13 @@ only (GET, cancel, previous_response_id); without keys nothing changes."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
 from server.common.env import ENV_API_KEYS
 from server.plugin.responses_scope import ResponseOwners, ResponsesScope
+from tests.unit.server.plugin.asgi import run_asgi
 
 KEY_A, KEY_B = "key-a", "key-b"
 
@@ -58,21 +58,12 @@ class FakeVLLM:
 
 def call(layer, method: str, path: str, key: str | None, body: dict | None = None):
     raw = json.dumps(body).encode() if body is not None else b""
-    sent: list[dict] = []
-    messages = [{"type": "http.request", "body": raw, "more_body": False}]
-
-    async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
     headers = [(b"content-length", str(len(raw)).encode())]
     if key:
         headers.append((b"authorization", f"Bearer {key}".encode()))
     scope = {"type": "http", "method": method, "path": path, "headers": headers}
-    asyncio.run(layer(scope, receive, send))
-    return sent[0]["status"], json.loads(sent[1]["body"])
+    sent = run_asgi(layer, scope, raw)
+    return sent.status, json.loads(sent.body)
 
 
 def create(layer, key, **body):

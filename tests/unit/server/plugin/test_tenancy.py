@@ -27,6 +27,7 @@ from server.plugin import tenancy
 from server.plugin.guard import KVBranchGuard
 from server.plugin.middleware import KVBranchMiddleware, rewrite_request
 from server.plugin.tenancy import owner_of, tenant_id, tenant_salt
+from tests.unit.server.plugin.asgi import run_asgi
 
 KEY_A, KEY_B = "key-a", "key-b"
 
@@ -159,19 +160,8 @@ def _post(path: str, payload: dict, headers=(), app_args=None):
     }
     if app_args is not None:
         scope["app"] = SimpleNamespace(state=SimpleNamespace(args=app_args))
-    sent: list[dict] = []
-    queue = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive():
-        return queue.pop(0) if queue else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    asyncio.run(stack(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    reply = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, json.loads(reply), (json.loads(inner.body) if inner.body else None)
+    sent = run_asgi(stack, scope, body)
+    return sent.status, json.loads(sent.body), (json.loads(inner.body) if inner.body else None)
 
 
 def _auth(key):

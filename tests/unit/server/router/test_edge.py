@@ -17,6 +17,7 @@ from server.router import edge
 from server.router.app import build_app
 from server.router.edge import EdgeState
 from tests.unit.server.router.fakes import Fakes, call, make_router
+from tests.unit.waiting import until
 
 KA, KB = "key-a", "key-b"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -156,16 +157,6 @@ def test_a_session_route_with_a_bad_id_is_a_400(body):
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
     assert fakes.seen == []
-
-
-async def until(condition, timeout_s: float = 30.0) -> None:
-    """Wait for a state (a hang guard, not a timing check)."""
-
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(poll(), timeout_s)
 
 
 def test_a_tenant_past_its_share_gets_429_and_others_go_on():
