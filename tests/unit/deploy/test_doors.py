@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -284,6 +285,26 @@ def test_the_unit_runs_as_a_user_the_sysusers_file_creates():
     assert user in users and group in groups
     readme = SYSTEMD_README.read_text()
     assert f"deploy/systemd/{SYSUSERS.name}" in readme and "systemd-sysusers" in readme
+
+
+def test_systemd_sysusers_creates_that_user_in_an_empty_root(tmp_path):
+    # The real tool, on a scratch root (it writes only under --root): the file's syntax is
+    # systemd's, not just what the parser above reads.
+    tool = shutil.which("systemd-sysusers")
+    if tool is None:
+        pytest.skip("systemd-sysusers is not installed")
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    for name in ("passwd", "group", "shadow", "gshadow"):
+        (etc / name).touch()
+    subprocess.run([tool, f"--root={tmp_path}", str(SYSUSERS)], check=True, capture_output=True)
+    user = unit_directives(UNIT.read_text())["User"][-1]
+    passwd = {
+        line.split(":")[0]: line.split(":") for line in (etc / "passwd").read_text().splitlines()
+    }
+    groups = {line.split(":")[0] for line in (etc / "group").read_text().splitlines()}
+    assert user in passwd and user in groups
+    assert passwd[user][5] == "/var/lib/kvbranch" and passwd[user][6].endswith("nologin")
 
 
 def test_the_units_model_is_where_the_prepare_step_puts_it(monkeypatch):
