@@ -48,6 +48,10 @@
     status.className = isError ? "error" : "";
   }
 
+  function count(n, one, many) {
+    return n + " " + (n === 1 ? one : many || one + "s");
+  }
+
   function seconds(value) {
     return num(value).toFixed(value >= 10 ? 0 : 2) + " s";
   }
@@ -136,7 +140,8 @@
       el(
         "p",
         "meta",
-        branches.length + " branches, " + num(session.pinned_blocks) + " pinned blocks, created " +
+        count(branches.length, "branch", "branches") + ", " +
+          count(num(session.pinned_blocks), "pinned block") + ", created " +
           created + (session.auto_pin ? ", auto-pin " + num(session.pin_ttl_s) + " s" : ""),
       ),
     );
@@ -172,7 +177,7 @@
     main.replaceChildren(...boxes);
     const total = num(data.num_own_sessions);
     const more = total > sessions.length ? " (showing the " + sessions.length + " most recent)" : "";
-    setStatus(total + " sessions" + more + ", updated " + new Date().toLocaleTimeString(), false);
+    setStatus(count(total, "session") + more + ", updated " + new Date().toLocaleTimeString(), false);
   }
 
   function schedule(seconds) {
