@@ -41,8 +41,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
+
+from server.connector.core.kv_groups import FULL_ATTENTION
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -86,7 +96,9 @@ __all__ = [
     "RequestStatus",
     "SchedulerOutput",
     "VllmConfig",
+    "architecture_traits",
     "install_nixl_side_channel",
+    "kv_group_kinds",
     "kv_events_enabled",
     "maybe_convert_block_hash",
     "nixl_base_worker",
@@ -162,6 +174,49 @@ def kv_events_enabled(vllm_config: Any) -> bool:
     the scheduler then also publishes what ``KVConnectorBase_V1.take_events`` yields."""
     config = getattr(vllm_config, "kv_events_config", None)
     return bool(config is not None and config.enable_kv_cache_events)
+
+
+# --- KV cache groups: what kind of KV each group holds ----------------------------------------
+def spec_kind(spec: Any) -> str:
+    """One KV cache spec's kind: ``full_attention`` (blocks hold every token's K and V for the
+    whole request: full attention, MLA's latent included; subclasses with their own block life,
+    such as R-SWA's dropped gap blocks, attention sinks or hidden states, are not this kind),
+    ``sliding_window``, ``chunked_local``, ``mamba``, ``mixed`` (a uniform-type group of
+    several kinds), else the spec's class name (``core/kv_groups.py`` decides from these)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {spec_kind(inner) for inner in spec.kv_cache_specs.values()}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        return FULL_ATTENTION
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window"
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return "chunked_local"
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    return type(spec).__name__
+
+
+def kv_group_kinds(kv_cache_config: Any) -> list[str]:
+    """The kind of each of the engine's KV cache groups (one group unless vLLM's hybrid KV
+    cache manager is on; none for an attention-free model)."""
+    if kv_cache_config is None:
+        return []
+    return [spec_kind(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
+
+
+# --- the model registry: what vLLM knows of an architecture ---------------------------------
+def architecture_traits(architectures: list[str]) -> tuple[bool, bool] | None:
+    """``(is_hybrid, is_attention_free)`` of the first of ``architectures`` vLLM implements
+    (as its own ``ModelConfig.is_hybrid``/``is_attention_free`` read them, before the
+    ``layer_types`` refinement), or ``None`` when vLLM has none of them natively."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    for arch in architectures:
+        info = ModelRegistry._try_inspect_model_cls(arch)
+        if info is not None:
+            return bool(info.is_hybrid), bool(info.is_attention_free)
+    return None
 
 
 # --- MultiConnector's children --------------------------------------------------------------

@@ -414,6 +414,10 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    if plan.control_socket:  # with the connector: refuse models it cannot serve, in one line
+        from server.launcher.model_support import check_model
+
+        check_model(plan.model_path)
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm"))
     try:
         vllm_args = parser.parse_args(plan.vllm_argv)

@@ -9,4 +9,5 @@ The connector's pure logic: no vLLM import (``tests/unit/server/connector/test_l
   ``branches``: the nouns and errors they share
 * ``tails``       — token-exact reuse: keys and rules for a finished request's partial block
 * ``metadata``    — what the scheduler side tells the worker side each step
+* ``kv_groups``   — which KV cache groups the host store serves (the model families)
 """

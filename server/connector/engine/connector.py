@@ -28,6 +28,7 @@ from server.common.control_path import default_control_socket
 from server.connector.config import ConnectorConfig
 from server.connector.control.ops import Op
 from server.connector.core.block_index import StoreEvent, StoreEventLog
+from server.connector.core.kv_groups import check_groups, store_off_reason
 from server.connector.core.metadata import KVBranchMetadata
 from server.connector.core.planner import Planner
 from server.connector.engine.scheduler_side import KVBranchScheduler
@@ -45,6 +46,7 @@ from server.connector.vllm_compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     kv_events_enabled,
+    kv_group_kinds,
     maybe_convert_block_hash,
 )
 
@@ -127,13 +129,15 @@ class KVBranchConnector(KVConnectorBase_V1):
             path = default_control_socket(str(self._kv_transfer_config.engine_id), create=True)
             config = config.model_copy(update={"control_socket": path})
         block_size = vllm_config.cache_config.block_size
-        groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
-        enabled = len(groups) == 1
+        kinds = kv_group_kinds(kv_cache_config)
+        check_groups(kinds)  # several groups: the hybrid KV cache manager is on, refused
+        off = store_off_reason(kinds)
+        enabled = off is None
         if not enabled:
             logger.warning(
-                "kvbranch connector supports models with one KV cache group; "
-                "found %d: host store disabled (the engine runs unchanged)",
-                len(groups),
+                "kvbranch connector: host store disabled (the engine runs as plain vLLM): "
+                "%s (docs/models.md)",
+                off,
             )
         block_bytes = block_bytes_of(kv_cache_config) if enabled else 0
         store_bytes = config.host_store_bytes

@@ -1,0 +1,167 @@
+"""Which engines the host store serves (``core/kv_groups.py``), what kind vLLM's KV cache specs
+are (``vllm_compat.spec_kind``), and the launcher's refusal of hybrid and attention-free models
+(``server/launcher/model_support.py``); docs/models.md is the user's side of these rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from server.connector import vllm_compat
+from server.connector.core.kv_groups import (
+    FULL_ATTENTION,
+    HybridKVCacheError,
+    check_groups,
+    store_off_reason,
+)
+from server.launcher.model_support import check_model, refusal
+from server.launcher.settings import LaunchError
+
+
+# --- the host store's rule ------------------------------------------------------------------
+def test_one_full_attention_group_is_served():
+    check_groups([FULL_ATTENTION])
+    assert store_off_reason([FULL_ATTENTION]) is None
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local", "mamba", "mixed", "Other"])
+def test_one_group_of_another_kind_turns_the_store_off(kind):
+    check_groups([kind])  # runs, as plain vLLM
+    reason = store_off_reason([kind])
+    assert reason is not None and kind in reason
+
+
+def test_attention_free_turns_the_store_off():
+    assert "attention-free" in (store_off_reason([]) or "")
+
+
+def test_several_groups_are_refused_with_the_way_out():
+    with pytest.raises(HybridKVCacheError) as e:
+        check_groups(["sliding_window", FULL_ATTENTION])
+    assert "--disable-hybrid-kv-cache-manager" in str(e.value)
+    assert "sliding_window, full_attention" in str(e.value)
+
+
+# --- vLLM's specs, by kind ------------------------------------------------------------------
+def attention(cls, **extra):
+    return cls(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, **extra)
+
+
+def test_spec_kinds_of_vllms_specs():
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SinkFullAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    full = attention(FullAttentionSpec)
+    # a sliding-window layer promoted to full attention (hybrid manager off) is still full
+    promoted = attention(FullAttentionSpec, sliding_window=256)
+    sliding = attention(SlidingWindowSpec, sliding_window=256)
+    kinds = {
+        "full": (full, FULL_ATTENTION),
+        "promoted": (promoted, FULL_ATTENTION),
+        "mla": (attention(MLAAttentionSpec), FULL_ATTENTION),
+        "sliding": (sliding, "sliding_window"),
+        "chunked": (attention(ChunkedLocalAttentionSpec, attention_chunk_size=64), "chunked_local"),
+        "sink": (attention(SinkFullAttentionSpec, sink_len=4), "SinkFullAttentionSpec"),
+        "mamba": (
+            MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,)),
+            "mamba",
+        ),
+        "uniform full": (
+            UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full, "b": promoted}),
+            FULL_ATTENTION,
+        ),
+        "uniform mixed": (
+            UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full, "b": sliding}),
+            "mixed",
+        ),
+    }
+    for name, (spec, kind) in kinds.items():
+        assert vllm_compat.spec_kind(spec) == kind, name
+
+    config = KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], sliding), KVCacheGroupSpec(["l1"], full)],
+    )
+    assert vllm_compat.kv_group_kinds(config) == ["sliding_window", FULL_ATTENTION]
+    assert vllm_compat.kv_group_kinds(None) == []
+
+
+# --- the launcher's refusal -----------------------------------------------------------------
+TRAITS = {
+    "LlamaForCausalLM": (False, False),
+    "JambaForCausalLM": (True, False),
+    "GraniteMoeHybridForCausalLM": (True, False),
+    "MambaForCausalLM": (False, True),
+}
+
+
+def traits(architectures):
+    return next((TRAITS[a] for a in architectures if a in TRAITS), None)
+
+
+def test_full_attention_and_sliding_window_models_pass():
+    assert refusal({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, traits) is None
+    sliding = {
+        "architectures": ["LlamaForCausalLM"],
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
+    assert refusal(sliding, traits) is None
+
+
+def test_hybrid_model_refused_naming_its_type():
+    reason = refusal({"architectures": ["JambaForCausalLM"], "model_type": "jamba"}, traits)
+    assert reason is not None
+    assert "JambaForCausalLM (model_type jamba)" in reason
+    assert "hybrid attention/SSM" in reason and "--no-connector" in reason
+
+
+def test_hybrid_architecture_with_attention_layers_only_passes():
+    """granite-4.0-micro: a hybrid architecture whose layers are all attention (as vLLM's
+    ``ModelConfig.is_hybrid`` reads it)."""
+    config = {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "layer_types": ["attention", "attention"],
+    }
+    assert refusal(config, traits) is None
+    config["layer_types"] = ["mamba", "attention"]
+    assert "hybrid attention/SSM" in (refusal(config, traits) or "")
+
+
+def test_attention_free_model_refused():
+    reason = refusal({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, traits)
+    assert reason is not None and "attention-free" in reason
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"architectures": []}, {"architectures": "Jamba"}, {"architectures": [1]}],
+    ids=["none", "empty", "string", "not-str"],
+)
+def test_unreadable_architectures_are_left_to_vllm(config):
+    assert refusal(config, traits) is None
+
+
+def test_unknown_architecture_is_left_to_vllm():
+    assert refusal({"architectures": ["NoSuchForCausalLM"]}, traits) is None
+
+
+def test_check_model_reads_the_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["JambaForCausalLM"]}))
+    with pytest.raises(LaunchError) as e:
+        check_model(str(tmp_path), traits)
+    assert str(e.value).startswith(f"--model {tmp_path}: JambaForCausalLM")
+    (tmp_path / "config.json").write_text("[not an object")
+    check_model(str(tmp_path), traits)  # vLLM reports it
+    check_model("HuggingFaceTB/SmolLM2-135M-Instruct", traits)  # a hub name: not read
