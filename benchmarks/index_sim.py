@@ -3,8 +3,8 @@ backends (:mod:`server.index`: the in-process one and a real ``redis-server``) a
 routing code (:class:`server.router.pool.Pool` and :class:`server.router.turn.TurnFlow`), with 1,
 2 and 4 router replicas (docs: /work/shared/CLUSTER_NOTES.md §6.3).
 
-Run: ``python -m benchmarks.index_sim [--quick] [--backends memory,redis] [--routers 1,2,4]
-[--write-results]``.
+Run: ``python -m benchmarks index_sim [--quick] [--backends memory,redis] [--routers 1,2,4]
+[--no-results]``.
 
 What is real and what is simulated:
 
@@ -57,15 +57,17 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from prometheus_client import CollectorRegistry
 
-from benchmarks import reporting
+from benchmarks import cli, reporting
+from benchmarks.records import Record, result
 from sdk.contract import HEALTH_PATH
 from server.index import IndexStore, InstanceRecord, Key, MemoryIndexStore, open_store
 from server.index.record_seal import seal
@@ -73,6 +75,11 @@ from server.router.pool import Instance, Pool
 from server.router.turn import TurnFlow
 
 #: The simulated cluster's secret: routers sign with it, instance records are sealed with it.
+NAME = "index_sim"
+DESCRIPTION = (
+    "the cluster index at scale: 100 simulated instances x 10k sessions through the real index "
+    "backends and routing code, 1/2/4 routers"
+)
 SIM_SECRET = b"sim"
 
 TENANT = "sim"
@@ -526,19 +533,7 @@ class Simulation:
             t0 = time.perf_counter()
             start = await flow.begin(key)
             holding = start.hold
-            decode = await pool.choose_decode(
-                holding.decode_url if holding else None,
-                holding.instance_id if holding else None,
-                key,
-            )
-            pull = (
-                holding
-                if holding is not None
-                and decode is not None
-                and holding.decode_url == decode.url
-                and holding.instance_id == decode.instance_id
-                else None
-            )
+            decode, pull = await flow.choose_decode(key, start)  # the router's own choice
             hold_id = str(holding.params.get(SIM_HOLD_FIELD)) if holding is not None else None
             if pull is not None and hold_id is not None:  # the claim on D
                 if not self.fleet.by_url[pull.decode_url].claim(hold_id):
@@ -841,8 +836,19 @@ def table(stats: list[Stats]) -> str:
     return reporting.md_table(header, rows)
 
 
-def targets(cfg: SimConfig, stats: list[Stats]) -> list[tuple[str, bool | None, str]]:
-    """(target, met (None: not measured in this run), the numbers)."""
+class Target(NamedTuple):
+    """One target: what it asks, met (None: not measured in this run), the numbers in words,
+    and the one number it is decided on (for the run's record)."""
+
+    what: str
+    met: bool | None
+    detail: str
+    value: float
+    metric: str
+    unit: str
+
+
+def targets(cfg: SimConfig, stats: list[Stats]) -> list[Target]:
     rr = next((s for s in stats if s.name == "round robin"), None)
     one = next((s for s in stats if s.name.startswith("embedded")), None)
     index_runs = [s for s in stats if s.name not in ("round robin",) and s.latencies_ms]
@@ -850,59 +856,63 @@ def targets(cfg: SimConfig, stats: list[Stats]) -> list[tuple[str, bool | None, 
         s for s in stats if s.backend in ("memory", "redis") and not s.name.startswith("emb")
     ]
     redis_runs = [s for s in stats if s.backend == "redis"]
-    out: list[tuple[str, bool | None, str]] = []
+    out: list[Target] = []
     if one is not None and rr is not None and cluster:
         worst = min(cluster, key=lambda s: s.hit_rate)
         ok = (
             worst.hit_rate >= TARGET_HIT_VS_ONE_ROUTER * one.hit_rate
             and worst.hit_rate >= TARGET_HIT_VS_RR * rr.hit_rate
         )
-        out.append((
+        out.append(Target(
             "cluster hit rate ≥ 90% of one router's and far above round robin (taken as ≥ "
             f"{TARGET_HIT_VS_RR:g}× its)", ok,
             f"lowest cluster {worst.hit_rate:.3f} ({worst.name}) vs one router "
             f"{one.hit_rate:.3f} ({worst.hit_rate / one.hit_rate:.0%}), round robin "
-            f"{rr.hit_rate:.3f}",
+            f"{rr.hit_rate:.3f}", worst.hit_rate, "lowest cluster hit rate", "fraction",
         ))  # fmt: skip
     if index_runs:
         worst = max(index_runs, key=lambda s: reporting.percentile(s.latencies_ms, 99))
         p99 = reporting.percentile(worst.latencies_ms, 99)
-        out.append((
+        out.append(Target(
             f"decision p99 ≤ {TARGET_P99_MS:g} ms at {cfg.instances} × {cfg.sessions}",
             p99 <= TARGET_P99_MS,
             "worst " + ", ".join(
                 f"{s.name} {reporting.percentile(s.latencies_ms, 99):.2f}" for s in index_runs
-            ) + " ms",
+            ) + " ms", p99, "worst routing decision p99", "ms",
         ))  # fmt: skip
     if redis_runs:
         worst = max(redis_runs, key=lambda s: s.router_round_trips / max(s.turns, 1))
         rt = worst.router_round_trips / max(worst.turns, 1)
-        out.append((
+        out.append(Target(
             f"≤ {TARGET_ROUND_TRIPS:g} Redis round trips per turn (router side)",
-            rt <= TARGET_ROUND_TRIPS, f"worst {rt:.2f} ({worst.name})",
+            rt <= TARGET_ROUND_TRIPS, f"worst {rt:.2f} ({worst.name})", rt,
+            "worst router round trips per turn", "round trips",
         ))  # fmt: skip
     twice = sum(s.taken_twice for s in stats)
-    out.append((
+    out.append(Target(
         "0 holds taken twice", twice == 0,
         f"{twice} of {sum(s.holds_taken for s in stats)} taken; "
-        f"{sum(s.dups for s in stats)} duplicate concurrent turns",
+        f"{sum(s.dups for s in stats)} duplicate concurrent turns", twice, "holds taken twice",
+        "holds",
     ))  # fmt: skip
     late = [(s.name, max(s.dead_after_kill)) for s in stats if s.dead_after_kill]
     after_ttl = sum(1 for s in stats for a in s.dead_after_kill if a > cfg.heartbeat_ttl_s)
-    out.append((
+    out.append(Target(
         f"no decision aimed at a killed instance after the heartbeat TTL "
         f"({cfg.heartbeat_ttl_s:g} s)",
         after_ttl == 0,
         ("last ones " + ", ".join(f"{n} {a:.2f} s" for n, a in late) if late else "none at all")
-        + f"; {after_ttl} after the TTL",
+        + f"; {after_ttl} after the TTL", after_ttl,
+        "decisions to a killed instance after the heartbeat TTL", "decisions",
     ))  # fmt: skip
     if redis_runs:
         no_ttl = sum(s.redis.get("no_ttl", 0) for s in redis_runs)
         mem = max(s.redis.get("used_memory", 0) for s in redis_runs)
-        out.append((
+        out.append(Target(
             "bounded Redis memory: every key has a TTL", no_ttl == 0,
             f"max used_memory {mem / 2**20:.1f} MiB; {no_ttl} keys without TTL among "
-            f"{sum(s.redis.get('sampled', 0) for s in redis_runs)} sampled",
+            f"{sum(s.redis.get('sampled', 0) for s in redis_runs)} sampled", no_ttl,
+            "Redis keys without a TTL (sampled)", "keys",
         ))  # fmt: skip
     return out
 
@@ -931,7 +941,7 @@ def report(cfg: SimConfig, stats: list[Stats], info: dict[str, str], elapsed: fl
     lines.append("")
     lines.append(table(stats))
     lines.append("Targets:\n")
-    for name, ok, detail in targets(cfg, stats):
+    for name, ok, detail, *_ in targets(cfg, stats):
         mark = "met" if ok else ("not met" if ok is False else "not measured")
         lines.append(f"- **{mark}** — {name}: {detail}")
     lines.append("")
@@ -944,8 +954,7 @@ def report(cfg: SimConfig, stats: list[Stats], info: dict[str, str], elapsed: fl
     return "\n".join(lines) + "\n"
 
 
-def parse(argv: list[str] | None = None) -> tuple[SimConfig, argparse.Namespace]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--instances", type=int, default=100)
     ap.add_argument("--sessions", type=int, default=10_000)
     ap.add_argument(
@@ -962,8 +971,9 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, argparse.Namespace]
     ap.add_argument("--redis-url", default=None, help="an existing Redis (it is FLUSHALLed)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--quick", action="store_true", help="about 30 s: 1000 sessions, short TTL")
-    ap.add_argument("--write-results", action="store_true")
-    a = ap.parse_args(argv)
+
+
+def config_of(a: argparse.Namespace) -> SimConfig:
     cfg = SimConfig(
         instances=a.instances,
         sessions=a.sessions,
@@ -983,11 +993,26 @@ def parse(argv: list[str] | None = None) -> tuple[SimConfig, argparse.Namespace]
         cfg.sessions, cfg.turns = min(cfg.sessions, 1000), 2000
         cfg.cache_blocks, cfg.host_blocks = 200, 400
         cfg.heartbeat_s, cfg.heartbeat_ttl_s = 0.5, 2.0
-    return cfg, a
+    return cfg
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg, a = parse(argv)
+def records_of(cfg: SimConfig, stats: list[Stats]) -> list[Record]:
+    """Decision p99 and hit rate per configuration, and one record per target."""
+    out = [result(NAME, s.name, "hit rate", s.hit_rate, "fraction") for s in stats if s.turns]
+    out += [
+        result(NAME, s.name, "routing decision p99", reporting.percentile(s.latencies_ms, 99), "ms")
+        for s in stats
+        if s.latencies_ms
+    ]
+    out += [
+        result(NAME, "all", t.metric, t.value, t.unit, target=t.what, met=t.met)
+        for t in targets(cfg, stats)
+    ]
+    return out
+
+
+def run(a: argparse.Namespace) -> list[Record]:
+    cfg = config_of(a)
     progress = reporting.Progress()
     logging.getLogger("kvbranch.router").setLevel(logging.ERROR)  # 10% are killed on purpose
     progress(sizes_md(cfg)[2:])
@@ -1011,8 +1036,9 @@ def main(argv: list[str] | None = None) -> None:
     info = reporting.machine_info()
     section = report(cfg, stats, info, progress.elapsed(), loads, title)
     reporting.write_json(reporting.raw_path("index_sim"), [s.row() for s in stats])
-    reporting.publish(section, no_results=not a.write_results)
+    reporting.publish(section, a.no_results)
+    return records_of(cfg, stats)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))

@@ -203,6 +203,28 @@ class TurnFlow:
             self.index_errors.labels("begin_turn").inc()
             return TurnStart(turn=0, hold=None, home=None)
 
+    async def choose_decode(
+        self, key: Key | None, start: TurnStart
+    ) -> tuple[Instance | None, Hold | None]:
+        """D for a turn, and the hold to pull from: the turn's hold when the chosen D is the
+        one that holds it (same URL, same instance id), else none. One place for the turn and
+        for the index simulation (benchmarks/index_sim.py), so that both decide alike."""
+        holding = start.hold
+        decode = await self.pool.choose_decode(
+            holding.decode_url if holding else None,
+            holding.instance_id if holding else None,
+            key,
+        )
+        pull = (
+            holding
+            if holding is not None
+            and decode is not None
+            and holding.decode_url == decode.url
+            and holding.instance_id == decode.instance_id
+            else None
+        )
+        return decode, pull
+
     @staticmethod
     def is_hold(params: Any) -> bool:
         """Params D returned for a hold it made: a remote decode with block ids."""
@@ -289,20 +311,7 @@ class _Turn:
         flow, key = self.flow, self.key
         start = await flow.begin(key)
         self.turn = start.turn
-        holding = start.hold
-        decode = await self.pool.choose_decode(
-            holding.decode_url if holding else None,
-            holding.instance_id if holding else None,
-            key,
-        )
-        pull = (
-            holding
-            if holding is not None
-            and decode is not None
-            and holding.decode_url == decode.url
-            and holding.instance_id == decode.instance_id
-            else None
-        )
+        decode, pull = await flow.choose_decode(key, start)
         if pull is not None and decode is not None:
             pull = await flow.claim(decode, pull, self.headers)
         prefill = await self.pool.choose_prefill(key, start, pulled=pull is not None)

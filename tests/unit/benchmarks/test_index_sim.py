@@ -34,7 +34,7 @@ def test_tiny_simulation_on_the_memory_backend():
     assert cluster.hit_rate <= cluster.oracle_rate
     assert len(cluster.latencies_ms) >= cluster.turns
     assert "memory, 2 routers" in table(stats)
-    assert any(name == "0 holds taken twice" and ok for name, ok, _ in targets(cfg, stats))
+    assert any(t.what == "0 holds taken twice" and t.met for t in targets(cfg, stats))
 
 
 def test_per_second_buckets():
