@@ -11,7 +11,8 @@
 
 Sources, nothing else (no number is written in this file): the raw JSON the benchmarks wrote
 (``benchmarks/out/{turn_ttft,agent_workload,pd_turns}-*.json``, not committed; ``--json``
-names others) and the tables the same benchmarks appended to ``benchmarks/RESULTS.md``. Each
+names others) and the tables the same benchmarks appended to the old RESULTS.md log (now
+``benchmarks/history/RESULTS-log-2026.md``; runs since write records, and their raw JSON). Each
 panel shows the latest run of its workload (runs are grouped by sessions x turns, KV budget and
 interleaving), and names its source: the RESULTS.md section or the JSON file. What a source
 lacks (per-turn recomputed tokens of the agent workloads are only in their raw JSON) is printed.
@@ -28,13 +29,16 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchmarks import reporting
 
 PLOTS_DIR = reporting.BENCH_DIR / "plots"
+#: The log every run appended its tables to until 2026-12-05 (RESULTS.md is generated now).
+HISTORY_MD = reporting.BENCH_DIR / "history" / "RESULTS-log-2026.md"
 RAW_KINDS = ("turn_ttft", "agent_workload", "pd_turns")
 
 #: Display names and colours, the same in every figure.
@@ -486,22 +490,41 @@ def plot_ttft(plt, runs: list[Run], path: Path, note: str) -> list[Run]:
     if not chosen:
         _empty(plt, path, title, "no recorded run with plain vLLM and kvbranch")
         return chosen
-    fig, axes = _grid(plt, len(chosen) + 1)
-    for ax, run in zip(axes, chosen, strict=False):
+
+    def draw(ax: Any, run: Run) -> None:
         for name in ("plain", "kvbranch"):
             _line(ax, run.ttft[name], name)
         for name, series in run.refs.items():
             if name.startswith("cold prefill") and series:
                 _line(ax, series, name, color="gray", linestyle="--", marker="x")
+
+    pair = ("plain", "kvbranch", "plain vLLM TTFT / kvbranch TTFT")
+    _turn_panels(plt, chosen, draw, pair, path, title, note)
+    return chosen
+
+
+def _turn_panels(
+    plt: Any,
+    chosen: list[Run],
+    draw: Callable[[Any, Run], None],
+    pair: tuple[str, str, str],
+    path: Path,
+    title: str,
+    note: str,
+) -> None:
+    """One TTFT-per-turn panel per run (``draw`` puts its lines in), then the panel of the
+    ``pair``'s ratio (baseline, kvbranch, label) over all of them."""
+    fig, axes = _grid(plt, len(chosen) + 1)
+    for ax, run in zip(axes, chosen, strict=False):
+        draw(ax, run)
         _xticks(ax, list(run.ttft.values()))
         ax.set(xlabel="turn", ylabel=run.ttft_what, title=_panel_title(run))
         ax.title.set_fontsize(9)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    _ratio_panel(axes[-1], chosen, "plain", "kvbranch", "plain vLLM TTFT / kvbranch TTFT")
+    _ratio_panel(axes[-1], chosen, *pair)
     _finish(fig, axes, path, title, note)
-    return chosen
 
 
 def _short(run: Run) -> str:
@@ -591,20 +614,15 @@ def plot_pd(plt, runs: list[Run], path: Path, note: str) -> list[Run]:
     if not chosen:
         _empty(plt, path, title, "no recorded run with pd and pd-kvbranch")
         return chosen
-    fig, axes = _grid(plt, len(chosen) + 1)
-    for ax, run in zip(axes, chosen, strict=False):
+
+    def draw(ax: Any, run: Run) -> None:
         for name in ("pd", "pd-kvbranch", "single-plain", "single-kvbranch"):
             if run.ttft.get(name):
                 style = {"linestyle": "--", "alpha": 0.6} if name.startswith("single") else {}
                 _line(ax, run.ttft[name], name, **style)
-        _xticks(ax, list(run.ttft.values()))
-        ax.set(xlabel="turn", ylabel=run.ttft_what, title=_panel_title(run))
-        ax.title.set_fontsize(9)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    _ratio_panel(axes[-1], chosen, "pd", "pd-kvbranch", "upstream P/D TTFT / kvbranch P/D TTFT")
-    _finish(fig, axes, path, title, note)
+
+    pair = ("pd", "pd-kvbranch", "upstream P/D TTFT / kvbranch P/D TTFT")
+    _turn_panels(plt, chosen, draw, pair, path, title, note)
     return chosen
 
 
@@ -619,7 +637,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="raw benchmark JSON files (default: benchmarks/out/{turn_ttft,agent_workload,"
         "pd_turns}-*.json)",
     )
-    ap.add_argument("--results", type=Path, default=reporting.RESULTS_MD, help="RESULTS.md")
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=HISTORY_MD,
+        help="the Markdown log whose tables are read (default: the old RESULTS.md log)",
+    )
     ap.add_argument("--no-results", action="store_true", help="use the JSON files only")
     ap.add_argument("--out-dir", type=Path, default=PLOTS_DIR)
     args = ap.parse_args(argv)
