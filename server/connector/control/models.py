@@ -142,11 +142,24 @@ class ControlRequest(BaseModel, Generic[A]):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        for base in cls.__mro__:
+        for base in cls.__mro__:  # the first base parametrized with a model, not a TypeVar
             meta = getattr(base, "__pydantic_generic_metadata__", None) or {}
-            if meta.get("origin") is ControlRequest and meta.get("args"):
-                cls.answer = meta["args"][0]
+            args = meta.get("args") or ()
+            if args and isinstance(args[0], type):
+                cls.answer = args[0]
                 return
+
+
+class SessionRequest(ControlRequest[A], Generic[A]):
+    """An op on one session: the fields every such op names, declared once."""
+
+    session_id: str
+
+
+class BranchRequest(SessionRequest[A], Generic[A]):
+    """An op on one branch of a session."""
+
+    branch_id: str
 
 
 class Info(ControlRequest[EngineInfo]):
@@ -160,30 +173,24 @@ class CreateSession(ControlRequest[SessionInfo]):
     pin_ttl_s: float | None = None
 
 
-class GetSession(ControlRequest[SessionInfo]):
+class GetSession(SessionRequest[SessionInfo]):
     op = "get_session"
-    session_id: str
 
 
-class DeleteSession(ControlRequest[DeleteResult]):
+class DeleteSession(SessionRequest[DeleteResult]):
     op = "delete_session"
-    session_id: str
 
 
-class ListBranches(ControlRequest[BranchList]):
+class ListBranches(SessionRequest[BranchList]):
     op = "list_branches"
-    session_id: str
 
 
-class GetBranch(ControlRequest[BranchInfo]):
+class GetBranch(BranchRequest[BranchInfo]):
     op = "get_branch"
-    session_id: str
-    branch_id: str
 
 
-class Fork(ControlRequest[BranchInfo]):
+class Fork(SessionRequest[BranchInfo]):
     op = "fork"
-    session_id: str
     parent: str = DEFAULT_BRANCH
     branch_id: str | None = None
     token_offset: int | None = None
@@ -191,29 +198,21 @@ class Fork(ControlRequest[BranchInfo]):
     token_prefix: list[int] | None = None
 
 
-class DeleteBranch(ControlRequest[DeleteResult]):
+class DeleteBranch(BranchRequest[DeleteResult]):
     op = "delete_branch"
-    session_id: str
-    branch_id: str
 
 
-class Pin(ControlRequest[BranchInfo]):
+class Pin(BranchRequest[BranchInfo]):
     op = "pin"
-    session_id: str
-    branch_id: str
     ttl_s: float
 
 
-class Unpin(ControlRequest[BranchInfo]):
+class Unpin(BranchRequest[BranchInfo]):
     op = "unpin"
-    session_id: str
-    branch_id: str
 
 
-class PlanPrefetch(ControlRequest[PrefetchPlan]):
+class PlanPrefetch(BranchRequest[PrefetchPlan]):
     op = "prefetch_plan"
-    session_id: str
-    branch_id: str
     to_device: bool = False
 
 
