@@ -37,21 +37,7 @@ from sdk.contract import (
 )
 from server import __version__
 from server.common.errors import error_response
-from server.connector.control.models import (
-    ControlRequest,
-    CreateSession,
-    DeleteBranch,
-    DeleteSession,
-    Fork,
-    GetBranch,
-    GetSession,
-    GetStats,
-    Info,
-    ListBranches,
-    Pin,
-    PlanPrefetch,
-    Unpin,
-)
+from server.connector.control import models as ctl
 from server.connector.control.transport import ControlError
 from server.plugin.state import PluginState
 from server.plugin.tenancy import app_args_of, owner_of
@@ -81,7 +67,7 @@ def _kvb(request: Request) -> PluginState:
     return state
 
 
-async def _call(request: Request, op: ControlRequest[A]) -> A:
+async def _call(request: Request, op: ctl.ControlRequest[A]) -> A:
     """``op`` on behalf of the caller's tenant."""
     kvb = _kvb(request)
     if kvb.control is None:
@@ -114,7 +100,7 @@ async def health(request: Request) -> Response:
     status: Literal["ok", "degraded"] = "ok"
     if kvb.control is not None:
         try:
-            info = await kvb.control.call(Info())
+            info = await kvb.control.call(ctl.Info())
             connector = ConnectorInfo(
                 loaded=info.enabled,
                 name=connector.name,
@@ -141,20 +127,22 @@ async def health(request: Request) -> Response:
 @router.get("/stats", response_model=Stats)
 @_routed
 async def stats(request: Request) -> Response:
-    return _answer(Stats, await _call(request, GetStats()))
+    return _answer(Stats, await _call(request, ctl.GetStats()))
 
 
 @router.post("/sessions", response_model=SessionInfo, status_code=201)
 @_routed
 async def create_session(request: Request, body: CreateSessionRequest = NewSession) -> Response:
-    op = CreateSession(session_id=body.session_id, auto_pin=body.auto_pin, pin_ttl_s=body.pin_ttl_s)
+    op = ctl.CreateSession(
+        session_id=body.session_id, auto_pin=body.auto_pin, pin_ttl_s=body.pin_ttl_s
+    )
     return _answer(SessionInfo, await _call(request, op), 201)
 
 
 @router.get("/sessions/{session_id}/branches", response_model=list[BranchInfo])
 @_routed
 async def list_branches(request: Request, session_id: str = SessionId) -> Response:
-    branches = await _call(request, ListBranches(session_id=session_id))
+    branches = await _call(request, ctl.ListBranches(session_id=session_id))
     return JSONResponse(branches.model_dump(mode="json"))
 
 
@@ -169,7 +157,7 @@ async def fork_branch(request: Request, body: ForkRequest, session_id: str = Ses
         if isinstance(rendered, Response):
             return rendered
         token_prefix = rendered
-    op = Fork(
+    op = ctl.Fork(
         session_id=session_id,
         parent=body.parent,
         branch_id=body.branch_id,
@@ -209,7 +197,7 @@ async def _render(request: Request, messages: list[dict[str, Any]]) -> list[int]
 async def pin_branch(
     request: Request, body: PinRequest, session_id: str = SessionId, branch_id: str = BranchId
 ) -> Response:
-    op = Pin(session_id=session_id, branch_id=branch_id, ttl_s=body.ttl_s)
+    op = ctl.Pin(session_id=session_id, branch_id=branch_id, ttl_s=body.ttl_s)
     return _answer(BranchInfo, await _call(request, op))
 
 
@@ -230,7 +218,7 @@ async def prefetch_branch(
     last sequence as a 1-token request in the background, so that its blocks come from the
     device cache or the host store (or are recomputed) and stay cached for the next turn."""
     to_device = body.to_device if body is not None else False
-    op = PlanPrefetch(session_id=session_id, branch_id=branch_id, to_device=to_device)
+    op = ctl.PlanPrefetch(session_id=session_id, branch_id=branch_id, to_device=to_device)
     plan = await _call(request, op)
     tokens = plan.token_ids
     kvb = _kvb(request)
@@ -253,14 +241,18 @@ async def prefetch_branch(
 
 
 # --- the routes that are one control op answered by one model ------------------------------
-def _session_op(op: type[SessionOp], model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
+def _session_op(
+    op: type[ctl.SessionRequest[Any]], model: type[BaseModel]
+) -> Callable[..., Awaitable[Response]]:
     async def handler(request: Request, session_id: str = SessionId) -> Response:
         return _answer(model, await _call(request, op(session_id=session_id)))
 
     return _routed(handler)
 
 
-def _branch_op(op: type[BranchOp], model: type[BaseModel]) -> Callable[..., Awaitable[Response]]:
+def _branch_op(
+    op: type[ctl.BranchRequest[Any]], model: type[BaseModel]
+) -> Callable[..., Awaitable[Response]]:
     async def handler(
         request: Request, session_id: str = SessionId, branch_id: str = BranchId
     ) -> Response:
@@ -269,30 +261,16 @@ def _branch_op(op: type[BranchOp], model: type[BaseModel]) -> Callable[..., Awai
     return _routed(handler)
 
 
-SessionOp = GetSession | DeleteSession
-BranchOp = GetBranch | DeleteBranch | Unpin
 _SESSION = "/sessions/{session_id}"
 _BRANCH = _SESSION + "/branches/{branch_id}"
-for _method, _session_req, _session_model in (
-    ("GET", GetSession, SessionInfo),
-    ("DELETE", DeleteSession, DeleteResult),
+for _method, _path, _req, _model in (
+    ("GET", _SESSION, ctl.GetSession, SessionInfo),
+    ("DELETE", _SESSION, ctl.DeleteSession, DeleteResult),
+    ("GET", _BRANCH, ctl.GetBranch, BranchInfo),
+    ("DELETE", _BRANCH, ctl.DeleteBranch, DeleteResult),
+    ("DELETE", _BRANCH + "/pin", ctl.Unpin, BranchInfo),
 ):
+    _build = _branch_op if issubclass(_req, ctl.BranchRequest) else _session_op
     router.add_api_route(
-        _SESSION,
-        _session_op(_session_req, _session_model),
-        methods=[_method],
-        response_model=_session_model,
-        name=_session_req.op,
-    )
-for _method, _path, _branch_req, _branch_model in (
-    ("GET", _BRANCH, GetBranch, BranchInfo),
-    ("DELETE", _BRANCH, DeleteBranch, DeleteResult),
-    ("DELETE", _BRANCH + "/pin", Unpin, BranchInfo),
-):
-    router.add_api_route(
-        _path,
-        _branch_op(_branch_req, _branch_model),
-        methods=[_method],
-        response_model=_branch_model,
-        name=_branch_req.op,
+        _path, _build(_req, _model), methods=[_method], response_model=_model, name=_req.op
     )
