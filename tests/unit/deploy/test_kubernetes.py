@@ -311,6 +311,7 @@ def test_env_is_what_the_code_reads(rendered: dict[str, list[Obj]], overlay: str
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_use_routes_open_without_a_key(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    from server.plugin import cluster_gate
     from server.plugin.guard import GENERATE_PATHS
     from server.router.app import Router, build_app
     from server.router.edge import PUBLIC_PATHS
@@ -332,6 +333,8 @@ def test_probes_use_routes_open_without_a_key(rendered: dict[str, list[Obj]], ov
             else:
                 assert not path.startswith(VLLM_KEYED_PREFIXES), f"{name} {kind}: {path} keyed"
                 assert path not in GENERATE_PATHS, f"{name} {kind}: {path}"
+                # The plugin's guard lets every other GET through, with keys or without.
+                assert not cluster_gate.is_dev_path(path), f"{name} {kind}: {path} is dev"
         if router:
             # The router's /health is 503 while no instance is routable: as liveness it would
             # restart every router whenever the instances are down.
@@ -353,7 +356,8 @@ def test_routers_have_a_disruption_budget(rendered: dict[str, list[Obj]], overla
 def test_resources(rendered: dict[str, list[Obj]], overlay: str) -> None:
     """GPU overlays ask every instance for a GPU; on CPU the memory limit holds the device KV
     cache, the host store and /dev/shm (all host memory there)."""
-    gpu = overlay == "production"
+    kustomization = yaml.safe_load((KUBE / "overlays" / overlay / "kustomization.yaml").read_text())
+    gpu = "../../components/gpu" in kustomization.get("components", [])
     for dep, c in _ours(rendered[overlay]):
         args = _parse(c)[0]
         res = c["resources"]
