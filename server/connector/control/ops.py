@@ -25,26 +25,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from pydantic import BaseModel
 
-from server.connector.control.models import (
-    ControlError,
-    ControlRequest,
-    CreateSession,
-    DeleteBranch,
-    DeleteSession,
-    Fork,
-    GetBranch,
-    GetSession,
-    GetStats,
-    Info,
-    ListBranches,
-    Pin,
-    PlanPrefetch,
-    ResetStore,
-    Split,
-    Unpin,
-    check_answer,
-    parse_request,
-)
+from server.connector.control import models as ctl
+from server.connector.control.models import ControlError, check_answer, parse_request
 from server.connector.core.planner import Planner
 from server.connector.core.sessions import RegistryError
 from server.engine import scheduler_counters
@@ -66,7 +48,7 @@ class OpContext(Protocol):
     def device_resident(self, block_hashes: list[bytes]) -> bool: ...
 
 
-R = TypeVar("R", bound=ControlRequest[Any])
+R = TypeVar("R", bound=ctl.ControlRequest[Any])
 
 
 @dataclass(frozen=True)
@@ -111,7 +93,7 @@ def run_op(side: OpContext, ops: Mapping[str, Op[Any]], line: dict[str, Any]) ->
     return answer.model_dump(mode="json")
 
 
-def _info(side: OpContext, req: Info) -> dict:
+def _info(side: OpContext, req: ctl.Info) -> dict:
     return {
         "block_size": side.block_size,
         "block_bytes": side.block_bytes,
@@ -123,7 +105,7 @@ def _info(side: OpContext, req: Info) -> dict:
     }
 
 
-def _create_session(side: OpContext, req: CreateSession) -> dict:
+def _create_session(side: OpContext, req: ctl.CreateSession) -> dict:
     reg = side.planner.registry
     session = reg.create_session(
         req.session_id, auto_pin=req.auto_pin, pin_ttl_s=req.pin_ttl_s, owner=req.owner
@@ -131,28 +113,28 @@ def _create_session(side: OpContext, req: CreateSession) -> dict:
     return reg.session_info(session)
 
 
-def _get_session(side: OpContext, req: GetSession) -> dict:
+def _get_session(side: OpContext, req: ctl.GetSession) -> dict:
     reg = side.planner.registry
     return reg.session_info(reg.get_session(req.session_id, req.owner))
 
 
-def _delete_session(side: OpContext, req: DeleteSession) -> dict:
+def _delete_session(side: OpContext, req: ctl.DeleteSession) -> dict:
     released = side.planner.registry.delete_session(req.session_id, req.owner)
     return {"deleted": req.session_id, "released_blocks": released}
 
 
-def _list_branches(side: OpContext, req: ListBranches) -> list:
+def _list_branches(side: OpContext, req: ctl.ListBranches) -> list:
     reg = side.planner.registry
     session = reg.get_session(req.session_id, req.owner)
     return [reg.branch_info(b) for b in session.branches.values()]
 
 
-def _get_branch(side: OpContext, req: GetBranch) -> dict:
+def _get_branch(side: OpContext, req: ctl.GetBranch) -> dict:
     reg = side.planner.registry
     return reg.branch_info(reg.get_branch(req.session_id, req.branch_id, req.owner))
 
 
-def _fork(side: OpContext, req: Fork) -> dict:
+def _fork(side: OpContext, req: ctl.Fork) -> dict:
     reg = side.planner.registry
     branch = reg.fork(
         req.session_id,
@@ -165,22 +147,22 @@ def _fork(side: OpContext, req: Fork) -> dict:
     return reg.branch_info(branch)
 
 
-def _delete_branch(side: OpContext, req: DeleteBranch) -> dict:
+def _delete_branch(side: OpContext, req: ctl.DeleteBranch) -> dict:
     released = side.planner.registry.delete_branch(req.session_id, req.branch_id, req.owner)
     return {"deleted": req.branch_id, "released_blocks": released}
 
 
-def _pin(side: OpContext, req: Pin) -> dict:
+def _pin(side: OpContext, req: ctl.Pin) -> dict:
     reg = side.planner.registry
     return reg.branch_info(reg.pin(req.session_id, req.branch_id, req.ttl_s, req.owner))
 
 
-def _unpin(side: OpContext, req: Unpin) -> dict:
+def _unpin(side: OpContext, req: ctl.Unpin) -> dict:
     reg = side.planner.registry
     return reg.branch_info(reg.unpin(req.session_id, req.branch_id, req.owner))
 
 
-def _prefetch_plan(side: OpContext, req: PlanPrefetch) -> dict:
+def _prefetch_plan(side: OpContext, req: ctl.PlanPrefetch) -> dict:
     """Where the branch's blocks are: the device cache (nothing to run), the host store (nothing
     to run either unless ``to_device``: the next turn loads them in one copy, while an engine
     step would take the engine from other sessions and the device blocks it fills may well be
@@ -205,15 +187,15 @@ def _prefetch_plan(side: OpContext, req: PlanPrefetch) -> dict:
     }
 
 
-def _split(side: OpContext, req: Split) -> dict | None:
+def _split(side: OpContext, req: ctl.Split) -> dict | None:
     return side.planner.split_for(req.tag)
 
 
-def _stats(side: OpContext, req: GetStats) -> dict:
+def _stats(side: OpContext, req: ctl.GetStats) -> dict:
     return stats_of(side, req.owner, all_owners=req.all_owners)
 
 
-def _reset_store(side: OpContext, req: ResetStore) -> dict:
+def _reset_store(side: OpContext, req: ctl.ResetStore) -> dict:
     return {"dropped_blocks": side.planner.reset_store()}
 
 
@@ -225,20 +207,20 @@ def registry(*ops: Op[Any]) -> dict[str, Op[Any]]:
 
 
 OPS: dict[str, Op[Any]] = registry(
-    Op(Info, _info),
-    Op(CreateSession, _create_session),
-    Op(GetSession, _get_session),
-    Op(DeleteSession, _delete_session),
-    Op(ListBranches, _list_branches),
-    Op(GetBranch, _get_branch),
-    Op(Fork, _fork),
-    Op(DeleteBranch, _delete_branch),
-    Op(Pin, _pin),
-    Op(Unpin, _unpin),
-    Op(PlanPrefetch, _prefetch_plan),
-    Op(Split, _split),
-    Op(GetStats, _stats),
-    Op(ResetStore, _reset_store),
+    Op(ctl.Info, _info),
+    Op(ctl.CreateSession, _create_session),
+    Op(ctl.GetSession, _get_session),
+    Op(ctl.DeleteSession, _delete_session),
+    Op(ctl.ListBranches, _list_branches),
+    Op(ctl.GetBranch, _get_branch),
+    Op(ctl.Fork, _fork),
+    Op(ctl.DeleteBranch, _delete_branch),
+    Op(ctl.Pin, _pin),
+    Op(ctl.Unpin, _unpin),
+    Op(ctl.PlanPrefetch, _prefetch_plan),
+    Op(ctl.Split, _split),
+    Op(ctl.GetStats, _stats),
+    Op(ctl.ResetStore, _reset_store),
 )
 
 
