@@ -404,11 +404,12 @@ def _admitted(objs: list[Obj], dep: Obj, port: int) -> list[Obj | None]:
 
 
 def _only_from(objs: list[Obj], dep: Obj, port: int, roles: set[str]) -> None:
-    """Every peer admitted to ``port`` is a pod selector matching only kvbranch pods of
-    ``roles`` (of the rendered ones), or pods outside the render (a named label: llm-d's)."""
+    """The peers admitted to ``port`` are exactly the kvbranch pods of ``roles`` (each one a
+    pod selector; pods outside the render, such as llm-d's scheduler, may match too)."""
     name = dep["metadata"]["name"]
     peers = _admitted(objs, dep, port)
     assert peers, f"{name}: nothing may reach port {port}"
+    reached: set[str] = set()
     for peer in peers:
         assert peer is not None, f"{name}: port {port} is open to anyone"
         assert "ipBlock" not in peer, f"{name}: port {port} open to addresses"
@@ -419,6 +420,8 @@ def _only_from(objs: list[Obj], dep: Obj, port: int, roles: set[str]) -> None:
         pods = [(_component(d), _pod_labels(d)) for d in _workloads(objs)] + PROBE_PODS
         hit = {role for role, labels in pods if _matches(sel, labels)}
         assert hit <= roles, f"{name}: port {port} admits {hit - roles}"
+        reached |= hit
+    assert reached == roles, f"{name}: port {port} shuts out {roles - reached}"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
