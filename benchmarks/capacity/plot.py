@@ -25,6 +25,7 @@ def plot(
             marker="o",
             label=f"{name} (capacity {capacity(steps)})",
         )
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.axhline(slo_s, color="grey", linestyle="--", label=f"SLO {slo_s:.2f} s")
     reporting.save_plot(fig, ax, path, "concurrent agents", "p90 TTFT of resumed turns (s)", title)
     return path

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks import reporting
-from benchmarks.capacity.sweep import StepSummary, capacity, ratio_target
+from benchmarks.capacity.sweep import StepSummary, capacity, lower_bound, ratio_target
 
 
 def _p(a: float, b: float, c: float) -> str:
@@ -69,7 +69,10 @@ def markdown(
     caps = {name: capacity(steps) for name, steps in summaries.items()}
     lines.append(
         "Capacity (largest count meeting the SLO, every smaller count meeting it too): "
-        + ", ".join(f"{k} **{v}**" for k, v in caps.items())
+        + ", ".join(
+            f"{k} **{'>= ' if lower_bound(summaries[k]) else ''}{v}**" for k, v in caps.items()
+        )
+        + " (>=: no count failed, raise --agents)"
     )
     if "plain" in caps:
         want = ratio_target(args.trace)

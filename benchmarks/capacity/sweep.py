@@ -144,6 +144,12 @@ def capacity(done: Sequence[StepSummary]) -> int:
     return best
 
 
+def lower_bound(done: Sequence[StepSummary]) -> bool:
+    """Whether the capacity is only a lower bound: no count measured failed the SLO (the
+    sweep ran out of counts before the curve crossed it; raise ``--agents``)."""
+    return not should_stop(done)
+
+
 def compare_answers(turns: Sequence[Turn], reference: Sequence[Turn]) -> tuple[int, int]:
     """``(identical, compared)``: turns whose answer equals the reference configuration's for
     the same inputs (only keys both ran are compared)."""
@@ -221,6 +227,8 @@ def build_records(
             note = f"{baseline} carries {base}" + (
                 "" if base > 0 else ": no ratio; start the sweep at fewer agents"
             )
+        if lower_bound(steps):
+            note = "; ".join(x for x in (note, "no count failed: a lower bound") if x)
         out.append(
             result(
                 BENCHMARK,

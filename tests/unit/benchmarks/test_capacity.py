@@ -135,8 +135,16 @@ def test_records_carry_the_slo_every_count_and_the_capacity_ratio_target() -> No
     cap = by[("kvbranch", "bfcl capacity at the SLO")]
     assert cap.value == 2 and cap.met is False and ">= 10x" in cap.target
     assert by[("plain", "bfcl capacity at the SLO")].value == 1
+    assert "lower bound" not in cap.note
     for metric in ("cold TTFT p99", "output throughput", "recomputed prompt tokens"):
         assert ("plain", f"bfcl agents=2 {metric}") in by
+
+
+def test_a_sweep_that_never_failed_reports_a_lower_bound() -> None:
+    done = [_summary(1, 0.2), _summary(2, 0.4)]
+    assert sweep.lower_bound(done) and not sweep.lower_bound([*done, _summary(4, 2.0)])
+    recs = sweep.build_records("bfcl", {"kvbranch": done}, 1.0, 0.25, 4.0, {})
+    assert "lower bound" in recs[-1].note and recs[-1].value == 2
 
 
 def test_the_ratio_target_is_not_judged_when_plain_meets_the_slo_nowhere() -> None:
