@@ -151,9 +151,10 @@ async def _config(name: str, args, convs, counts, slo: list[float], log) -> dict
         alone, _ = await replay.run_agents(
             oai, model, convs[: args.alone], 1, args.alone, "alone", sessions
         )
-        out["alone"] = sweep.slo_from_alone([t.ttft_s for t in alone if t.resumed], 1.0)[0]
+        resumed = [t.ttft_s for t in alone if t.resumed]
+        out["alone"], own_slo = sweep.slo_from_alone(resumed, args.slo_multiple)
         if not slo:
-            slo.append(out["alone"] * args.slo_multiple)
+            slo.append(own_slo)
         log(f"[{name}] resumed turn alone {out['alone']:.3f} s; SLO {slo[0]:.3f} s")
         done: list[sweep.StepSummary] = []
         for n in counts:
@@ -195,6 +196,8 @@ def run(args: argparse.Namespace) -> list[Record]:
         for key, value in QUICK.items():
             setattr(args, key, value)
     counts = _counts(args.agents)
+    if args.slo_multiple <= 0 or args.per_agent < 1 or args.alone < 1:
+        raise SystemExit("--slo-multiple must be positive, --per-agent and --alone at least 1")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     log = reporting.Progress()
     convs, workload = load_traces(args, max(counts) * args.per_agent)
