@@ -9,7 +9,7 @@ the ``engine_id`` vLLM gives every server (a fresh UUID unless the user sets one
 named after a digest of it, in one private directory per user.
 
 The directory is ``$XDG_RUNTIME_DIR/kvbranch`` (systemd's per-user runtime directory, mode 0700)
-when that is set, else ``<tmp>/kvbranch-<uid>``; made with mode 0700 when missing. The control
+when that exists, else ``<tmp>/kvbranch-<uid>``; made with mode 0700 when missing. The control
 server refuses to bind in a directory that is not a real directory owned by this user without
 group or other permissions (``server.connector.control.transport.check_private_dir``), and the
 plugin checks the same before connecting: a directory another user made first stops the server
@@ -32,9 +32,10 @@ _DIGEST_CHARS = 24
 
 
 def runtime_dir() -> str:
-    """This user's private directory for control sockets (not created here)."""
+    """This user's private directory for control sockets (not created here); systemd's
+    runtime directory only where it exists (a shell after ``su`` can name one that does not)."""
     xdg = os.environ.get("XDG_RUNTIME_DIR", "").strip()
-    if xdg and os.path.isabs(xdg):
+    if xdg and os.path.isabs(xdg) and os.path.isdir(xdg):
         return os.path.join(xdg, "kvbranch")
     return os.path.join(tempfile.gettempdir(), f"kvbranch-{os.getuid()}")
 

@@ -159,8 +159,9 @@ def test_engine_core_makes_a_private_directory(monkeypatch, tmp_path):
     path = default_control_socket("e", create=True)
     info = os.stat(os.path.dirname(path))
     assert stat.S_IMODE(info.st_mode) & 0o077 == 0
-    monkeypatch.setenv("XDG_RUNTIME_DIR", "relative/dir")  # not systemd's: the temp folder
-    assert runtime_dir().endswith(f"kvbranch-{os.getuid()}")
+    for odd in ("relative/dir", str(tmp_path / "missing")):  # not systemd's: the temp folder
+        monkeypatch.setenv("XDG_RUNTIME_DIR", odd)
+        assert runtime_dir().endswith(f"kvbranch-{os.getuid()}")
 
 
 def test_apply_fills_what_the_launcher_did_not_set(monkeypatch):
