@@ -62,8 +62,8 @@ def utc_now() -> str:
 
 
 def command_of(argv: Sequence[str]) -> str:
-    """The command as typed, with the server switches of the environment in front (they switch
-    parts of the server off for A/B runs; an allowlist, the environment also holds secrets)."""
+    """The command as typed (:func:`benchmarks.reporting.command_line`: the server switches of
+    the environment in front, no secret), spelled through this entry."""
     env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k in reporting.REPORTED_ENV]
     return " ".join([*env, ".venv/bin/python -m benchmarks", *argv])
 

@@ -109,13 +109,6 @@ def add_server_args(
         )
 
 
-def parse_run_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
-    args = ap.parse_args()
-    if getattr(args, "reserved_cpus", None) is not None and args.reserved_cpus < 0:
-        args.reserved_cpus = None
-    return args
-
-
 # --- servers -------------------------------------------------------------------------------------
 def server_args(
     connector: bool,

@@ -245,11 +245,12 @@ def records_of(passes: list[dict]) -> list[Record]:
         result(
             NAME,
             "on/off",
-            f"{METRICS[m.key][0]} (median, 95% CI {m.lo:.3f}-{m.hi:.3f})",
+            f"{METRICS[m.key][0]} (median of passes)",
             m.med,
             "x",
             target=m.target,
             met=m.met,
+            note=f"95% CI {m.lo:.3f}-{m.hi:.3f}",
         )
         for m in metric_ratios(passes, random.Random(1))
     ]

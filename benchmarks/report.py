@@ -103,12 +103,18 @@ def section(bench: str, rows: list[Record]) -> list[str]:
         plots = sorted({p for r in recs for p in r.plots})
         if plots:
             lines.append("- Plots: " + ", ".join(f"[{p}]({p})" for p in plots))
-        notes = sorted({r.note for r in recs if r.note})
-        lines += [f"- Note: {cell(note)}" for note in notes]
-        lines += ["", "| config | metric | value | target | met |", "|---|---|---|---|---|"]
+        shared = {r.note for r in recs}
+        if len(shared) == 1 and recs[0].note:  # the run's note: once, not in every row
+            lines.append(f"- Note: {cell(recs[0].note)}")
+        own = len(shared) > 1
+        lines += [
+            "",
+            "| config | metric | value | target | met |" + (" note |" if own else ""),
+            "|---|---|---|---|---|" + ("---|" if own else ""),
+        ]
         lines += [
             f"| {cell(r.config)} | {cell(r.metric)} | {fmt_value(r)} | {cell(r.target)} "
-            f"| {fmt_met(r)} |"
+            f"| {fmt_met(r)} |" + (f" {cell(r.note)} |" if own else "")
             for r in recs
         ]
         lines.append("")

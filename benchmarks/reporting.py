@@ -148,7 +148,8 @@ def command_line() -> str:
     except ValueError:
         pass
     env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k in REPORTED_ENV]
-    return " ".join([*env, ".venv/bin/python", str(script), *sys.argv[1:]])
+    run = ["-m", "benchmarks"] if script.name == "__main__.py" else [str(script)]  # the entry
+    return " ".join([*env, ".venv/bin/python", *run, *sys.argv[1:]])
 
 
 def run_header(title: str, info: dict[str, str], elapsed_s: float) -> list[str]:

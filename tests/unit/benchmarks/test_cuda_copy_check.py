@@ -8,18 +8,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "cuda_copy_check.py"
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_dry_run_reports_copies_against_the_link_limit() -> None:
+    argv = ["--no-results", "--dry-run", "--quick", "--layers", "2", "--link-mib", "8"]
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--quick", "--layers", "2", "--link-mib", "8"],
+        [sys.executable, "-m", "benchmarks", "cuda_copy_check", *argv],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
-    report = json.loads(out.stdout)
+    printed, records = out.stdout.split("\n[record] ", 1)  # its JSON, then the run's records
+    report = json.loads(printed)
+    assert "copy checks passed (of 10; 10 skipped) = 0 checks" in records
     assert report["device"].startswith("cpu")
     assert set(report["checks"].values()) == {"skipped (needs CUDA)"}
     assert report["link"]["h2d_GBps"] > 0 and report["link"]["d2h_GBps"] > 0

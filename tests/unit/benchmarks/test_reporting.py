@@ -24,3 +24,10 @@ def test_the_command_line_without_switches_is_the_command(monkeypatch):
     for name in reporting.REPORTED_ENV:
         monkeypatch.delenv(name, raising=False)
     assert reporting.command_line() == ".venv/bin/python benchmarks/turn1_ab.py"
+
+
+def test_the_command_line_through_the_entry_names_the_entry(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/x/benchmarks/__main__.py", "turn1_ab", "--rounds", "2"])
+    for name in reporting.REPORTED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert reporting.command_line() == ".venv/bin/python -m benchmarks turn1_ab --rounds 2"
