@@ -42,8 +42,8 @@ import pytest
 import yaml
 
 from server.index.event_sockets import exposed_endpoints
-from server.launcher.cli import split_passthrough
-from server.launcher.settings import build_parser
+from server.launcher.cli import pd_environment, split_passthrough
+from server.launcher.settings import advertise_url, build_parser
 
 ROOT = Path(__file__).resolve().parents[3]
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -59,6 +59,8 @@ VLLM_KEYED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 READ_ELSEWHERE = {"PYTHONHASHSEED": "Python itself: vLLM's block-hash seed (docs/kv_events.md)"}
 INSTANCE_ROLES = ("single", "prefill", "decode")
 DUMMY_SECRET = "test-only-not-a-secret"
+#: What ``$(POD_IP)`` (the downward API's status.podIP) stands for here.
+POD_IP = "10.1.2.3"
 #: Pods a NetworkPolicy is also tried against: every kvbranch role (an overlay may lack some)
 #: and a pod of someone else's.
 PROBE_PODS = [
@@ -138,7 +140,7 @@ def _expand(c: Obj) -> list[str]:
 
     def sub(m: re.Match[str]) -> str:
         assert m.group(1) in defined, f"{c['name']}: $({m.group(1)}) is not in its env"
-        return "10.1.2.3" if m.group(1) == "POD_IP" else "dummy-value"
+        return POD_IP if m.group(1) == "POD_IP" else "dummy-value"
 
     return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, a) for a in c.get("args", [])]
 
@@ -246,10 +248,14 @@ def test_ports_are_the_ones_the_flags_open(rendered: dict[str, list[Obj]], overl
             if probe and "httpGet" in probe:
                 assert probe["httpGet"]["port"] in ("http", args.port), f"{name} {kind}"
         if args.role in ("prefill", "decode"):
-            nixl = args.nixl_port or args.port + 10000
+            # What the launcher gives vLLM's NIXL connector, and what the heartbeat publishes:
+            # the pod's own address (a wildcard would be advertised as 127.0.0.1) and ports.
+            side = pd_environment(args)
+            nixl = int(side["VLLM_NIXL_SIDE_CHANNEL_PORT"])
             assert _port(c, "nixl") == nixl, f"{name}: port 'nixl' is not the side channel {nixl}"
-            url = urlsplit(args.advertise_url or "")
-            assert url.port == args.port, f"{name}: --advertise-url {args.advertise_url}"
+            assert side["VLLM_NIXL_SIDE_CHANNEL_HOST"] == POD_IP, f"{name}: NIXL advertises {side}"
+            url = urlsplit(advertise_url(args))
+            assert (url.hostname, url.port) == (POD_IP, args.port), f"{name}: {url.geturl()}"
         for endpoint in exposed_endpoints(passthrough):
             port = int(endpoint.rsplit(":", 1)[1])
             assert port in {p["containerPort"] for p in c["ports"]}, f"{name}: {endpoint}"
@@ -437,7 +443,8 @@ def test_network_policies_guard_redis_nixl_and_kv_events(
     for dep, c in _ours(objs):
         args, passthrough = _parse(c)
         if args.role in ("prefill", "decode"):
-            _only_from(objs, dep, args.nixl_port or args.port + 10000, {"prefill", "decode"})
+            nixl = int(pd_environment(args)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+            _only_from(objs, dep, nixl, {"prefill", "decode"})
             _only_from(objs, dep, args.port, {"router"})
         for endpoint in exposed_endpoints(passthrough):
             # Only pods outside the render (the scheduler's) may read the event stream.
