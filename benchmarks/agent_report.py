@@ -1,6 +1,6 @@
 """The report of ``benchmarks/agent_workload.py``: per-configuration summaries (TTFT by turn
 index, job completion times, prompt tokens by source, throughput, peak RSS), the TTFT-vs-turn
-plot and the RESULTS.md section with ratios against the first configuration of the run.
+plot, the Markdown report with ratios against the first configuration of the run, and its records.
 
 Apart from the workload and its runner so that each file reads as one job."""
 

@@ -1,8 +1,8 @@
 """A realistic agentic workload against OpenAI-compatible endpoints: plain vLLM vs kvbranch.
 
-    .venv/bin/python benchmarks/agent_workload.py --quick     # ~10 minutes on 2 cores
-    .venv/bin/python benchmarks/agent_workload.py             # full profile (memory pressure)
-    .venv/bin/python benchmarks/agent_workload.py --replay benchmarks/out/<run>-workload.json
+    .venv/bin/python -m benchmarks agent_workload --quick     # ~10 minutes on 2 cores
+    .venv/bin/python -m benchmarks agent_workload             # full profile (memory pressure)
+    .venv/bin/python -m benchmarks agent_workload --replay benchmarks/out/<run>-workload.json
 
 S concurrent agent sessions run T turns each: a shared system prompt with tool schemas, a tool
 observation of about U tokens appended per turn, G generated tokens per turn (greedy), a tool
@@ -34,7 +34,7 @@ by source (device cache / host store / recomputed, from the server's accounting)
 tokens per second, peak summed RSS of the server's process group; ratios against plain vLLM.
 Raw data and the workload go to benchmarks/out/; a TTFT-vs-turn plot to
 benchmarks/agent_workload_<profile>.png (``_pd.png`` for runs of P/D configurations only); a
-section is appended to benchmarks/RESULTS.md.
+report is printed and its records written (benchmarks/README.md).
 
 Over 400 lines on purpose: the workload, its runner and the command line read as one script;
 the summary, plot and report are in :mod:`benchmarks.agent_report`.

@@ -16,8 +16,8 @@ from its ``profile_export_aiperf.json`` and per-request ``profile_export.jsonl``
 report, with kvbranch's prompt-token accounting from ``/v1/kvbranch/stats``.
 
 aiperf lives in its own venv (it pins versions of its own); only its command line is used.
-Artifacts: benchmarks/out/aiperf-<time>/<config>/; a section is appended to
-benchmarks/RESULTS.md (unless --no-results).
+Artifacts: benchmarks/out/aiperf-<time>/<config>/; the report is printed and the
+records written to benchmarks/results/ (unless --no-results).
 """
 
 from __future__ import annotations

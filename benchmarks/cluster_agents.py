@@ -18,8 +18,8 @@ for the rest of the run. Per configuration: hit rate (the share of each resumed 
 that was not recomputed: device, host store or pulled from D), recomputed tokens, p50/p95 TTFT of
 resumed turns (before and after the kill), routes taken, failed requests.
 
-Raw data: benchmarks/out/cluster_agents-<time>.json; a section is appended to
-benchmarks/RESULTS.md (unless --no-results).
+Raw data: benchmarks/out/cluster_agents-<time>.json; the report is printed and the
+records written to benchmarks/results/ (unless --no-results).
 """
 
 from __future__ import annotations

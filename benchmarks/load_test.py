@@ -13,8 +13,8 @@ and half the time unpins and deletes the fork; then it deletes the session and o
 Measured: operations ok / failed (the run fails if any failed), chat latency p50 / p95 (and
 per route), the summed RSS of the server's process group sampled over time (start, peak, end),
 and, after every session was deleted, the server's pinned blocks (must be 0) and sessions left.
-Raw data goes to ``benchmarks/out/load_test-<profile>-<time>.json`` and a section is appended to
-``benchmarks/RESULTS.md`` (machine, command, date). Exit status 1 when a check failed.
+Raw data goes to ``benchmarks/out/load_test-<profile>-<time>.json``; the report is printed and
+the records written to ``benchmarks/results/`` (machine, command, date; each check a target).
 """
 
 from __future__ import annotations

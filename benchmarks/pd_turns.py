@@ -10,9 +10,9 @@
 * ``pd-kvbranch-sched`` (opt-in) — kvbranch P/D with ``--agent-priority`` (off by default on P/D
                        instances since 2026-12-03, docs/scheduling.md "On P/D").
 
-    .venv/bin/python benchmarks/pd_turns.py                 # ~15 minutes on 2 cores
-    .venv/bin/python benchmarks/pd_turns.py --conversations 2 --turns 4   # quicker
-    .venv/bin/python benchmarks/pd_turns.py --interleave --kv-cache-gib 0.1  # under pressure
+    .venv/bin/python -m benchmarks pd_turns                 # ~15 minutes on 2 cores
+    .venv/bin/python -m benchmarks pd_turns --conversations 2 --turns 4   # quicker
+    .venv/bin/python -m benchmarks pd_turns --interleave --kv-cache-gib 0.1  # under pressure
 
 Every configuration gets fresh servers on the same cores (P on core 0, D on core 1; single on
 core 0). Conversations run one after the other; each turn adds a tool observation of
@@ -20,8 +20,8 @@ core 0). Conversations run one after the other; each turn adds a tool observatio
 content token through the router (or the single server). Greedy outputs are compared across
 configurations turn by turn.
 
-Raw data: benchmarks/out/pd_turns-<time>.json; plot: benchmarks/pd_turns.png; a section is
-appended to benchmarks/RESULTS.md (unless --no-results).
+Raw data: benchmarks/out/pd_turns-<time>.json; plot: benchmarks/pd_turns.png; the report is
+printed and the records written to benchmarks/results/ (unless --no-results).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Per step: TTFT (to the first content or tool-call chunk), recomputed tokens (kvb
 tokens/s, peak summed RSS (``common.MemorySampler``), and vLLM's own per-request queue and
 prefill times (its ``/metrics`` histograms, summed over the pass: vLLM exposes no per-request
 split, so the queue/compute split is per configuration). Raw data go to benchmarks/out/, a
-section to benchmarks/RESULTS.md (unless ``--no-results``) with every target, met or not.
+report, and records in benchmarks/results/ (unless ``--no-results``) with every target, met or not.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ Report (:mod:`benchmarks.soak_report`): per tenant the requests served, 4xx and 
 failures during a fault of the only instance of a role apart; RSS of every process tree and the
 Redis key count sampled every ``--sample-every`` seconds; every target met or not. Raw data
 (bodies included): ``benchmarks/out/soak-<time>.json``; the record without bodies and the plot:
-``benchmarks/soak[_quick].json|png``; a section appended to RESULTS.md (unless --no-results).
+``benchmarks/soak[_quick].json|png``; records in benchmarks/results/ (unless --no-results).
 Everything it started is stopped on exit, Ctrl-C and errors included; all traffic goes to
 127.0.0.1.
 """

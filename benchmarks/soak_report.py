@@ -2,7 +2,7 @@
 requests served, the 4xx and 5xx by cause, the failures that happened while the only instance of
 a role was down (reported apart, not counted against the cluster), the answers compared with
 the plain vLLM replay, memory and Redis keys over time, and every target met or not — as a
-RESULTS.md section and a plot.
+Markdown report, records and a plot.
 
 Pure functions of plain dicts (an event is :meth:`benchmarks.soak_abuse.Outcome.to_dict`, a fault
 is ``{"role", "victim", "t_kill", "t_back", "only"}``, a sample is ``{"t", "rss", "redis_keys"}``)
@@ -276,7 +276,7 @@ def records_of(record: dict[str, Any], plot: str) -> list[Record]:
 
 
 def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot: str) -> str:
-    """The RESULTS.md section of one soak run."""
+    """The Markdown report of one soak run."""
     cfg, faults = record["config"], record["faults"]
     tenants = tenant_summary(record["events"], faults)
     answers = compare_answers(record["served"])

@@ -1,7 +1,7 @@
 """Turn 1, where nothing is reused: kvbranch against plain vLLM, interleaved rounds (A/B, B/A, ...).
 
-    .venv/bin/python benchmarks/turn1_ab.py                  # 24 rounds, ~6 min on 2 cores
-    .venv/bin/python benchmarks/turn1_ab.py --rounds 4 --no-results
+    .venv/bin/python -m benchmarks turn1_ab                  # 24 rounds, ~6 min on 2 cores
+    .venv/bin/python -m benchmarks turn1_ab --rounds 4 --no-results
 
 Both servers are up at once with their engines bound to the same core (``--cpu-cores``) and
 get one request at a time: a never-seen chat prompt of about ``--tokens`` tokens (so neither

@@ -1,7 +1,7 @@
 """Per-turn TTFT of one multi-turn agent conversation whose KV does not survive between turns in
 the device cache (another tenant's requests evict it), on plain vLLM and on kvbranch.
 
-    .venv/bin/python benchmarks/turn_ttft.py            # both configurations, ~10 minutes
+    .venv/bin/python -m benchmarks turn_ttft            # both configurations, ~10 minutes
 
 Each configuration gets a fresh server with the same small device KV budget. Per turn the
 script sends the conversation (streaming, TTFT at the first content token), then measures the
@@ -16,8 +16,8 @@ most 8 tokens recomputed beyond the new ones.
 turn's and each reference's TTFT into: before its prefill step, the host-store load, the
 forward, and after it.
 
-Raw data: benchmarks/out/turn_ttft-<time>.json; plot: benchmarks/turn_ttft.png; a section is
-appended to benchmarks/RESULTS.md (unless --no-results).
+Raw data: benchmarks/out/turn_ttft-<time>.json; plot: benchmarks/turn_ttft.png; the report is
+printed and the records written to benchmarks/results/ (unless --no-results).
 (Over 400 lines on purpose: the workload, its two references and the report read as one
 script.)
 """

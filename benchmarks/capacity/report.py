@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 
 from benchmarks import reporting
-from benchmarks.capacity.sweep import StepSummary, capacity, lower_bound, ratio_target
+from benchmarks.capacity.sweep import (
+    StepSummary,
+    capacity,
+    lower_bound,
+    ratio_target,
+    ratio_verdict,
+)
 
 
 def _p(a: float, b: float, c: float) -> str:
@@ -83,7 +89,18 @@ def markdown(
                 lines.append(f"- {name}: plain vLLM met the SLO at no count measured (no ratio)")
                 continue
             got = cap / caps["plain"]
-            verdict = "**met**" if got >= want else f"**not met** (short by {want / got:.2f}x)"
+            met = ratio_verdict(
+                cap,
+                lower_bound(summaries[name]),
+                caps["plain"],
+                lower_bound(summaries["plain"]),
+                want,
+            )
+            verdict = {
+                True: "**met**",
+                False: f"**not met** (short by {want / max(got, 1e-9):.2f}x)",
+                None: "**not decided** (a count that never failed: raise --agents)",
+            }[met]
             lines.append(
                 f"- {verdict} — {name} carries {got:.2f}x plain's agents (target >= {want:g}x)"
             )

@@ -162,6 +162,23 @@ def ratio_target(trace: str) -> float:
     return TARGET_RATIO.get(trace, 10.0)
 
 
+def ratio_verdict(
+    cap: int, cap_is_bound: bool, base: int, base_is_bound: bool, want: float
+) -> bool | None:
+    """Whether ``cap`` is at least ``want`` times ``base``, where a capacity flagged as a lower
+    bound may be higher: met only if it holds for the bounds as measured with kvbranch's count
+    the bound, not met only if it fails with the baseline's count the bound; None otherwise
+    (or when the baseline met the SLO nowhere: no ratio)."""
+    if base <= 0:
+        return None
+    ok = cap >= want * base
+    if ok and base_is_bound:
+        return None  # the baseline may carry more
+    if not ok and cap_is_bound:
+        return None  # kvbranch may carry more
+    return ok
+
+
 def build_records(
     trace: str,
     summaries: dict[str, list[StepSummary]],
@@ -223,7 +240,9 @@ def build_records(
             want = ratio_target(trace)
             base = caps[baseline]
             target = f">= {want:g}x {baseline}'s ({want * base:g} agents)"
-            met = caps[name] >= want * base if base > 0 else None
+            met = ratio_verdict(
+                caps[name], lower_bound(steps), base, lower_bound(summaries[baseline]), want
+            )
             note = f"{baseline} carries {base}" + (
                 "" if base > 0 else ": no ratio; start the sweep at fewer agents"
             )
