@@ -154,3 +154,14 @@ def test_the_ratio_target_is_not_judged_when_plain_meets_the_slo_nowhere() -> No
         r for r in recs if r.metric == "mooncake capacity at the SLO" and r.config == "kvbranch"
     )
     assert cap.met is None and "fewer agents" in cap.note and ">= 3x" in cap.target
+
+
+def test_a_ratio_of_lower_bounds_is_judged_only_where_the_bound_decides_it() -> None:
+    assert sweep.ratio_verdict(10, False, 1, False, 10.0) is True
+    assert sweep.ratio_verdict(9, False, 1, False, 10.0) is False
+    assert sweep.ratio_verdict(10, True, 1, False, 10.0) is True  # kvbranch may carry more
+    assert sweep.ratio_verdict(9, True, 1, False, 10.0) is None
+    assert sweep.ratio_verdict(9, False, 1, True, 10.0) is False  # plain may carry more
+    assert sweep.ratio_verdict(10, False, 1, True, 10.0) is None
+    assert sweep.ratio_verdict(2, True, 2, True, 3.0) is None
+    assert sweep.ratio_verdict(5, False, 0, False, 3.0) is None
