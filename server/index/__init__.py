@@ -15,18 +15,21 @@ every instance, shared by every router.
 
 from __future__ import annotations
 
-from server.index.base import (
-    BlockHits,
-    Hold,
-    IndexStore,
-    IndexUnavailable,
-    InstanceRecord,
-    Key,
-    TurnStart,
-)
+from server.index import base
 from server.index.memory import MemoryIndexStore
 
+# The interface and its records under the package's name, where callers import them from.
+BlockBatch = base.BlockBatch
+BlockHits = base.BlockHits
+Hold = base.Hold
+IndexStore = base.IndexStore
+IndexUnavailable = base.IndexUnavailable
+InstanceRecord = base.InstanceRecord
+Key = base.Key
+TurnStart = base.TurnStart
+
 __all__ = [
+    "BlockBatch",
     "BlockHits",
     "Hold",
     "IndexStore",

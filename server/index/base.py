@@ -129,6 +129,19 @@ class BlockHits:
         return max(self.device, self.host)
 
 
+@dataclass(frozen=True)
+class BlockBatch:
+    """One batch of an instance's block events, as every backend applies it: the hashes its
+    ``tier`` stored and removed (low 64 bits, as vLLM's KV events carry them), under its
+    identity and generation."""
+
+    instance_id: str
+    generation: int
+    tier: Tier
+    stored: list[int]
+    removed: list[int]
+
+
 class IndexUnavailable(Exception):
     """The backend could not be reached or answered out of schema. Routers catch it and go on
     on affinity alone (no pulls); instances retry their heartbeat."""
@@ -200,7 +213,6 @@ class IndexStore(abc.ABC):
 
     # --- block level (each instance about itself) ----------------------------------------
 
-    @abc.abstractmethod
     async def publish_blocks(
         self,
         instance_id: str,
@@ -210,7 +222,15 @@ class IndexStore(abc.ABC):
         removed: list[int],
     ) -> None:
         """Apply one batch of the instance's block events (hashes: low 64 bits, as vLLM's
-        KV events carry them) under its identity and generation."""
+        KV events carry them) under its identity and generation. An empty batch costs no
+        backend work (a Redis round trip)."""
+        if stored or removed:
+            await self.apply_blocks(BlockBatch(instance_id, generation, tier, stored, removed))
+
+    @abc.abstractmethod
+    async def apply_blocks(self, batch: BlockBatch) -> None:
+        """The backend's half of :meth:`publish_blocks`: write a non-empty batch (the removed
+        first, then the stored, so a hash in both ends up stored)."""
 
     @abc.abstractmethod
     async def block_hits(

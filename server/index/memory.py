@@ -23,12 +23,12 @@ from server.index.base import (
     DEFAULT_MAX_HOLDS,
     DEFAULT_SESSION_TTL_S,
     MAX_SESSION_INSTANCES,
+    BlockBatch,
     BlockHits,
     Hold,
     IndexStore,
     InstanceRecord,
     Key,
-    Tier,
     TurnStart,
     chain_of,
 )
@@ -199,24 +199,17 @@ class MemoryIndexStore(IndexStore):
 
     # --- block level -----------------------------------------------------------------------
 
-    async def publish_blocks(
-        self,
-        instance_id: str,
-        generation: int,
-        tier: Tier,
-        stored: list[int],
-        removed: list[int],
-    ) -> None:
+    async def apply_blocks(self, batch: BlockBatch) -> None:
         now = time.monotonic()
-        owner = (instance_id, tier)
+        owner = (batch.instance_id, batch.tier)
         with self._lock:
-            for h in removed:
+            for h in batch.removed:
                 holders = self._blocks.get(h, now)
                 if holders is not None:
                     holders.pop(owner, None)
-            for h in stored:
+            for h in batch.stored:
                 holders = self._blocks.get(h, now) or {}
-                holders[owner] = generation
+                holders[owner] = batch.generation
                 self._blocks.set(h, holders, now + self.block_ttl_s)
 
     async def block_hits(

@@ -46,6 +46,7 @@ from server.index.base import (
     MAX_SESSION_BRANCHES,
     MAX_SESSION_INSTANCES,
     TIERS,
+    BlockBatch,
     BlockHits,
     Hold,
     IndexStore,
@@ -591,25 +592,16 @@ class RedisIndexStore(IndexStore):
 
     # --- block level -----------------------------------------------------------------------
 
-    async def publish_blocks(
-        self,
-        instance_id: str,
-        generation: int,
-        tier: Tier,
-        stored: list[int],
-        removed: list[int],
-    ) -> None:
+    async def apply_blocks(self, batch: BlockBatch) -> None:
         """One pipeline per batch: HDEL the removed, HSET + PEXPIRE the stored (in that order,
         as the embedded backend applies them)."""
-        if not stored and not removed:
-            return
-        field = block_field(instance_id, tier)
+        field = block_field(batch.instance_id, batch.tier)
         ttl_ms = self._ms(self.block_ttl_s)
         pipe = self._r.pipeline(transaction=False)
-        for h in removed:
+        for h in batch.removed:
             pipe.hdel(self.keys.block(h), field)
-        for h in stored:
-            pipe.hset(self.keys.block(h), field, generation)
+        for h in batch.stored:
+            pipe.hset(self.keys.block(h), field, batch.generation)
             pipe.pexpire(self.keys.block(h), ttl_ms)
         await self._call(pipe.execute(), "publish_blocks")
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from server.index import IndexUnavailable, InstanceRecord, open_store
 from server.index.base import MAX_SESSION_INSTANCES, Hold, IndexStore, Key, chain_of
+from server.index.guarded import GuardedStore
 from server.index.memory import MemoryIndexStore
 from server.index.redis_store import (
     RedisIndexStore,
@@ -55,8 +56,10 @@ def member(iid: str, *, gen: int = 1, role: str = "prefill", load: int = 0) -> I
     )
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "guarded"])
 def backend(request: pytest.FixtureRequest) -> str:
+    """``guarded``: the Redis store behind the circuit breaker, as ``open_store`` makes it for
+    production; every contract test runs on it too, so each forwarding method is checked."""
     return str(request.param)
 
 
@@ -75,9 +78,10 @@ async def make_store(backend: str, request: pytest.FixtureRequest) -> AsyncItera
                 memory[hold_ttl_s] = MemoryIndexStore(hold_ttl_s, **kwargs)  # type: ignore[arg-type]
             return memory[hold_ttl_s]
         server: RedisServer = request.getfixturevalue("redis_server")
-        store = RedisIndexStore.from_url(
+        redis = RedisIndexStore.from_url(
             server.url, hold_ttl_s=hold_ttl_s, cluster=cluster, **kwargs
         )
+        store: IndexStore = GuardedStore(redis) if backend == "guarded" else redis
         await store.ping()
         made.append(store)
         return store
@@ -312,6 +316,8 @@ def test_any_interleaving_takes_once_and_keeps_the_newest(
                 RedisIndexStore.from_url(redis_server.url, hold_ttl_s=30.0, cluster=cluster)
                 for _ in range(4)
             ]
+            if backend == "guarded":
+                routers = [GuardedStore(r) for r in routers]
         slot: int | None = None
         try:
             for r, turn in ops:
@@ -324,7 +330,7 @@ def test_any_interleaving_takes_once_and_keeps_the_newest(
                     assert filed == (slot is None or slot <= turn)
                     slot = turn if filed else slot
         finally:
-            if backend == "redis":
+            if backend != "memory":
                 for store in routers:
                     await store.close()
 
