@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from sdk import contract
 from sdk._fake_chat import (
     EventStream,
     FakeToolCall,
@@ -44,19 +45,6 @@ from sdk.contract import (
     RESPONSE_FIELD,
     SESSIONS_PATH,
     STATS_PATH,
-    BranchInfo,
-    ConnectorInfo,
-    CreateSessionRequest,
-    DeleteResult,
-    ForkRequest,
-    HealthInfo,
-    PinRequest,
-    PrefetchRequest,
-    PrefetchResult,
-    PromptSourceSplit,
-    SessionInfo,
-    Stats,
-    StoreStats,
     error_body,
 )
 
@@ -181,7 +169,7 @@ class FakeKVBranchServer:
 
     @staticmethod
     def _branch_info(b: dict[str, Any]) -> dict[str, Any]:
-        return BranchInfo(
+        return contract.BranchInfo(
             session_id=b["session_id"],
             branch_id=b["branch_id"],
             parent=b["parent"],
@@ -193,8 +181,10 @@ class FakeKVBranchServer:
         ).model_dump(mode="json")
 
     def _session_info(self, s: dict[str, Any]) -> dict[str, Any]:
-        branches = [BranchInfo.model_validate(self._branch_info(b)) for b in s["branches"].values()]
-        return SessionInfo(
+        branches = [
+            contract.BranchInfo.model_validate(self._branch_info(b)) for b in s["branches"].values()
+        ]
+        return contract.SessionInfo(
             session_id=s["session_id"],
             created_at=s["created_at"],
             auto_pin=s["auto_pin"],
@@ -203,20 +193,21 @@ class FakeKVBranchServer:
         ).model_dump(mode="json")
 
     def _health(self) -> dict[str, Any]:
-        return HealthInfo(
+        return contract.HealthInfo(
             status="ok",
             kvbranch_version="fake",
             vllm_version="fake",
             model=self.model,
-            connector=ConnectorInfo(loaded=True, name="fake"),
+            connector=contract.ConnectorInfo(loaded=True, name="fake"),
         ).model_dump(mode="json")
 
     def _stats(self) -> dict[str, Any]:
-        store = StoreStats(**dict.fromkeys(StoreStats.model_fields, 0))
+        store = contract.StoreStats(**dict.fromkeys(contract.StoreStats.model_fields, 0))
         sessions = [
-            SessionInfo.model_validate(self._session_info(s)) for s in self.sessions.values()
+            contract.SessionInfo.model_validate(self._session_info(s))
+            for s in self.sessions.values()
         ]
-        return Stats(
+        return contract.Stats(
             store=store,
             hits_tokens={k: self.stats[k] for k in ("device", "host", "recomputed")},
             requests=self.stats["requests"],
@@ -229,7 +220,7 @@ class FakeKVBranchServer:
     @staticmethod
     def _deleted(what: str) -> httpx.Response:
         return httpx.Response(
-            200, json=DeleteResult(deleted=what, released_blocks=0).model_dump(mode="json")
+            200, json=contract.DeleteResult(deleted=what, released_blocks=0).model_dump(mode="json")
         )
 
     def _kvbranch(self, method: str, path: str, body: Any) -> httpx.Response:
@@ -238,7 +229,7 @@ class FakeKVBranchServer:
         if path == STATS_PATH:
             return httpx.Response(200, json=self._stats())
         if path == SESSIONS_PATH and method == "POST":
-            create = CreateSessionRequest.model_validate(body or {})
+            create = contract.CreateSessionRequest.model_validate(body or {})
             sid = create.session_id or f"sess_fake{next(self._ids)}"
             if sid in self.sessions:
                 return self._error(409, f"session {sid!r} already exists")
@@ -260,7 +251,7 @@ class FakeKVBranchServer:
         if len(parts) == 2 and parts[1] == "branches":
             if method == "GET":
                 return httpx.Response(200, json=[self._branch_info(b) for b in branches.values()])
-            fork = ForkRequest.model_validate(body or {})
+            fork = contract.ForkRequest.model_validate(body or {})
             parent = branches.get(fork.parent)
             if parent is None:
                 return self._error(404, f"branch {fork.parent!r} not found in session {sid!r}")
@@ -291,17 +282,17 @@ class FakeKVBranchServer:
             del branches[bid]
             return self._deleted(bid)
         if action == "pin" and method == "POST":
-            pin = PinRequest.model_validate(body or {})
+            pin = contract.PinRequest.model_validate(body or {})
             branch["pinned"], branch["pin_ttl_s"] = True, pin.ttl_s
             return httpx.Response(200, json=self._branch_info(branch))
         if action == "pin" and method == "DELETE":
             branch["pinned"], branch["pin_ttl_s"] = False, None
             return httpx.Response(200, json=self._branch_info(branch))
         if action == "prefetch" and method == "POST":
-            PrefetchRequest.model_validate(body or {})
+            contract.PrefetchRequest.model_validate(body or {})
             self.stats["prefetches"] += 1
             n = len(branch["tokens"])
-            result = PrefetchResult(
+            result = contract.PrefetchResult(
                 session_id=sid,
                 branch_id=bid,
                 num_tokens=n,
@@ -339,7 +330,7 @@ class FakeKVBranchServer:
             answer = {"role": "assistant", "content": content}
             branch["tokens"] = prompt + tokens([answer])[1:]
             branch["requests"] += 1
-            split = PromptSourceSplit(
+            split = contract.PromptSourceSplit(
                 session_id=sid,
                 branch_id=bid,
                 prompt_tokens=len(prompt),
