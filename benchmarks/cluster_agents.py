@@ -144,13 +144,7 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
                 for turn in range(1, args.turns + 1):
                     messages = history[s]
                     messages.append({"role": "user", "content": convs[s][1][turn - 1]})
-                    body = {
-                        "model": common.MODEL_NAME,
-                        "messages": messages,
-                        "temperature": 0.0,
-                        "max_tokens": args.gen_tokens,
-                        **common.session_fields(f"cb-{name}-{s}"),
-                    }
+                    body = common.greedy_turn(messages, args.gen_tokens, f"cb-{name}-{s}")
                     via = routers[(s + turn) % len(routers)]
                     try:
                         res = await common.stream_chat(client, via.url, body)

@@ -276,6 +276,18 @@ class MemorySampler:
 
 
 # --- requests ------------------------------------------------------------------------------------
+def greedy_turn(messages: list[dict], max_tokens: int, session_id: str) -> dict[str, Any]:
+    """The body of one greedy chat turn of a conversation on a kvbranch session (plain vLLM
+    ignores the session field): what the multi-turn benchmarks send every turn."""
+    return {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+        **session_fields(session_id),
+    }
+
+
 def session_fields(session_id: str, branch: str | None = None) -> dict[str, Any]:
     """The body fields that put a chat completion on a kvbranch session (and branch)."""
     body: dict[str, Any] = {SESSION_FIELD: session_id}

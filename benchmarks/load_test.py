@@ -230,37 +230,21 @@ def checks_of(summary: dict) -> dict[str, bool]:
 
 def records_of(args, summary: dict) -> list[Record]:
     load = f"{args.sessions} sessions, {args.duration_s:.0f} s"
+
+    def none_left(metric: str, value: int, unit: str) -> Record:  # the checks: each must be 0
+        return result(NAME, "kvbranch", metric, value, unit, target="0", met=value == 0)
+
     return [
         result(NAME, "kvbranch", f"operations ok ({load})", summary["ops_ok"], "operations"),
-        result(
-            NAME,
-            "kvbranch",
-            "failed operations",
-            summary["ops_failed"],
-            "operations",
-            target="0",
-            met=summary["ops_failed"] == 0,
-        ),
+        none_left("failed operations", summary["ops_failed"], "operations"),
         result(NAME, "kvbranch", "chat p50 latency", summary["chat_p50_s"], "s"),
         result(NAME, "kvbranch", "chat p95 latency", summary["chat_p95_s"], "s"),
-        result(
-            NAME,
-            "kvbranch",
+        none_left(
             "pinned blocks after every session was deleted",
             summary["pinned_blocks_after"],
             "blocks",
-            target="0",
-            met=summary["pinned_blocks_after"] == 0,
         ),
-        result(
-            NAME,
-            "kvbranch",
-            "sessions left after the load",
-            summary["sessions_left"],
-            "sessions",
-            target="0",
-            met=summary["sessions_left"] == 0,
-        ),
+        none_left("sessions left after the load", summary["sessions_left"], "sessions"),
     ]
 
 

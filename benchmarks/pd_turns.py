@@ -102,13 +102,7 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
             for conv, turn in turn_order(args.conversations, args.turns, args.interleave):
                 messages = history[conv]
                 messages.append({"role": "user", "content": convs[conv][1][turn - 1]})
-                body = {
-                    "model": common.MODEL_NAME,
-                    "messages": messages,
-                    "temperature": 0.0,
-                    "max_tokens": args.gen_tokens,
-                    **common.session_fields(f"pd-bench-{conv}"),
-                }
+                body = common.greedy_turn(messages, args.gen_tokens, f"pd-bench-{conv}")
                 res = await common.stream_chat(client, server.url, body)
                 turns.append(common.turn_row(res, conversation=conv, turn=turn))
                 log(
