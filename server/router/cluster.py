@@ -41,7 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.launcher.settings import LaunchError
-from server.router.launch import _CLUSTER_FLAGS, bind_listener, instance_argv, redact, strip_flags
+from server.router.launch import (
+    _CLUSTER_FLAGS,
+    bind_listener,
+    instance_argv,
+    redact,
+    select_flags,
+    strip_flags,
+)
 
 #: Redis's memory cap for the one-machine index: holds are a few KB each, block entries tens of
 #: bytes; volatile-lru evicts the least recently used record (all have TTLs) beyond it.
@@ -104,18 +111,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def keep_flags(argv: list[str], flags: dict[str, int]) -> list[str]:
     """Only ``flags`` (with their values) from ``argv``, in order."""
-    out: list[str] = []
-    take = 0
-    for arg in argv:
-        if take:
-            take -= 1
-            out.append(arg)
-            continue
-        name = arg.split("=", 1)[0]
-        if name in flags:
-            take = flags[name] if "=" not in arg else 0
-            out.append(arg)
-    return out
+    return select_flags(argv, flags, keep=True)
 
 
 def _span(cores: list[int]) -> str:

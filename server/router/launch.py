@@ -152,20 +152,28 @@ def open_index(url: str, hold_ttl_s: float, cluster: str) -> IndexStore:
     return open_store(url, hold_ttl_s=hold_ttl_s, cluster=cluster)
 
 
-def strip_flags(argv: list[str], flags: dict[str, int]) -> list[str]:
-    """``argv`` without ``flags`` (name → how many values follow it, none for ``--x=v``)."""
+def select_flags(argv: list[str], flags: dict[str, int], *, keep: bool) -> list[str]:
+    """``argv`` split by ``flags`` (name → how many values follow it, none for ``--x=v``): only
+    those flags with their values (``keep``), or everything else, in order."""
     out: list[str] = []
-    skip = 0
+    values = 0  # values of the flag just seen still to come
     for arg in argv:
-        if skip:
-            skip -= 1
-            continue
-        name = arg.split("=", 1)[0]
-        if name in flags:
-            skip = flags[name] if "=" not in arg else 0
-            continue
-        out.append(arg)
+        if values:
+            values -= 1
+            matched = True
+        else:
+            name = arg.split("=", 1)[0]
+            matched = name in flags
+            if matched:
+                values = flags[name] if "=" not in arg else 0
+        if matched == keep:
+            out.append(arg)
     return out
+
+
+def strip_flags(argv: list[str], flags: dict[str, int]) -> list[str]:
+    """``argv`` without ``flags`` and their values."""
+    return select_flags(argv, flags, keep=False)
 
 
 def instance_argv(ours: list[str]) -> list[str]:
