@@ -11,10 +11,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from server.router.cluster import redis_answers, redis_argv
+from server.router.cluster import redis_argv, redis_started
 
 
 class RedisServer:
@@ -47,14 +46,10 @@ class RedisServer:
             stderr=subprocess.STDOUT,
         )
         log.close()
-        deadline = time.monotonic() + self.start_timeout_s
-        while not redis_answers(self.socket):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited ({self.proc.returncode}): {self._tail()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"redis-server did not answer within {self.start_timeout_s}s")
-            time.sleep(0.02)
+        why = redis_started(self.proc, self.socket, self.start_timeout_s, poll_s=0.02)
+        if why is not None:
+            self.kill()
+            raise RuntimeError(f"{why}: {self._tail()}")
         return self
 
     def _tail(self) -> str:

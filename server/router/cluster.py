@@ -234,6 +234,22 @@ def redis_answers(sock: Path) -> bool:
         return False
 
 
+def redis_started(
+    proc: subprocess.Popen[bytes], sock: Path, timeout_s: float, poll_s: float = 0.05
+) -> str | None:
+    """Wait until the just-started ``proc`` answers PING on ``sock``: None once it does, else
+    why not (it exited, or did not answer in ``timeout_s``); the caller stops it and raises
+    its own error (the launcher's and the tests' Redis alike)."""
+    deadline = time.monotonic() + timeout_s
+    while not redis_answers(sock):
+        if proc.poll() is not None:
+            return f"redis-server exited ({proc.returncode})"
+        if time.monotonic() > deadline:
+            return f"redis-server did not answer in {timeout_s:g} s"
+        time.sleep(poll_s)
+    return None
+
+
 def _redis_child() -> None:  # in the forked child, before exec: main thread only (see below)
     from server.launcher.process import set_parent_death_signal
 
@@ -269,16 +285,10 @@ class LocalRedis:
                 stderr=subprocess.STDOUT,
                 preexec_fn=_redis_child,
             )
-        deadline = time.monotonic() + timeout_s
-        while not self.answers():
-            if self.proc.poll() is not None:
-                raise LaunchError(
-                    f"redis-server exited ({self.proc.returncode}); log: {self.log_path}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise LaunchError(f"redis-server did not answer in {timeout_s:g} s")
-            time.sleep(0.05)
+        why = redis_started(self.proc, self.socket, timeout_s)
+        if why is not None:
+            self.stop()
+            raise LaunchError(f"{why}; log: {self.log_path}")
         return self
 
     def answers(self) -> bool:
