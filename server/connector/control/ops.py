@@ -100,7 +100,7 @@ def _info(side: OpContext, req: ctl.Info) -> dict:
         "num_slots": side.num_slots,
         "enabled": side.enabled,
         "store_capacity_bytes": side.num_slots * side.block_bytes,
-        "pin_budget_bytes": side.planner.registry.pin_budget_bytes,
+        "pin_budget_bytes": side.planner.registry.leases.pin_budget_bytes,
         "platform": "cuda" if torch.cuda.is_available() else "cpu",
     }
 
@@ -254,7 +254,7 @@ def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> di
             "pinned_blocks": index.pinned_stored_slots,
             "block_bytes": side.block_bytes,
             "used_bytes": index.used_slots * side.block_bytes,
-            "pin_budget_bytes": reg.pin_budget_bytes,
+            "pin_budget_bytes": reg.leases.pin_budget_bytes,
             # The same blocks as pinned_blocks: pinned and stored in host memory.
             "pinned_bytes": index.pinned_stored_slots * side.block_bytes,
             # What the pin budget is charged: also pins on blocks not stored (yet).
@@ -270,8 +270,8 @@ def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> di
         "hits_tokens": dict(planner.hits_tokens),
         "requests": planner.requests,
         "remote_failed_tokens": planner.remote_failed_tokens,
-        "pins_degraded": reg.pins_degraded,
-        "pins_refused": reg.pins_refused,
+        "pins_degraded": reg.leases.pins_degraded,
+        "pins_refused": reg.leases.pins_refused,
         "prefetches": planner.prefetches,
         "prefetches_skipped": planner.prefetches_skipped,
         "num_sessions": len(reg.sessions),

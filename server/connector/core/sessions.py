@@ -93,23 +93,7 @@ class SessionRegistry:
         self.deleted_at: OrderedDict[SessionKey, float] = OrderedDict()
         self.sessions_expired = 0
 
-    # --- pin budget (leases.py) --------------------------------------------------------------
-    @property
-    def pin_budget_blocks(self) -> int:
-        return self.leases.pin_budget_blocks
-
-    @property
-    def pin_budget_bytes(self) -> int:
-        return self.leases.pin_budget_bytes
-
-    @property
-    def pins_degraded(self) -> int:
-        return self.leases.pins_degraded
-
-    @property
-    def pins_refused(self) -> int:
-        return self.leases.pins_refused
-
+    # --- pin budget: read it (budget, pins degraded and refused) from self.leases ------------
     def lease_heap_size(self) -> int:
         return self.leases.heap_size()
 

@@ -75,7 +75,7 @@ class KVBranchScheduler:
             block_bytes,
             num_slots,
             num_slots * block_bytes / (1 << 30),
-            registry.pin_budget_bytes,
+            registry.leases.pin_budget_bytes,
         )
 
     # --- vLLM scheduler hooks ----------------------------------------------------------------

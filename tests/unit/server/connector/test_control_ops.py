@@ -167,6 +167,17 @@ def test_a_nested_drift_fails_too(side):
 
 
 # --- the API process's side -----------------------------------------------------------------------
+def test_info_and_stats_report_the_pin_budget_and_its_counts(side):
+    """The pin budget and its refusal counts live in the registry's leases: info and stats read
+    them there (the budget: 8 one-byte blocks)."""
+    leases = side.planner.registry.leases
+    leases.pins_degraded, leases.pins_refused = 2, 3
+    assert side.handle_control({"op": "info"})["pin_budget_bytes"] == 8
+    stats = side.handle_control({"op": "stats", "all_owners": True})
+    assert stats["store"]["pin_budget_bytes"] == 8
+    assert (stats["pins_degraded"], stats["pins_refused"]) == (2, 3)
+
+
 def test_the_client_refuses_an_answer_that_does_not_match(tmp_path):
     """An engine of another build (or a bug past its dispatcher): the typed client names the
     field instead of handing a dict with a hole to the route."""

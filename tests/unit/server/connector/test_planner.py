@@ -596,7 +596,7 @@ def test_pins_degraded_counts_transitions_not_checks():
         req.num_computed_tokens = 16
         planner.request_finished(req)
     assert registry.get_branch("s1", DEFAULT_BRANCH).degraded
-    assert registry.pins_degraded == 1
+    assert registry.leases.pins_degraded == 1
 
 
 def test_request_aborted_while_its_pull_runs_keeps_no_tail_and_never_delays():

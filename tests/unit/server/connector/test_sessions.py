@@ -406,8 +406,8 @@ def test_budget_is_capped_by_slots():
         default_ttl_s=1,
         clock=clock,
     )
-    assert reg.pin_budget_blocks == 5
-    assert reg.pin_budget_bytes == 5 * BLOCK_BYTES
+    assert reg.leases.pin_budget_blocks == 5
+    assert reg.leases.pin_budget_bytes == 5 * BLOCK_BYTES
 
 
 def test_oldest_lease_degrades_when_budget_is_full():
@@ -424,7 +424,7 @@ def test_oldest_lease_degrades_when_budget_is_full():
     assert a.degraded and not a.pinned and a.pinned_hashes == []
     assert b.pinned and not b.degraded
     assert c.pinned
-    assert reg.pins_degraded == 1
+    assert reg.leases.pins_degraded == 1
     assert index.pinned_hashes == 5
     assert all(index.pin_count(x) == 0 for x in ha)
     assert reg.branch_info(a)["degraded"] is True
@@ -459,7 +459,7 @@ def test_explicit_pin_larger_than_budget_is_409():
         reg.pin("s", DEFAULT_BRANCH, 30.0)
     assert exc.value.status == 409
     assert "budget" in exc.value.message
-    assert reg.pins_refused == 1
+    assert reg.leases.pins_refused == 1
     assert index.pinned_hashes == 0
     assert not reg.get_branch("s", DEFAULT_BRANCH).pinned
 
@@ -488,8 +488,8 @@ def test_automatic_pin_larger_than_budget_degrades_without_error():
     tokens, hashes = conv("a", 5)
     branch = observe(reg, "s", DEFAULT_BRANCH, tokens, hashes)
     assert branch.degraded and not branch.pinned
-    assert reg.pins_refused == 0
-    assert reg.pins_degraded == 1
+    assert reg.leases.pins_refused == 0
+    assert reg.leases.pins_degraded == 1
     assert index.pinned_hashes == 0
 
 
@@ -508,7 +508,7 @@ def test_degraded_branch_repins_on_next_use():
     assert a.pinned and not a.degraded
     assert a.pinned_hashes == ha
     assert b.degraded
-    assert reg.pins_degraded == 2
+    assert reg.leases.pins_degraded == 2
     assert index.pinned_hashes == 3
 
 
