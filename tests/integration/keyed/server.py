@@ -24,6 +24,7 @@ TENANCY_KEYS = ("tenant-a-key", "tenant-b-key", "tenant-c-key")
 HOSTILE_KEYS = ("hostile-a-key", "hostile-b-key")
 DIALECT_KEYS = ("dialect-tenant-a", "dialect-tenant-b")
 PASSTHROUGH_KEYS = ("pass-a-key", "pass-b-key")
+UI_KEYS = ("ui-a-key", "ui-b-key")  # test_ui: the agent page
 MAX_SESSIONS, MAX_BRANCHES = 20, 4
 
 
@@ -41,6 +42,7 @@ def keyed_server() -> ServerProcess:
         *HOSTILE_KEYS,
         *DIALECT_KEYS,
         *PASSTHROUGH_KEYS,
+        *UI_KEYS,
     ]
     return ServerProcess(
         args,
