@@ -15,39 +15,14 @@ trace's, never the model's answer), so greedy answers can be compared across con
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+from benchmarks.traces.shape import Conversation, Step
+
+__all__ = ["SETS", "Conversation", "Step", "load"]
 
 #: The trace sets :func:`load` knows, by the name the command line uses.
 SETS = ("bfcl", "mooncake")
-
-
-@dataclass(frozen=True)
-class Step:
-    """One request of a conversation: ``body`` holds either ``messages`` (chat completions) or
-    ``prompt`` (a list of token ids, text completions); ``pause_s`` is the wait before it is
-    sent (0 for a conversation's first step)."""
-
-    body: dict[str, Any]
-    max_tokens: int
-    pause_s: float = 0.0
-
-    @property
-    def chat(self) -> bool:
-        return "messages" in self.body
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """A conversation of a trace set: its first step is cold, every later one resumes it."""
-
-    id: str
-    steps: tuple[Step, ...]
-
-    def prompt_size(self) -> int:
-        """Messages or tokens of the last (largest) step: a rough size for reports."""
-        last = self.steps[-1].body
-        return len(last.get("messages") or last.get("prompt") or [])
 
 
 def load(name: str, n: int, **options: Any) -> list[Conversation]:

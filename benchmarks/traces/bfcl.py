@@ -15,7 +15,7 @@ import random
 import zlib
 
 from benchmarks import bfcl_traces
-from benchmarks.traces import Conversation, Step
+from benchmarks.traces.shape import Conversation, Step
 
 TOOL_DISTRIBUTIONS = ("fixed", "exp")
 

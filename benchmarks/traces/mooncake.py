@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.traces import Conversation, Step
+from benchmarks.traces.shape import Conversation, Step
 
 DATA = Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"
 #: The trace's block size (its README: "The block size is 512 tokens").
