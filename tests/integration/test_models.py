@@ -1,0 +1,178 @@
+"""The model families kvbranch serves (docs/models.md), on the real engine, nothing downloaded.
+
+* Sliding-window layers: the embedded model's weights under a config that makes every other
+  layer a sliding-window layer (``layer_types``, a 256-token window: two blocks), the shape of
+  Gemma 2/3, gpt-oss or Cohere 2. Under kvbranch vLLM turns its hybrid KV cache manager off
+  and manages every layer's blocks as full attention; plain vLLM keeps the manager on and drops
+  the blocks a window left. The greedy tokens must be the same, also when every reused token
+  of turn 2 and of a fork came from the host store (device cache reset between turns): the
+  windowed layers must not load wrong KV.
+* Hybrid attention/SSM: a two-layer Granite 4.0 hybrid config (one Mamba layer, one attention
+  layer) is refused by the launcher in one line that names the model type, before vLLM loads
+  anything (vLLM would fail in its engine core: "Failed to promote local KV cache specs").
+
+One kvbranch server and one plain vLLM server for the module (0.25 GiB of KV each), stopped at
+its end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.launcher.model_cache import ensure_model
+from tests.conftest import VanillaVLLM
+from tests.integration.helpers import (
+    BLOCK,
+    chat,
+    client,
+    reset_device_cache,
+    system_prompt,
+    text_of,
+)
+from tests.server_process import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVED = "smollm2-sliding"
+WINDOW = 2 * BLOCK
+#: What vLLM logs when it manages a model's sliding-window layers as full attention.
+HMA_OFF_FOR_HYBRID = "Hybrid KV cache manager is disabled for this hybrid model"
+DUMMY = ["--load-format", "dummy"]
+SIZES = ["--kv-cache-gib", "0.25", "--max-model-len", "2048", "--served-model-name", SERVED]
+
+
+def link_model(source: Path, target: Path, config: dict) -> Path:
+    """``target``: ``source``'s files as links, with ``config`` as its config.json."""
+    target.mkdir()
+    for path in source.iterdir():
+        if path.name != "config.json":
+            (target / path.name).symlink_to(path)
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
+@pytest.fixture(scope="module")
+def sliding_model(tmp_path_factory) -> Path:
+    source = ensure_model()
+    config = json.loads((source / "config.json").read_text())
+    layers = int(config["num_hidden_layers"])
+    config["layer_types"] = [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+    ]
+    config["sliding_window"] = WINDOW
+    return link_model(source, tmp_path_factory.mktemp("models") / "sliding", config)
+
+
+@pytest.fixture(scope="module")
+def sliding_servers(sliding_model):
+    """(kvbranch, plain vLLM) on the sliding-window model, started one after the other."""
+    model = ["--model", str(sliding_model), *SIZES]
+    with ServerProcess([*model, "--host-store-gib", "0.25"], name="kvbranch-swa") as ours:
+        with VanillaVLLM([*model, "--no-connector"], name="plain-swa") as plain:
+            ours.model = plain.model = SERVED
+            yield ours, plain
+
+
+def turns(server, session: str | None, *, reset_between: bool) -> tuple[list[dict], list[dict]]:
+    """Two agent turns over a long system prompt (several windows long); returns (responses,
+    the message history)."""
+    messages = [{"role": "system", "content": system_prompt(words=300, seed=41)}]
+    responses = []
+    for step, note in enumerate(
+        (
+            "Tool result: train 8412 leaves 07:55 from platform 4, seats left in car 12.",
+            "Tool result: the museum opens 10:00, tickets 17 EUR, closed on Tuesdays.",
+        )
+    ):
+        if reset_between and step:
+            reset_device_cache(server)
+        messages.append({"role": "user", "content": f"Step {step}. {note} What next?"})
+        response = chat(server, messages, session=session, max_tokens=24)
+        responses.append(response)
+        messages.append({"role": "assistant", "content": text_of(response)})
+    return responses, messages
+
+
+def test_sliding_window_model_is_token_exact_through_the_host_store(sliding_servers):
+    ours, plain = sliding_servers
+    # the config really has sliding-window layers, and vLLM manages them as full attention
+    assert ours.log_tail(5000, (HMA_OFF_FOR_HYBRID,)), "no sliding-window layers seen by vLLM"
+    assert "host store disabled" not in ours.log_tail(5000, ("host store disabled",))
+
+    responses, history = turns(ours, "swa", reset_between=True)
+    plain_responses, _ = turns(plain, None, reset_between=False)
+    assert [text_of(r) for r in responses] == [text_of(r) for r in plain_responses]
+    assert responses[0]["usage"]["prompt_tokens"] > 3 * WINDOW  # the window matters
+    second = responses[1]["kvbranch"]
+    assert second["device_hit_tokens"] == 0
+    assert second["host_hit_tokens"] >= responses[0]["usage"]["prompt_tokens"] // BLOCK * BLOCK
+
+    # a fork at turn 1's answer, continued differently, from the host store only
+    with client(ours) as c:
+        r = c.post(
+            "/v1/kvbranch/sessions/swa/branches",
+            json={"parent": "main", "branch_id": "alt", "messages": history[:3]},
+        )
+    assert r.status_code == 201, r.text
+    alt = [*history[:3], {"role": "user", "content": "Instead, book a bus. Which one?"}]
+    reset_device_cache(ours)
+    forked = chat(ours, alt, session="swa", branch="alt", max_tokens=24)
+    assert text_of(forked) == text_of(chat(plain, alt, max_tokens=24))
+    assert forked["kvbranch"]["host_hit_tokens"] >= BLOCK
+
+
+def hybrid_config() -> dict:
+    """A two-layer Granite 4.0 hybrid (granitemoehybrid: one Mamba 2 layer, one attention
+    layer, no experts), small enough to load with random weights."""
+    return {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "model_type": "granitemoehybrid",
+        "layer_types": ["mamba", "attention"],
+        "vocab_size": 49152,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "shared_intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 0,
+        "num_experts_per_tok": 0,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_d_state": 16,
+        "mamba_n_groups": 1,
+        "mamba_expand": 2,
+        "mamba_d_conv": 4,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "tie_word_embeddings": True,
+    }
+
+
+def test_hybrid_ssm_model_is_refused_in_one_line(tmp_path):
+    source = ensure_model()
+    model = tmp_path / "hybrid"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).symlink_to(source / name)
+    (model / "config.json").write_text(json.dumps(hybrid_config()))
+    run = subprocess.run(
+        # random weights: let through, vLLM would load it and fail in its engine core
+        [sys.executable, "-m", "server", "--model", str(model), *SIZES[:4], "--", *DUMMY],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --model {model}: GraniteMoeHybridForCausalLM"), last
+    for words in ("model_type granitemoehybrid", "hybrid attention/SSM", "--no-connector"):
+        assert words in last, last
+    assert "Traceback" not in run.stderr and "starting vLLM" not in run.stderr
