@@ -6,6 +6,7 @@ on what a request or a hash chain looks like."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -17,17 +18,26 @@ from server.connector.core.sessions import SessionRegistry
 BS = 4
 
 
-def make_planner(num_slots: int = 32, budget_blocks: int = 16):
-    index = HostBlockIndex(num_slots)
+def make_planner(
+    num_slots: int = 32,
+    budget_blocks: int = 16,
+    *,
+    index: HostBlockIndex | None = None,
+    ttl_s: float = 60.0,
+    clock: Callable[[], float] = lambda: 0.0,
+    block_size: int = BS,
+):
+    """(planner, index, registry) over ``index`` (default: a fresh one of ``num_slots``)."""
+    index = index if index is not None else HostBlockIndex(num_slots)
     registry = SessionRegistry(
         index,
-        block_size=BS,
+        block_size=block_size,
         block_bytes=1,
         pin_budget_bytes=budget_blocks,
-        default_ttl_s=60.0,
-        clock=lambda: 0.0,
+        default_ttl_s=ttl_s,
+        clock=clock,
     )
-    return Planner(index, registry, BS), index, registry
+    return Planner(index, registry, block_size), index, registry
 
 
 def chained_hashes(tokens: list[int], salt: str | None = None) -> list[bytes]:

@@ -13,9 +13,8 @@ from server.connector.core.planner import (
     OWNER_XARG,
     PREFETCH_XARG,
     TAG_XARG,
-    Planner,
 )
-from server.connector.core.sessions import DEFAULT_BRANCH, SessionRegistry
+from server.connector.core.sessions import DEFAULT_BRANCH
 from tests.unit.server.connector.fakes import BS, make_planner
 
 
@@ -387,16 +386,7 @@ def test_prefetch_does_not_touch_existing_branch():
 
 def test_request_finished_expires_leases():
     clock = [0.0]
-    index = HostBlockIndex(8)
-    registry = SessionRegistry(
-        index,
-        block_size=BS,
-        block_bytes=1,
-        pin_budget_bytes=8,
-        default_ttl_s=5.0,
-        clock=lambda: clock[0],
-    )
-    planner = Planner(index, registry, BS)
+    planner, index, registry = make_planner(8, 8, ttl_s=5.0, clock=lambda: clock[0])
     a = make_request("a", 8, session_id="A")
     planner.on_new_request(a)
     planner.request_finished(a)

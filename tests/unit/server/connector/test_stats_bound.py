@@ -8,7 +8,8 @@ from types import SimpleNamespace
 from server.connector.control import ops as control_ops
 from server.connector.core.block_index import HostBlockIndex
 from server.connector.core.planner import Planner
-from server.connector.core.sessions import DEFAULT_BRANCH, SessionRegistry
+from server.connector.core.sessions import DEFAULT_BRANCH
+from tests.unit.server.connector.fakes import make_planner
 
 BS = 16
 
@@ -22,15 +23,7 @@ class CountingIndex(HostBlockIndex):
 
 
 def test_stats_lists_recent_sessions_and_bounds_its_block_walk():
-    index = CountingIndex(64)
-    reg = SessionRegistry(
-        index,
-        block_size=BS,
-        block_bytes=1,
-        pin_budget_bytes=32,
-        default_ttl_s=60.0,
-        clock=lambda: 0.0,
-    )
+    _, index, reg = make_planner(budget_blocks=32, index=CountingIndex(64), block_size=BS)
     hashes = [b"h%031d" % k for k in range(512)]
     tokens = list(range(512 * BS))
     n_sessions = control_ops.STATS_MAX_SESSIONS + 50
