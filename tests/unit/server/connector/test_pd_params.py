@@ -107,25 +107,32 @@ def _connector(compat: dict = COMPAT, upstream: Any = None) -> VerifiedNixlConne
     return conn
 
 
-def _d_handle(held: list[int], compat: dict = COMPAT, claimed: bool = True) -> dict:
-    """D's handle for P's next turn, as the router forwards it (sealed, claimed)."""
-    req = Req("d-turn", held, None)
+def _handle(
+    rid: str, tokens: list[int], compat: dict, *, from_d: bool, first_block: int, life_s: float
+) -> dict:
+    """A sealed handle naming ``tokens``' blocks: D's (P pulls it back) or P's (D reads it)."""
+    req = Req(rid, tokens, None)
     params = dict(
         PEER,
-        do_remote_prefill=False,
-        do_remote_decode=True,
-        remote_block_ids=[list(range(100, 100 + -(-len(held) // BS)))],
-        remote_request_id="d-turn",
-        remote_num_tokens=len(held),
-        remote_blocks_expiry_time=time.perf_counter() + 400,
+        do_remote_prefill=not from_d,
+        do_remote_decode=from_d,
+        remote_block_ids=[list(range(first_block, first_block + -(-len(tokens) // BS)))],
+        remote_request_id=rid,
+        remote_num_tokens=len(tokens),
+        remote_blocks_expiry_time=time.perf_counter() + 400 if from_d else None,
         **{
-            auth.TOKENS_FIELD: held,
+            auth.TOKENS_FIELD: tokens,
             auth.HASHES_FIELD: [h.hex() for h in req.block_hashes],
             auth.IDENTITY_FIELD: identity_of(req, compat),
-            auth.EXPIRES_FIELD: time.time() + 400,
+            auth.EXPIRES_FIELD: time.time() + life_s,
         },
     )
-    seal(params, SECRET)
+    return seal(params, SECRET)
+
+
+def _d_handle(held: list[int], compat: dict = COMPAT, claimed: bool = True) -> dict:
+    """D's handle for P's next turn, as the router forwards it (sealed, claimed)."""
+    params = _handle("d-turn", held, compat, from_d=True, first_block=100, life_s=400)
     if claimed:
         params[auth.CLAIM_FIELD] = make_claim(params, time.time() + 30, SECRET)
     return params
@@ -133,23 +140,7 @@ def _d_handle(held: list[int], compat: dict = COMPAT, claimed: bool = True) -> d
 
 def _p_handle(prompt: list[int], compat: dict = COMPAT) -> dict:
     """P's handle for D's read of the prompt it just prefilled."""
-    req = Req("p-leg", prompt, None)
-    params = dict(
-        PEER,
-        do_remote_prefill=True,
-        do_remote_decode=False,
-        remote_block_ids=[list(range(200, 200 + -(-len(prompt) // BS)))],
-        remote_request_id="p-leg",
-        remote_num_tokens=len(prompt),
-        remote_blocks_expiry_time=None,
-        **{
-            auth.TOKENS_FIELD: prompt,
-            auth.HASHES_FIELD: [h.hex() for h in req.block_hashes],
-            auth.IDENTITY_FIELD: identity_of(req, compat),
-            auth.EXPIRES_FIELD: time.time() + 60,
-        },
-    )
-    return seal(params, SECRET)
+    return _handle("p-leg", prompt, compat, from_d=False, first_block=200, life_s=60)
 
 
 def _schedule(conn: VerifiedNixlConnector, req: Req, blocks: list[int] | None = None) -> tuple:
