@@ -340,12 +340,16 @@ def test_any_interleaving_takes_once_and_keeps_the_newest(
 # --- Redis only ------------------------------------------------------------------------------
 
 
-def raw_client(server: RedisServer) -> aioredis.Redis:
-    return aioredis.Redis.from_url(server.url)
+@pytest.fixture
+async def raw_redis(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    """A plain client on the test's Redis, to read and tamper with what the store wrote."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
 
 
 @pytest.mark.parametrize("backend", ["redis"])
-async def test_redis_every_key_has_a_ttl(make_store: MakeStore, redis_server: RedisServer) -> None:
+async def test_redis_every_key_has_a_ttl(make_store: MakeStore, raw_redis: aioredis.Redis) -> None:
     store = await make_store()
     assert isinstance(store, RedisIndexStore)
     hashes = [(i.to_bytes(32, "big")).hex() for i in range(3)]
@@ -359,47 +363,39 @@ async def test_redis_every_key_has_a_ttl(make_store: MakeStore, redis_server: Re
     await store.publish_blocks("p1", 1, "device", [1, 2, 3], [2])
     await store.publish_blocks("p1", 1, "host", [4], [])
     await store.members()
-    client = raw_client(redis_server)
-    try:
-        keys = [k async for k in client.scan_iter(match=store.keys.prefix + "*")]  # tests only
-        assert len(keys) >= 10
-        ttls = {k: await client.pttl(k) for k in keys}
-        assert all(t > 0 for t in ttls.values()), ttls
-        # no tenant, session or branch text in any key name
-        assert not [k for k in keys if b"tenant-a" in k or b"sess:1" in k or b"main" in k]
-    finally:
-        await client.aclose()
+    keys = [k async for k in raw_redis.scan_iter(match=store.keys.prefix + "*")]  # tests only
+    assert len(keys) >= 10
+    ttls = {k: await raw_redis.pttl(k) for k in keys}
+    assert all(t > 0 for t in ttls.values()), ttls
+    # no tenant, session or branch text in any key name
+    assert not [k for k in keys if b"tenant-a" in k or b"sess:1" in k or b"main" in k]
 
 
 @pytest.mark.parametrize("backend", ["redis"])
 async def test_redis_tampered_values_read_as_absent(
-    make_store: MakeStore, redis_server: RedisServer
+    make_store: MakeStore, raw_redis: aioredis.Redis
 ) -> None:
     store = await make_store()
     assert isinstance(store, RedisIndexStore)
     ss, sb = digest(*KEY[:2]), digest(*KEY)
-    client = raw_client(redis_server)
-    try:
-        for junk in (b"\x00garbage\xff", b"%016x" % 1 + b"not zlib", b"", b"f" * 16):
-            await store.put_hold(KEY, hold(1))
-            await client.set(store.keys.hold(ss, sb), junk)
-            start = await store.begin_turn(KEY)
-            assert start.hold is None
-            assert await store.put_hold(KEY, hold(1))  # junk never blocks a new hold
-            await store.begin_turn(KEY)
-        await client.set(store.keys.turn(ss, sb), b"not a number")
-        assert (await store.begin_turn(KEY)).turn == 1  # a tampered counter restarts
-        assert (await store.begin_turn(KEY)).turn == 2
-        await client.set(store.keys.chain(ss, sb), b"odd length")
-        assert (await store.begin_turn(KEY)).chain == []
-        assert store.counters()["corrupt"] >= 3
-    finally:
-        await client.aclose()
+    for junk in (b"\x00garbage\xff", b"%016x" % 1 + b"not zlib", b"", b"f" * 16):
+        await store.put_hold(KEY, hold(1))
+        await raw_redis.set(store.keys.hold(ss, sb), junk)
+        start = await store.begin_turn(KEY)
+        assert start.hold is None
+        assert await store.put_hold(KEY, hold(1))  # junk never blocks a new hold
+        await store.begin_turn(KEY)
+    await raw_redis.set(store.keys.turn(ss, sb), b"not a number")
+    assert (await store.begin_turn(KEY)).turn == 1  # a tampered counter restarts
+    assert (await store.begin_turn(KEY)).turn == 2
+    await raw_redis.set(store.keys.chain(ss, sb), b"odd length")
+    assert (await store.begin_turn(KEY)).chain == []
+    assert store.counters()["corrupt"] >= 3
 
 
 @pytest.mark.parametrize("backend", ["redis"])
 async def test_redis_holds_are_sealed_and_bound_to_their_key(
-    make_store: MakeStore, redis_server: RedisServer
+    make_store: MakeStore, redis_server: RedisServer, raw_redis: aioredis.Redis
 ) -> None:
     """No token id in the clear; a value moved to another branch's key, or read by a router
     with another cluster secret, is no hold (a recompute)."""
@@ -407,23 +403,19 @@ async def test_redis_holds_are_sealed_and_bound_to_their_key(
     assert isinstance(store, RedisIndexStore)
     params = {"remote_num_tokens": 3, "kvbranch_token_ids": [918273, 645321, 777001]}
     other = (KEY[0], KEY[1], "other-branch")
-    client = raw_client(redis_server)
+    await store.put_hold(KEY, Hold("http://d1", "iid", params, turn=1))
+    ss = digest(*KEY[:2])
+    raw = await raw_redis.get(store.keys.hold(ss, digest(*KEY)))
+    assert raw is not None and b"918273" not in raw and b"918273" not in zlib_any(raw)
+    await raw_redis.set(store.keys.hold(ss, digest(*other)), raw, px=60_000)
+    assert (await store.begin_turn(other)).hold is None  # moved: does not open
+    stranger = RedisIndexStore.from_url(
+        redis_server.url, hold_ttl_s=30.0, cluster=store.keys.cluster, secret=b"another"
+    )
     try:
-        await store.put_hold(KEY, Hold("http://d1", "iid", params, turn=1))
-        ss = digest(*KEY[:2])
-        raw = await client.get(store.keys.hold(ss, digest(*KEY)))
-        assert raw is not None and b"918273" not in raw and b"918273" not in zlib_any(raw)
-        await client.set(store.keys.hold(ss, digest(*other)), raw, px=60_000)
-        assert (await store.begin_turn(other)).hold is None  # moved: does not open
-        stranger = RedisIndexStore.from_url(
-            redis_server.url, hold_ttl_s=30.0, cluster=store.keys.cluster, secret=b"another"
-        )
-        try:
-            assert (await stranger.begin_turn(KEY)).hold is None
-        finally:
-            await stranger.close()
+        assert (await stranger.begin_turn(KEY)).hold is None
     finally:
-        await client.aclose()
+        await stranger.close()
 
 
 def zlib_any(raw: bytes) -> bytes:
@@ -439,17 +431,13 @@ def zlib_any(raw: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("backend", ["redis"])
-async def test_redis_schema_mismatch(make_store: MakeStore, redis_server: RedisServer) -> None:
+async def test_redis_schema_mismatch(make_store: MakeStore, raw_redis: aioredis.Redis) -> None:
     store = await make_store()
     assert isinstance(store, RedisIndexStore)
-    client = raw_client(redis_server)
-    try:
-        assert await client.get(store.keys.schema()) == b"1"
-        await client.set(store.keys.schema(), b"2")
-        with pytest.raises(IndexUnavailable, match="speaks schema 2, expected 1"):
-            await store.ping()
-    finally:
-        await client.aclose()
+    assert await raw_redis.get(store.keys.schema()) == b"1"
+    await raw_redis.set(store.keys.schema(), b"2")
+    with pytest.raises(IndexUnavailable, match="speaks schema 2, expected 1"):
+        await store.ping()
 
 
 @pytest.mark.parametrize("backend", ["redis"])
