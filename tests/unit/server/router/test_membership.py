@@ -34,6 +34,12 @@ def _client(down: set[str] | None = None) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
 
+def _indexed_pool() -> tuple[MemoryIndexStore, Pool]:
+    """A pool that knows no instance but what the (embedded) index lists."""
+    store = MemoryIndexStore(hold_ttl_s=10)
+    return store, Pool([], [], client=_client(), store=store)
+
+
 def _record(url: str, role: str, load: int = 0) -> InstanceRecord:
     """A heartbeat as an instance sends it: sealed with the cluster secret the pool verifies."""
     record = InstanceRecord("iid-" + url, url, role, block_size=16, load=load)  # type: ignore[arg-type]
@@ -42,8 +48,7 @@ def _record(url: str, role: str, load: int = 0) -> InstanceRecord:
 
 def test_instances_come_from_heartbeats_and_leave_when_their_record_expires():
     async def go() -> None:
-        store = MemoryIndexStore(hold_ttl_s=10)
-        pool = Pool([], [], client=_client(), store=store)
+        store, pool = _indexed_pool()
         await store.heartbeat(_record(P1, "prefill"), ttl_s=0.2)
         await store.heartbeat(_record(D1, "decode"), ttl_s=60)
         assert [i.url for i in await pool.live(pool.prefills)] == [P1]
@@ -65,8 +70,7 @@ class _Down(MemoryIndexStore):
 
 def test_an_index_outage_keeps_the_last_view():
     async def go() -> None:
-        store = MemoryIndexStore(hold_ttl_s=10)
-        pool = Pool([], [], client=_client(), store=store)
+        store, pool = _indexed_pool()
         await store.heartbeat(_record(P1, "prefill"), ttl_s=60)
         assert len(await pool.live(pool.prefills)) == 1
         pool.store = _Down(hold_ttl_s=10)
@@ -79,8 +83,7 @@ def test_an_index_outage_keeps_the_last_view():
 
 def test_the_prefill_that_holds_the_history_wins_unless_a_hold_makes_them_equal():
     async def go() -> None:
-        store = MemoryIndexStore(hold_ttl_s=10)
-        pool = Pool([], [], client=_client(), store=store)
+        store, pool = _indexed_pool()
         for url in (P1, P2):
             await store.heartbeat(_record(url, "prefill"), ttl_s=60)
         chain = list(range(1, 9))
@@ -121,8 +124,7 @@ def test_round_robin_takes_turns_and_reads_nothing_from_the_index():
 
 def test_an_index_that_comes_back_empty_keeps_the_last_view_for_one_heartbeat_ttl(monkeypatch):
     async def go() -> None:
-        store = MemoryIndexStore(hold_ttl_s=10)
-        pool = Pool([], [], client=_client(), store=store)
+        store, pool = _indexed_pool()
         await store.heartbeat(_record(P1, "prefill"), ttl_s=60)
         assert len(await pool.live(pool.prefills)) == 1
         pool.store = MemoryIndexStore(hold_ttl_s=10)  # a Redis that restarted empty
@@ -154,8 +156,7 @@ def test_an_outage_longer_than_a_ttl_still_leaves_one_ttl_to_re_register(monkeyp
     async def go() -> None:
         clock = _Clock()
         monkeypatch.setattr(pool_mod, "time", clock)
-        store = MemoryIndexStore(hold_ttl_s=10)
-        pool = Pool([], [], client=_client(), store=store)
+        store, pool = _indexed_pool()
         for url, role in ((P1, "prefill"), (D1, "decode")):
             await store.heartbeat(_record(url, role), ttl_s=600)
         assert len(await pool.live(pool.prefills)) == len(await pool.live(pool.decodes)) == 1
@@ -184,8 +185,7 @@ def test_an_outage_longer_than_a_ttl_still_leaves_one_ttl_to_re_register(monkeyp
 
 def test_instances_unlisted_long_ago_are_forgotten(monkeypatch):
     async def go() -> None:
-        store = MemoryIndexStore(hold_ttl_s=10)
-        pool = Pool([], [], client=_client(), store=store)
+        store, pool = _indexed_pool()
         await store.heartbeat(_record(P1, "prefill"), ttl_s=60)
         await store.heartbeat(_record(P2, "prefill"), ttl_s=60)
         await pool.refresh_members(max_age=0)
