@@ -87,7 +87,9 @@ def _idle_step(
 
 
 def install() -> None:
-    """Called by the plugin entry point in every vLLM process (a no-op outside an engine)."""
+    """Called by the plugin entry point in every vLLM process (a no-op outside an engine).
+    Its call has the shape of :func:`server.engine.spin.install`'s: two uses of the one
+    ``install_patch``, each naming its own target."""
     install_patch(
         "vllm.v1.engine.core.EngineCoreProc",
         "_process_engine_step",
