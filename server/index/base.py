@@ -142,6 +142,28 @@ class BlockBatch:
     removed: list[int]
 
 
+@dataclass
+class HoldCounts:
+    """What this process did with holds, counted alike by every backend for ``counters()``
+    (holds that expired unseen inside Redis are not counted there)."""
+
+    stored: int = 0
+    taken: int = 0
+    expired: int = 0
+    stale_dropped: int = 0
+
+
+def snapshot_row(key: Key, hold: Hold, expires_in_s: float) -> dict[str, Any]:
+    """One live hold as the stats route lists it (every backend's :meth:`IndexStore.snapshot`)."""
+    return {
+        "session_id": key[1],
+        "branch_id": key[2],
+        "decode": hold.decode_url,
+        "tokens": hold.num_tokens,
+        "expires_in_s": round(expires_in_s, 1),
+    }
+
+
 class IndexUnavailable(Exception):
     """The backend could not be reached or answered out of schema. Routers catch it and go on
     on affinity alone (no pulls); instances retry their heartbeat."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import asdict
 from typing import Any, Generic, TypeVar
 
 from server.index.base import (
@@ -26,11 +27,13 @@ from server.index.base import (
     BlockBatch,
     BlockHits,
     Hold,
+    HoldCounts,
     IndexStore,
     InstanceRecord,
     Key,
     TurnStart,
     chain_of,
+    snapshot_row,
 )
 
 _V = TypeVar("_V")
@@ -96,10 +99,7 @@ class MemoryIndexStore(IndexStore):
         self._members: _Expiring[InstanceRecord] = _Expiring(100_000)
         #: block hash -> {(instance id, tier): generation}
         self._blocks: _Expiring[dict[tuple[str, str], int]] = _Expiring(max_blocks)
-        self.stored = 0
-        self.taken = 0
-        self.expired = 0
-        self.stale_dropped = 0
+        self.hold_counts = HoldCounts()
 
     # --- session level ---------------------------------------------------------------------
 
@@ -110,11 +110,11 @@ class MemoryIndexStore(IndexStore):
             hold: Hold | None = None
             if item is not None:
                 if item[0] <= now:
-                    self.expired += 1
+                    self.hold_counts.expired += 1
                 else:
                     hold = item[1]
                     hold.expires_in_s = item[0] - now
-                    self.taken += 1
+                    self.hold_counts.taken += 1
             turn = (self._turns.get(key, now) or 0) + 1
             self._turns.set(key, turn, now + self.session_ttl_s)
             home = self._homes.get(key[:2], now)
@@ -126,13 +126,13 @@ class MemoryIndexStore(IndexStore):
         with self._lock:
             current = self._holds.get(key, now)
             if current is not None and current.turn > hold.turn:
-                self.stale_dropped += 1
+                self.hold_counts.stale_dropped += 1
                 return False
             self._holds.set(key, hold, now + self.hold_ttl_s)
             chain = chain_of(hold.params)
             if chain:
                 self._chains.set(key, chain, now + self.session_ttl_s)
-            self.stored += 1
+            self.hold_counts.stored += 1
             return True
 
     async def peek_hold(self, key: Key) -> Hold | None:
@@ -237,7 +237,7 @@ class MemoryIndexStore(IndexStore):
         now = time.monotonic()
         with self._lock:
             dropped = self._holds.sweep(now)
-            self.expired += dropped
+            self.hold_counts.expired += dropped
             for m in (self._turns, self._chains, self._homes, self._placement, self._blocks):
                 m.sweep(now)
             return dropped
@@ -250,13 +250,7 @@ class MemoryIndexStore(IndexStore):
         now = time.monotonic()
         with self._lock:
             return [
-                {
-                    "session_id": k[1],
-                    "branch_id": k[2],
-                    "decode": h.decode_url,
-                    "tokens": h.num_tokens,
-                    "expires_in_s": round(at - now, 1),
-                }
+                snapshot_row(k, h, at - now)
                 for k, (at, h) in self._holds.items.items()
                 if tenant is None or k[0] == tenant
             ]
@@ -266,9 +260,6 @@ class MemoryIndexStore(IndexStore):
             return {
                 "entries": len(self._holds.items),
                 "max_entries": self.max_holds,
-                "stored": self.stored,
-                "taken": self.taken,
-                "expired": self.expired,
+                **asdict(self.hold_counts),
                 "evicted": self._holds.evicted,
-                "stale_dropped": self.stale_dropped,
             }

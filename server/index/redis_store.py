@@ -30,7 +30,7 @@ import struct
 import zlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
@@ -49,6 +49,7 @@ from server.index.base import (
     BlockBatch,
     BlockHits,
     Hold,
+    HoldCounts,
     IndexStore,
     IndexUnavailable,
     InstanceRecord,
@@ -57,6 +58,7 @@ from server.index.base import (
     Tier,
     TurnStart,
     chain_of,
+    snapshot_row,
 )
 from server.index.hold_cipher import HoldCipher
 
@@ -348,9 +350,7 @@ class RedisIndexStore(IndexStore):
         self.cipher = HoldCipher(secret if secret is not None else load_cluster_secret())
         #: hold key → (tenant, session, branch) of holds this process filed, newest last
         self._recent: OrderedDict[str, Key] = OrderedDict()
-        self.stored = 0
-        self.taken = 0
-        self.stale_dropped = 0
+        self.hold_counts = HoldCounts()
         self.corrupt = 0
         self.errors = 0
         self.round_trips = 0
@@ -448,7 +448,7 @@ class RedisIndexStore(IndexStore):
             if hold is None:
                 self.corrupt += 1
             else:
-                self.taken += 1
+                self.hold_counts.taken += 1
             self._recent.pop(k.hold(ss, sb), None)
         return TurnStart(
             turn=int(turn),
@@ -476,9 +476,9 @@ class RedisIndexStore(IndexStore):
             ],
         )
         if not filed:
-            self.stale_dropped += 1
+            self.hold_counts.stale_dropped += 1
             return False
-        self.stored += 1
+        self.hold_counts.stored += 1
         self._remember(k.hold(ss, sb), key)
         return True
 
@@ -643,25 +643,14 @@ class RedisIndexStore(IndexStore):
         for (hk, key), ttl_ms, raw in zip(wanted, replies[::2], replies[1::2], strict=True):
             hold = decode_hold(raw, ttl_ms, self.cipher, hk) if isinstance(raw, bytes) else None
             if hold is not None:
-                out.append(
-                    {
-                        "session_id": key[1],
-                        "branch_id": key[2],
-                        "decode": hold.decode_url,
-                        "tokens": hold.num_tokens,
-                        "expires_in_s": round(hold.expires_in_s, 1),
-                    }
-                )
+                out.append(snapshot_row(key, hold, hold.expires_in_s))
         return out
 
     def counters(self) -> dict[str, int]:
         """This process's counts. Expiry and eviction happen inside Redis, unseen: 0."""
         return {
-            "stored": self.stored,
-            "taken": self.taken,
-            "expired": 0,
+            **asdict(self.hold_counts),  # expired: 0 (Redis expires them unseen)
             "evicted": 0,
-            "stale_dropped": self.stale_dropped,
             "corrupt": self.corrupt,
             "errors": self.errors,
             "round_trips": self.round_trips,
