@@ -18,6 +18,7 @@ its end.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,9 @@ def test_sliding_window_model_is_token_exact_through_the_host_store(sliding_serv
     # the config really has sliding-window layers, and vLLM manages them as full attention
     assert ours.log_tail(5000, (HMA_OFF_FOR_HYBRID,)), "no sliding-window layers seen by vLLM"
     assert "host store disabled" not in ours.log_tail(5000, ("host store disabled",))
+    # ... while the reference keeps the hybrid manager on: a group for each kind of layer
+    groups = plain.log_tail(5000, ("kv cache group sizes",))
+    assert re.search(r"kv cache group sizes \(\d+, \d+\)", groups), groups
 
     responses, history = turns(ours, "swa", reset_between=True)
     plain_responses, _ = turns(plain, None, reset_between=False)
