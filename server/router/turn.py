@@ -24,6 +24,7 @@ index and pool.)
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -100,6 +101,11 @@ def turn_key(payload: dict[str, Any], request: Request) -> Key | None:
     return (tenant_of(request), session, str(branch))
 
 
+def _counter(registry: CollectorRegistry, name: str, doc: str, *labels: str) -> Counter:
+    """One of the turn counters: ``kvbranch_router_<name>`` in the router's registry."""
+    return Counter(f"kvbranch_router_{name}", doc, list(labels), registry=registry)
+
+
 class TurnFlow:
     """Routes completion turns: P then D, a fallback to one instance when the other fails."""
 
@@ -111,30 +117,23 @@ class TurnFlow:
         #: (tenant, session, instance id) this router already recorded in the index: a
         #: session's placement is written when it changes, not on every turn.
         self._placed: dict[tuple[str, str, str], None] = {}
-        self.index_errors = Counter(
-            "kvbranch_router_index_errors",
+        counter = functools.partial(_counter, registry)
+        self.index_errors = counter(
+            "index_errors",
             "Index reads or writes that failed (the turn went on without them)",
-            ["op"],
-            registry=registry,
+            "op",
         )
-        self.turns = Counter(
-            "kvbranch_router_turns", "Completion turns by route taken", ["route"], registry=registry
+        self.turns = counter("turns", "Completion turns by route taken", "route")
+        self.claims_refused = counter(
+            "claims_refused", "Pulls dropped because D no longer held the blocks"
         )
-        self.claims_refused = Counter(
-            "kvbranch_router_claims_refused",
-            "Pulls dropped because D no longer held the blocks",
-            registry=registry,
-        )
-        self.retries = Counter(
-            "kvbranch_router_retries",
+        self.retries = counter(
+            "retries",
             "Legs sent to another instance of the role after the first could not be reached",
-            ["role"],
-            registry=registry,
+            "role",
         )
-        self.pulled_tokens = Counter(
-            "kvbranch_router_pull_offered_tokens",
-            "Tokens D held that P was offered to pull",
-            registry=registry,
+        self.pulled_tokens = counter(
+            "pull_offered_tokens", "Tokens D held that P was offered to pull"
         )
         self.prefill_seconds = Histogram(
             "kvbranch_router_prefill_leg_seconds",
