@@ -97,6 +97,7 @@ __all__ = [
     "SchedulerOutput",
     "VllmConfig",
     "architecture_traits",
+    "group_block_bytes",
     "install_nixl_side_channel",
     "kv_group_kinds",
     "kv_events_enabled",
@@ -203,6 +204,15 @@ def kv_group_kinds(kv_cache_config: Any) -> list[str]:
     if kv_cache_config is None:
         return []
     return [spec_kind(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
+
+
+def group_block_bytes(group: Any) -> int:
+    """Bytes of one block of a KV cache group, all its layers: a uniform-type group's spec
+    already sums its layers' pages (full-attention layers of different shapes)."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return int(spec.page_size_bytes)
+    return int(spec.page_size_bytes) * len(group.layer_names)
 
 
 # --- the model registry: what vLLM knows of an architecture ---------------------------------

@@ -45,6 +45,7 @@ from server.connector.vllm_compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    group_block_bytes,
     kv_events_enabled,
     kv_group_kinds,
     maybe_convert_block_hash,
@@ -110,8 +111,7 @@ def host_events(changes: list[StoreEvent], block_size: int) -> list[KVCacheEvent
 
 def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one block across all layers of the (single) KV cache group."""
-    group = kv_cache_config.kv_cache_groups[0]
-    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    return group_block_bytes(kv_cache_config.kv_cache_groups[0])
 
 
 class KVBranchConnector(KVConnectorBase_V1):

@@ -165,3 +165,23 @@ def test_check_model_reads_the_folder(tmp_path):
     (tmp_path / "config.json").write_text("[not an object")
     check_model(str(tmp_path), traits)  # vLLM reports it
     check_model("HuggingFaceTB/SmolLM2-135M-Instruct", traits)  # a hub name: not read
+
+
+def test_block_bytes_count_each_layer_once():
+    """A uniform-type group (full-attention layers of different shapes) already sums its
+    layers' pages; a plain group has one page per layer."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    small = attention(FullAttentionSpec)
+    wide = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float32)
+    uniform = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": small, "b": wide})
+    assert vllm_compat.group_block_bytes(KVCacheGroupSpec(["a", "b"], uniform)) == (
+        small.page_size_bytes + wide.page_size_bytes
+    )
+    assert vllm_compat.group_block_bytes(KVCacheGroupSpec(["a", "b", "c"], small)) == (
+        3 * small.page_size_bytes
+    )
