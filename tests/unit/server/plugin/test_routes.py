@@ -29,7 +29,7 @@ from sdk.contract import (
     prefetch_path,
     session_path,
 )
-from server.connector.control.models import ControlRequest, parse_answer
+from server.connector.control.models import ControlRequest, EngineStoreStats, parse_answer
 from server.connector.control.transport import ControlError
 from server.plugin.holds import router as holds_router
 from server.plugin.routes import router
@@ -46,22 +46,8 @@ SESSION = {
     "pin_ttl_s": 300.0,
     "branches": [branch()],
 }
-STORE = dict.fromkeys(
-    (
-        "capacity_blocks",
-        "used_blocks",
-        "pinned_blocks",
-        "block_bytes",
-        "used_bytes",
-        "pin_budget_bytes",
-        "pinned_bytes",
-        "evictions",
-        "saved_blocks",
-        "loaded_blocks",
-        "pin_budget_used_bytes",
-    ),
-    0,
-)
+#: An empty store, as the engine reports it (every field of its answer model).
+STORE = dict.fromkeys(EngineStoreStats.model_fields, 0)
 
 
 class FakeControl:

@@ -16,27 +16,13 @@ from fastapi.testclient import TestClient
 
 from server.common.tenants import tenant_id
 from server.common.ui_page import PAGE_PATHS, UI_DATA_PATH, UI_PATH
-from server.connector.control.models import ControlRequest, parse_answer
+from server.connector.control.models import ControlRequest, EngineStoreStats, parse_answer
 from server.plugin.turn_log import TAG_SCOPE_KEY, Turn, TurnLog, TurnRecorder
 from server.plugin.ui import install
 
 KEY_A, KEY_B = "ui-key-a", "ui-key-b"
-STORE = dict.fromkeys(
-    (
-        "capacity_blocks",
-        "used_blocks",
-        "pinned_blocks",
-        "block_bytes",
-        "used_bytes",
-        "pin_budget_bytes",
-        "pinned_bytes",
-        "evictions",
-        "saved_blocks",
-        "loaded_blocks",
-        "pin_budget_used_bytes",
-    ),
-    0,
-)
+#: An empty store, as the engine reports it (every field of its answer model).
+STORE = dict.fromkeys(EngineStoreStats.model_fields, 0)
 
 
 def session(sid: str, *branches: str) -> dict[str, Any]:
