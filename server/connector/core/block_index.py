@@ -63,11 +63,17 @@ class StoreEventLog:
 
 @dataclass
 class IndexCounters:
+    """What the host store did since it started (``/v1/kvbranch/stats``'s ``store``)."""
+
+    #: Full blocks copied into and out of the host store.
     saved_blocks: int = 0
     loaded_blocks: int = 0
+    #: Unpinned blocks dropped for a newer one; blocks not saved because every slot was pinned.
     evictions: int = 0
     save_skipped_full: int = 0
+    #: Stored blocks whose tokens did not match the prompt's (the match stops there: recompute).
     token_mismatches: int = 0
+    #: Token-exact reuse (tails.py): partial blocks kept and loaded, and the tokens they gave.
     saved_tails: int = 0
     loaded_tails: int = 0
     tail_tokens_loaded: int = 0
