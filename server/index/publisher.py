@@ -99,9 +99,11 @@ class IndexPublisher:
         self.store = store
         #: The cluster secret: every heartbeat is sealed with it, or no router lists the record.
         self.secret = secret if secret is not None else load_cluster_secret()
+        #: The heartbeat: the record (read fresh each time), how often, how long it lives.
         self.record = record
         self.interval_s = interval_s
         self.ttl_s = ttl_s
+        #: Bounds: block batches waiting for the index, and the seconds one call may take.
         self.max_pending = max_pending
         self.call_timeout_s = call_timeout_s
         self.generation = Generation()

@@ -37,9 +37,12 @@ class KVBranchScheduler:
         config: ConnectorConfig,
         engine_index: int = 0,
     ) -> None:
+        #: The engine's KV geometry: tokens per block, bytes per block (every layer), and
+        #: the host store's slots (one block each).
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.num_slots = num_slots
+        #: False when the host store is off (a KV cache layout it cannot serve: plain vLLM).
         self.enabled = enabled
         #: Control ops and stats sections contributed by a composing connector (P/D: holds).
         self.extra_ops: dict[str, Op[Any]] = {}
