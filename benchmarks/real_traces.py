@@ -47,9 +47,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import bfcl_traces, cli, common, reporting  # noqa: E402
+from benchmarks.openai_stream import read_stream  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.reporting import median, percentile  # noqa: E402
-from sdk.contract import RESPONSE_FIELD  # noqa: E402
 
 NAME = "real_traces"
 DESCRIPTION = (
@@ -92,33 +92,10 @@ async def run_step(oai, model: str, conv: dict, step: int, salt: str | None, max
         prompt_cache_key=f"{salt or 'run'}-{conv['id']}",
         extra_body=extra,
     )
-    ttft, pieces, usage, split = None, [], None, None
-    async for chunk in stream:
-        for choice in chunk.choices:
-            delta = choice.delta
-            piece = (delta.content or "") + "".join(
-                (tc.function.arguments or tc.function.name or "") if tc.function else ""
-                for tc in delta.tool_calls or []
-            )
-            if piece:
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                pieces.append(piece)
-        if chunk.usage is not None:
-            usage = chunk.usage
-        split = (chunk.model_extra or {}).get(RESPONSE_FIELD) or split
-    total = time.perf_counter() - t0
-    prompt = usage.prompt_tokens if usage else 0
-    details = getattr(usage, "prompt_tokens_details", None) if usage else None
-    cached = (details.cached_tokens or 0) if details else 0
     return {
         "conv": conv["id"],
         "step": step,
-        "ttft_s": ttft if ttft is not None else total,
-        "total_s": total,
-        "prompt_tokens": prompt,
-        "completion_tokens": usage.completion_tokens if usage else 0,
-        "recomputed_tokens": split["recomputed_tokens"] if split else prompt - cached,
-        "answer": "".join(pieces),
+        **await read_stream(stream, t0),
         "load1": load1,
         "sent_s": t0,
     }

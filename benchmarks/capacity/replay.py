@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 from benchmarks.capacity.sweep import Turn, assign
+from benchmarks.openai_stream import read_stream
 from benchmarks.traces import Conversation, Step
-from sdk.contract import RESPONSE_FIELD
 
 
 async def send(
@@ -45,39 +45,7 @@ async def send(
         if cache_key is not None:  # the completions method has no such parameter
             extra["prompt_cache_key"] = kwargs.pop("prompt_cache_key")
         stream = await oai.completions.create(prompt=step.body["prompt"], **kwargs)
-    ttft, pieces, usage, split = None, [], None, None
-    async for chunk in stream:
-        for choice in chunk.choices:
-            piece = _piece(choice, step.chat)
-            if piece:
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                pieces.append(piece)
-        if chunk.usage is not None:
-            usage = chunk.usage
-        split = (chunk.model_extra or {}).get(RESPONSE_FIELD) or split
-    total = time.perf_counter() - t0
-    prompt = usage.prompt_tokens if usage else 0
-    details = getattr(usage, "prompt_tokens_details", None) if usage else None
-    cached = (details.cached_tokens or 0) if details else 0
-    return {
-        "ttft_s": ttft if ttft is not None else total,
-        "total_s": total,
-        "prompt_tokens": prompt,
-        "completion_tokens": usage.completion_tokens if usage else 0,
-        "recomputed_tokens": split["recomputed_tokens"] if split else prompt - cached,
-        "answer": "".join(pieces),
-    }
-
-
-def _piece(choice: Any, chat: bool) -> str:
-    if not chat:
-        return choice.text or ""
-    delta = choice.delta
-    calls = "".join(
-        (tc.function.arguments or tc.function.name or "") if tc.function else ""
-        for tc in delta.tool_calls or []
-    )
-    return (delta.content or "") + calls
+    return await read_stream(stream, t0, chat=step.chat)
 
 
 async def run_agents(
