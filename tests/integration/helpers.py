@@ -57,7 +57,9 @@ def branch_info(server, session: str, branch: str = "main") -> dict:
     return r.json()
 
 
-def chat(server, messages, *, session=None, branch=None, max_tokens=12, auth=None, **extra) -> dict:
+def chat_body(server, messages, *, session=None, branch=None, max_tokens=12, **extra) -> dict:
+    """A greedy chat completion's body for ``server``'s model; ``session`` and ``branch`` (if
+    given) in the body's session id and vLLM's xargs."""
     body = {
         "model": server.model,
         "messages": messages,
@@ -69,6 +71,11 @@ def chat(server, messages, *, session=None, branch=None, max_tokens=12, auth=Non
         body["session_id"] = session
     if branch:
         body["vllm_xargs"] = {"kvbranch_branch": branch}
+    return body
+
+
+def chat(server, messages, *, auth=None, **kw) -> dict:
+    body = chat_body(server, messages, **kw)
     with client(server, auth) as c:
         r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text

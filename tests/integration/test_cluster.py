@@ -54,7 +54,7 @@ import pytest
 
 from sdk.contract import ROUTE_HEADER, SESSION_HEADER
 from tests.integration.cluster_fixture import HEARTBEAT_TTL_S, Cluster, restart, sigkill, wait_for
-from tests.integration.helpers import chat, client, system_prompt, text_of
+from tests.integration.helpers import chat, chat_body, client, system_prompt, text_of
 
 MAX_TOKENS = 16
 FOLLOW_UPS = [
@@ -104,17 +104,8 @@ class Turn:
     cut: bool = False
 
 
-def _body(router, messages, *, branch=None, max_tokens=MAX_TOKENS, **extra) -> dict:
-    body = {
-        "model": router.model,
-        "messages": messages,
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        **extra,
-    }
-    if branch:
-        body["vllm_xargs"] = {"kvbranch_branch": branch}
-    return body
+def _body(router, messages, *, max_tokens=MAX_TOKENS, **kw) -> dict:
+    return chat_body(router, messages, max_tokens=max_tokens, **kw)
 
 
 def post_turn(router, messages, session, **kw) -> httpx.Response:

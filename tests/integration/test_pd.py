@@ -16,6 +16,7 @@ import pytest
 from sdk import KVBranchClient
 from tests.integration.helpers import (
     chat,
+    chat_body,
     client,
     pd_activity,
     pd_instance,
@@ -74,16 +75,9 @@ def pd():
 def _turn(router, messages, session, *, stream=False, branch=None, **extra):
     """One turn through the router: (text, split, route header, usage). ``session`` None: the
     body names none (``extra`` may carry a cache hint instead)."""
-    body = {
-        "model": router.model,
-        "messages": messages,
-        "temperature": 0,
-        "max_tokens": MAX_TOKENS,
-        **({"session_id": session} if session is not None else {}),
-        **extra,
-    }
-    if branch:
-        body["vllm_xargs"] = {"kvbranch_branch": branch}
+    body = chat_body(
+        router, messages, session=session, branch=branch, max_tokens=MAX_TOKENS, **extra
+    )
     with client(router) as c:
         if not stream:
             r = c.post("/v1/chat/completions", json=body)
