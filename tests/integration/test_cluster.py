@@ -176,6 +176,16 @@ def extend(messages: list[dict], answer: str, follow_up: int = 0) -> list[dict]:
     ]
 
 
+def pulls_next(router, messages, answer, session, plain_server) -> tuple[list[dict], Turn]:
+    """The next turn after ``answer`` (the second follow-up) through ``router``: it must pull
+    what D holds and answer as plain vLLM does. Returns (its messages, the turn)."""
+    messages = extend(messages, answer, 1)
+    nxt = turn(router, messages, session)
+    assert nxt.route == "pd+pull" and nxt.split["remote_hit_tokens"] > 0
+    assert nxt.text == reference(plain_server, messages)
+    return messages, nxt
+
+
 def new_session(tag: str) -> str:
     return f"cl-{tag}-{secrets.token_hex(4)}"
 
@@ -373,10 +383,7 @@ def test_a_tampered_hold_costs_a_recompute_never_a_wrong_answer(cluster, plain_s
         assert second.split["remote_hit_tokens"] == 0
         assert after > before
     # and the branch pulls again on the next turn (the tampered hold is gone)
-    messages = extend(messages, second.text, 1)
-    third = turn(cluster.a, messages, session)
-    assert third.route == "pd+pull" and third.split["remote_hit_tokens"] > 0
-    assert third.text == reference(plain_server, messages)
+    messages, third = pulls_next(cluster.a, messages, second.text, session, plain_server)
 
 
 # --- faults (destructive: last) ---------------------------------------------------------------
@@ -517,10 +524,7 @@ def test_a_killed_decode_costs_a_recompute_and_its_restart_voids_old_holds(clust
     assert t2.route == "pd"
     assert t2.split["remote_hit_tokens"] == 0
     assert t2.text == reference(plain_server, m2)
-    m2 = extend(m2, t2.text, 1)
-    t3 = turn(cluster.a, m2, s2)
-    assert t3.route == "pd+pull" and t3.split["remote_hit_tokens"] > 0
-    assert t3.text == reference(plain_server, m2)
+    m2, t3 = pulls_next(cluster.a, m2, t2.text, s2, plain_server)
 
 
 def test_a_prefill_killed_mid_stream_moves_its_sessions_to_the_other(cluster, plain_server):
@@ -551,10 +555,7 @@ def test_a_prefill_killed_mid_stream_moves_its_sessions_to_the_other(cluster, pl
     assert second.text == reference(plain_server, messages, long)
 
     survivor = next(p for p in cluster.prefills if p is not killed[0])
-    messages = extend(messages, second.text, 1)
-    third = turn(cluster.a, messages, session)
-    assert third.route == "pd+pull" and third.split["remote_hit_tokens"] > 0
-    assert third.text == reference(plain_server, messages)
+    messages, third = pulls_next(cluster.a, messages, second.text, session, plain_server)
     assert home_of(cluster, session) == cluster.instance_id(survivor)
     # a new session too goes to the survivor, through either router
     for router in cluster.routers:
@@ -586,7 +587,4 @@ def test_a_router_killed_mid_stream_the_other_serves_the_next_turn(cluster, plai
     retry = turn(cluster.b, messages, session)  # the client sends the turn again
     assert retry.route in ("pd", "pd+pull")
     assert retry.text == reference(plain_server, messages)
-    messages = extend(messages, retry.text, 1)
-    nxt = turn(cluster.b, messages, session)
-    assert nxt.route == "pd+pull" and nxt.split["remote_hit_tokens"] > 0
-    assert nxt.text == reference(plain_server, messages)
+    messages, nxt = pulls_next(cluster.b, messages, retry.text, session, plain_server)

@@ -94,6 +94,17 @@ def _ask_long(session: str) -> tuple[list[dict], str]:
     )
 
 
+def _held_turn(decode, plain_server, tag: str) -> tuple[list[dict], str, dict, list[dict], str]:
+    """A long first turn that D holds, and the next turn: (messages, session, D's handle,
+    the next turn's messages, plain vLLM's answer to them)."""
+    messages, session = _ask_long(tag)
+    handle = _held_handle(decode, messages, session)
+    reply = text_of(chat(plain_server, messages, max_tokens=40))
+    turn2 = _next_turn(messages, reply)
+    expected = text_of(chat(plain_server, turn2, max_tokens=16))
+    return messages, session, handle, turn2, expected
+
+
 # --- turns D serves alone (the router's fallback while P is unreachable) ---------------------
 # First in the module: D holds nothing yet, so its hold count is exact.
 def _holds_at_most(decode, n: int, timeout_s: float = 60.0) -> int:
@@ -278,11 +289,7 @@ def _declined_since(server, before: dict[str, int]) -> dict[str, int]:
 
 def test_handles_are_checked_before_any_read(pd, plain_server):
     prefill, decode, router = pd
-    messages, session = _ask_long("neg")
-    handle = _held_handle(decode, messages, session)
-    reply = text_of(chat(plain_server, messages, max_tokens=40))
-    turn2 = _next_turn(messages, reply)
-    expected = text_of(chat(plain_server, turn2, max_tokens=16))
+    messages, session, handle, turn2, expected = _held_turn(decode, plain_server, "neg")
 
     def at_p(params):
         _empty_prefill_caches(prefill)
@@ -359,11 +366,7 @@ def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
     """Sealed with the cluster's own secret (as a buggy or slow peer would send them), and
     claimed: each is declined for its own reason, not for a missing claim."""
     prefill, decode, router = pd
-    messages, session = _ask_long("exp")
-    handle = _held_handle(decode, messages, session)
-    reply = text_of(chat(plain_server, messages, max_tokens=40))
-    turn2 = _next_turn(messages, reply)
-    expected = text_of(chat(plain_server, turn2, max_tokens=16))
+    messages, session, handle, turn2, expected = _held_turn(decode, plain_server, "exp")
     # P emptied first (it may wait for an earlier leg's blocks), then the claim: its
     # deadline must outlast both turns below
     _empty_prefill_caches(prefill)
