@@ -176,6 +176,16 @@ def extend(messages: list[dict], answer: str, follow_up: int = 0) -> list[dict]:
     ]
 
 
+def first_turn(router, tag: str, seed: int, plain_server) -> tuple[str, list[dict], Turn]:
+    """A new session's first turn through ``router``, answered as plain vLLM does:
+    (session, its messages, the turn)."""
+    session = new_session(tag)
+    messages = conversation(seed=seed)
+    first = turn(router, messages, session)
+    assert first.text == reference(plain_server, messages)
+    return session, messages, first
+
+
 def pulls_next(router, messages, answer, session, plain_server) -> tuple[list[dict], Turn]:
     """The next turn after ``answer`` (the second follow-up) through ``router``: it must pull
     what D holds and answer as plain vLLM does. Returns (its messages, the turn)."""
@@ -252,10 +262,7 @@ def test_turn_two_through_the_other_router_pulls_from_decode(cluster, plain_serv
 
 
 def test_the_same_turn_through_both_routers_at_once_pulls_once(cluster, plain_server):
-    session = new_session("race")
-    messages = conversation(seed=402)
-    first = turn(cluster.a, messages, session)
-    assert first.text == reference(plain_server, messages)
+    session, messages, first = first_turn(cluster.a, "race", 402, plain_server)
     messages = extend(messages, first.text)
     barrier = threading.Barrier(2)
 
@@ -362,10 +369,7 @@ def _decode_url(cl: Cluster, session: str) -> None:
     "tamper", [_garbage, _token, _block, _decode_url], ids=lambda f: f.__name__[1:]
 )
 def test_a_tampered_hold_costs_a_recompute_never_a_wrong_answer(cluster, plain_server, tamper):
-    session = new_session("tamper")
-    messages = conversation(seed=404)
-    first = turn(cluster.a, messages, session)
-    assert first.text == reference(plain_server, messages)
+    session, messages, first = first_turn(cluster.a, "tamper", 404, plain_server)
     tamper(cluster, session)
     before = sum(declined(p) for p in cluster.prefills)
 
@@ -392,10 +396,7 @@ def test_a_tampered_hold_costs_a_recompute_never_a_wrong_answer(cluster, plain_s
 def test_redis_down_routers_keep_answering_and_pulls_return_with_it(cluster, plain_server):
     """Leaves the cluster whole: Redis back (empty), all four instances re-registered."""
     cluster.wait_whole()
-    session = new_session("redis")
-    messages = conversation(seed=405)
-    first = turn(cluster.a, messages, session)
-    assert first.text == reference(plain_server, messages)
+    session, messages, first = first_turn(cluster.a, "redis", 405, plain_server)
 
     cluster.redis.kill()
     down_at = time.monotonic()
@@ -530,10 +531,7 @@ def test_a_killed_decode_costs_a_recompute_and_its_restart_voids_old_holds(clust
 def test_a_prefill_killed_mid_stream_moves_its_sessions_to_the_other(cluster, plain_server):
     """Leaves one P: the killed one is not restarted (the last test needs only one)."""
     cluster.wait_whole()
-    session = new_session("pkill")
-    messages = conversation(seed=420)
-    first = turn(cluster.a, messages, session)
-    assert first.text == reference(plain_server, messages)
+    session, messages, first = first_turn(cluster.a, "pkill", 420, plain_server)
     messages = extend(messages, first.text)
     before = requests_per_url(cluster, cluster.b)
     killed: list = []
