@@ -58,7 +58,7 @@ from server.plugin.priority import policy_from_env
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
 from server.plugin.tool_schema import default_strict_tools
-from server.plugin.turn_log import TAG_SCOPE_KEY
+from server.plugin.turn_log import SPLIT_SCOPE_KEY
 
 __all__ = [
     "KVBranchMiddleware",
@@ -173,12 +173,13 @@ class KVBranchMiddleware:
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
             scope = dict(scope, headers=headers)
-            scope[TAG_SCOPE_KEY] = tag  # for the agent page's turn log (turn_log.py)
         else:
             tag = ""
 
         state = _ResponseRewriter(scope, send, tag)
         state.usage_rewrite = usage_rewrite
+        if tag:  # the agent page's turn log (turn_log.py) takes the split from this one lookup
+            scope[SPLIT_SCOPE_KEY] = state.fetch_split
         await self.app(scope, receive, state.send)
 
 
@@ -196,7 +197,7 @@ class _ResponseRewriter:
         self._app_state = scope.get("app").state if scope.get("app") is not None else None
         self._engine = VllmEngine(self._app_state)  # what a usage rewrite asks of vLLM
 
-    async def _fetch_split(self) -> dict | None:
+    async def fetch_split(self) -> dict | None:
         if self._split_fetched or not self._tag:
             return self._split
         self._split_fetched = True
@@ -237,10 +238,10 @@ class _ResponseRewriter:
         events = []
         for event in self._events.feed(message.get("body", b"")):
             if _USAGE_MARKER in event:
-                event = add_split_to_event(event, await self._fetch_split())
+                event = add_split_to_event(event, await self.fetch_split())
                 if self.usage_rewrite is not None:
                     event = await self.usage_rewrite.rewrite_event(
-                        event, await self._fetch_split(), self._engine
+                        event, await self.fetch_split(), self._engine
                     )
             events.append(event)
         out = b"".join(event + EVENT_END for event in events)
@@ -253,7 +254,7 @@ class _ResponseRewriter:
         try:
             payload = json.loads(body)
             if isinstance(payload, dict) and USAGE_FIELD in payload:
-                split = await self._fetch_split()
+                split = await self.fetch_split()
                 if split is not None:
                     attach_split(payload, split)
                     body = json.dumps(payload).encode()

@@ -5,8 +5,10 @@ The connector keeps a finished request's split only by its request tag, for the 
 pick up, and nobody kept TTFT; the page wants both per branch. So :class:`TurnRecorder`, the
 innermost of the plugin's ASGI layers, times each generating request (to its first body byte:
 the first event of a stream, sent when the first token is out; a JSON answer's first byte comes
-only with the whole answer, so it is recorded as latency, not TTFT), then asks the connector
-for the request's split by the tag the middleware gave it, and files it in :class:`TurnLog`.
+only with the whole answer, so it is recorded as latency, not TTFT), then takes the request's
+split through the completion middleware's own lookup (which it leaves in the scope: one
+control-socket call per turn, shared with the usage it adds to the answer), and files it in
+:class:`TurnLog`.
 
 :class:`TurnLog` is bounded three ways, so no client can grow it: a few turns per branch, a
 number of branches per tenant (its least recently used dropped first), and a number of branches
@@ -25,16 +27,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sdk.contract import GENERATE_PATHS
-from server.connector.control.models import Split
 from server.plugin.request import header, route_path
 from server.plugin.tenancy import app_args_of, owner_of
 
-__all__ = ["TAG_SCOPE_KEY", "Turn", "TurnLog", "TurnRecorder"]
+__all__ = ["SPLIT_SCOPE_KEY", "Turn", "TurnLog", "TurnRecorder"]
 
 logger = logging.getLogger("kvbranch.turns")
 
-#: Where the completion middleware leaves a request's tag in the ASGI scope it hands inward.
-TAG_SCOPE_KEY = "kvbranch.tag"
+#: Where the completion middleware leaves, in the ASGI scope it hands inward, its lookup of the
+#: request's split: an async callable giving the split (a dict) or None, looked up at most once.
+SPLIT_SCOPE_KEY = "kvbranch.split"
 #: The tenant key of a server without API keys (one tenant: everyone).
 NO_TENANT = ""
 TURNS_PER_BRANCH = 8
@@ -132,11 +134,11 @@ class TurnRecorder:
         self.log = log
 
     async def __call__(self, scope: dict, receive: Any, send: Send) -> None:
-        tag = scope.get(TAG_SCOPE_KEY)
+        fetch_split = scope.get(SPLIT_SCOPE_KEY)
         if (
             scope["type"] != "http"
             or scope.get("method") != "POST"
-            or not tag
+            or fetch_split is None
             or route_path(scope) not in GENERATE_PATHS
         ):
             await self.app(scope, receive, send)
@@ -164,39 +166,35 @@ class TurnRecorder:
         first = timing["first"] if timing["first"] is not None else timing["end"]
         await self._record(
             scope,
-            str(tag),
+            await fetch_split(),
             ttft_s=first - started if timing["streamed"] else None,
             latency_s=timing["end"] - started,
             streamed=bool(timing["streamed"]),
         )
 
     async def _record(
-        self, scope: dict, tag: str, *, ttft_s: float | None, latency_s: float, streamed: bool
+        self,
+        scope: dict,
+        split: dict[str, Any] | None,
+        *,
+        ttft_s: float | None,
+        latency_s: float,
+        streamed: bool,
     ) -> None:
-        app = scope.get("app")
-        kvb = getattr(getattr(app, "state", None), "kvbranch", None)
-        if kvb is None or kvb.control is None:
-            return
-        try:
-            answer = await kvb.control.call(Split(tag=tag))
-        except Exception as exc:  # noqa: BLE001 - the page's history must never break a turn
-            logger.debug("kvbranch: no split for %s: %s", tag, exc)
-            return
-        split = answer.root
-        if split is None or not split.session_id or not split.branch_id:
+        if split is None or not split.get("session_id") or not split.get("branch_id"):
             return  # not a session's turn (or the split is gone): nothing to file
         owner = owner_of(header(scope, "authorization"), app_args_of(scope))
         self.log.add(
             owner,
             Turn(
-                session_id=split.session_id,
-                branch_id=split.branch_id,
+                session_id=split["session_id"],
+                branch_id=split["branch_id"],
                 at=time.time(),
-                prompt_tokens=split.prompt_tokens,
-                device_hit_tokens=split.device_hit_tokens,
-                host_hit_tokens=split.host_hit_tokens,
-                remote_hit_tokens=split.remote_hit_tokens,
-                recomputed_tokens=split.recomputed_tokens,
+                prompt_tokens=split["prompt_tokens"],
+                device_hit_tokens=split["device_hit_tokens"],
+                host_hit_tokens=split["host_hit_tokens"],
+                remote_hit_tokens=split["remote_hit_tokens"],
+                recomputed_tokens=split["recomputed_tokens"],
                 ttft_s=ttft_s,
                 latency_s=latency_s,
                 streamed=streamed,

@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 from server.common.tenants import tenant_id
 from server.common.ui_page import PAGE_PATHS, UI_DATA_PATH, UI_PATH
 from server.connector.control.models import ControlRequest, EngineStoreStats, parse_answer
-from server.plugin.turn_log import TAG_SCOPE_KEY, Turn, TurnLog, TurnRecorder
+from server.plugin.middleware import _ResponseRewriter
+from server.plugin.turn_log import SPLIT_SCOPE_KEY, Turn, TurnLog, TurnRecorder
 from server.plugin.ui import install
 
 KEY_A, KEY_B = "ui-key-a", "ui-key-b"
@@ -168,14 +169,18 @@ async def test_recorder_files_a_streamed_turn_under_the_callers_tenant(app: Fast
         "path": "/v1/chat/completions",
         "headers": [(b"authorization", f"Bearer {KEY_B}".encode())],
         "app": app,
-        TAG_SCOPE_KEY: "kvb-1",
     }
-    await TurnRecorder(engine, log)(scope, None, send)
+
+    def looked_up(tag: str) -> dict[str, Any]:
+        """The scope as the completion middleware hands it inward: its split lookup in it."""
+        return dict(scope, **{SPLIT_SCOPE_KEY: _ResponseRewriter(scope, send, tag).fetch_split})
+
+    await TurnRecorder(engine, log)(looked_up("kvb-1"), None, send)
     assert len(sent) == 3  # the response went out unchanged
     (filed,) = log.turns_of(tenant_id(KEY_B))
     assert (filed.session_id, filed.device_hit_tokens, filed.streamed) == ("s", 3, True)
     assert filed.ttft_s is not None and filed.ttft_s <= filed.latency_s
     assert log.turns_of(tenant_id(KEY_A)) == []
     control.splits.clear()  # a request the engine kept no split for: nothing filed
-    await TurnRecorder(engine, log)(dict(scope, **{TAG_SCOPE_KEY: "kvb-2"}), None, send)
+    await TurnRecorder(engine, log)(looked_up("kvb-2"), None, send)
     assert len(log.turns_of(tenant_id(KEY_B))) == 1
