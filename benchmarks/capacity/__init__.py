@@ -87,30 +87,31 @@ def load_traces(args: argparse.Namespace, n: int) -> tuple[list[Any], str]:
     """The conversations and a one-line description of the workload with every scale."""
     from benchmarks import traces
 
+    #: what every trace set's loader takes
+    shared = {
+        "max_turns": args.max_turns,
+        "skip": args.skip,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+    }
     if args.trace == "bfcl":
         convs = traces.load(
             "bfcl",
             n,
-            max_turns=args.max_turns,
-            skip=args.skip,
             max_chars=args.max_chars,
-            max_tokens=args.max_tokens,
             tool_s=args.tool_s,
             tool_dist=args.tool_dist,
-            seed=args.seed,
+            **shared,
         )
         scale = f"tool time {args.tool_dist} {args.tool_s:g} s (BFCL records none)"
     else:
         convs = traces.load(
             "mooncake",
             n,
-            max_turns=args.max_turns,
-            skip=args.skip,
             tokens_per_block=args.block_tokens,
             time_scale=args.time_scale,
-            max_tokens=args.max_tokens,
             max_prompt_tokens=args.max_model_len - args.max_tokens,
-            seed=args.seed,
+            **shared,
         )
         scale = (
             f"the trace's think times x {args.time_scale:g}, {args.block_tokens} tokens per "
