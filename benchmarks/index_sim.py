@@ -60,7 +60,7 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import httpx
@@ -126,6 +126,16 @@ class SimConfig:
 
 
 # --- simulated instances ---------------------------------------------------------------------
+def _touch(lru: OrderedDict[int, None], h: int) -> bool:
+    """Make block ``h`` the most recently used of ``lru``; True when it was not there (stored
+    now), as the device cache and the host store both keep their blocks."""
+    if h in lru:
+        lru.move_to_end(h)
+        return False
+    lru[h] = None
+    return True
+
+
 class SimInstance:
     def __init__(self, n: int, role: str, cfg: SimConfig) -> None:
         self.role = role
@@ -182,18 +192,12 @@ class SimInstance:
         Returns (device stored, device removed, host stored, host removed)."""
         stored, removed, h_stored, h_removed = [], [], [], []
         for h in reversed(blocks):  # the tail first: the prefix is the most recent
-            if h in self.device:
-                self.device.move_to_end(h)
-            else:
-                self.device[h] = None
+            if _touch(self.device, h):
                 stored.append(h)
         while len(self.device) > self.cap:
             h, _ = self.device.popitem(last=False)
             removed.append(h)
-            if h in self.host:
-                self.host.move_to_end(h)
-            else:
-                self.host[h] = None
+            if _touch(self.host, h):
                 h_stored.append(h)
         while len(self.host) > self.host_cap:
             h_removed.append(self.host.popitem(last=False)[0])
@@ -954,41 +958,48 @@ def report(cfg: SimConfig, stats: list[Stats], info: dict[str, str], elapsed: fl
     return "\n".join(lines) + "\n"
 
 
+#: The options that set a :class:`SimConfig` field of the same name to a number, with the
+#: field's default.
+NUMBER_OPTIONS = (
+    "instances",
+    "sessions",
+    "cache_blocks",
+    "host_blocks",
+    "d_hold_blocks",
+    "heartbeat_s",
+    "heartbeat_ttl_s",
+    "seed",
+)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated option's items (empty ones left out)."""
+    return tuple(x for x in text.split(",") if x)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in _names(text))
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--instances", type=int, default=100)
-    ap.add_argument("--sessions", type=int, default=10_000)
+    """Every option but ``--quick`` sets the :class:`SimConfig` field its dest names."""
+    defaults = SimConfig()
+    for name in NUMBER_OPTIONS:
+        value = getattr(defaults, name)
+        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     ap.add_argument(
         "--turns", type=int, default=14_000, help="per configuration (0: 2 rounds of sessions)"
     )
-    ap.add_argument("--routers", default="1,2,4")
-    ap.add_argument("--backends", default="memory,redis")
-    ap.add_argument("--cache-blocks", type=int, default=2000)
-    ap.add_argument("--host-blocks", type=int, default=4000)
-    ap.add_argument("--d-hold-blocks", type=int, default=0)
-    ap.add_argument("--heartbeat-s", type=float, default=2.0)
-    ap.add_argument("--heartbeat-ttl-s", type=float, default=10.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--routers", type=_ints, default=defaults.routers, help="e.g. 1,2,4")
+    ap.add_argument("--backends", type=_names, default=defaults.backends, help="memory,redis")
     ap.add_argument("--redis-url", default=None, help="an existing Redis (it is FLUSHALLed)")
-    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--no-baselines", dest="baselines", action="store_false")
     ap.add_argument("--quick", action="store_true", help="about 30 s: 1000 sessions, short TTL")
 
 
 def config_of(a: argparse.Namespace) -> SimConfig:
-    cfg = SimConfig(
-        instances=a.instances,
-        sessions=a.sessions,
-        turns=a.turns,
-        routers=tuple(int(x) for x in a.routers.split(",") if x),
-        backends=tuple(x for x in a.backends.split(",") if x),
-        cache_blocks=a.cache_blocks,
-        host_blocks=a.host_blocks,
-        d_hold_blocks=a.d_hold_blocks,
-        heartbeat_s=a.heartbeat_s,
-        heartbeat_ttl_s=a.heartbeat_ttl_s,
-        seed=a.seed,
-        baselines=not a.no_baselines,
-        redis_url=a.redis_url,
-    )
+    names = {f.name for f in fields(SimConfig)}
+    cfg = SimConfig(**{k: v for k, v in vars(a).items() if k in names})
     if a.quick:
         cfg.sessions, cfg.turns = min(cfg.sessions, 1000), 2000
         cfg.cache_blocks, cfg.host_blocks = 200, 400
