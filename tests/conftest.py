@@ -1,5 +1,7 @@
 """Shared fixtures: the real kvbranch server (real vLLM, real model, real connector), started
-once per test session and stopped with all its child processes at the end.
+once per test session and stopped with all its child processes at the end. The unit tests run
+first; the shared servers the collected integration tests need start meanwhile
+(:mod:`tests.prestart`).
 
 ``kvbranch_server`` — connector on; small device KV cache (0.5 GiB) and host store (0.25 GiB,
 about 45 blocks of 128 tokens; pin budget 0.05 GiB, 9 blocks) so that eviction and pin-budget
@@ -19,6 +21,7 @@ import shutil
 import httpx
 import pytest
 
+from tests import prestart
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
 
@@ -34,9 +37,14 @@ KVBRANCH_ARGS = [
 ]
 
 
+@prestart.shared("kvbranch_server")
+def _kvbranch_server() -> tuple[ServerProcess, ...]:
+    return (ServerProcess(KVBRANCH_ARGS, name="kvbranch"),)
+
+
 @pytest.fixture(scope="session")
 def kvbranch_server():
-    with ServerProcess(KVBRANCH_ARGS, name="kvbranch") as server:
+    with prestart.running(prestart.take("kvbranch_server")) as (server,):
         yield server
 
 
@@ -49,9 +57,14 @@ class VanillaVLLM(ServerProcess):
     module = "tests.vanilla_vllm"
 
 
+@prestart.shared("plain_server")
+def _plain_server() -> tuple[ServerProcess, ...]:
+    return (VanillaVLLM(PLAIN_ARGS, name="plain"),)
+
+
 @pytest.fixture(scope="session")
 def plain_server():
-    with VanillaVLLM(PLAIN_ARGS, name="plain") as server:
+    with prestart.running(prestart.take("plain_server")) as (server,):
         # the reference has none of kvbranch's routes (nor, so, its plugin)
         r = httpx.get(f"{server.url}/v1/kvbranch/health", timeout=30)
         assert r.status_code == 404, f"the vLLM reference serves kvbranch's routes: {r.text}"
@@ -93,7 +106,24 @@ def pytest_runtest_makereport(item, call):
             )
 
 
+def _is_integration(item: pytest.Item) -> bool:
+    return "tests/integration" in str(item.fspath).replace("\\", "/")
+
+
 def pytest_collection_modifyitems(config, items):
+    """Integration tests marked, and moved after the unit tests (a stable sort: each part keeps
+    its order), so that the shared servers start while the unit tests run."""
     for item in items:
-        if "tests/integration" in str(item.fspath).replace("\\", "/"):
+        if _is_integration(item):
             item.add_marker(pytest.mark.integration)
+    items.sort(key=_is_integration)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    prestart.launch_for(name for item in session.items for name in item.fixturenames)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    prestart.stop_untaken()

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from server.launcher.model_cache import ensure_model
+from tests import prestart
 from tests.conftest import VanillaVLLM
 from tests.integration.helpers import (
     BLOCK,
@@ -70,12 +71,15 @@ def sliding_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sliding_servers(sliding_model):
-    """(kvbranch, plain vLLM) on the sliding-window model, started one after the other."""
+    """(kvbranch, plain vLLM) on the sliding-window model, started side by side."""
     model = ["--model", str(sliding_model), *SIZES]
-    with ServerProcess([*model, "--host-store-gib", "0.25"], name="kvbranch-swa") as ours:
-        with VanillaVLLM([*model, "--no-connector"], name="plain-swa") as plain:
-            ours.model = plain.model = SERVED
-            yield ours, plain
+    servers = (
+        ServerProcess([*model, "--host-store-gib", "0.25"], name="kvbranch-swa").launch(),
+        VanillaVLLM([*model, "--no-connector"], name="plain-swa").launch(),
+    )
+    with prestart.running(servers) as (ours, plain):
+        ours.model = plain.model = SERVED
+        yield ours, plain
 
 
 def turns(server, session: str | None, *, reset_between: bool) -> tuple[list[dict], list[dict]]:

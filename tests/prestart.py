@@ -1,0 +1,75 @@
+"""The test session's shared servers, launched as soon as collection ends and awaited by their
+fixtures.
+
+Why: an engine start is a few single-threaded Python imports of vLLM and torch (25-50 s on CI's
+2 cores), and the session's shared servers used to start one after the other, each when its
+first test asked for it, while the other core idled. The unit tests run first (pure logic, about
+two minutes on one core), so the servers the collected integration tests will ask for start on
+the other core meanwhile, all at once. They are the servers that live for the whole session
+anyway (or for the ``keyed`` package, which runs first): starting them early keeps no more of
+them alive together than before. A server no collected test uses is never started.
+
+A fixture takes its servers with :func:`take` (launched here, or now if collection did not
+launch them, e.g. under ``--collect-only`` or for a server a test asked for dynamically) and
+wraps them in :func:`running`, which awaits each and stops them all at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+from tests.server_process import ServerProcess
+
+#: A shared server fixture's processes, constructed but not launched.
+Factory = Callable[[], tuple[ServerProcess, ...]]
+
+_factories: dict[str, Factory] = {}
+_launched: dict[str, tuple[ServerProcess, ...]] = {}
+
+
+def shared(fixture_name: str) -> Callable[[Factory], Factory]:
+    """Register ``factory`` as the processes of the fixture ``fixture_name``."""
+
+    def register(factory: Factory) -> Factory:
+        _factories[fixture_name] = factory
+        return factory
+
+    return register
+
+
+def launch_for(fixture_names: Iterable[str]) -> list[str]:
+    """Launch (without waiting) the shared servers among ``fixture_names``; the names launched."""
+    names = sorted({n for n in fixture_names if n in _factories and n not in _launched})
+    for name in names:
+        _launched[name] = tuple(proc.launch() for proc in _factories[name]())
+    return names
+
+
+def take(fixture_name: str) -> tuple[ServerProcess, ...]:
+    """The fixture's processes: those launched at collection, or launched now."""
+    procs = _launched.pop(fixture_name, None)
+    if procs is None:
+        procs = tuple(proc.launch() for proc in _factories[fixture_name]())
+    return procs
+
+
+@contextmanager
+def running(procs: tuple[ServerProcess, ...]) -> Iterator[tuple[ServerProcess, ...]]:
+    """Each process ready (its own start-up error raised here), all stopped on exit."""
+    try:
+        for proc in procs:
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def stop_untaken() -> None:
+    """Stop what was launched for a test that never ran (a failure under ``-x``, a deselection
+    after collection, an interrupted session)."""
+    while _launched:
+        _, procs = _launched.popitem()
+        for proc in procs:
+            proc.stop()
