@@ -128,17 +128,11 @@ class Instance:
         return max(self.inflight, self.record.load if self.record is not None else 0)
 
     def info(self) -> dict[str, Any]:
-        """As health and stats report it (:class:`InstanceInfo`)."""
-        return InstanceInfo(
-            url=self.url,
-            role=self.role,
-            alive=self.alive,
-            instance_id=self.instance_id,
-            inflight=self.inflight,
-            requests=self.requests,
-            failures=self.failures,
-            listed=self.eligible,
-        ).model_dump()
+        """As health and stats report it (:class:`InstanceInfo`): the fields it shares with
+        this record, read by name, except ``listed``, which there means eligible (a seed, or
+        listed by the index)."""
+        info = InstanceInfo.model_validate(self, from_attributes=True)
+        return {**info.model_dump(), "listed": self.eligible}
 
 
 class Pool:
