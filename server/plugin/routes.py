@@ -93,6 +93,10 @@ def _routed(handler: Handler) -> Handler:
     return wrapper  # type: ignore[return-value]
 
 
+#: The engine's ``info`` fields that health reports of the connector under the same names.
+_ENGINE_INFO_FIELDS = {"block_size", "store_capacity_bytes", "pin_budget_bytes", "platform"}
+
+
 @router.get("/health", response_model=HealthInfo)
 async def health(request: Request) -> Response:
     kvb = _kvb(request)
@@ -101,13 +105,9 @@ async def health(request: Request) -> Response:
     if kvb.control is not None:
         try:
             info = await kvb.control.call(ctl.Info())
-            connector = ConnectorInfo(
-                loaded=info.enabled,
-                name=connector.name,
-                block_size=info.block_size,
-                store_capacity_bytes=info.store_capacity_bytes,
-                pin_budget_bytes=info.pin_budget_bytes,
-                platform=info.platform,
+            shared = info.model_dump(include=_ENGINE_INFO_FIELDS)
+            connector = ConnectorInfo.model_validate(
+                {"loaded": info.enabled, "name": connector.name, **shared}
             )
         except ControlError:
             status = "degraded"
