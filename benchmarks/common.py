@@ -423,6 +423,8 @@ async def stream_request(
         result.extra["route"] = route
     if "prefill" in timings:  # the P/D router: P's leg of the turn
         result.extra["prefill_leg_s"] = timings["prefill"] / 1000.0
+    if timings:  # the P/D router's phases of the turn (server/router/turn.py), in ms
+        result.extra["timings_ms"] = timings
     if ttft is None:
         result.extra["no_content"] = True
     return _finish(result, split)

@@ -26,7 +26,10 @@ on the server that just computed it) and reports those requests as ``warm_ttft_s
 
 ``--pd`` compares the P/D clusters instead (the launcher's ``--disagg``: a router, P on core 0,
 D on core 1): upstream P/D (vLLM's NixlConnector, ``pd``) against kvbranch P/D
-(``pd-kvbranch``), both up at once, each request through its router.
+(``pd-kvbranch``), both up at once, each request through its router; the report splits each
+TTFT by the router's ``Server-Timing`` phases. ``--session`` puts each prompt on a session of
+its own (the first turn of a new session: the router's index, the instance's session, and with
+``--pd`` D's hold of the blocks for the next turn, which a sessionless request does not get).
 
 Why this benchmark: turn-1 ratios in earlier runs scattered by ±10% with 6-8 requests per
 configuration, so whether kvbranch costs anything on a cold turn was neither shown nor refuted.
@@ -81,8 +84,12 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args) -> 
         "temperature": 0.0,
         "ignore_eos": True,
     }
+    if args.session:  # each prompt opens a session of its own (its first turn)
+        body.update(common.session_fields(f"turn1-{rng.getrandbits(64):016x}"))
     result = await common.stream_chat(client, url, body)
     out = {"ttft_s": result.ttft_s, "total_s": result.total_s}
+    # --pd: the router's phases of the turn (route, prefill, decode up to D's headers), in ms
+    out.update({f"{k}_ms": v for k, v in result.extra.get("timings_ms", {}).items()})
     if args.warm:
         again = await common.stream_chat(client, url, body)
         out.update(warm_ttft_s=again.ttft_s, warm_total_s=again.total_s)
@@ -199,7 +206,8 @@ def report(args, rounds, sums, info, elapsed, bindings, raw) -> str:
     lines += reporting.conditions_md([r["load1"] for r in rounds], args.reserved_cpus, bindings)
     lines.append(
         f"- {args.rounds} rounds in alternating order, one request at a time, never-seen "
-        f"~{args.tokens}-token chat prompts{' (each sent twice: --warm)' if args.warm else ''}, "
+        f"~{args.tokens}-token chat prompts{' (each sent twice: --warm)' if args.warm else ''}"
+        f"{', each on a new session' if getattr(args, 'session', False) else ''}, "
         f"max_tokens {args.max_tokens}, "
         f"{'P/D clusters, P on core 0 and D on core 1 in each' if args.pd else 'all engines on'}"
         f"{'' if args.pd else f' core(s) {args.cpu_cores}'}; "
@@ -228,6 +236,7 @@ def report(args, rounds, sums, info, elapsed, bindings, raw) -> str:
     header = ["server", "metric", f"{base} p50 (s)", "its p50 (s)", "ratio p50", "95% CI", "width"]
     lines.append(reporting.md_table(header, rows))
     if args.pd:  # the routers' /metrics carry no vLLM request histograms
+        lines.append(phases_md(rounds, list(sums)))
         return "\n".join(lines + ["Targets:\n", *verdicts])
     rows = []
     for name, m in sums.items():
@@ -254,6 +263,38 @@ def report(args, rounds, sums, info, elapsed, bindings, raw) -> str:
     return "\n".join(lines + ["Targets:\n", *verdicts])
 
 
+#: The router's ``Server-Timing`` phases of a P/D turn (server/router/turn.py).
+PHASES = ("route", "prefill", "decode")
+
+
+def phases_md(rounds: list[dict], names: list[str]) -> str:
+    """Where each P/D cluster's TTFT went, medians over the rounds (ms): the router's phases,
+    and the rest — from D's answer headers to the first token (D's read of P's blocks, its
+    first step, the relay)."""
+    rows = []
+    for name in names:
+        cells: list = [name]
+        for phase in PHASES:
+            got = [r[name][f"{phase}_ms"] for r in rounds if f"{phase}_ms" in r[name]]
+            cells.append(statistics.median(got) if got else "–")
+        rest = [
+            1000 * r[name]["ttft_s"] - sum(r[name].get(f"{p}_ms", 0.0) for p in PHASES)
+            for r in rounds
+        ]
+        cells += [
+            statistics.median(rest),
+            1000 * statistics.median(r[name]["ttft_s"] for r in rounds),
+        ]
+        rows.append(cells)
+    header = [
+        "server",
+        *(f"{p} (ms)" for p in PHASES),
+        "D's headers to 1st token (ms)",
+        "TTFT (ms)",
+    ]
+    return reporting.md_table(header, rows)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     reporting.add_int_args(ap, {"--rounds": 24, "--tokens": 800, "--max-tokens": 4})
     ap.add_argument("--cpu-cores", default="1", help="the engines' core(s), the same for all")
@@ -261,6 +302,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fault-save", action="store_true", help="add kvbranch-fault (see above)")
     ap.add_argument("--warm", action="store_true", help="each prompt twice (see above)")
     ap.add_argument("--pd", action="store_true", help="upstream P/D against kvbranch P/D")
+    ap.add_argument(
+        "--session", action="store_true", help="each prompt on a new session (see above)"
+    )
     common.add_server_args(ap, kv_cache_gib=0.5, max_model_len=2048)
     common.add_run_args(ap)
 

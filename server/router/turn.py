@@ -305,6 +305,17 @@ class _Turn:
         self.key = key
         self.turn = 0
         self.prefill_s: float | None = None
+        #: The turn's phases in ms, for the ``Server-Timing`` header (W3C Server Timing):
+        #: ``route`` (index, choice of P and D, D's claim), ``prefill`` (P's leg), ``decode``
+        #: (D's leg up to its answer's headers).
+        self.timings: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+
+    def timed(self, name: str, since: float) -> float:
+        """Record the phase ``name`` as lasting from ``since`` to now; returns now."""
+        now = time.perf_counter()
+        self.timings[name] = (now - since) * 1000
+        return now
 
     async def run(self) -> Response:
         flow, key = self.flow, self.key
@@ -324,7 +335,7 @@ class _Turn:
         flow.place_soon(key, start, prefill, decode)
         if pull is not None:
             flow.pulled_tokens.inc(pull.num_tokens)
-        leg_started = time.perf_counter()
+        leg_started = self.timed("route", self._t0)
         try:
             prefilled = await self.on_any(prefill, lambda inst: self.prefill(inst, pull))
         except _Fallback as exc:
@@ -335,7 +346,7 @@ class _Turn:
         if isinstance(prefilled, Response):
             return prefilled  # the client's own error (4xx), as P said it
         p_params, split = prefilled
-        self.prefill_s = time.perf_counter() - leg_started
+        self.prefill_s = self.timed("prefill", leg_started) - leg_started
         flow.prefill_seconds.observe(self.prefill_s)
         route = "pd+pull" if pull is not None else "pd"
         try:
@@ -457,17 +468,16 @@ class _Turn:
         """Send the generating request; file D's returned params; relay the answer."""
         self.flow.turns.labels(route).inc()
         out_headers = {ROUTE_HEADER: route}
-        if self.prefill_s is not None:
-            # The standard header for a server's own timings (W3C Server Timing), in ms.
-            out_headers["Server-Timing"] = f"prefill;dur={self.prefill_s * 1000:.1f}"
+        sent = time.perf_counter()
 
         if body.get("stream") is True:
 
             def file_params(params: Any) -> None:
                 self.flow.file(key, inst, self.turn, params)
 
-            return await self.stream(inst, body, file_params, split, out_headers)
+            return await self.stream(inst, body, file_params, split, out_headers, sent)
         r = await self.post(inst, body)
+        self.set_timing(out_headers, sent)
         if r.status_code >= 500:
             raise _Fallback(f"HTTP {r.status_code}")
         if r.status_code != 200:
@@ -482,6 +492,17 @@ class _Turn:
             await self.flow.file_hold(key, inst, self.turn, returned[0])
         return JSONResponse(answer, headers=out_headers)
 
+    def set_timing(self, out_headers: dict[str, str], sent: float) -> None:
+        """The ``Server-Timing`` header of a P/D turn (the standard header for a server's own
+        timings, in ms): where the router's part of the time-to-first-token went. A turn one
+        instance served alone has none."""
+        if self.prefill_s is None:
+            return
+        self.timed("decode", sent)
+        out_headers["Server-Timing"] = ", ".join(
+            f"{name};dur={ms:.1f}" for name, ms in self.timings.items()
+        )
+
     async def stream(
         self,
         inst: Instance,
@@ -489,6 +510,7 @@ class _Turn:
         file_params: relay.FileParams,
         split: Any,
         out_headers: dict[str, str],
+        sent: float,
     ) -> Response:
         body = dict(body)  # a retry on another instance starts from the same body
         want_usage = relay.ask_for_usage(body)
@@ -509,6 +531,7 @@ class _Turn:
             inst.inflight -= 1
             raise
         self.record(inst, resp.status_code)
+        self.set_timing(out_headers, sent)
         if resp.status_code != 200:
             await resp.aread()
             await resp.aclose()

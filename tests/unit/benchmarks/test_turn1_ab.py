@@ -73,3 +73,25 @@ def test_without_warm_only_the_cold_request_is_judged():
     assert "warm_" not in text
     assert "**met** — kvbranch total_s: /plain median 1.000" in text
     assert "all engines on core(s) 1" in text
+
+
+def test_pd_rounds_are_split_by_the_routers_phases():
+    names = ["pd", "pd-kvbranch"]
+    rounds = _rounds(names, 1.5, n=3)
+    for row in rounds:
+        for name in names:
+            row[name].update(route_ms=10.0, prefill_ms=600.0, decode_ms=40.0)
+    sums = {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
+    text = turn1_ab.report(
+        _args(pd=True, session=True),
+        rounds,
+        sums,
+        INFO,
+        60.0,
+        {},
+        turn1_ab.reporting.ROOT / "benchmarks/out/x.json",
+    )
+    assert "each on a new session" in text
+    # the medians of each phase, and the rest of the TTFT after D's headers
+    assert "| pd | 10.0 | 600.0 | 40.0 | 351.0 | 1001.0 |" in text
+    assert "| pd-kvbranch | 10.0 | 600.0 | 40.0 | 851.5 | 1501.5 |" in text

@@ -164,9 +164,11 @@ def test_a_turn_prefills_on_p_decodes_on_d_and_files_ds_params():
     assert d_body["max_tokens"] == 20 and d_body[TRANSFER_PARAMS_FIELD] == P_PARAMS
     held = peek(router, KEY)
     assert held is not None and held.decode_url == D and held.num_tokens == 200
-    # P's leg, timed: a standard Server-Timing header and the router's histogram
-    name, dur = r.headers["Server-Timing"].split(";dur=")
-    assert name == "prefill" and float(dur) >= 0
+    # The turn's phases, timed: a standard Server-Timing header (route, P's leg, D's leg up to
+    # its headers) and the router's histogram of P's leg
+    spans = [m.strip().split(";dur=") for m in r.headers["Server-Timing"].split(",")]
+    assert [name for name, _ in spans] == ["route", "prefill", "decode"]
+    assert all(float(dur) >= 0 for _, dur in spans)
     metrics = call(router, "GET", "/metrics").content
     assert b"kvbranch_router_prefill_leg_seconds_count 1.0" in metrics
 
