@@ -31,12 +31,18 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
-from server.engine.patch import install_patch, seconds_from_env
+from server.engine.patch import MethodPatch, install_patch, seconds_from_env
 
 ENV_IDLE_POLL_S = "KVBRANCH_IDLE_POLL_S"
 DEFAULT_IDLE_POLL_MS = 20.0
 
 logger = logging.getLogger("kvbranch.engine_idle")
+#: The method this plugin wraps (vLLM 0.32's engine core loop step; see the module docstring).
+IDLE_POLL = MethodPatch(
+    "vllm.v1.engine.core.EngineCoreProc._process_engine_step",
+    needs="_handle_client_request",
+    what="the idle poll",
+)
 
 __all__ = ["install", "idle_poll_seconds", "seconds_from_env", "only_holds", "wait_for_work"]
 
@@ -87,15 +93,5 @@ def _idle_step(
 
 
 def install() -> None:
-    """Called by the plugin entry point in every vLLM process (a no-op outside an engine).
-    Its call has the shape of :func:`server.engine.spin.install`'s: two uses of the one
-    ``install_patch``, each naming its own target."""
-    install_patch(
-        "vllm.v1.engine.core.EngineCoreProc",
-        "_process_engine_step",
-        needs="_handle_client_request",
-        seconds=idle_poll_seconds(),
-        wrap=_idle_step,
-        what="the idle poll",
-        log=logger,
-    )
+    """Called by the plugin entry point in every vLLM process (a no-op outside an engine)."""
+    install_patch(IDLE_POLL, seconds=idle_poll_seconds(), wrap=_idle_step, log=logger)

@@ -14,7 +14,7 @@ import importlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger("kvbranch.engine_patch")
 
@@ -37,32 +37,35 @@ def seconds_from_env(name: str, what: str) -> float | None:
     return max(value, 0.0)
 
 
-def install_patch(
-    target: str,
-    method: str,
-    *,
-    needs: str,
-    seconds: float | None,
-    wrap: Wrap,
-    what: str,
-    log: logging.Logger = logger,
-) -> bool:
-    """Wrap ``target``'s (``"module.Class"``) ``method`` with ``wrap`` for ``seconds``.
+class MethodPatch(NamedTuple):
+    """The vLLM method a plugin wraps, as its module declares it: ``method``, its dotted name
+    (``"module.Class.method"``); ``needs``, another attribute of the class the wrapper relies
+    on (without it, or without the method, the class is not the one the patch was written
+    for); ``what`` the log calls the patch."""
 
-    ``needs`` is another attribute of the class the wrapper relies on; without it (or without
-    ``method``) the class is not the one the patch was written for, and nothing changes.
-    ``seconds`` ``None``: nothing changes. Returns whether the method is wrapped afterwards.
-    """
+    method: str
+    needs: str
+    what: str
+
+
+def install_patch(
+    patch: MethodPatch, *, seconds: float | None, wrap: Wrap, log: logging.Logger = logger
+) -> bool:
+    """Wrap ``patch``'s method with ``wrap`` for ``seconds``. ``seconds`` ``None``, or a class
+    other than the one the patch was written for: nothing changes. Returns whether the method
+    is wrapped afterwards."""
     if seconds is None:
         return False
+    target, _, method = patch.method.rpartition(".")
     module_name, _, class_name = target.rpartition(".")
+    what = patch.what
     try:
         klass = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError):
         log.info("kvbranch: no vLLM %s here; %s unchanged", class_name, what)
         return False
     original = getattr(klass, method, None)
-    if original is None or not hasattr(klass, needs):
+    if original is None or not hasattr(klass, patch.needs):
         log.info("kvbranch: unexpected vLLM %s; %s unchanged", class_name, what)
         return False
     marker = f"_kvbranch_{method.strip('_')}_s"

@@ -28,13 +28,19 @@ from collections.abc import Callable
 from typing import Any
 
 from server.engine import idle as engine_idle
-from server.engine.patch import install_patch, seconds_from_env
+from server.engine.patch import MethodPatch, install_patch, seconds_from_env
 
 ENV_MQ_SPIN_S = "KVBRANCH_MQ_SPIN_S"
 DEFAULT_SPIN_MS = 2.0
 PLUGIN_NAME = "kvbranch_mq_spin"
 
 logger = logging.getLogger("kvbranch.engine_spin")
+#: The method this plugin wraps (vLLM 0.32's message-queue wait; see the module docstring).
+MQ_SPIN = MethodPatch(
+    "vllm.distributed.device_communicators.shm_broadcast.SpinCondition.wait",
+    needs="record_read",
+    what="message-queue spin",
+)
 
 
 def spin_seconds() -> float | None:
@@ -57,12 +63,4 @@ def install() -> None:
     worker (possibly more than once per process). Also sets the engine's idle poll
     (:mod:`server.engine.idle`), the other busy-wait between the engine core and its worker."""
     engine_idle.install()
-    install_patch(
-        "vllm.distributed.device_communicators.shm_broadcast.SpinCondition",
-        "wait",
-        needs="record_read",
-        seconds=spin_seconds(),
-        wrap=_spin_wait,
-        what="message-queue spin",
-        log=logger,
-    )
+    install_patch(MQ_SPIN, seconds=spin_seconds(), wrap=_spin_wait, log=logger)

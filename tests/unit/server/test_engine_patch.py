@@ -39,9 +39,8 @@ def module(monkeypatch):
 
 
 def _install(seconds, needs="helper"):
-    return engine_patch.install_patch(
-        "fake_vllm_mod.Target", "step", needs=needs, seconds=seconds, wrap=_wrap, what="x"
-    )
+    patch = engine_patch.MethodPatch("fake_vllm_mod.Target.step", needs=needs, what="x")
+    return engine_patch.install_patch(patch, seconds=seconds, wrap=_wrap)
 
 
 def test_wraps_once_keeps_the_docs_and_reads_the_latest_value(module):
@@ -63,9 +62,9 @@ def test_no_value_or_another_shape_leaves_the_class(module):
 
 def test_no_module_or_class_is_logged_not_raised(caplog):
     caplog.set_level("INFO", logger="kvbranch.engine_patch")
-    wrap = engine_patch.install_patch
-    assert not wrap("no_such_mod_xyz.Cls", "m", needs="n", seconds=1.0, wrap=_wrap, what="x")
-    assert not wrap("sys.NoSuchClass", "m", needs="n", seconds=1.0, wrap=_wrap, what="x")
+    for method in ("no_such_mod_xyz.Cls.m", "sys.NoSuchClass.m"):
+        patch = engine_patch.MethodPatch(method, needs="n", what="x")
+        assert not engine_patch.install_patch(patch, seconds=1.0, wrap=_wrap)
     assert "no vLLM Cls here; x unchanged" in caplog.text
 
 
