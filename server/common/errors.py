@@ -88,8 +88,8 @@ async def send_error(
     param: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> None:
-    """Answer an ASGI request with an error. (The router edge's ``_refuse`` takes the same
-    parameters, plus the reason it counts, and calls this: a wrapper's signature, not a copy.)"""
+    """Answer an ASGI request with an error (the router edge's ``_refuse`` calls this with the
+    status and headers its table gives the reason it counts)."""
     start, body = asgi_error(status, message, param, headers)
     await send(start)
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -62,6 +62,14 @@ RETRY_AFTER = {"Retry-After": "5"}
 PUBLIC_PATHS = frozenset({"/health", "/metrics", *PAGE_PATHS})
 #: Where :class:`Edge` leaves the request's tenant in the ASGI scope's state.
 TENANT_STATE = "kvbranch_tenant"
+#: What the edge answers each refusal it counts with (``kvbranch_router_refused``'s reason):
+#: the status and the headers; the message says the particulars.
+REFUSALS: dict[str, tuple[int, dict[str, str] | None]] = {
+    "header": (400, None),
+    "key": (401, {"WWW-Authenticate": "Bearer"}),
+    "busy": (503, {"Retry-After": "1"}),
+    "tenant_inflight": (429, {"Retry-After": "1"}),
+}
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -141,14 +149,10 @@ class Edge:
         self.state = state
 
     async def _refuse(
-        self,
-        send: Send,
-        reason: str,
-        status: int,
-        message: str,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
+        self, send: Send, reason: str, message: str, param: str | None = None
     ) -> None:
+        """Answer with the error :data:`REFUSALS` gives ``reason``, counted by that reason."""
+        status, headers = REFUSALS[reason]
         self.state.refused.labels(reason).inc()
         await send_error(send, status, message, param, headers)
 
@@ -159,7 +163,7 @@ class Edge:
         path = scope.get("path", "")
         problem = header_problem(scope["headers"])
         if problem is not None:
-            await self._refuse(send, "header", 400, problem[1], problem[0])
+            await self._refuse(send, "header", problem[1], problem[0])
             return
         authorization = header(scope, "authorization")  # printable ASCII: checked above
         if self.state.keys:
@@ -168,11 +172,8 @@ class Edge:
                 await self._refuse(
                     send,
                     "key",
-                    401,
                     "this router requires an API key: send 'Authorization: Bearer <key>' "
                     "with one of the cluster's keys",
-                    None,
-                    {"WWW-Authenticate": "Bearer"},
                 )
                 return
         else:
@@ -184,21 +185,15 @@ class Edge:
             await self._refuse(
                 send,
                 "busy",
-                503,
                 f"the router has {self.state.max_inflight} requests in flight; retry shortly",
-                None,
-                {"Retry-After": "1"},
             )
             return
         if self.state.inflight.get(tenant, 0) >= self.state.tenant_inflight:
             await self._refuse(
                 send,
                 "tenant_inflight",
-                429,
                 f"this API key has {self.state.tenant_inflight} requests in flight through this "
                 "router, its share; retry when one has finished",
-                None,
-                {"Retry-After": "1"},
             )
             return
         scope.setdefault("state", {})[TENANT_STATE] = tenant
