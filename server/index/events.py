@@ -70,6 +70,7 @@ class Generation:
         return self.value
 
 
+# Shape only beside connector/core/block_index.py's IndexCounters: two records of counters.
 @dataclass
 class ConsumerCounters:
     batches: int = 0

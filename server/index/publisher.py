@@ -84,6 +84,7 @@ def sources_of(engine_client: Any) -> list[Source]:
 class IndexPublisher:
     """Heartbeats and block events of one instance into ``store``."""
 
+    # Shape only beside sdk/_stream.py's stream: a constructor that keeps its arguments.
     def __init__(
         self,
         store: IndexStore,
@@ -262,6 +263,7 @@ def record_factory(
     engines = int(getattr(parallel, "data_parallel_size", 1) or 1)
     nixl = nixl_side_channel(launcher_role)
     role = role_of(launcher_role)
+    # Shape only beside router/app.py's Pool(...): keyword arguments named as their values.
     base = InstanceRecord(
         instance_id=state.instance_id,
         url=url,

@@ -73,6 +73,7 @@ class Turn:
 class TurnLog:
     """A bounded ring of turns per (tenant, session, branch)."""
 
+    # Shape only beside router/edge.py's EdgeState: bounds with defaults, kept as given.
     def __init__(
         self,
         turns_per_branch: int = TURNS_PER_BRANCH,

@@ -27,6 +27,7 @@ logger = logging.getLogger("kvbranch.connector")
 
 
 class KVBranchScheduler:
+    # Shape only beside sdk/testing.py's FakeKVBranchServer: a constructor that keeps its args.
     def __init__(
         self,
         *,
