@@ -37,15 +37,9 @@ KVBRANCH_ARGS = [
 ]
 
 
-@prestart.shared("kvbranch_server")
-def _kvbranch_server() -> tuple[ServerProcess, ...]:
-    return (ServerProcess(KVBRANCH_ARGS, name="kvbranch"),)
-
-
-@pytest.fixture(scope="session")
-def kvbranch_server():
-    with prestart.running(prestart.take("kvbranch_server")) as (server,):
-        yield server
+kvbranch_server = prestart.fixture(
+    "kvbranch_server", lambda: (ServerProcess(KVBRANCH_ARGS, name="kvbranch"),)
+)
 
 
 PLAIN_ARGS = ["--kv-cache-gib", "0.5", "--max-model-len", "4096", "--no-connector"]
@@ -57,18 +51,15 @@ class VanillaVLLM(ServerProcess):
     module = "tests.vanilla_vllm"
 
 
-@prestart.shared("plain_server")
-def _plain_server() -> tuple[ServerProcess, ...]:
-    return (VanillaVLLM(PLAIN_ARGS, name="plain"),)
+plain_vllm = prestart.fixture("plain_vllm", lambda: (VanillaVLLM(PLAIN_ARGS, name="plain"),))
 
 
 @pytest.fixture(scope="session")
-def plain_server():
-    with prestart.running(prestart.take("plain_server")) as (server,):
-        # the reference has none of kvbranch's routes (nor, so, its plugin)
-        r = httpx.get(f"{server.url}/v1/kvbranch/health", timeout=30)
-        assert r.status_code == 404, f"the vLLM reference serves kvbranch's routes: {r.text}"
-        yield server
+def plain_server(plain_vllm):
+    # the reference has none of kvbranch's routes (nor, so, its plugin)
+    r = httpx.get(f"{plain_vllm.url}/v1/kvbranch/health", timeout=30)
+    assert r.status_code == 404, f"the vLLM reference serves kvbranch's routes: {r.text}"
+    return plain_vllm
 
 
 @pytest.fixture(scope="session")

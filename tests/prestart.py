@@ -9,15 +9,19 @@ the other core meanwhile, all at once. They are the servers that live for the wh
 anyway (or for the ``keyed`` package, which runs first): starting them early keeps no more of
 them alive together than before. A server no collected test uses is never started.
 
-A fixture takes its servers with :func:`take` (launched here, or now if collection did not
-launch them, e.g. under ``--collect-only`` or for a server a test asked for dynamically) and
-wraps them in :func:`running`, which awaits each and stops them all at the end.
+:func:`fixture` makes such a fixture: it takes its servers with :func:`take` (launched here, or
+now if collection did not launch them, e.g. under ``--collect-only`` or for a server a test
+asked for dynamically) and wraps them in :func:`running`, which awaits each and stops them all
+at the end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
+
+import pytest
 
 from tests.server_process import ServerProcess
 
@@ -28,14 +32,18 @@ _factories: dict[str, Factory] = {}
 _launched: dict[str, tuple[ServerProcess, ...]] = {}
 
 
-def shared(fixture_name: str) -> Callable[[Factory], Factory]:
-    """Register ``factory`` as the processes of the fixture ``fixture_name``."""
+def fixture(fixture_name: str, factory: Factory, *, scope: str = "session") -> Any:
+    """A pytest fixture named ``fixture_name`` over ``factory``'s processes, launched at the end
+    of collection when a collected test uses it; it yields the process (or the tuple of them
+    when there are several), each ready, and stops them at the end of its scope."""
+    _factories[fixture_name] = factory
 
-    def register(factory: Factory) -> Factory:
-        _factories[fixture_name] = factory
-        return factory
+    @pytest.fixture(scope=scope, name=fixture_name)
+    def servers() -> Iterator[ServerProcess | tuple[ServerProcess, ...]]:
+        with running(take(fixture_name)) as procs:
+            yield procs[0] if len(procs) == 1 else procs
 
-    return register
+    return servers
 
 
 def launch_for(fixture_names: Iterable[str]) -> list[str]:
