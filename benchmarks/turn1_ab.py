@@ -26,10 +26,16 @@ on the server that just computed it) and reports those requests as ``warm_ttft_s
 
 ``--pd`` compares the P/D clusters instead (the launcher's ``--disagg``: a router, P on core 0,
 D on core 1): upstream P/D (vLLM's NixlConnector, ``pd``) against kvbranch P/D
-(``pd-kvbranch``), both up at once, each request through its router; the report splits each
+(``pd-kvbranch``), both up at once, each request through its router (``--pd-configs``: others,
+e.g. ``pd-unpaced,pd-kvbranch-unpaced``, both without NIXL's progress thread as before
+2026-12-05); the report splits each
 TTFT by the router's ``Server-Timing`` phases. ``--session`` puts each prompt on a session of
 its own (the first turn of a new session: the router's index, the instance's session, and with
 ``--pd`` D's hold of the blocks for the next turn, which a sessionless request does not get).
+``--crowd TOKENS`` sends, 0.15 s after each measured prompt, another agent's never-seen prompt
+of TOKENS tokens to the same server (not measured): the measured turn's prefill ends while P
+computes the other one, as when agents' first turns meet (with ``--pd``: D reads the measured
+turn's blocks from P while P is in that forward).
 
 Why this benchmark: turn-1 ratios in earlier runs scattered by ±10% with 6-8 requests per
 configuration, so whether kvbranch costs anything on a cold turn was neither shown nor refuted.
@@ -44,8 +50,10 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -57,6 +65,8 @@ from benchmarks.textgen import text_of_tokens  # noqa: E402
 
 #: name -> (with the connector, extra environment, launcher flags): kvbranch as users get it
 #: (the launcher's defaults), and with the host-store save back in the step.
+_T = TypeVar("_T")
+
 NAME = "turn1_ab"
 DESCRIPTION = (
     "turn 1 (nothing reused), kvbranch against plain vLLM in interleaved rounds (A/B, B/A)"
@@ -72,7 +82,19 @@ CONFIGS = {
 PD_CONFIGS = {
     "pd": ["--disagg", "--no-connector", "--no-bidirectional"],
     "pd-kvbranch": ["--disagg"],
+    # As before 2026-12-05: no NIXL progress thread, a peer's read waits for the forward.
+    "pd-unpaced": ["--disagg", "--no-connector", "--no-bidirectional", "--nixl-progress-us", "0"],
+    "pd-kvbranch-unpaced": ["--disagg", "--nixl-progress-us", "0"],
 }
+
+
+#: ``--crowd``: the other prompt is sent this long after the measured one (inside its prefill).
+CROWD_DELAY_S = 0.15
+
+
+async def _after(delay_s: float, job: Awaitable[_T]) -> _T:
+    await asyncio.sleep(delay_s)
+    return await job
 
 
 async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args) -> dict[str, float]:
@@ -86,7 +108,15 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, args) -> 
     }
     if args.session:  # each prompt opens a session of its own (its first turn)
         body.update(common.session_fields(f"turn1-{rng.getrandbits(64):016x}"))
+    crowd = None
+    if args.crowd:  # another agent's longer first turn, sent while this one prefills
+        other = dict(body, messages=[{"role": "user", "content": text_of_tokens(rng, args.crowd)}])
+        if args.session:
+            other.update(common.session_fields(f"crowd-{rng.getrandbits(64):016x}"))
+        crowd = asyncio.create_task(_after(CROWD_DELAY_S, common.stream_chat(client, url, other)))
     result = await common.stream_chat(client, url, body)
+    if crowd is not None:
+        await crowd  # unmeasured; done before the next server's turn
     out = {"ttft_s": result.ttft_s, "total_s": result.total_s}
     # --pd: the router's phases of the turn (route, prefill, decode up to D's headers), in ms
     out.update({f"{k}_ms": v for k, v in result.extra.get("timings_ms", {}).items()})
@@ -207,7 +237,8 @@ def report(args, rounds, sums, info, elapsed, bindings, raw) -> str:
     lines.append(
         f"- {args.rounds} rounds in alternating order, one request at a time, never-seen "
         f"~{args.tokens}-token chat prompts{' (each sent twice: --warm)' if args.warm else ''}"
-        f"{', each on a new session' if getattr(args, 'session', False) else ''}, "
+        f"{', each on a new session' if getattr(args, 'session', False) else ''}"
+        f"{crowd_note(args)}, "
         f"max_tokens {args.max_tokens}, "
         f"{'P/D clusters, P on core 0 and D on core 1 in each' if args.pd else 'all engines on'}"
         f"{'' if args.pd else f' core(s) {args.cpu_cores}'}; "
@@ -263,6 +294,13 @@ def report(args, rounds, sums, info, elapsed, bindings, raw) -> str:
     return "\n".join(lines + ["Targets:\n", *verdicts])
 
 
+def crowd_note(args) -> str:
+    crowd = getattr(args, "crowd", 0)
+    if not crowd:
+        return ""
+    return f", each followed {CROWD_DELAY_S} s later by an unmeasured {crowd}-token prompt"
+
+
 #: The router's ``Server-Timing`` phases of a P/D turn (server/router/turn.py).
 PHASES = ("route", "prefill", "decode")
 
@@ -305,6 +343,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--session", action="store_true", help="each prompt on a new session (see above)"
     )
+    ap.add_argument(
+        "--pd-configs",
+        default="pd,pd-kvbranch",
+        help=f"--pd: the clusters, the first is the base (of {', '.join(PD_CONFIGS)})",
+    )
+    ap.add_argument(
+        "--crowd",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="each measured prompt is followed by an unmeasured one of TOKENS (see above)",
+    )
     common.add_server_args(ap, kv_cache_gib=0.5, max_model_len=2048)
     common.add_run_args(ap)
 
@@ -321,8 +371,8 @@ def run(args: argparse.Namespace) -> list[Record]:
             "--max-model-len",
             str(args.max_model_len),
         ]
-        for name, flags in PD_CONFIGS.items():
-            specs[name] = common.ServerSpec([*sizes, *flags], reserved_cpus=None)
+        for name in args.pd_configs.split(","):
+            specs[name] = common.ServerSpec([*sizes, *PD_CONFIGS[name]], reserved_cpus=None)
     else:
         names = ["plain", "kvbranch"] + (["kvbranch-sync"] if args.sync_save else [])
         names += ["kvbranch-fault"] if args.fault_save else []

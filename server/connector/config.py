@@ -120,9 +120,15 @@ class NixlChildConfig(_ExtraConfig):
 
     model_config = ConfigDict(frozen=True, extra="allow")
 
-    #: NIXL's UCX progress thread (off: it busy-spins a shared core — docs/pd_notes.md
-    #: pitfall 3; the engine polls NIXL every step anyway).
+    #: NIXL's UCX progress thread as upstream builds it: busy-spinning (it halves a shared
+    #: core — docs/pd_notes.md pitfall 3). Off by default; see ``nixl_progress_delay_us``.
     nixl_progress_thread: bool = False
+    #: NIXL's UCX progress thread paced: it waits this many microseconds between polls instead
+    #: of spinning (0: no progress thread, NIXL progresses only when the engine polls it, once
+    #: per step). Without it a peer's read of this instance's blocks waits for the end of the
+    #: engine's current forward: D's read of a turn's prompt waited for P's whole prefill of
+    #: the next turn (docs/pd.md, "Where a first turn's time goes").
+    nixl_progress_delay_us: int = Field(default=1000, ge=0, le=1_000_000)
     #: How long a router's claim keeps D's hold of a turn's blocks.
     claim_ttl_s: float = Field(default=30.0, gt=0)
     #: How long D holds a finished turn's blocks for P (upstream's key and default).

@@ -61,6 +61,9 @@ _positive_float = _value(float, "a number", _POSITIVE)
 _non_negative_float = _value(float, "a number", (lambda v: not v < 0, "must not be negative"))
 _port = _value(int, "a port number", (lambda v: 0 < v < 65536, "is not in 1-65535"))
 _positive_int = _value(int, "an integer", _POSITIVE)
+_microseconds = _value(
+    int, "an integer", (lambda v: 0 <= v <= 1_000_000, "is not in 0-1000000 (microseconds)")
+)
 _share = _value(float, "a number", _POSITIVE, (lambda v: v <= 1, "must be at most 1"))
 _index_url = _value(
     str,
@@ -278,6 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
         "keeps stepping while it holds); the router stops offering it 5 s "
         "earlier; D releases its oldest unclaimed holds sooner when new work "
         "needs the blocks (default %(default)s)",
+    )
+    pd.add_argument(
+        "--nixl-progress-us",
+        type=_microseconds,
+        default=1000,
+        metavar="US",
+        help="prefill/decode: NIXL's progress thread polls every US microseconds, so a peer's "
+        "read is served while the engine computes (0: no thread; reads wait for the end of "
+        "the engine's forward; default %(default)s)",
     )
     pd.add_argument(
         "--no-bidirectional",

@@ -24,8 +24,9 @@
      scheduler thread declines the handle instead; a read the scheduler waits on but
      upstream never queued is reported received-with-nothing (recompute), and a read in
      flight past ``pull_timeout_s`` is failed through upstream's failure path.
-   * NIXL's UCX **progress thread off** (pitfall 3: it busy-spins and halves a shared core; the
-     engine polls NIXL every step anyway), and the forward thread's **CPU affinity kept**
+   * NIXL's UCX **progress thread paced** (pitfall 3: upstream's busy-spins and halves a shared
+     core; with none, a peer's read waits for the end of the engine's current forward, so the
+     thread polls every ``nixl_progress_delay_us``), and the forward thread's **CPU affinity kept**
      (pitfall 4: NIXL's worker re-pins it to the last core of each NUMA node).
 2. :class:`~server.connector.engine.connector.KVBranchConnector` — the host block store, sessions,
    pins, forks, prefetch, unchanged. MultiConnector asks NIXL first, so a D→P pull (which also
@@ -90,6 +91,7 @@ from server.connector.vllm_compat import (
     forget_unprocessed,
     lease_duration_s,
     nixl_progress_thread_off,
+    nixl_progress_thread_paced,
     set_send_deadline,
     waits_for_read,
 )
@@ -165,7 +167,11 @@ class VerifiedNixlConnector(NixlConnector):
         )
         affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         quiet = (
-            contextlib.nullcontext() if config.nixl_progress_thread else nixl_progress_thread_off()
+            contextlib.nullcontext()
+            if config.nixl_progress_thread
+            else nixl_progress_thread_paced(config.nixl_progress_delay_us)
+            if config.nixl_progress_delay_us > 0
+            else nixl_progress_thread_off()
         )
         try:
             with quiet:

@@ -83,7 +83,7 @@ def test_pd_rounds_are_split_by_the_routers_phases():
             row[name].update(route_ms=10.0, prefill_ms=600.0, decode_ms=40.0)
     sums = {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
     text = turn1_ab.report(
-        _args(pd=True, session=True),
+        _args(pd=True, session=True, crowd=1800),
         rounds,
         sums,
         INFO,
@@ -91,7 +91,7 @@ def test_pd_rounds_are_split_by_the_routers_phases():
         {},
         turn1_ab.reporting.ROOT / "benchmarks/out/x.json",
     )
-    assert "each on a new session" in text
+    assert "each on a new session, each followed 0.15 s later by an unmeasured 1800-token" in text
     # the medians of each phase, and the rest of the TTFT after D's headers
     assert "| pd | 10.0 | 600.0 | 40.0 | 351.0 | 1001.0 |" in text
     assert "| pd-kvbranch | 10.0 | 600.0 | 40.0 | 851.5 | 1501.5 |" in text

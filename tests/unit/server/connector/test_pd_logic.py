@@ -68,6 +68,25 @@ def test_pd_transfer_config_composes_nixl_first_and_recomputes_on_failure():
     assert base["kv_connector_extra_config"]["bidirectional_kv_xfer"] is False
 
 
+def test_both_p_d_kinds_pace_nixls_progress_thread_unless_told_not_to():
+    # a peer's read is served during a forward, for kvbranch P/D and its upstream baseline alike
+    kvb = {"kv_connector": "KVBranchConnector"}
+    ours = pd_transfer_config(_args("--role", "prefill"), kvb)
+    nixl = ours["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]
+    assert nixl["nixl_progress_delay_us"] == 1000
+    base = pd_transfer_config(_args("--role", "prefill", "--no-bidirectional"), None)
+    assert base["kv_connector_extra_config"]["nixl_progress_delay_us"] == 1000
+    off = pd_transfer_config(_args("--role", "decode", "--nixl-progress-us", "0"), kvb)
+    assert (
+        off["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"][
+            "nixl_progress_delay_us"
+        ]
+        == 0
+    )
+    with pytest.raises(SystemExit):
+        _args("--role", "decode", "--nixl-progress-us", "-5")
+
+
 def test_pd_environment_ports_and_loopback_transport(monkeypatch):
     monkeypatch.delenv("UCX_TLS", raising=False)
     env = pd_environment(_args("--role", "decode", "--port", "8100"))

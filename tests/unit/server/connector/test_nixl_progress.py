@@ -1,0 +1,60 @@
+"""A peer's read of an instance's blocks completes while the instance's engine is busy (real
+NIXL agents over UCX on loopback TCP, in one process).
+
+Why: with NIXL's progress thread off, the engine progresses NIXL only when it polls it, once
+per step, so D's read of a turn's prompt from P waited for P's whole forward of the next
+prompt (docs/pd.md, "Where a first turn's time goes"). Here the target agent is never called
+after the read starts, as during a forward: only its paced progress thread can serve it."""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nixl_api = pytest.importorskip("nixl._api")
+
+from server.connector import vllm_compat  # noqa: E402
+
+#: A hang guard, not a timing check: the read either completes or never does (without a
+#: progress thread it stays in flight for good).
+HANG_S = 30.0
+
+
+def _read(target, reader) -> tuple[str, torch.Tensor]:
+    src = torch.full((1 << 20,), 7, dtype=torch.uint8)
+    dst = torch.zeros(1 << 20, dtype=torch.uint8)
+    target.register_memory(src)
+    reader.register_memory(dst)
+    name = reader.add_remote_agent(target.get_agent_metadata())
+    handle = reader.initialize_xfer(
+        "READ", reader.get_xfer_descs(dst), target.get_xfer_descs(src), name
+    )
+    reader.transfer(handle)
+    deadline = time.monotonic() + HANG_S
+    state = reader.check_xfer_state(handle)
+    while state == "PROC" and time.monotonic() < deadline:
+        time.sleep(0.001)  # the reader progresses its own side; the target is left alone
+        state = reader.check_xfer_state(handle)
+    return state, dst
+
+
+def test_a_paced_progress_thread_serves_a_read_while_the_engine_never_polls(monkeypatch):
+    # TCP only: a one-sided shared-memory read would not need the target's progress at all
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    worker = importlib.import_module(vllm_compat._LAZY["nixl_base_worker"][0])
+    if worker.nixl_agent_config is None:
+        pytest.skip("NIXL is not installed")
+    with vllm_compat.nixl_progress_thread_paced(1000):
+        target = nixl_api.nixl_agent("target", worker.nixl_agent_config(backends=["UCX"]))
+    # the patch is undone: agents built afterwards are as vLLM builds them
+    assert worker.nixl_agent_config.__name__ == "nixl_agent_config"
+    reader = nixl_api.nixl_agent(
+        "reader", worker.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    )
+    state, dst = _read(target, reader)
+    assert state == "DONE"
+    assert bool((dst == 7).all())
