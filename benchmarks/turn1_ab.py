@@ -214,9 +214,29 @@ def ratios(args, rounds: list[dict], sums: dict) -> list[Ratio]:
     return out
 
 
+def phase_records(rounds: list[dict], names: list[str]) -> list[Record]:
+    """--pd: each cluster's p50 TTFT, with where it went (the router's phases, medians) in the
+    note."""
+    out = []
+    for name in names:
+        ttft = statistics.median(r[name]["ttft_s"] for r in rounds)
+        parts = []
+        for phase in PHASES:
+            got = [r[name][f"{phase}_ms"] for r in rounds if f"{phase}_ms" in r[name]]
+            parts.append(f"{phase} {statistics.median(got):.0f} ms" if got else f"{phase} –")
+        rest = statistics.median(
+            1000 * r[name]["ttft_s"] - sum(r[name].get(f"{p}_ms", 0.0) for p in PHASES)
+            for r in rounds
+        )
+        note = f"medians: {', '.join(parts)}, D's headers to 1st token {rest:.0f} ms"
+        out.append(result(NAME, name, "p50 TTFT", ttft, "s", note=note))
+    return out
+
+
 def records_of(args, rounds: list[dict], sums: dict) -> list[Record]:
     base = next(iter(sums))
-    return [
+    phases = phase_records(rounds, list(sums)) if getattr(args, "pd", False) else []
+    return phases + [
         result(
             NAME,
             f"{r.name}/{base}",
@@ -372,7 +392,11 @@ def run(args: argparse.Namespace) -> list[Record]:
             str(args.max_model_len),
         ]
         for name in args.pd_configs.split(","):
-            specs[name] = common.ServerSpec([*sizes, *PD_CONFIGS[name]], reserved_cpus=None)
+            flags = PD_CONFIGS[name]
+            store = (
+                [] if "--no-connector" in flags else ["--host-store-gib", str(args.host_store_gib)]
+            )
+            specs[name] = common.ServerSpec([*sizes, *store, *flags], reserved_cpus=None)
     else:
         names = ["plain", "kvbranch"] + (["kvbranch-sync"] if args.sync_save else [])
         names += ["kvbranch-fault"] if args.fault_save else []

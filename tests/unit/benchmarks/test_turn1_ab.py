@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from benchmarks import turn1_ab
 
 INFO = dict.fromkeys(
@@ -95,3 +97,20 @@ def test_pd_rounds_are_split_by_the_routers_phases():
     # the medians of each phase, and the rest of the TTFT after D's headers
     assert "| pd | 10.0 | 600.0 | 40.0 | 351.0 | 1001.0 |" in text
     assert "| pd-kvbranch | 10.0 | 600.0 | 40.0 | 851.5 | 1501.5 |" in text
+
+
+def test_pd_records_carry_each_clusters_ttft_and_its_phases():
+    names = ["pd", "pd-kvbranch"]
+    rounds = _rounds(names, 1.5, n=3)
+    for row in rounds:
+        for name in names:
+            row[name].update(route_ms=10.0, prefill_ms=600.0, decode_ms=40.0)
+    sums = {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
+    records = turn1_ab.records_of(_args(pd=True), rounds, sums)
+    by = {(r.config, r.metric): r for r in records}
+    kvb = by[("pd-kvbranch", "p50 TTFT")]
+    assert kvb.value == pytest.approx(1.5015) and kvb.unit == "s"
+    assert kvb.note == (
+        "medians: route 10 ms, prefill 600 ms, decode 40 ms, D's headers to 1st token 852 ms"
+    )
+    assert ("pd-kvbranch/pd", "median ratio ttft_s") in by
