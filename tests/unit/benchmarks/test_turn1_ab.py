@@ -111,6 +111,6 @@ def test_pd_records_carry_each_clusters_ttft_and_its_phases():
     kvb = by[("pd-kvbranch", "p50 TTFT")]
     assert kvb.value == pytest.approx(1.5015) and kvb.unit == "s"
     assert kvb.note == (
-        "medians: route 10 ms, prefill 600 ms, decode 40 ms, D's headers to 1st token 852 ms"
+        "medians: route 10 ms, prefill 600 ms, decode 40 ms, D's headers to 1st token 851 ms"
     )
     assert ("pd-kvbranch/pd", "median ratio ttft_s") in by
