@@ -56,8 +56,10 @@
     return num(value).toFixed(value >= 10 ? 0 : 2) + " s";
   }
 
+  // A degraded pin (the pin budget was full: kept like any unpinned block, LRU) is not
+  // "pinned" in the branch's data, yet still a pin with its expiry: say which.
   function pinText(branch) {
-    if (!branch.pinned) return "not pinned";
+    if (!branch.pinned && !branch.degraded) return "not pinned";
     const left = branch.pin_expires_in_s;
     const when = typeof left === "number" ? ", " + Math.max(0, Math.round(left)) + " s left" : "";
     return (branch.degraded ? "pin degraded to LRU" : "pinned") + when;
@@ -104,7 +106,7 @@
     const tokens = el("span", "tokens", num(branch.num_tokens) + " tokens");
     tokens.dataset.tokens = String(num(branch.num_tokens));
     row.appendChild(tokens);
-    const pin = el("span", "pin" + (branch.pinned ? (branch.degraded ? " degraded" : " pinned") : ""));
+    const pin = el("span", "pin" + (branch.degraded ? " degraded" : branch.pinned ? " pinned" : ""));
     pin.textContent = pinText(branch);
     row.appendChild(pin);
     const blocks = el(

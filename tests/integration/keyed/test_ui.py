@@ -186,9 +186,14 @@ def test_page_shows_the_callers_branch_tree_and_turns(keyed_server, agent_sessio
     assert any(b["pinned"] for b in listed["branches"])  # the session pins its branches
     for branch in listed["branches"]:
         row = shown[SESSION][branch["branch_id"]]
-        pinned = "pinned" in row["pin"] or "degraded" in row["pin"]
-        assert pinned == branch["pinned"], row
-        if branch["pinned"] and branch["pin_expires_in_s"] is not None:
+        # pinned, a pin degraded to LRU (not "pinned" in the data), or neither: as stats says
+        assert ("pinned" in row["pin"]) == branch["pinned"], (row, branch)
+        assert ("degraded" in row["pin"]) == branch["degraded"], (row, branch)
+        assert ("degraded" in row["pin_text"]) == branch["degraded"], (row, branch)
+        assert ("not pinned" in row["pin_text"]) == (
+            not branch["pinned"] and not branch["degraded"]
+        ), (row, branch)
+        if (branch["pinned"] or branch["degraded"]) and branch["pin_expires_in_s"] is not None:
             assert "s left" in row["pin_text"], row
     # Each turn's bar: the prompt tokens by source that its completion reported.
     for branch, reported in splits.items():
