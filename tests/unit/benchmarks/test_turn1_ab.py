@@ -39,18 +39,27 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
+def _sums(names: list[str]) -> dict:
+    return {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
+
+
+def _report(args: argparse.Namespace, names: list[str], rounds: list[dict]) -> str:
+    out = turn1_ab.reporting.ROOT / "benchmarks/out/x.json"
+    return turn1_ab.report(args, rounds, _sums(names), INFO, 60.0, {}, out)
+
+
+def _pd_rounds(names: list[str]) -> list[dict]:
+    """Three rounds of P/D TTFTs, each with the router's phases (route, prefill, decode)."""
+    rounds = _rounds(names, 1.5, n=3)
+    for row in rounds:
+        for name in names:
+            row[name].update(route_ms=10.0, prefill_ms=600.0, decode_ms=40.0)
+    return rounds
+
+
 def test_ratios_are_against_the_first_configuration_with_warm_metrics():
     names = ["pd", "pd-kvbranch"]
-    sums = {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
-    text = turn1_ab.report(
-        _args(warm=True, pd=True),
-        _rounds(names, 1.10),
-        sums,
-        INFO,
-        60.0,
-        {},
-        turn1_ab.reporting.ROOT / "benchmarks/out/x.json",
-    )
+    text = _report(_args(warm=True, pd=True), names, _rounds(names, 1.10))
     assert "| pd-kvbranch | ttft_s | 1.0" in text and "| 1.100 |" in text
     assert "**not met** — pd-kvbranch ttft_s: /pd median 1.100" in text
     assert "**met** — pd-kvbranch warm_ttft_s: /pd median 1.000" in text
@@ -62,16 +71,7 @@ def test_ratios_are_against_the_first_configuration_with_warm_metrics():
 
 def test_without_warm_only_the_cold_request_is_judged():
     names = ["plain", "kvbranch"]
-    sums = {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
-    text = turn1_ab.report(
-        _args(),
-        _rounds(names, 1.0),
-        sums,
-        INFO,
-        60.0,
-        {},
-        turn1_ab.reporting.ROOT / "benchmarks/out/x.json",
-    )
+    text = _report(_args(), names, _rounds(names, 1.0))
     assert "warm_" not in text
     assert "**met** — kvbranch total_s: /plain median 1.000" in text
     assert "all engines on core(s) 1" in text
@@ -79,20 +79,7 @@ def test_without_warm_only_the_cold_request_is_judged():
 
 def test_pd_rounds_are_split_by_the_routers_phases():
     names = ["pd", "pd-kvbranch"]
-    rounds = _rounds(names, 1.5, n=3)
-    for row in rounds:
-        for name in names:
-            row[name].update(route_ms=10.0, prefill_ms=600.0, decode_ms=40.0)
-    sums = {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
-    text = turn1_ab.report(
-        _args(pd=True, session=True, crowd=1800),
-        rounds,
-        sums,
-        INFO,
-        60.0,
-        {},
-        turn1_ab.reporting.ROOT / "benchmarks/out/x.json",
-    )
+    text = _report(_args(pd=True, session=True, crowd=1800), names, _pd_rounds(names))
     assert "each on a new session, each followed 0.15 s later by an unmeasured 1800-token" in text
     # the medians of each phase, and the rest of the TTFT after D's headers
     assert "| pd | 10.0 | 600.0 | 40.0 | 351.0 | 1001.0 |" in text
@@ -101,12 +88,7 @@ def test_pd_rounds_are_split_by_the_routers_phases():
 
 def test_pd_records_carry_each_clusters_ttft_and_its_phases():
     names = ["pd", "pd-kvbranch"]
-    rounds = _rounds(names, 1.5, n=3)
-    for row in rounds:
-        for name in names:
-            row[name].update(route_ms=10.0, prefill_ms=600.0, decode_ms=40.0)
-    sums = {n: dict.fromkeys(turn1_ab.SCRAPED, 0.0) for n in names}
-    records = turn1_ab.records_of(_args(pd=True), rounds, sums)
+    records = turn1_ab.records_of(_args(pd=True), _pd_rounds(names), _sums(names))
     by = {(r.config, r.metric): r for r in records}
     kvb = by[("pd-kvbranch", "p50 TTFT")]
     assert kvb.value == pytest.approx(1.5015) and kvb.unit == "s"
