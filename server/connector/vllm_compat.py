@@ -288,54 +288,39 @@ def fail_read(worker: Any, request_id: str, handles: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def nixl_progress_thread_paced(delay_us: int) -> Iterator[None]:
-    """Within: NIXL agents are built with their UCX progress thread on, waiting ``delay_us``
-    between polls instead of busy-spinning (the Python binding hard-codes ``pthrDelay = 0``)."""
-    module = importlib.import_module(_LAZY["nixl_base_worker"][0])
-    original = module.nixl_agent_config
-    if original is None:  # NIXL not installed: nothing to patch
-        yield
-        return
-    api = importlib.import_module("nixl._api")
-    bind = api.nixlBind
-    agent_class = bind.nixlAgent
-
-    def make(*args: Any, **kwargs: Any) -> Any:
-        kwargs["enable_prog_thread"] = True
-        return original(*args, **kwargs)
-
-    def agent(name: str, config: Any) -> Any:
-        config.pthrDelay = delay_us
-        return agent_class(name, config)
-
-    module.nixl_agent_config = make
-    bind.nixlAgent = agent
-    try:
-        yield
-    finally:
-        module.nixl_agent_config = original
-        bind.nixlAgent = agent_class
-
-
-@contextlib.contextmanager
-def nixl_progress_thread_off() -> Iterator[None]:
-    """Within: NIXL agents are built without their UCX progress thread (vLLM builds the agent
-    config inside the worker's ``__init__`` and offers no switch)."""
+def nixl_progress_thread(delay_us: int | None) -> Iterator[None]:
+    """Within: NIXL agents are built with their UCX progress thread off (``delay_us`` ``None``)
+    or on, waiting ``delay_us`` between polls instead of busy-spinning. vLLM builds the agent
+    config inside the worker's ``__init__`` and offers no switch, and NIXL's Python binding
+    hard-codes ``pthrDelay = 0``."""
     module = importlib.import_module(_LAZY["nixl_base_worker"][0])
     original = module.nixl_agent_config
     if original is None:  # NIXL not installed: nothing to patch
         yield
         return
 
+    paced = delay_us is not None
+
     def make(*args: Any, **kwargs: Any) -> Any:
-        kwargs["enable_prog_thread"] = False
+        kwargs["enable_prog_thread"] = paced
         return original(*args, **kwargs)
 
     module.nixl_agent_config = make
+    if paced:
+        bind = importlib.import_module("nixl._api").nixlBind
+        agent_class = bind.nixlAgent
+
+        def agent(name: str, config: Any) -> Any:
+            config.pthrDelay = delay_us
+            return agent_class(name, config)
+
+        bind.nixlAgent = agent
     try:
         yield
     finally:
         module.nixl_agent_config = original
+        if paced:
+            bind.nixlAgent = agent_class
 
 
 # --- NIXL: the handshake side channel ---------------------------------------------------------

@@ -358,7 +358,7 @@ def pd_transfer_config(args: argparse.Namespace, kvbranch: dict | None) -> dict:
     nixl_extra = NixlChildConfig(
         decoder_kv_blocks_ttl=int(args.pd_hold_ttl_s),
         # Ours, for both: a peer's read is served during a forward (docs/pd.md).
-        nixl_progress_delay_us=getattr(args, "nixl_progress_us", 1000),
+        nixl_progress_delay_us=args.nixl_progress_us,
         # Upstream NixlConnector's own keys (passed through):
         bidirectional_kv_xfer=not args.no_bidirectional,
         # A pull of one block took 1.5-6 ms here; recomputing even 30 tokens costs more.

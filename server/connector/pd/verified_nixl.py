@@ -90,8 +90,7 @@ from server.connector.vllm_compat import (
     announce_in_batch,
     forget_unprocessed,
     lease_duration_s,
-    nixl_progress_thread_off,
-    nixl_progress_thread_paced,
+    nixl_progress_thread,
     set_send_deadline,
     waits_for_read,
 )
@@ -167,11 +166,9 @@ class VerifiedNixlConnector(NixlConnector):
         )
         affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         quiet = (
-            contextlib.nullcontext()
+            contextlib.nullcontext()  # upstream's busy-spinning thread, asked for
             if config.nixl_progress_thread
-            else nixl_progress_thread_paced(config.nixl_progress_delay_us)
-            if config.nixl_progress_delay_us > 0
-            else nixl_progress_thread_off()
+            else nixl_progress_thread(config.nixl_progress_delay_us or None)  # 0: none
         )
         try:
             with quiet:

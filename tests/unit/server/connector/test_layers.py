@@ -169,7 +169,7 @@ def test_nixl_progress_thread_off_restores():
 
     module = vllm_compat.nixl_base_worker
     original = module.nixl_agent_config
-    with vllm_compat.nixl_progress_thread_off():
+    with vllm_compat.nixl_progress_thread(None):
         if original is not None:
             assert module.nixl_agent_config is not original
     assert module.nixl_agent_config is original

@@ -48,7 +48,7 @@ def test_a_paced_progress_thread_serves_a_read_while_the_engine_never_polls(monk
     worker = importlib.import_module(vllm_compat._LAZY["nixl_base_worker"][0])
     if worker.nixl_agent_config is None:
         pytest.skip("NIXL is not installed")
-    with vllm_compat.nixl_progress_thread_paced(1000):
+    with vllm_compat.nixl_progress_thread(1000):
         target = nixl_api.nixl_agent("target", worker.nixl_agent_config(backends=["UCX"]))
     # the patch is undone: agents built afterwards are as vLLM builds them
     assert worker.nixl_agent_config.__name__ == "nixl_agent_config"
