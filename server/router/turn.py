@@ -304,10 +304,9 @@ class _Turn:
         self.headers = headers
         self.key = key
         self.turn = 0
-        self.prefill_s: float | None = None
         #: The turn's phases in ms, for the ``Server-Timing`` header (W3C Server Timing):
-        #: ``route`` (index, choice of P and D, D's claim), ``prefill`` (P's leg), ``decode``
-        #: (D's leg up to its answer's headers).
+        #: ``route`` (index, choice of P and D, D's claim), ``prefill`` (P's leg: none when one
+        #: instance serves the turn alone), ``decode`` (D's leg up to its answer's headers).
         self.timings: dict[str, float] = {}
         self._t0 = time.perf_counter()
 
@@ -346,8 +345,8 @@ class _Turn:
         if isinstance(prefilled, Response):
             return prefilled  # the client's own error (4xx), as P said it
         p_params, split = prefilled
-        self.prefill_s = self.timed("prefill", leg_started) - leg_started
-        flow.prefill_seconds.observe(self.prefill_s)
+        self.timed("prefill", leg_started)
+        flow.prefill_seconds.observe(self.timings["prefill"] / 1000)
         route = "pd+pull" if pull is not None else "pd"
         try:
             return await self.on_any(decode, lambda inst: self.decode(inst, p_params, split, route))
@@ -496,7 +495,7 @@ class _Turn:
         """The ``Server-Timing`` header of a P/D turn (the standard header for a server's own
         timings, in ms): where the router's part of the time-to-first-token went. A turn one
         instance served alone has none."""
-        if self.prefill_s is None:
+        if "prefill" not in self.timings:
             return
         self.timed("decode", sent)
         out_headers["Server-Timing"] = ", ".join(
