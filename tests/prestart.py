@@ -46,20 +46,20 @@ def fixture(fixture_name: str, factory: Factory, *, scope: str = "session") -> A
     return servers
 
 
-def launch_for(fixture_names: Iterable[str]) -> list[str]:
-    """Launch (without waiting) the shared servers among ``fixture_names``; the names launched."""
-    names = sorted({n for n in fixture_names if n in _factories and n not in _launched})
-    for name in names:
-        _launched[name] = tuple(proc.launch() for proc in _factories[name]())
-    return names
+def _launch(fixture_name: str) -> tuple[ServerProcess, ...]:
+    return tuple(proc.launch() for proc in _factories[fixture_name]())
+
+
+def launch_for(fixture_names: Iterable[str]) -> None:
+    """Launch (without waiting) the shared servers among ``fixture_names``."""
+    for name in sorted({n for n in fixture_names if n in _factories and n not in _launched}):
+        _launched[name] = _launch(name)
 
 
 def take(fixture_name: str) -> tuple[ServerProcess, ...]:
     """The fixture's processes: those launched at collection, or launched now."""
     procs = _launched.pop(fixture_name, None)
-    if procs is None:
-        procs = tuple(proc.launch() for proc in _factories[fixture_name]())
-    return procs
+    return procs if procs is not None else _launch(fixture_name)
 
 
 @contextmanager
