@@ -214,22 +214,29 @@ def ratios(args, rounds: list[dict], sums: dict) -> list[Ratio]:
     return out
 
 
+def phase_medians(rounds: list[dict], name: str) -> tuple[dict[str, float | None], float, float]:
+    """One P/D cluster's medians over the rounds, in ms: each of the router's phases (None where
+    no round had it), the rest of the TTFT — from D's answer headers to the first token (D's read
+    of P's blocks, its first step, the relay) — and the TTFT itself."""
+    phases: dict[str, float | None] = {}
+    for phase in PHASES:
+        got = [r[name][f"{phase}_ms"] for r in rounds if f"{phase}_ms" in r[name]]
+        phases[phase] = statistics.median(got) if got else None
+    rest = statistics.median(
+        1000 * r[name]["ttft_s"] - sum(r[name].get(f"{p}_ms", 0.0) for p in PHASES) for r in rounds
+    )
+    return phases, rest, 1000 * statistics.median(r[name]["ttft_s"] for r in rounds)
+
+
 def phase_records(rounds: list[dict], names: list[str]) -> list[Record]:
     """--pd: each cluster's p50 TTFT, with where it went (the router's phases, medians) in the
     note."""
     out = []
     for name in names:
-        ttft = statistics.median(r[name]["ttft_s"] for r in rounds)
-        parts = []
-        for phase in PHASES:
-            got = [r[name][f"{phase}_ms"] for r in rounds if f"{phase}_ms" in r[name]]
-            parts.append(f"{phase} {statistics.median(got):.0f} ms" if got else f"{phase} –")
-        rest = statistics.median(
-            1000 * r[name]["ttft_s"] - sum(r[name].get(f"{p}_ms", 0.0) for p in PHASES)
-            for r in rounds
-        )
+        phases, rest, ttft_ms = phase_medians(rounds, name)
+        parts = [f"{p} {ms:.0f} ms" if ms is not None else f"{p} –" for p, ms in phases.items()]
         note = f"medians: {', '.join(parts)}, D's headers to 1st token {rest:.0f} ms"
-        out.append(result(NAME, name, "p50 TTFT", ttft, "s", note=note))
+        out.append(result(NAME, name, "p50 TTFT", ttft_ms / 1000, "s", note=note))
     return out
 
 
@@ -326,24 +333,13 @@ PHASES = ("route", "prefill", "decode")
 
 
 def phases_md(rounds: list[dict], names: list[str]) -> str:
-    """Where each P/D cluster's TTFT went, medians over the rounds (ms): the router's phases,
-    and the rest — from D's answer headers to the first token (D's read of P's blocks, its
-    first step, the relay)."""
+    """Where each P/D cluster's TTFT went (:func:`phase_medians`), a row each."""
     rows = []
     for name in names:
-        cells: list = [name]
-        for phase in PHASES:
-            got = [r[name][f"{phase}_ms"] for r in rounds if f"{phase}_ms" in r[name]]
-            cells.append(statistics.median(got) if got else "–")
-        rest = [
-            1000 * r[name]["ttft_s"] - sum(r[name].get(f"{p}_ms", 0.0) for p in PHASES)
-            for r in rounds
-        ]
-        cells += [
-            statistics.median(rest),
-            1000 * statistics.median(r[name]["ttft_s"] for r in rounds),
-        ]
-        rows.append(cells)
+        phases, rest, ttft_ms = phase_medians(rounds, name)
+        rows.append(
+            [name, *(ms if ms is not None else "–" for ms in phases.values()), rest, ttft_ms]
+        )
     header = [
         "server",
         *(f"{p} (ms)" for p in PHASES),
