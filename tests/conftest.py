@@ -101,19 +101,30 @@ def _is_integration(item: pytest.Item) -> bool:
     return "tests/integration" in str(item.fspath).replace("\\", "/")
 
 
+def _runs_alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker("alone") is not None
+
+
 def pytest_collection_modifyitems(config, items):
     """Integration tests marked, and moved after the unit tests (a stable sort: each part keeps
-    its order), so that the shared servers start while the unit tests run."""
+    its order), so that the shared servers start while the unit tests run; the modules marked
+    ``alone`` go last, when the shared servers they do not use have been released."""
     for item in items:
         if _is_integration(item):
             item.add_marker(pytest.mark.integration)
-    items.sort(key=_is_integration)
+    items.sort(key=lambda item: (_is_integration(item), _runs_alone(item)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
-    prestart.launch_for(name for item in session.items for name in item.fixturenames)
+    prestart.plan(session.items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    prestart.release_after(item)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

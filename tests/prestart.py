@@ -13,6 +13,12 @@ them alive together than before. A server no collected test uses is never starte
 now if collection did not launch them, e.g. under ``--collect-only`` or for a server a test
 asked for dynamically) and wraps them in :func:`running`, which awaits each and stops them all
 at the end.
+
+Memory, not only time: five engines started at collection live through the whole session, and
+the index-backed cluster's four engines do not fit beside them on CI's 24 GB (the kernel killed
+the kvbranch server's worker there). So a shared server is also *released* — stopped — right
+after the last collected test that uses it (:func:`plan`, :func:`release_after`), and the
+modules marked ``alone`` (the cluster) run last, when only the servers they use are left.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ Factory = Callable[[], tuple[ServerProcess, ...]]
 
 _factories: dict[str, Factory] = {}
 _launched: dict[str, tuple[ServerProcess, ...]] = {}
+#: Servers a fixture holds now (taken and ready), by fixture name, until released.
+_held: dict[str, tuple[ServerProcess, ...]] = {}
+#: The node id of the last collected test that uses each shared fixture.
+_last_user: dict[str, str] = {}
 
 
 def fixture(fixture_name: str, factory: Factory, *, scope: str = "session") -> Any:
@@ -40,7 +50,7 @@ def fixture(fixture_name: str, factory: Factory, *, scope: str = "session") -> A
 
     @pytest.fixture(scope=scope, name=fixture_name)
     def servers() -> Iterator[ServerProcess | tuple[ServerProcess, ...]]:
-        with running(take(fixture_name)) as procs:
+        with running(take(fixture_name)) as procs, held(fixture_name, procs):
             yield procs[0] if len(procs) == 1 else procs
 
     return servers
@@ -48,6 +58,16 @@ def fixture(fixture_name: str, factory: Factory, *, scope: str = "session") -> A
 
 def _launch(fixture_name: str) -> tuple[ServerProcess, ...]:
     return tuple(proc.launch() for proc in _factories[fixture_name]())
+
+
+def plan(items: Iterable[pytest.Item]) -> None:
+    """Launch the shared servers the collected ``items`` use (in their final order) and note
+    the last test that uses each, after which :func:`release_after` stops it."""
+    _last_user.clear()
+    for item in items:
+        for name in item.fixturenames:
+            _last_user[name] = item.nodeid
+    launch_for(_last_user)
 
 
 def launch_for(fixture_names: Iterable[str]) -> None:
@@ -60,6 +80,26 @@ def take(fixture_name: str) -> tuple[ServerProcess, ...]:
     """The fixture's processes: those launched at collection, or launched now."""
     procs = _launched.pop(fixture_name, None)
     return procs if procs is not None else _launch(fixture_name)
+
+
+@contextmanager
+def held(fixture_name: str, procs: tuple[ServerProcess, ...]) -> Iterator[None]:
+    """``procs`` are what ``fixture_name`` serves until its scope ends or :func:`release_after`
+    stops them early (stopping twice is harmless)."""
+    _held[fixture_name] = procs
+    try:
+        yield
+    finally:
+        _held.pop(fixture_name, None)
+
+
+def release_after(item: pytest.Item) -> None:
+    """Stop the servers whose last collected user is ``item`` (it has just been torn down): a
+    test that comes later cannot ask for them, and their memory goes to the servers it starts."""
+    for name, nodeid in _last_user.items():
+        if nodeid == item.nodeid:
+            for proc in _held.pop(name, ()):
+                proc.stop()
 
 
 @contextmanager

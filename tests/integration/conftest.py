@@ -18,5 +18,5 @@ keyed_pd_instances = prestart.fixture(
 def keyed_pd(keyed_pd_instances):
     """(prefill, decode, router); each one's ``headers()`` carry tenant A's key."""
     prefill, decode = keyed_pd_instances
-    with trust_router(prefill, decode) as router:
+    with trust_router(prefill, decode) as router, prestart.held("keyed_pd", (router,)):
         yield prefill, decode, router

@@ -56,6 +56,10 @@ from sdk.contract import ROUTE_HEADER, SESSION_HEADER
 from tests.integration.cluster_fixture import HEARTBEAT_TTL_S, Cluster, restart, sigkill, wait_for
 from tests.integration.helpers import chat, chat_body, client, system_prompt, text_of
 
+#: Four engines and two routers: they fit on CI's 24 GB only once the session's other shared
+#: servers are released, so the module runs last (tests/prestart.py).
+pytestmark = pytest.mark.alone
+
 MAX_TOKENS = 16
 FOLLOW_UPS = [
     "The tool returned: status ok, 42 records. What next?",
