@@ -59,6 +59,11 @@ def _value(
 _POSITIVE = (lambda v: v > 0, "must be greater than 0")
 _positive_float = _value(float, "a number", _POSITIVE)
 _non_negative_float = _value(float, "a number", (lambda v: not v < 0, "must not be negative"))
+#: Greater than 0 and finite: nan fails ``> 0`` too, and ``inf`` would be a deadline that never
+#: fires (``call_later`` accepts it).
+_finite_positive_float = _value(
+    float, "a number", (lambda v: 0 < v < float("inf"), "must be a finite number greater than 0")
+)
 _port = _value(int, "a port number", (lambda v: 0 < v < 65536, "is not in 1-65535"))
 _positive_int = _value(int, "an integer", _POSITIVE)
 _microseconds = _value(
@@ -259,6 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="router: requests in flight per API key (tenant) before 429 with Retry-After "
         "(default 128; without keys every client shares one count per Authorization header)",
+    )
+    pd.add_argument(
+        "--header-timeout-s",
+        type=_finite_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="router: a client connection whose request headers are not complete this long "
+        "after it opened or after its previous response ended is closed (slowloris "
+        "protection) (default 30)",
     )
     pd.add_argument(
         "--nixl-port",

@@ -68,6 +68,7 @@ _ROUTER_FLAGS = {
     "--cluster-name": 1,
     "--router-tenant-inflight": 1,
     "--router-policy": 1,
+    "--header-timeout-s": 1,
 }
 _REDIS_START_S = 10.0
 

@@ -23,6 +23,7 @@ from server.launcher.settings import LaunchError
 
 if TYPE_CHECKING:
     from server.index import IndexStore
+    from server.router.limits import HeaderDeadlineProtocol
 
 #: Our flags that describe one instance and are not copied to the children of --disagg (nor,
 #: with a few more, of --cluster: server.router.cluster).
@@ -72,7 +73,7 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
 
     from server.common.tenants import keys_of
     from server.router.app import Router, build_app
-    from server.router.limits import TENANT_INFLIGHT, HeaderDeadlineProtocol
+    from server.router.limits import TENANT_INFLIGHT
 
     index_url = getattr(args, "index", None) or "memory"
     shared = index_url != "memory"
@@ -110,12 +111,21 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
         # No limit_concurrency: uvicorn's counts idle connections too (2,100 idle sockets
         # made it refuse every real request); the edge bounds requests in flight instead,
         # and the protocol closes idle connections to make room (server.router.limits).
-        http=HeaderDeadlineProtocol,
+        http=router_protocol(args),
     )
     server = uvicorn.Server(config)
     server.run(sockets=[sock] if sock is not None else None)
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the app did not start (e.g. the port is taken)
+
+
+def router_protocol(args: argparse.Namespace) -> type[HeaderDeadlineProtocol]:
+    """The router's client protocol with ``--header-timeout-s`` as its header deadline
+    (:data:`server.router.limits.HEADER_TIMEOUT_S` when not given)."""
+    from server.router.limits import HEADER_TIMEOUT_S, client_protocol
+
+    given = getattr(args, "header_timeout_s", None)
+    return client_protocol(HEADER_TIMEOUT_S if given is None else given)
 
 
 def redact(url: str) -> str:

@@ -7,12 +7,13 @@ idle sockets that never sent a byte made it answer 503 to every real request. Th
 cluster's one public door, so:
 
 * :class:`HeaderDeadlineProtocol` closes a connection whose next request's headers are not
-  complete :data:`HEADER_TIMEOUT_S` after it opened or after its previous response ended, and
-  keeps the open connections bounded: past :data:`MAX_CONNECTIONS` in all, or
-  :data:`MAX_PEER_CONNECTIONS` from one address, a new connection makes room by closing the
-  longest-idle connection without a request in progress (that peer's first) — so idle sockets
-  give way to clients that send requests, and only when every connection is busy is the new
-  one refused;
+  complete ``header_timeout_s`` after it opened or after its previous response ended (the
+  router's ``--header-timeout-s``, :data:`HEADER_TIMEOUT_S` by default, set through
+  :func:`client_protocol`), and keeps the open connections bounded: past
+  :data:`MAX_CONNECTIONS` in all, or :data:`MAX_PEER_CONNECTIONS` from one address, a new
+  connection makes room by closing the longest-idle connection without a request in progress
+  (that peer's first) — so idle sockets give way to clients that send requests, and only when
+  every connection is busy is the new one refused;
 * :data:`BODY_TIMEOUT_S` bounds reading a request body (:func:`server.router.edge.read_body`
   answers 408 past it);
 * :data:`MAX_INFLIGHT` requests at once in all, :data:`TENANT_INFLIGHT` per API key
@@ -28,6 +29,8 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+#: Default of ``--header-timeout-s``: a connection's next request headers must be complete
+#: this long after it opened or after its previous response ended.
 HEADER_TIMEOUT_S = 30.0
 BODY_TIMEOUT_S = 60.0
 #: Requests in flight through one router (streams included).
@@ -93,3 +96,17 @@ class HeaderDeadlineProtocol(H11Protocol):
         if self.cycle is cycle_then and not self.transport.is_closing():
             if cycle_then is None or cycle_then.response_complete:
                 self.transport.close()
+
+
+def client_protocol(header_timeout_s: float = HEADER_TIMEOUT_S) -> type[HeaderDeadlineProtocol]:
+    """The protocol class uvicorn serves the router's clients with, its header deadline
+    ``header_timeout_s``: uvicorn makes one protocol per connection from a class, so the
+    configured bound is that class's attribute."""
+    if not 0 < header_timeout_s < float("inf"):  # nan too: a deadline that never fires
+        raise ValueError(f"header_timeout_s must be finite and > 0, not {header_timeout_s!r}")
+    bound = float(header_timeout_s)
+
+    class ConfiguredHeaderDeadline(HeaderDeadlineProtocol):
+        header_timeout_s = bound
+
+    return ConfiguredHeaderDeadline

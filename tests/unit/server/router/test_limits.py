@@ -16,13 +16,17 @@ import uvicorn
 from fastapi import FastAPI
 
 from server.launcher.process import free_port
-from server.router.limits import HeaderDeadlineProtocol
+from server.launcher.settings import build_parser
+from server.router.launch import router_protocol
 
-
-class SmallBounds(HeaderDeadlineProtocol):
-    max_connections = 40
-    max_peer_connections = 30
-    header_timeout_s = 2.0
+#: The header deadline these tests give the router's flag: seconds, not the default 30 s.
+HEADER_DEADLINE_S = 2.0
+#: The router's protocol as its flag configures it, with small connection bounds.
+SmallBounds = router_protocol(
+    build_parser().parse_args(["--header-timeout-s", str(HEADER_DEADLINE_S)])
+)
+SmallBounds.max_connections = 40
+SmallBounds.max_peer_connections = 30
 
 
 @pytest.fixture
@@ -76,7 +80,8 @@ def test_many_idle_sockets_leave_a_real_request_served(server):
 
 def test_a_connection_that_sends_no_headers_is_closed(server):
     (sock,) = _idle_sockets(server, 1)
-    sock.settimeout(SmallBounds.header_timeout_s * 5)
+    # The deadline given, not the protocol's own: a router that ignores its flag (30 s) fails.
+    sock.settimeout(HEADER_DEADLINE_S * 5)
     try:
         assert sock.recv(1) == b""  # closed by the server (a hang here fails by the timeout)
     finally:
