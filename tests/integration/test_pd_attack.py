@@ -26,12 +26,15 @@ import pytest
 
 from sdk.contract import HOLD_CLAIM_PATH
 from server.connector.pd.transfer_auth import CLAIM_FIELD, MAC_FIELD
-from server.router.limits import HEADER_TIMEOUT_S
 from tests.integration.helpers import chat, client, pd_activity, system_prompt, text_of
-from tests.integration.trust_cluster import KEY_B, as_router
+from tests.integration.trust_cluster import KEY_B, ROUTER_HEADER_TIMEOUT_S, as_router
 
 SYSTEM = system_prompt(words=120, seed=21)
 KEY_B_HEADERS = {"Authorization": f"Bearer {KEY_B}"}
+#: How long past the router's header deadline a slow client waits for the router to close its
+#: connection: slack for a loaded machine, and far short of the default 30 s, so that a router
+#: which ignores its ``--header-timeout-s`` fails the test.
+CLOSE_SLACK_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -267,16 +270,25 @@ def test_repeated_identity_headers_are_a_400(pd):
 
 def test_a_slow_client_does_not_hold_the_router(pd, plain_server):
     """Half a request's headers, then silence: the router serves others meanwhile and closes
-    that connection once the header deadline has passed."""
+    that connection once its header deadline (``--header-timeout-s``) has passed."""
     prefill, decode, router = pd
     parts = urlsplit(router.url)
-    sock = socket.create_connection((parts.hostname, parts.port), timeout=HEADER_TIMEOUT_S + 30)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
     try:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-        started = time.monotonic()
+        give_up = time.monotonic() + ROUTER_HEADER_TIMEOUT_S + CLOSE_SLACK_S
         _still_right(router, plain_server)
-        assert sock.recv(1024) == b""  # closed by the router, not by our timeout
-        assert time.monotonic() - started < HEADER_TIMEOUT_S + 25
+        # Closed already (b"" at once) or within the slack; a router still holding it past
+        # that ignored its deadline.
+        sock.settimeout(max(give_up - time.monotonic(), 0.01))
+        try:
+            got = sock.recv(1024)
+        except TimeoutError:
+            pytest.fail(
+                f"the router held a slow client's connection {CLOSE_SLACK_S:.0f} s past its "
+                f"{ROUTER_HEADER_TIMEOUT_S:.0f} s header deadline"
+            )
+        assert got == b"", got  # closed by the router, with nothing sent
     finally:
         sock.close()
 

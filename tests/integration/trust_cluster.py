@@ -17,6 +17,9 @@ CLUSTER_SECRET = secrets.token_hex(32)
 KEY_A = "tenant-a-" + secrets.token_hex(8)
 KEY_B = "tenant-b-" + secrets.token_hex(8)
 KEYS = ["--api-key", KEY_A, "--api-key", KEY_B]
+#: The routers' ``--header-timeout-s``: a client whose request headers are not complete this long
+#: after it connected is cut off. Short, so a test of it waits seconds, not the default 30 s.
+ROUTER_HEADER_TIMEOUT_S = 5.0
 TRUST_INSTANCE_ARGS = [
     "--kv-cache-gib",
     "0.1",
@@ -43,8 +46,9 @@ def trust_instance(role: str, core: str) -> ServerProcess:
 def trust_router(
     prefill: ServerProcess, decode: ServerProcess, *extra: str, name: str = "trust-router"
 ) -> ServerProcess:
-    """A router in front of ``prefill`` and ``decode`` with the two keys and the cluster
-    secret (``extra``: more router flags, e.g. ``--index``); not started yet."""
+    """A router in front of ``prefill`` and ``decode`` with the two keys, the cluster secret and
+    a header deadline of :data:`ROUTER_HEADER_TIMEOUT_S` (``extra``: more router flags, e.g.
+    ``--index``); not started yet."""
     return ServerProcess(
         [
             "--role",
@@ -55,6 +59,8 @@ def trust_router(
             decode.url,
             "--pd-hold-ttl-s",
             "900",
+            "--header-timeout-s",
+            str(ROUTER_HEADER_TIMEOUT_S),
             *KEYS,
             *extra,
         ],
