@@ -101,24 +101,50 @@ def _is_integration(item: pytest.Item) -> bool:
     return "tests/integration" in str(item.fspath).replace("\\", "/")
 
 
-def _runs_alone(item: pytest.Item) -> bool:
-    return item.get_closest_marker("alone") is not None
+def _group(item: pytest.Item) -> int:
+    """Where an integration test's module runs: with the keyed package's server, then with the
+    kvbranch server (those that also use the keyed P/D pair last), then with the keyed P/D
+    pair, then the modules with only servers of their own, then those marked ``alone`` — so
+    that each group's shared servers are released (tests/prestart.py) before the next group's
+    servers start."""
+    if item.get_closest_marker("alone") is not None:
+        return 5
+    names = set(item.fixturenames)
+    if "keyed_server" in names:
+        return 0
+    if "kvbranch_server" in names:
+        return 2 if "keyed_pd_instances" in names else 1
+    return 3 if "keyed_pd_instances" in names else 4
 
 
 def pytest_collection_modifyitems(config, items):
     """Integration tests marked, and moved after the unit tests (a stable sort: each part keeps
-    its order), so that the shared servers start while the unit tests run; the modules marked
-    ``alone`` go last, when the shared servers they do not use have been released."""
+    its order), so that the shared servers start while the unit tests run; the integration
+    modules, each kept whole, ordered by :func:`_group`."""
+    module_group: dict[str, int] = {}
     for item in items:
         if _is_integration(item):
             item.add_marker(pytest.mark.integration)
-    items.sort(key=lambda item: (_is_integration(item), _runs_alone(item)))
+            module = item.nodeid.split("::")[0]
+            module_group[module] = min(module_group.get(module, 9), _group(item))
+
+    def order(item: pytest.Item) -> tuple[bool, int]:
+        integration = _is_integration(item)
+        return integration, module_group[item.nodeid.split("::")[0]] if integration else 0
+
+    items.sort(key=order)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     prestart.plan(session.items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    yield
+    prestart.launch_ahead(item)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,89 +1,165 @@
-"""The test session's shared servers, launched as soon as collection ends and awaited by their
-fixtures.
+"""The test session's servers, launched before their first test asks for them, and stopped
+after their last.
 
 Why: an engine start is a few single-threaded Python imports of vLLM and torch (25-50 s on CI's
-2 cores), and the session's shared servers used to start one after the other, each when its
-first test asked for it, while the other core idled. The unit tests run first (pure logic, about
-two minutes on one core), so the servers the collected integration tests will ask for start on
-the other core meanwhile, all at once. They are the servers that live for the whole session
-anyway (or for the ``keyed`` package, which runs first): starting them early keeps no more of
-them alive together than before. A server no collected test uses is never started.
+2 cores); started when their first test asks, the servers came up one after the other, each on
+the critical path, while the other core idled. Now:
 
-:func:`fixture` makes such a fixture: it takes its servers with :func:`take` (launched here, or
-now if collection did not launch them, e.g. under ``--collect-only`` or for a server a test
-asked for dynamically) and wraps them in :func:`running`, which awaits each and stops them all
-at the end.
+* the session's shared servers (kvbranch, plain vLLM, the keyed server, the keyed P/D pair)
+  launch at the end of collection, all at once, on the other core while the unit tests run
+  (pure logic, about two minutes on one core) — :func:`plan`;
+* a module's own servers (``scope="module"``: test_models' pair, test_pd's instances, the
+  cluster, ...) launch while one of the two modules before them runs, once that module's own
+  servers are up and if the engines then alive stay within :data:`ENGINE_BUDGET` —
+  :func:`launch_ahead`;
+* every one of them is *released* (stopped) right after the last collected test that uses it —
+  :func:`release_after` — so its memory goes to the servers started after it.
 
-Memory, not only time: five engines started at collection live through the whole session, and
-the index-backed cluster's four engines do not fit beside them on CI's 24 GB (the kernel killed
-the kvbranch server's worker there). So a shared server is also *released* — stopped — right
-after the last collected test that uses it (:func:`plan`, :func:`release_after`), and the
-modules marked ``alone`` (the cluster) run last, when only the servers they use are left.
+Memory is the other budget: an engine is about 2.6 GiB (PSS) and CI has 24 GB; five engines
+kept to the end of the session plus the index-backed cluster's four did not fit (the kernel
+killed the kvbranch server's worker in a local run). So the integration modules run grouped by
+the shared servers they use (tests/conftest.py), each group's servers released after it, and
+the modules marked ``alone`` (the cluster) last. A server no collected test uses is never
+started.
+
+:func:`fixture` makes such a fixture: it takes its servers with :func:`take` (launched already,
+or now — e.g. under ``--collect-only``, or when the budget said wait) and wraps them in
+:func:`running`, which awaits each and stops them all at the end of the scope. A fixture with
+more to do than wait (the cluster) registers its factory with :func:`register` and calls
+:func:`take`, :func:`running` and :func:`held` itself. A "process" is anything with
+``launch()``, ``wait_ready()`` and ``stop()``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from tests.server_process import ServerProcess
+#: A fixture's processes, constructed but not launched.
+Factory = Callable[[], tuple[Any, ...]]
 
-#: A shared server fixture's processes, constructed but not launched.
-Factory = Callable[[], tuple[ServerProcess, ...]]
+#: Engines (about 2.6 GiB PSS each) that may be alive when a module's servers launch ahead.
+ENGINE_BUDGET = 6
+#: How many modules ahead their servers may launch (a module of one short test hides little of
+#: the next one's start-up).
+LOOK_AHEAD = 2
 
-_factories: dict[str, Factory] = {}
-_launched: dict[str, tuple[ServerProcess, ...]] = {}
+
+@dataclass(frozen=True)
+class Shared:
+    factory: Factory
+    scope: str
+    #: vLLM engines among the processes (routers and Redis count for nothing)
+    engines: int
+
+
+_shared: dict[str, Shared] = {}
+_launched: dict[str, tuple[Any, ...]] = {}
 #: Servers a fixture holds now (taken and ready), by fixture name, until released.
-_held: dict[str, tuple[ServerProcess, ...]] = {}
-#: The node id of the last collected test that uses each shared fixture.
+_held: dict[str, tuple[Any, ...]] = {}
+#: The node id of the last collected test that uses each fixture.
 _last_user: dict[str, str] = {}
+#: module node id -> for each of the next :data:`LOOK_AHEAD` modules, the module-scoped
+#: fixtures it uses first
+_ahead: dict[str, list[list[str]]] = {}
+_modules_started: set[str] = set()
 
 
-def fixture(fixture_name: str, factory: Factory, *, scope: str = "session") -> Any:
-    """A pytest fixture named ``fixture_name`` over ``factory``'s processes, launched at the end
-    of collection when a collected test uses it; it yields the process (or the tuple of them
-    when there are several), each ready, and stops them at the end of its scope."""
-    _factories[fixture_name] = factory
+def register(fixture_name: str, factory: Factory, *, scope: str = "module", engines: int = 1):
+    """Name ``factory`` as what fixture ``fixture_name`` serves, for launching ahead."""
+    _shared[fixture_name] = Shared(factory, scope, engines)
+
+
+def fixture(
+    fixture_name: str, factory: Factory, *, scope: str = "session", engines: int = 1
+) -> Any:
+    """A pytest fixture named ``fixture_name`` over ``factory``'s processes, launched ahead of
+    its first test (:func:`plan`, :func:`launch_ahead`); it yields the process (or the tuple of
+    them when there are several), each ready, and stops them at the end of its scope or after
+    its last test, whichever comes first."""
+    register(fixture_name, factory, scope=scope, engines=engines)
 
     @pytest.fixture(scope=scope, name=fixture_name)
-    def servers() -> Iterator[ServerProcess | tuple[ServerProcess, ...]]:
+    def servers() -> Iterator[Any]:
         with running(take(fixture_name)) as procs, held(fixture_name, procs):
             yield procs[0] if len(procs) == 1 else procs
 
     return servers
 
 
-def _launch(fixture_name: str) -> tuple[ServerProcess, ...]:
-    return tuple(proc.launch() for proc in _factories[fixture_name]())
+def _launch(fixture_name: str) -> tuple[Any, ...]:
+    procs = _shared[fixture_name].factory()
+    for proc in procs:
+        proc.launch()
+    return procs
 
 
-def plan(items: Iterable[pytest.Item]) -> None:
-    """Launch the shared servers the collected ``items`` use (in their final order) and note
-    the last test that uses each, after which :func:`release_after` stops it."""
+def _module(item: Any) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def plan(items: Iterable[Any]) -> None:
+    """For the collected ``items`` in their final order: launch the session's (and packages')
+    shared servers now, note which module's servers launch ahead during which module, and the
+    last test that uses each fixture, after which :func:`release_after` stops it."""
     _last_user.clear()
+    _ahead.clear()
+    _modules_started.clear()
+    first_module: dict[str, str] = {}
+    modules: list[str] = []
     for item in items:
+        module = _module(item)
+        if not modules or modules[-1] != module:
+            modules.append(module)
         for name in item.fixturenames:
             _last_user[name] = item.nodeid
-    launch_for(_last_user)
+            first_module.setdefault(name, module)
+    module_scoped = [n for n in first_module if n in _shared and _shared[n].scope == "module"]
+    for i, before in enumerate(modules):
+        _ahead[before] = [
+            [n for n in module_scoped if first_module[n] == module]
+            for module in modules[i + 1 : i + 1 + LOOK_AHEAD]
+        ]
+    launch_for(n for n in first_module if n in _shared and _shared[n].scope != "module")
+
+
+def _engines_alive() -> int:
+    return sum(_shared[n].engines for n in (*_launched, *_held) if n in _shared)
+
+
+def launch_ahead(item: Any) -> None:
+    """Once the first test of a module is set up (its own servers up), launch the own servers
+    of the next :data:`LOOK_AHEAD` modules, in order, while they fit in :data:`ENGINE_BUDGET`
+    beside those alive."""
+    module = _module(item)
+    if module in _modules_started:
+        return
+    _modules_started.add(module)
+    for names in _ahead.get(module, []):
+        wanted = [n for n in names if n not in _launched and n not in _held]
+        if _engines_alive() + sum(_shared[n].engines for n in wanted) > ENGINE_BUDGET:
+            return  # nor the module after it: each module's servers come up in order
+        launch_for(wanted)
 
 
 def launch_for(fixture_names: Iterable[str]) -> None:
-    """Launch (without waiting) the shared servers among ``fixture_names``."""
-    for name in sorted({n for n in fixture_names if n in _factories and n not in _launched}):
+    """Launch (without waiting) the registered servers among ``fixture_names``."""
+    for name in sorted({n for n in fixture_names if n in _shared and n not in _launched}):
         _launched[name] = _launch(name)
 
 
-def take(fixture_name: str) -> tuple[ServerProcess, ...]:
-    """The fixture's processes: those launched at collection, or launched now."""
+def take(fixture_name: str) -> tuple[Any, ...]:
+    """The fixture's processes: those launched ahead, or launched now."""
     procs = _launched.pop(fixture_name, None)
     return procs if procs is not None else _launch(fixture_name)
 
 
 @contextmanager
-def held(fixture_name: str, procs: tuple[ServerProcess, ...]) -> Iterator[None]:
+def held(fixture_name: str, procs: tuple[Any, ...]) -> Iterator[None]:
     """``procs`` are what ``fixture_name`` serves until its scope ends or :func:`release_after`
     stops them early (stopping twice is harmless)."""
     _held[fixture_name] = procs
@@ -93,7 +169,7 @@ def held(fixture_name: str, procs: tuple[ServerProcess, ...]) -> Iterator[None]:
         _held.pop(fixture_name, None)
 
 
-def release_after(item: pytest.Item) -> None:
+def release_after(item: Any) -> None:
     """Stop the servers whose last collected user is ``item`` (it has just been torn down): a
     test that comes later cannot ask for them, and their memory goes to the servers it starts."""
     for name, nodeid in _last_user.items():
@@ -103,7 +179,7 @@ def release_after(item: pytest.Item) -> None:
 
 
 @contextmanager
-def running(procs: tuple[ServerProcess, ...]) -> Iterator[tuple[ServerProcess, ...]]:
+def running(procs: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
     """Each process ready (its own start-up error raised here), all stopped on exit."""
     try:
         for proc in procs:

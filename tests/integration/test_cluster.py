@@ -53,6 +53,7 @@ import httpx
 import pytest
 
 from sdk.contract import ROUTE_HEADER, SESSION_HEADER
+from tests import prestart
 from tests.integration.cluster_fixture import HEARTBEAT_TTL_S, Cluster, restart, sigkill, wait_for
 from tests.integration.helpers import chat, chat_body, client, system_prompt, text_of
 
@@ -77,12 +78,15 @@ def _record(**values: Any) -> None:
         json.dump(_measured, f, indent=2, sort_keys=True)
 
 
+prestart.register("cluster", lambda: (Cluster(),), engines=4)
+
+
 @pytest.fixture(scope="module")
 def cluster(request):
     started = time.monotonic()
-    cl = Cluster()
+    # launched while the module before this one ran (tests/prestart.py), or now
+    (cl,) = prestart.take("cluster")
     try:
-        cl.launch()
         # the plain reference starts while the four load (a no-op when another module has it)
         request.getfixturevalue("plain_server")
         cl.wait_ready()
@@ -92,7 +96,8 @@ def cluster(request):
             rss_pss_mib={k: [round(x) for x in v] for k, v in cl.memory_mib.items()},
         )
         print(f"\ncluster up in {time.monotonic() - started:.0f}s: {_measured}")
-        yield cl
+        with prestart.held("cluster", (cl,)):
+            yield cl
     finally:
         cl.stop()
 

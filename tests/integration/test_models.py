@@ -21,9 +21,8 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-
-import pytest
 
 from server.launcher.model_cache import ensure_model
 from tests import prestart
@@ -57,8 +56,9 @@ def link_model(source: Path, target: Path, config: dict) -> Path:
     return target
 
 
-@pytest.fixture(scope="module")
-def sliding_model(tmp_path_factory) -> Path:
+def sliding_model() -> Path:
+    """The embedded model's weights under a config with every other layer a sliding window,
+    in a folder of its own (made when the servers are launched, ahead of the module)."""
     source = ensure_model()
     config = json.loads((source / "config.json").read_text())
     layers = int(config["num_hidden_layers"])
@@ -66,20 +66,20 @@ def sliding_model(tmp_path_factory) -> Path:
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
     ]
     config["sliding_window"] = WINDOW
-    return link_model(source, tmp_path_factory.mktemp("models") / "sliding", config)
+    folder = Path(tempfile.mkdtemp(prefix="kvb-models-"))
+    return link_model(source, folder / "sliding", config)
 
 
-@pytest.fixture(scope="module")
-def sliding_servers(sliding_model):
+def _sliding_servers() -> tuple[ServerProcess, ServerProcess]:
     """(kvbranch, plain vLLM) on the sliding-window model, started side by side."""
-    model = ["--model", str(sliding_model), *SIZES]
-    servers = (
-        ServerProcess([*model, "--host-store-gib", "0.25"], name="kvbranch-swa").launch(),
-        VanillaVLLM([*model, "--no-connector"], name="plain-swa").launch(),
-    )
-    with prestart.running(servers) as (ours, plain):
-        ours.model = plain.model = SERVED
-        yield ours, plain
+    model = ["--model", str(sliding_model()), *SIZES]
+    ours = ServerProcess([*model, "--host-store-gib", "0.25"], name="kvbranch-swa")
+    plain = VanillaVLLM([*model, "--no-connector"], name="plain-swa")
+    ours.model = plain.model = SERVED
+    return ours, plain
+
+
+sliding_servers = prestart.fixture("sliding_servers", _sliding_servers, scope="module", engines=2)
 
 
 def turns(server, session: str | None, *, reset_between: bool) -> tuple[list[dict], list[dict]]:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from sdk import KVBranchClient
+from tests import prestart
 from tests.integration.helpers import (
     chat,
     chat_body,
@@ -31,45 +32,43 @@ MAX_TOKENS = 16
 
 
 class Cluster:
-    def __init__(self) -> None:
-        self.prefill = pd_instance(INSTANCE_ARGS, "prefill", "0", name="prefill")
-        self.decode = pd_instance(INSTANCE_ARGS, "decode", "1", name="decode")
-        self.router: ServerProcess | None = None
+    """P and D (launched ahead of the module: :mod:`tests.prestart`) and a router in front."""
 
-    def start(self) -> Cluster:
-        self.prefill.launch()
-        self.decode.launch()
-        self.prefill.wait_ready()
-        self.decode.wait_ready()
+    def __init__(self, prefill: ServerProcess, decode: ServerProcess) -> None:
+        self.prefill = prefill
+        self.decode = decode
         self.router = ServerProcess(
             [
                 "--role",
                 "router",
                 "--prefill",
-                self.prefill.url,
+                prefill.url,
                 "--decode",
-                self.decode.url,
+                decode.url,
                 "--pd-hold-ttl-s",
                 "120",
             ],
             name="router",
             ready_timeout=120,
-        ).start()
-        return self
+        )
 
-    def stop(self) -> None:
-        for proc in (self.router, self.prefill, self.decode):
-            if proc is not None:
-                proc.stop()
+
+pd_instances = prestart.fixture(
+    "pd_instances",
+    lambda: (
+        pd_instance(INSTANCE_ARGS, "prefill", "0", name="prefill"),
+        pd_instance(INSTANCE_ARGS, "decode", "1", name="decode"),
+    ),
+    scope="module",
+    engines=2,
+)
 
 
 @pytest.fixture(scope="module")
-def pd():
-    cluster = Cluster().start()
-    try:
+def pd(pd_instances):
+    cluster = Cluster(*pd_instances)
+    with cluster.router:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _turn(router, messages, session, *, stream=False, branch=None, **extra):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 
+from tests import prestart
 from tests.conftest import PLAIN_ARGS
 from tests.integration.helpers import chat, client, text_of
 from tests.server_process import ServerProcess
@@ -86,12 +86,13 @@ def test_metrics_exports_kvbranch_counters(kvbranch_server):
     assert "kvbranch_scheduler_preemptions_total" in r.text
 
 
-@pytest.fixture(scope="module")
-def no_connector_server():
-    """kvbranch's launcher with ``--no-connector`` (one test uses it: stopped with the module,
-    not kept beside the later modules' servers)."""
-    with ServerProcess(PLAIN_ARGS, name="no-connector") as server:
-        yield server
+#: kvbranch's launcher with ``--no-connector`` (one test uses it: stopped after it, not kept
+#: beside the later modules' servers; launched ahead of the module: tests/prestart.py).
+no_connector_server = prestart.fixture(
+    "no_connector_server",
+    lambda: (ServerProcess(PLAIN_ARGS, name="no-connector"),),
+    scope="module",
+)
 
 
 def test_no_connector_server_reports_connector_not_loaded(no_connector_server):

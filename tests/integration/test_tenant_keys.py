@@ -4,8 +4,7 @@ tests/integration/keyed/test_passthrough_keys.py, on the keyed package's server.
 
 from __future__ import annotations
 
-import pytest
-
+from tests import prestart
 from tests.integration.helpers import live_sessions, size_args
 from tests.integration.tenant_checks import keyed_client, nothing_happened
 from tests.server_process import ServerProcess
@@ -13,12 +12,13 @@ from tests.server_process import ServerProcess
 KEY_A = "env-a-key"
 
 
-@pytest.fixture(scope="module")
-def env_key_server():
+def _env_key_server() -> tuple[ServerProcess]:
     server = ServerProcess(size_args(0.25, 0.1, 2048), name="keys-env", env={"VLLM_API_KEY": KEY_A})
     server.api_key = KEY_A
-    with server:
-        yield server
+    return (server,)
+
+
+env_key_server = prestart.fixture("env_key_server", _env_key_server, scope="module")
 
 
 def test_vllm_api_key_env_makes_a_tenant(env_key_server):

@@ -19,8 +19,7 @@ import os
 import runpy
 import sys
 
-import pytest
-
+from tests import prestart
 from tests.integration.helpers import (
     BLOCK,
     chat,
@@ -78,15 +77,16 @@ class VllmServe(ServerProcess):
     module = "tests.integration.test_vllm_serve"
 
 
-@pytest.fixture(scope="module")
-def vllm_serve():
+def _vllm_serve() -> tuple[VllmServe]:
     from server.model_cache import ensure_model
 
     # None of the launcher's environment: only vLLM's allow-list for its endpoint plugins.
     assert not os.environ.get("KVBRANCH_CONTROL_SOCKET")
     argv = serve_argv(str(ensure_model()))
-    with VllmServe(argv, name="vllm-serve", env={"VLLM_PLUGINS": "kvbranch"}) as server:
-        yield server
+    return (VllmServe(argv, name="vllm-serve", env={"VLLM_PLUGINS": "kvbranch"}),)
+
+
+vllm_serve = prestart.fixture("vllm_serve", _vllm_serve, scope="module")
 
 
 CONVERSATION = [

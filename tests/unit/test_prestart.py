@@ -1,5 +1,6 @@
-"""tests/prestart.py's release rule: a shared server is stopped right after the last collected
-test that uses it, and not before (pure bookkeeping over stand-in items and processes)."""
+"""tests/prestart.py's rules: a server is stopped right after the last collected test that uses
+it, and not before; a module's own servers launch while the module before it runs, within the
+engine budget (pure bookkeeping over stand-in items and processes)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ class FakeItem:
 class FakeProcess:
     def __init__(self) -> None:
         self.stops = 0
+        self.launches = 0
+
+    def launch(self) -> None:
+        self.launches += 1
+
+    def wait_ready(self) -> None:
+        pass
 
     def stop(self) -> None:
         self.stops += 1
@@ -26,8 +34,9 @@ class FakeProcess:
 
 @pytest.fixture
 def bookkeeping(monkeypatch):
-    for name in ("_factories", "_launched", "_held", "_last_user"):
+    for name in ("_shared", "_launched", "_held", "_last_user", "_ahead"):
         monkeypatch.setattr(prestart, name, {})
+    monkeypatch.setattr(prestart, "_modules_started", set())
 
 
 def test_a_server_is_released_after_its_last_user_only(bookkeeping):
@@ -58,3 +67,61 @@ def test_a_server_no_later_test_uses_is_not_released_by_an_unrelated_test(bookke
         assert big.stops == 0
         prestart.release_after(items[0])
         assert big.stops == 1
+
+
+def _register(name: str, engines: int, scope: str = "module") -> list[FakeProcess]:
+    made: list[FakeProcess] = []
+
+    def factory() -> tuple[FakeProcess, ...]:
+        made.append(FakeProcess())
+        return (made[-1],)
+
+    prestart.register(name, factory, scope=scope, engines=engines)
+    return made
+
+
+def test_a_modules_servers_launch_once_a_module_before_it_has_started(bookkeeping):
+    shared = _register("shared", 1, scope="session")
+    second = _register("second", 2)
+    third = _register("third", 1)
+    fourth = _register("fourth", 1)
+    items = [
+        FakeItem("m1.py::a", ["shared"]),
+        FakeItem("m1.py::b", ["shared"]),
+        FakeItem("m2.py::a", ["second"]),
+        FakeItem("m3.py::a", ["third"]),
+        FakeItem("m4.py::a", ["fourth"]),
+    ]
+    prestart.plan(items)
+    assert len(shared) == 1 and shared[0].launches == 1  # the session's: at collection
+    assert (second, third, fourth) == ([], [], [])  # a module's own: not yet
+    prestart.launch_ahead(items[0])  # the next two modules' servers
+    assert [len(second), len(third), len(fourth)] == [1, 1, 0]
+    assert second[0].launches == 1
+    prestart.launch_ahead(items[1])  # the same module again: nothing more
+    assert [len(second), len(third), len(fourth)] == [1, 1, 0]
+    assert prestart.take("second") == (second[0],)  # taken, not launched a second time
+    assert len(second) == 1
+    prestart.launch_ahead(items[2])
+    assert [len(third), len(fourth)] == [1, 1]
+
+
+def test_servers_that_would_pass_the_engine_budget_wait_and_so_do_those_after(bookkeeping):
+    _register("big", prestart.ENGINE_BUDGET - 2, scope="session")
+    small = _register("small", 1)
+    large = _register("large", 2)
+    after = _register("after", 1)
+    items = [
+        FakeItem("m1.py::a", ["big"]),
+        FakeItem("m2.py::a", ["big", "small"]),
+        FakeItem("m3.py::a", ["large"]),
+        FakeItem("m4.py::a", ["after"]),
+    ]
+    prestart.plan(items)
+    prestart.launch_ahead(items[0])
+    assert len(small) == 1  # budget - 2 + 1 fits
+    assert large == []  # budget + 2 does not
+    prestart.launch_ahead(items[1])
+    assert large == [] and after == []  # nor the module after it, which would have fit
+    (proc,) = prestart.take("large")  # launched when its module takes it
+    assert proc.launches == 1
