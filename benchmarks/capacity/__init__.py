@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-s", type=float, default=2.0, help="bfcl: mean tool time (s)")
     parser.add_argument("--tool-dist", choices=("fixed", "exp"), default="fixed")
     parser.add_argument("--time-scale", type=float, default=0.02, help="mooncake: think times")
+    parser.add_argument(
+        "--stagger-s",
+        type=float,
+        default=0.0,
+        help="agent k starts k x this after the first (0: all at once)",
+    )
     parser.add_argument("--block-tokens", type=int, default=32, help="mooncake: per 512 tokens")
     parser.add_argument("--sched-flags", default="--agent-priority --cold-prefill-chunk 256")
     parser.add_argument("--quick", action="store_true", help="a smoke: " + str(QUICK))
@@ -121,7 +127,12 @@ def load_traces(args: argparse.Namespace, n: int) -> tuple[list[Any], str]:
         f"{len(convs)} conversations of `{args.trace}`, up to {args.max_turns} turns, "
         f"{args.per_agent} per agent (reused with a fresh salt past the pool), {scale}; "
         f"max_tokens {args.max_tokens}, greedy; device KV {args.kv_cache_gib} GiB, host store "
-        f"{args.host_store_gib} GiB; counts {args.agents}"
+        f"{args.host_store_gib} GiB; counts {args.agents}; "
+        + (
+            f"agent k starts k x {args.stagger_s:g} s in"
+            if args.stagger_s
+            else "agents start at once"
+        )
     )
 
 
@@ -160,7 +171,7 @@ async def _config(name: str, args, convs, counts, slo: list[float], log) -> dict
         done: list[sweep.StepSummary] = []
         for n in counts:
             turns, wall = await replay.run_agents(
-                oai, model, convs, n, args.per_agent, f"a{n}", sessions
+                oai, model, convs, n, args.per_agent, f"a{n}", sessions, args.stagger_s
             )
             s = sweep.summarize(n, turns, wall, slo[0])
             done.append(s)

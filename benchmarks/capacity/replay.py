@@ -48,6 +48,16 @@ async def send(
     return await read_stream(stream, t0, chat=step.chat)
 
 
+def start_delay(agent: int, stagger_s: float) -> float:
+    """When agent ``agent`` starts, in seconds after the first. With 0 (the default) every agent
+    opens its first conversation at once, so every cold first prompt of the count is in the
+    first seconds and the resumed turns queue behind that burst (what bent the BFCL curves:
+    docs in benchmarks/README.md); a fleet of agents arrives over time instead."""
+    if stagger_s < 0:
+        raise ValueError(f"--stagger-s must be >= 0, not {stagger_s}")
+    return agent * stagger_s
+
+
 async def run_agents(
     oai: Any,
     model: str,
@@ -56,11 +66,14 @@ async def run_agents(
     per_agent: int,
     salt: str,
     sessions: bool,
+    stagger_s: float = 0.0,
 ) -> tuple[list[Turn], float]:
-    """``agents`` agents at once, each through its own conversations; (turns, wall seconds)."""
+    """``agents`` agents, each through its own conversations; (turns, wall seconds). Agent
+    ``a`` sends its first request ``a * stagger_s`` after the first's (:func:`start_delay`)."""
     turns: list[Turn] = []
 
     async def agent(a: int, items: list[tuple[int, int]]) -> None:
+        await asyncio.sleep(start_delay(a, stagger_s))
         for index, copy in items:
             conv = convs[index]
             for pos, step in enumerate(conv.steps):

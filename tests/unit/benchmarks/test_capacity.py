@@ -165,3 +165,46 @@ def test_a_ratio_of_lower_bounds_is_judged_only_where_the_bound_decides_it() -> 
     assert sweep.ratio_verdict(10, False, 1, True, 10.0) is None
     assert sweep.ratio_verdict(2, True, 2, True, 3.0) is None
     assert sweep.ratio_verdict(5, False, 0, False, 3.0) is None
+
+
+# --- when each agent starts ----------------------------------------------------------------------
+
+
+def test_agents_start_one_stagger_apart_and_all_at_once_by_default(monkeypatch) -> None:
+    import asyncio
+
+    from benchmarks.capacity import replay
+
+    waits: list[tuple[int, float]] = []  # (agents that had sent something, the wait asked)
+    sent: list[str] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        waits.append((len(sent), seconds))
+
+    async def fake_send(oai, model, step, salt, cache_key) -> dict:
+        sent.append(step.body["messages"][0]["content"])
+        return dict(
+            ttft_s=0.1,
+            total_s=0.2,
+            prompt_tokens=3,
+            completion_tokens=1,
+            recomputed_tokens=3,
+            answer="x",
+        )
+
+    monkeypatch.setattr(replay.asyncio, "sleep", fake_sleep)
+    monkeypatch.setattr(replay, "send", fake_send)
+    convs = [
+        Conversation(
+            id=f"c{i}", steps=(Step(body={"messages": [{"content": f"c{i}"}]}, max_tokens=1),)
+        )
+        for i in range(3)
+    ]
+    turns, _ = asyncio.run(replay.run_agents(None, "m", convs, 3, 1, "s", True, 1.5))
+    assert sorted(w for _, w in waits) == [0.0, 1.5, 3.0]
+    assert len(turns) == 3
+    waits.clear()
+    asyncio.run(replay.run_agents(None, "m", convs, 3, 1, "s", True))
+    assert [w for _, w in waits] == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        replay.start_delay(1, -1.0)
