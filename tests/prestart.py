@@ -9,9 +9,8 @@ the critical path, while the other core idled. Now:
   launch at the end of collection, all at once, on the other core while the unit tests run
   (pure logic, about two minutes on one core) — :func:`plan`;
 * a module's own servers (``scope="module"``: test_models' pair, test_pd's instances, the
-  cluster, ...) launch while one of the two modules before them runs, once that module's own
-  servers are up and if the engines then alive stay within :data:`ENGINE_BUDGET` —
-  :func:`launch_ahead`;
+  cluster, ...) launch while a module before them runs, as soon as the engines then alive stay
+  within :data:`ENGINE_BUDGET` — :func:`launch_ahead`;
 * every one of them is *released* (stopped) right after the last collected test that uses it —
   :func:`release_after` — so its memory goes to the servers started after it.
 
@@ -44,9 +43,6 @@ Factory = Callable[[], tuple[Any, ...]]
 
 #: Engines (about 2.6 GiB PSS each) that may be alive when a module's servers launch ahead.
 ENGINE_BUDGET = 6
-#: How many modules ahead their servers may launch (a module of one short test hides little of
-#: the next one's start-up).
-LOOK_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -63,8 +59,8 @@ _launched: dict[str, tuple[Any, ...]] = {}
 _held: dict[str, tuple[Any, ...]] = {}
 #: The node id of the last collected test that uses each fixture.
 _last_user: dict[str, str] = {}
-#: module node id -> for each of the next :data:`LOOK_AHEAD` modules, the module-scoped
-#: fixtures it uses first
+#: module node id -> for each module after it, in order, the module-scoped fixtures it uses
+#: first
 _ahead: dict[str, list[list[str]]] = {}
 _modules_started: set[str] = set()
 
@@ -121,8 +117,7 @@ def plan(items: Iterable[Any]) -> None:
     module_scoped = [n for n in first_module if n in _shared and _shared[n].scope == "module"]
     for i, before in enumerate(modules):
         _ahead[before] = [
-            [n for n in module_scoped if first_module[n] == module]
-            for module in modules[i + 1 : i + 1 + LOOK_AHEAD]
+            [n for n in module_scoped if first_module[n] == module] for module in modules[i + 1 :]
         ]
     launch_for(n for n in first_module if n in _shared and _shared[n].scope != "module")
 
@@ -133,8 +128,9 @@ def _engines_alive() -> int:
 
 def launch_ahead(item: Any) -> None:
     """Once the first test of a module is set up (its own servers up), launch the own servers
-    of the next :data:`LOOK_AHEAD` modules, in order, while they fit in :data:`ENGINE_BUDGET`
-    beside those alive."""
+    of the modules after it, in order, while they fit in :data:`ENGINE_BUDGET` beside those
+    alive (the first that does not fit waits, and so do those after it: a module of one short
+    test hides little of a start-up, so the budget, not the distance, is the limit)."""
     module = _module(item)
     if module in _modules_started:
         return

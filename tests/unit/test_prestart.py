@@ -84,26 +84,24 @@ def test_a_modules_servers_launch_once_a_module_before_it_has_started(bookkeepin
     shared = _register("shared", 1, scope="session")
     second = _register("second", 2)
     third = _register("third", 1)
-    fourth = _register("fourth", 1)
     items = [
         FakeItem("m1.py::a", ["shared"]),
         FakeItem("m1.py::b", ["shared"]),
         FakeItem("m2.py::a", ["second"]),
-        FakeItem("m3.py::a", ["third"]),
-        FakeItem("m4.py::a", ["fourth"]),
+        FakeItem("m3.py::a", []),
+        FakeItem("m4.py::a", ["third"]),
     ]
     prestart.plan(items)
     assert len(shared) == 1 and shared[0].launches == 1  # the session's: at collection
-    assert (second, third, fourth) == ([], [], [])  # a module's own: not yet
-    prestart.launch_ahead(items[0])  # the next two modules' servers
-    assert [len(second), len(third), len(fourth)] == [1, 1, 0]
-    assert second[0].launches == 1
+    assert (second, third) == ([], [])  # a module's own: not yet
+    prestart.launch_ahead(items[0])  # every later module's, in order, within the budget
+    assert [len(second), len(third)] == [1, 1]
+    assert second[0].launches == third[0].launches == 1
     prestart.launch_ahead(items[1])  # the same module again: nothing more
-    assert [len(second), len(third), len(fourth)] == [1, 1, 0]
+    prestart.launch_ahead(items[2])  # nor a later module: they are launched already
+    assert [len(second), len(third)] == [1, 1]
     assert prestart.take("second") == (second[0],)  # taken, not launched a second time
     assert len(second) == 1
-    prestart.launch_ahead(items[2])
-    assert [len(third), len(fourth)] == [1, 1]
 
 
 def test_servers_that_would_pass_the_engine_budget_wait_and_so_do_those_after(bookkeeping):
