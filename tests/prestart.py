@@ -49,7 +49,9 @@ ENGINE_BUDGET = 6
 class Shared:
     factory: Factory
     scope: str
-    #: vLLM engines among the processes (routers and Redis count for nothing)
+    #: vLLM engines among the processes (routers and Redis count for nothing); checked against
+    #: the processes when they launch (:func:`_launch`), so a budget cannot be fooled by a count
+    #: left at its default
     engines: int
 
 
@@ -87,8 +89,24 @@ def fixture(
     return servers
 
 
+def _engine_count(proc: Any) -> int:
+    """vLLM engines in one process of a factory: a server process is one unless it is a
+    router; an object that holds several (the cluster) says so with ``engines``."""
+    if hasattr(proc, "engines"):
+        return int(proc.engines)
+    args = getattr(proc, "args", [])
+    return 0 if "--role" in args and args[args.index("--role") + 1] == "router" else 1
+
+
 def _launch(fixture_name: str) -> tuple[Any, ...]:
-    procs = _shared[fixture_name].factory()
+    shared = _shared[fixture_name]
+    procs = shared.factory()
+    counted = sum(_engine_count(proc) for proc in procs)
+    if counted != shared.engines:
+        raise ValueError(
+            f"{fixture_name}: declared {shared.engines} engine(s), its processes hold {counted}"
+            " (prestart.fixture(..., engines=N): the memory budget counts them)"
+        )
     for proc in procs:
         proc.launch()
     return procs

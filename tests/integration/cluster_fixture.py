@@ -140,6 +140,11 @@ class Cluster:
         return [*self.prefills, *self.decodes]
 
     @property
+    def engines(self) -> int:
+        """vLLM engines it runs (tests.prestart's memory budget counts them)."""
+        return len(self.instances)
+
+    @property
     def a(self) -> ServerProcess:
         return self.routers[0]
 

@@ -10,7 +10,9 @@ from tests import prestart
 from tests.integration.trust_cluster import trust_instance, trust_router
 
 keyed_pd_instances = prestart.fixture(
-    "keyed_pd_instances", lambda: (trust_instance("prefill", "0"), trust_instance("decode", "1"))
+    "keyed_pd_instances",
+    lambda: (trust_instance("prefill", "0"), trust_instance("decode", "1")),
+    engines=2,
 )
 
 

@@ -74,6 +74,7 @@ def _register(name: str, engines: int, scope: str = "module") -> list[FakeProces
 
     def factory() -> tuple[FakeProcess, ...]:
         made.append(FakeProcess())
+        made[-1].engines = engines
         return (made[-1],)
 
     prestart.register(name, factory, scope=scope, engines=engines)
@@ -123,3 +124,15 @@ def test_servers_that_would_pass_the_engine_budget_wait_and_so_do_those_after(bo
     assert large == [] and after == []  # nor the module after it, which would have fit
     (proc,) = prestart.take("large")  # launched when its module takes it
     assert proc.launches == 1
+
+
+def test_a_fixture_whose_processes_hold_more_engines_than_declared_is_refused(bookkeeping):
+    """The budget is only as good as the counts: a pair of instances declared as one engine
+    (the default) let seven engines start on 24 GB."""
+    prestart.register("pair", lambda: (FakeProcess(), FakeProcess()))  # engines=1 by default
+    with pytest.raises(ValueError, match="declared 1 engine"):
+        prestart.take("pair")
+    router = FakeProcess()
+    router.args = ["--role", "router"]
+    prestart.register("instances", lambda: (FakeProcess(), FakeProcess(), router), engines=2)
+    assert len(prestart.take("instances")) == 3  # a router is no engine
