@@ -69,12 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-s", type=float, default=2.0, help="bfcl: mean tool time (s)")
     parser.add_argument("--tool-dist", choices=("fixed", "exp"), default="fixed")
     parser.add_argument("--time-scale", type=float, default=0.02, help="mooncake: think times")
-    parser.add_argument(
-        "--stagger-s",
-        type=float,
-        default=0.0,
-        help="agent k starts k x this after the first (0: all at once)",
-    )
+    parser.add_argument("--stagger-s", type=float, default=0.0, help="agent k starts k x this (s)")
     parser.add_argument("--block-tokens", type=int, default=32, help="mooncake: per 512 tokens")
     parser.add_argument("--sched-flags", default="--agent-priority --cold-prefill-chunk 256")
     parser.add_argument("--quick", action="store_true", help="a smoke: " + str(QUICK))

@@ -37,20 +37,9 @@ class Cluster:
     def __init__(self, prefill: ServerProcess, decode: ServerProcess) -> None:
         self.prefill = prefill
         self.decode = decode
-        self.router = ServerProcess(
-            [
-                "--role",
-                "router",
-                "--prefill",
-                prefill.url,
-                "--decode",
-                decode.url,
-                "--pd-hold-ttl-s",
-                "120",
-            ],
-            name="router",
-            ready_timeout=120,
-        )
+        legs = ["--prefill", prefill.url, "--decode", decode.url]
+        args = ["--role", "router", *legs, "--pd-hold-ttl-s", "120"]
+        self.router = ServerProcess(args, name="router", ready_timeout=120)
 
 
 pd_instances = prestart.fixture(

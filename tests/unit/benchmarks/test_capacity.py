@@ -183,14 +183,9 @@ def test_agents_start_one_stagger_apart_and_all_at_once_by_default(monkeypatch) 
 
     async def fake_send(oai, model, step, salt, cache_key) -> dict:
         sent.append(step.body["messages"][0]["content"])
-        return dict(
-            ttft_s=0.1,
-            total_s=0.2,
-            prompt_tokens=3,
-            completion_tokens=1,
-            recomputed_tokens=3,
-            answer="x",
-        )
+        measured = dict.fromkeys(("ttft_s", "total_s"), 0.1)
+        counts = dict.fromkeys(("prompt_tokens", "completion_tokens", "recomputed_tokens"), 1)
+        return {**measured, **counts, "answer": "x"}
 
     monkeypatch.setattr(replay.asyncio, "sleep", fake_sleep)
     monkeypatch.setattr(replay, "send", fake_send)
