@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_run_args(parser)
 
 
-def _counts(text: str) -> list[int]:
+def agent_counts(text: str) -> list[int]:
+    """``--agents``: ascending positive counts."""
     counts = [int(x) for x in text.split(",") if x.strip()]
     if not counts or counts != sorted(set(counts)) or counts[0] < 1:
         raise SystemExit(f"--agents: ascending positive counts, got {text!r}")
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> list[Record]:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    counts = _counts(args.agents)
+    counts = agent_counts(args.agents)
     if args.slo_multiple <= 0 or args.per_agent < 1 or args.alone < 1:
         raise SystemExit("--slo-multiple must be positive, --per-agent and --alone at least 1")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]

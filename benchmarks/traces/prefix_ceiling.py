@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,29 +60,36 @@ class StepReuse:
 
 
 @dataclass(frozen=True)
+class Totals:
+    """Prompt tokens of the cold (first) and resumed steps, and how many of them were (or could
+    be) reused — one shape for the ceiling and for what a configuration measured, so the two
+    are read and compared the same way."""
+
+    cold_tokens: int
+    cold_reused: int
+    resumed_tokens: int
+    resumed_reused: int
+
+
+def totals(steps: Iterable[tuple[bool, int, int]]) -> Totals:
+    """:class:`Totals` of ``(cold, tokens, reused)`` per step."""
+    sums = [0, 0, 0, 0]
+    for cold, tokens, reused in steps:
+        at = 0 if cold else 2
+        sums[at] += tokens
+        sums[at + 1] += reused
+    return Totals(*sums)
+
+
+@dataclass(frozen=True)
 class Ceiling:
     """Every step's reuse, and the totals over cold (first) and resumed steps."""
 
     steps: tuple[StepReuse, ...]
 
-    def _sum(self, cold: bool, field: str) -> int:
-        return sum(getattr(s, field) for s in self.steps if s.cold == cold)
-
     @property
-    def cold_tokens(self) -> int:
-        return self._sum(True, "tokens")
-
-    @property
-    def cold_reusable(self) -> int:
-        return self._sum(True, "reusable")
-
-    @property
-    def resumed_tokens(self) -> int:
-        return self._sum(False, "tokens")
-
-    @property
-    def resumed_reusable(self) -> int:
-        return self._sum(False, "reusable")
+    def totals(self) -> Totals:
+        return totals((s.cold, s.tokens, s.reusable) for s in self.steps)
 
     def __add__(self, other: Ceiling) -> Ceiling:
         return Ceiling(self.steps + other.steps)
@@ -177,35 +184,20 @@ def ran_at(convs: Sequence[Conversation], agents: int, per_agent: int) -> list[l
     return [copies[c] for c in sorted(copies)]
 
 
-@dataclass(frozen=True)
-class Measured:
-    """What one configuration reused at one agent count (prompt minus recomputed tokens)."""
-
-    cold_tokens: int
-    cold_reused: int
-    resumed_tokens: int
-    resumed_reused: int
-
-
-def measured(turns: Sequence[dict[str, Any]]) -> Measured:
-    """The totals of a recorded count's turns (the raw JSON of ``python -m benchmarks
-    capacity``)."""
-
-    def total(cold: bool, reused: bool) -> int:
-        return sum(
-            t["prompt_tokens"] - (t["recomputed_tokens"] if reused else 0)
-            for t in turns
-            if (t["step"] == 0) == cold
-        )
-
-    return Measured(total(True, False), total(True, True), total(False, False), total(False, True))
+def measured(turns: Sequence[dict[str, Any]]) -> Totals:
+    """What one configuration reused at one agent count (prompt minus recomputed tokens): the
+    totals of a recorded count's turns (the raw JSON of ``python -m benchmarks capacity``)."""
+    return totals(
+        (t["step"] == 0, t["prompt_tokens"], t["prompt_tokens"] - t["recomputed_tokens"])
+        for t in turns
+    )
 
 
 def _pct(part: int, whole: int) -> str:
     return f"{part} ({100.0 * part / whole:.0f}%)" if whole else str(part)
 
 
-def table(rows: Sequence[tuple[int, Ceiling, dict[str, Measured]]]) -> str:
+def table(rows: Sequence[tuple[int, Totals, dict[str, Totals]]]) -> str:
     """A markdown table: per agent count the ceiling's and each configuration's reuse."""
     names = sorted({n for _, _, got in rows for n in got})
     head = ["agents", "cold tokens", "ceiling cold reusable"]
@@ -214,9 +206,9 @@ def table(rows: Sequence[tuple[int, Ceiling, dict[str, Measured]]]) -> str:
     head += [f"{n} resumed reused" for n in names]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for agents, ceil, got in rows:
-        cells = [str(agents), str(ceil.cold_tokens), _pct(ceil.cold_reusable, ceil.cold_tokens)]
+        cells = [str(agents), str(ceil.cold_tokens), _pct(ceil.cold_reused, ceil.cold_tokens)]
         cells += [_pct(got[n].cold_reused, got[n].cold_tokens) if n in got else "" for n in names]
-        cells += [str(ceil.resumed_tokens), _pct(ceil.resumed_reusable, ceil.resumed_tokens)]
+        cells += [str(ceil.resumed_tokens), _pct(ceil.resumed_reused, ceil.resumed_tokens)]
         cells += [
             _pct(got[n].resumed_reused, got[n].resumed_tokens) if n in got else "" for n in names
         ]
@@ -235,20 +227,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--raw", type=Path, help="a capacity sweep's raw JSON (benchmarks/out)")
     parser.add_argument("--kv-block", type=int, default=KV_BLOCK, help="KV block in tokens")
     args = parser.parse_args(argv)
-    recorded: dict[int, dict[str, Measured]] = {}
+    kv_block = args.kv_block
+    recorded: dict[int, dict[str, Totals]] = {}
     if args.raw is not None:
         raw = json.loads(args.raw.read_text())
-        kv_block = args.kv_block
-        args = argparse.Namespace(**raw["args"])
+        args = argparse.Namespace(**raw["args"])  # the sweep's own settings
         for name, res in raw["results"].items():
             for step in res["steps"]:
                 got = measured(step["turns"])
                 recorded.setdefault(step["summary"]["agents"], {})[name] = got
         counts = sorted(recorded)
     else:
-        kv_block = args.kv_block
-        counts = sorted({int(x) for x in args.agents.split(",") if x.strip()})
-    pool = max(int(x) for x in args.agents.split(",") if x.strip()) * args.per_agent
+        counts = capacity.agent_counts(args.agents)
+    pool = max(capacity.agent_counts(args.agents)) * args.per_agent
     convs, workload = capacity.load_traces(args, pool)  # the sweep's pool: its copies
     print(f"{workload}; KV block {kv_block} tokens", file=sys.stderr)
     render = chat_render(str(model_cache.default_model_dir()))
@@ -265,10 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ceil = Ceiling(())
         for group in ran_at(convs, n, args.per_agent):
             ceil = ceil + conversations_ceiling(group, cached, kv_block)
+        most = ceil.totals
         for name, got in recorded.get(n, {}).items():
-            if (got.cold_tokens, got.resumed_tokens) != (ceil.cold_tokens, ceil.resumed_tokens):
+            if (got.cold_tokens, got.resumed_tokens) != (most.cold_tokens, most.resumed_tokens):
                 print(f"warning: {name} at {n} agents sent other prompts than rendered here")
-        rows.append((n, ceil, recorded.get(n, {})))
+        rows.append((n, most, recorded.get(n, {})))
     print(table(rows))
     return 0
 

@@ -34,8 +34,8 @@ def test_a_cold_step_reuses_any_earlier_step_of_another_conversation() -> None:
         ("b", 0, 10, 8),  # a1's first four blocks: another conversation's resumed step
         ("c", 0, 9, 4),
     ]
-    assert (got.cold_tokens, got.cold_reusable) == (24, 12)
-    assert (got.resumed_tokens, got.resumed_reusable) == (9, 4)
+    assert (got.totals.cold_tokens, got.totals.cold_reused) == (24, 12)
+    assert (got.totals.resumed_tokens, got.totals.resumed_reused) == (9, 4)
 
 
 def test_nothing_shared_reuses_nothing_and_a_later_conversation_never_helps() -> None:
@@ -59,7 +59,7 @@ def test_conversations_are_rendered_step_by_step() -> None:
     ]
     got = pc.conversations_ceiling(convs, lambda s: s.body["prompt"], block=2)
     assert _reuse(got) == [("a", 0, 3, 0), ("a", 1, 5, 2), ("b", 0, 5, 4)]
-    assert (got + got).cold_tokens == 2 * got.cold_tokens
+    assert (got + got).totals.cold_tokens == 2 * got.totals.cold_tokens
 
 
 def test_a_count_runs_its_conversations_in_item_order_one_list_per_salt() -> None:
@@ -74,4 +74,4 @@ def test_a_recorded_count_reuses_its_prompt_minus_recomputed_tokens() -> None:
         {"step": 0, "prompt_tokens": 100, "recomputed_tokens": 40},
         {"step": 1, "prompt_tokens": 120, "recomputed_tokens": 20},
     ]
-    assert pc.measured(turns) == pc.Measured(200, 60, 120, 100)
+    assert pc.measured(turns) == pc.Totals(200, 60, 120, 100)
