@@ -231,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     recorded: dict[int, dict[str, Totals]] = {}
     if args.raw is not None:
         raw = json.loads(args.raw.read_text())
-        args = argparse.Namespace(**raw["args"])  # the sweep's own settings
+        # the sweep's own settings, over today's defaults for options it predates
+        args = argparse.Namespace(**{**vars(parser.parse_args([])), **raw["args"]})
         for name, res in raw["results"].items():
             for step in res["steps"]:
                 got = measured(step["turns"])
