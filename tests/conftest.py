@@ -125,12 +125,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _is_integration(item):
             item.add_marker(pytest.mark.integration)
-            module = item.nodeid.split("::")[0]
+            module = prestart.module_of(item)
             module_group[module] = min(module_group.get(module, 9), _group(item))
 
     def order(item: pytest.Item) -> tuple[bool, int]:
         integration = _is_integration(item)
-        return integration, module_group[item.nodeid.split("::")[0]] if integration else 0
+        return integration, module_group[prestart.module_of(item)] if integration else 0
 
     items.sort(key=order)
 

@@ -112,7 +112,8 @@ def _launch(fixture_name: str) -> tuple[Any, ...]:
     return procs
 
 
-def _module(item: Any) -> str:
+def module_of(item: Any) -> str:
+    """The node id of the module ``item`` belongs to."""
     return item.nodeid.split("::")[0]
 
 
@@ -126,7 +127,7 @@ def plan(items: Iterable[Any]) -> None:
     first_module: dict[str, str] = {}
     modules: list[str] = []
     for item in items:
-        module = _module(item)
+        module = module_of(item)
         if not modules or modules[-1] != module:
             modules.append(module)
         for name in item.fixturenames:
@@ -149,7 +150,7 @@ def launch_ahead(item: Any) -> None:
     of the modules after it, in order, while they fit in :data:`ENGINE_BUDGET` beside those
     alive (the first that does not fit waits, and so do those after it: a module of one short
     test hides little of a start-up, so the budget, not the distance, is the limit)."""
-    module = _module(item)
+    module = module_of(item)
     if module in _modules_started:
         return
     _modules_started.add(module)
