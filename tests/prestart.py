@@ -31,9 +31,14 @@ more to do than wait (the cluster) registers its factory with :func:`register` a
 
 from __future__ import annotations
 
+import json
+import os
+import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,8 +46,13 @@ import pytest
 #: A fixture's processes, constructed but not launched.
 Factory = Callable[[], tuple[Any, ...]]
 
-#: Engines (about 2.6 GiB PSS each) that may be alive when a module's servers launch ahead.
-ENGINE_BUDGET = 6
+#: Engines (about 2.6 GiB PSS each) that may be alive on the machine, every lane's together,
+#: when a module's servers launch ahead or a fixture launches its own (24 GB: seven leave ~3 GB).
+ENGINE_BUDGET = 7
+#: How long a fixture waits for another lane to release engines before it launches anyway.
+ROOM_WAIT_S = 900.0
+#: vLLM's OpenMP binding, set to a lane's cores while another lane holds engines.
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,139 @@ _ahead: dict[str, list[list[str]]] = {}
 _modules_started: set[str] = set()
 
 
+@dataclass
+class Lane:
+    """This process's place among the run's lanes (pytest-xdist workers, tests/conftest.py):
+    ``directory`` holds one small file per lane with the engines it holds, so that every lane
+    counts the machine's engines against one :data:`ENGINE_BUDGET`; ``cores`` is this lane's
+    CPU list for :data:`BIND_ENV` (None: the user chose a binding, left alone)."""
+
+    directory: Path
+    name: str
+    cores: str | None = None
+    planned: bool = False
+
+
+_lane: Lane | None = None
+
+
+@dataclass
+class _Progress:
+    #: the node id of this lane's last planned test; once it is torn down the lane is done
+    last: str = ""
+    done: bool = False
+
+
+_progress = _Progress()
+
+
+def join_lane(directory: Path, name: str) -> None:
+    """Count engines with the other lanes in ``directory`` from now on (a lane plans its
+    servers at its first test: :func:`lane_unplanned`, :func:`bind_lane`, :func:`plan`)."""
+    global _lane
+    directory.mkdir(parents=True, exist_ok=True)
+    _lane = Lane(directory, name)
+    _publish()
+
+
+def lane_unplanned() -> bool:
+    return _lane is not None and not _lane.planned
+
+
+def bind_lane(cores: str | None) -> None:
+    """Bind this lane's servers to ``cores`` (their launches inherit the environment) while
+    another lane has tests to run (:func:`_binding`); None leaves vLLM's binding alone."""
+    assert _lane is not None
+    _lane.cores, _lane.planned = cores, True
+    if cores is not None:
+        os.environ[BIND_ENV] = cores
+
+
+def leave_lane() -> None:
+    global _lane
+    if _lane is not None:
+        (_lane.directory / _lane.name).unlink(missing_ok=True)
+        try:
+            _lane.directory.rmdir()  # the last lane out
+        except OSError:
+            pass
+        _lane = None
+
+
+def _own_engines() -> int:
+    return sum(_shared[n].engines for n in {*_launched, *_held} if n in _shared)
+
+
+def _publish(*, waiting: bool = False) -> None:
+    if _lane is None:
+        return
+    path = _lane.directory / _lane.name
+    tmp = path.with_suffix(".tmp")
+    state = {"engines": _own_engines(), "waiting": waiting, "done": _progress.done}
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
+def _peers() -> dict[str, dict[str, Any]]:
+    """The other lanes' last published state, by lane name (a file being replaced is skipped:
+    read again at the next look)."""
+    if _lane is None:
+        return {}
+    states = {}
+    for path in _lane.directory.iterdir():
+        if path.name == _lane.name or path.suffix == ".tmp":
+            continue
+        try:
+            states[path.name] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return states
+
+
+def _engines_alive() -> int:
+    return _own_engines() + sum(int(p.get("engines", 0)) for p in _peers().values())
+
+
+def _wait_for_room(engines: int) -> None:
+    """Block until ``engines`` more fit in :data:`ENGINE_BUDGET` beside every lane's. Another
+    lane's engines go when its tests are done with them; when two lanes wait for each other,
+    the one whose name sorts first goes ahead; past :data:`ROOM_WAIT_S` it goes anyway."""
+    deadline = time.monotonic() + ROOM_WAIT_S
+    while _lane is not None and _engines_alive() + engines > ENGINE_BUDGET:
+        peers = _peers()
+        if not any(int(p.get("engines", 0)) for p in peers.values()):
+            break  # nothing to wait for: this lane alone is over the budget
+        waiting = [name for name, p in peers.items() if p.get("waiting")]
+        if waiting and all(_lane.name < name for name in waiting):
+            break  # both wait for the other: the first name goes
+        if time.monotonic() > deadline:
+            warnings.warn(f"prestart: launching past the engine budget after {ROOM_WAIT_S}s")
+            break
+        _publish(waiting=True)
+        time.sleep(1.0)
+    _publish()
+
+
+@contextmanager
+def _binding() -> Iterator[None]:
+    """This lane's binding while another lane has tests to run; vLLM's own choice (all cores)
+    once this lane is alone (the cluster after the kvbranch lane is done)."""
+    alone = (
+        _lane is not None
+        and _lane.cores is not None
+        and all(p.get("done") for p in _peers().values())
+    )
+    if not alone:
+        yield
+        return
+    cores = os.environ.pop(BIND_ENV, None)
+    try:
+        yield
+    finally:
+        if cores is not None:
+            os.environ[BIND_ENV] = cores
+
+
 def register(fixture_name: str, factory: Factory, *, scope: str = "module", engines: int = 1):
     """Name ``factory`` as what fixture ``fixture_name`` serves, for launching ahead."""
     _shared[fixture_name] = Shared(factory, scope, engines)
@@ -83,7 +226,8 @@ def fixture(
 
     @pytest.fixture(scope=scope, name=fixture_name)
     def servers() -> Iterator[Any]:
-        with running(take(fixture_name)) as procs, held(fixture_name, procs):
+        procs = take(fixture_name)
+        with held(fixture_name, procs), running(procs):
             yield procs[0] if len(procs) == 1 else procs
 
     return servers
@@ -100,15 +244,16 @@ def _engine_count(proc: Any) -> int:
 
 def _launch(fixture_name: str) -> tuple[Any, ...]:
     shared = _shared[fixture_name]
-    procs = shared.factory()
-    counted = sum(_engine_count(proc) for proc in procs)
-    if counted != shared.engines:
-        raise ValueError(
-            f"{fixture_name}: declared {shared.engines} engine(s), its processes hold {counted}"
-            " (prestart.fixture(..., engines=N): the memory budget counts them)"
-        )
-    for proc in procs:
-        proc.launch()
+    with _binding():  # the factory may read it too (P/D instances name their cores)
+        procs = shared.factory()
+        counted = sum(_engine_count(proc) for proc in procs)
+        if counted != shared.engines:
+            raise ValueError(
+                f"{fixture_name}: declared {shared.engines} engine(s), its processes hold"
+                f" {counted} (prestart.fixture(..., engines=N): the memory budget counts them)"
+            )
+        for proc in procs:
+            proc.launch()
     return procs
 
 
@@ -124,9 +269,11 @@ def plan(items: Iterable[Any]) -> None:
     _last_user.clear()
     _ahead.clear()
     _modules_started.clear()
+    _progress.done = False
     first_module: dict[str, str] = {}
     modules: list[str] = []
     for item in items:
+        _progress.last = item.nodeid
         module = module_of(item)
         if not modules or modules[-1] != module:
             modules.append(module)
@@ -139,10 +286,6 @@ def plan(items: Iterable[Any]) -> None:
             [n for n in module_scoped if first_module[n] == module] for module in modules[i + 1 :]
         ]
     launch_for(n for n in first_module if n in _shared and _shared[n].scope != "module")
-
-
-def _engines_alive() -> int:
-    return sum(_shared[n].engines for n in (*_launched, *_held) if n in _shared)
 
 
 def launch_ahead(item: Any) -> None:
@@ -165,12 +308,20 @@ def launch_for(fixture_names: Iterable[str]) -> None:
     """Launch (without waiting) the registered servers among ``fixture_names``."""
     for name in sorted({n for n in fixture_names if n in _shared and n not in _launched}):
         _launched[name] = _launch(name)
+        _publish()
 
 
 def take(fixture_name: str) -> tuple[Any, ...]:
-    """The fixture's processes: those launched ahead, or launched now."""
+    """The fixture's processes: those launched ahead, or launched now (once they fit in the
+    budget beside the other lanes'), counted as held from here on (:func:`held` ends that)."""
     procs = _launched.pop(fixture_name, None)
-    return procs if procs is not None else _launch(fixture_name)
+    if procs is None:
+        if fixture_name in _shared:
+            _wait_for_room(_shared[fixture_name].engines)
+        procs = _launch(fixture_name)
+    _held[fixture_name] = procs
+    _publish()
+    return procs
 
 
 @contextmanager
@@ -182,6 +333,7 @@ def held(fixture_name: str, procs: tuple[Any, ...]) -> Iterator[None]:
         yield
     finally:
         _held.pop(fixture_name, None)
+        _publish()
 
 
 def release_after(item: Any) -> None:
@@ -191,6 +343,10 @@ def release_after(item: Any) -> None:
         if nodeid == item.nodeid:
             for proc in _held.pop(name, ()):
                 proc.stop()
+            _publish()
+    if item.nodeid == _progress.last:
+        _progress.done = True
+        _publish()
 
 
 @contextmanager
@@ -212,3 +368,4 @@ def stop_untaken() -> None:
         _, procs = _launched.popitem()
         for proc in procs:
             proc.stop()
+    _publish()

@@ -3,12 +3,14 @@ server, not the sdk)."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
 import httpx
 
 from server.launcher.process import free_port
+from tests.prestart import BIND_ENV
 from tests.server_process import ServerProcess
 
 BLOCK = 128
@@ -204,8 +206,11 @@ def pd_instance(
     name: str,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """A prefill or decode instance with ``args``, pinned to ``core``, on a NIXL port of its
-    own (not started): how every P/D fixture builds its instances."""
+    """A prefill or decode instance with ``args``, pinned to ``core`` — or to the cores of the
+    test lane it starts in (``VLLM_CPU_OMP_THREADS_BIND``, set by tests/prestart.py while another
+    lane runs) — on a NIXL port of its own (not started): how every P/D fixture builds its
+    instances."""
+    core = os.environ.get(BIND_ENV) or core
     return ServerProcess(
         [*args, "--role", role, "--cpu-cores", core, "--nixl-port", str(free_port())],
         name=name,

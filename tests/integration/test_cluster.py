@@ -87,16 +87,16 @@ def cluster(request):
     # launched while the module before this one ran (tests/prestart.py), or now
     (cl,) = prestart.take("cluster")
     try:
-        # the plain reference starts while the four load (a no-op when another module has it)
-        request.getfixturevalue("plain_server")
-        cl.wait_ready()
-        _record(
-            cluster_ready_s=round(time.monotonic() - started, 1),
-            startup_s={k: round(v, 1) for k, v in cl.startup_s.items()},
-            rss_pss_mib={k: [round(x) for x in v] for k, v in cl.memory_mib.items()},
-        )
-        print(f"\ncluster up in {time.monotonic() - started:.0f}s: {_measured}")
         with prestart.held("cluster", (cl,)):
+            # the plain reference starts while the four load (a no-op when another module has it)
+            request.getfixturevalue("plain_server")
+            cl.wait_ready()
+            _record(
+                cluster_ready_s=round(time.monotonic() - started, 1),
+                startup_s={k: round(v, 1) for k, v in cl.startup_s.items()},
+                rss_pss_mib={k: [round(x) for x in v] for k, v in cl.memory_mib.items()},
+            )
+            print(f"\ncluster up in {time.monotonic() - started:.0f}s: {_measured}")
             yield cl
     finally:
         cl.stop()

@@ -37,6 +37,8 @@ def bookkeeping(monkeypatch):
     for name in ("_shared", "_launched", "_held", "_last_user", "_ahead"):
         monkeypatch.setattr(prestart, name, {})
     monkeypatch.setattr(prestart, "_modules_started", set())
+    monkeypatch.setattr(prestart, "_lane", None)
+    monkeypatch.setattr(prestart, "_progress", prestart._Progress())
 
 
 def test_a_server_is_released_after_its_last_user_only(bookkeeping):
