@@ -183,7 +183,9 @@ def _wait_for_room(engines: int) -> None:
         if waiting and all(_lane.name < name for name in waiting):
             break  # both wait for the other: the first name goes
         if time.monotonic() > deadline:
-            warnings.warn(f"prestart: launching past the engine budget after {ROOM_WAIT_S}s")
+            warnings.warn(
+                f"prestart: launching past the engine budget after {ROOM_WAIT_S}s", stacklevel=2
+            )
             break
         _publish(waiting=True)
         time.sleep(1.0)
