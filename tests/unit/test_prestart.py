@@ -4,6 +4,10 @@ engine budget (pure bookkeeping over stand-in items and processes)."""
 
 from __future__ import annotations
 
+import json
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -138,3 +142,79 @@ def test_a_fixture_whose_processes_hold_more_engines_than_declared_is_refused(bo
     router.args = ["--role", "router"]
     prestart.register("instances", lambda: (FakeProcess(), FakeProcess(), router), engines=2)
     assert len(prestart.take("instances")) == 3  # a router is no engine
+
+
+# --- lanes: two pytest-xdist workers on one machine (tests/conftest.py LANES) ---------------
+
+
+def _peer(directory, name: str, **state) -> None:
+    (directory / name).write_text(json.dumps({"engines": 0, "waiting": False, **state}))
+
+
+def test_another_lanes_engines_count_against_the_one_budget(bookkeeping, tmp_path):
+    prestart.join_lane(tmp_path, "gw0")
+    _peer(tmp_path, "gw1", engines=prestart.ENGINE_BUDGET - 1)
+    second = _register("second", 2)
+    third = _register("third", 1)
+    items = [FakeItem("m1.py::a"), FakeItem("m2.py::a", ["second"]), FakeItem("m3.py::a")]
+    items.append(FakeItem("m4.py::a", ["third"]))
+    prestart.plan(items)
+    prestart.launch_ahead(items[0])
+    assert second == []  # alone it would fit; beside the other lane's it does not
+    _peer(tmp_path, "gw1", engines=1)
+    prestart.launch_ahead(items[1])
+    assert len(third) == 1
+    assert json.loads((tmp_path / "gw0").read_text())["engines"] == 1  # published for the peer
+    (tmp_path / "gw1").unlink()  # the other lane has left
+    prestart.leave_lane()
+    assert not tmp_path.exists()  # the last lane out removes the directory
+
+
+def test_a_fixture_waits_until_the_other_lane_releases_its_engines(bookkeeping, tmp_path):
+    prestart.join_lane(tmp_path, "gw1")
+    _peer(tmp_path, "gw0", engines=prestart.ENGINE_BUDGET)
+    made = _register("big", 2)
+    release = threading.Timer(0.5, _peer, (tmp_path, "gw0"))
+    release.start()
+    started = time.monotonic()
+    prestart.take("big")
+    assert time.monotonic() - started >= 0.5 and len(made) == 1
+    release.join()
+
+
+def test_two_lanes_waiting_for_each_other_let_the_first_name_go(bookkeeping, tmp_path, monkeypatch):
+    monkeypatch.setattr(prestart, "ROOM_WAIT_S", 1.5)
+    prestart.join_lane(tmp_path, "gw0")
+    _peer(tmp_path, "gw1", engines=prestart.ENGINE_BUDGET, waiting=True)
+    _register("first", 1)
+    started = time.monotonic()
+    prestart.take("first")  # gw0 sorts first: it goes
+    assert time.monotonic() - started < 1.0
+    prestart.leave_lane()
+    prestart.join_lane(tmp_path, "gw2")
+    _register("second", 1)
+    with pytest.warns(UserWarning, match="past the engine budget"):
+        prestart.take("second")  # gw1 goes first: gw2 waits for it, until the deadline
+    assert time.monotonic() - started >= 1.5
+
+
+def test_a_lanes_servers_are_bound_to_its_cores_until_the_other_lane_is_done(
+    bookkeeping, tmp_path, monkeypatch
+):
+    monkeypatch.delenv(prestart.BIND_ENV, raising=False)
+    seen: list[str | None] = []
+
+    def factory() -> tuple[FakeProcess, ...]:
+        seen.append(os.environ.get(prestart.BIND_ENV))
+        return (FakeProcess(),)
+
+    prestart.register("one", factory)
+    prestart.register("two", factory)
+    prestart.join_lane(tmp_path, "gw0")
+    _peer(tmp_path, "gw1", engines=1)
+    prestart.bind_lane("1")
+    prestart.take("one")
+    _peer(tmp_path, "gw1", done=True)  # the other lane's tests are over: all cores
+    prestart.take("two")
+    assert seen == ["1", None]
+    assert os.environ[prestart.BIND_ENV] == "1"  # this lane's other launches stay bound
