@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import prestart
+from tests import lanes, prestart
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
 
@@ -120,74 +120,62 @@ def _group(item: pytest.Item) -> int:
     return 3 if "keyed_pd_instances" in names else 4
 
 
-#: The run's lanes: pytest-xdist workers (``-n 2 --dist loadgroup``, pyproject.toml), each
-#: running its share of the suite on a core of its own. The kvbranch lane: the keyed package and
-#: every module of the kvbranch server; the other lane: the unit tests (while the servers start),
-#: the keyed P/D pair's modules, the modules with servers of their own, the cluster.
-LANES = ("kvbranch", "others")
-
-
-def _lane(item: pytest.Item) -> str:
-    names = set(item.fixturenames)
-    if _is_integration(item) and names & {"keyed_server", "kvbranch_server"}:
-        return LANES[0]
-    return LANES[1]
-
-
-def _lane_cores(lane: str) -> str | None:
-    """The CPUs ``lane``'s engines are bound to (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): an equal
-    share of this process's CPUs; None where there is one CPU, or the user chose a binding."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < len(LANES) or prestart.BIND_ENV in os.environ:
-        return None
-    share = len(cpus) // len(LANES)
-    mine = cpus[LANES.index(lane) * share : (LANES.index(lane) + 1) * share]
-    return ",".join(str(cpu) for cpu in mine)
-
-
-@pytest.hookimpl(tryfirst=True)  # the lane marks go on before pytest-xdist reads them
 def pytest_collection_modifyitems(config, items):
     """Integration tests marked, and moved after the unit tests (a stable sort: each part keeps
     its order), so that the shared servers start while the unit tests run; the integration
-    modules, each kept whole, ordered by :func:`_group`; every test marked with its lane."""
+    modules, each kept whole, ordered by :func:`_group`; under pytest-xdist, each test's lane
+    written for the controller (:mod:`tests.lanes`)."""
     module_group: dict[str, int] = {}
     for item in items:
         if _is_integration(item):
             item.add_marker(pytest.mark.integration)
             module = prestart.module_of(item)
             module_group[module] = min(module_group.get(module, 9), _group(item))
-        item.add_marker(pytest.mark.xdist_group(_lane(item)))
 
     def order(item: pytest.Item) -> tuple[bool, int]:
         integration = _is_integration(item)
         return integration, module_group[prestart.module_of(item)] if integration else 0
 
     items.sort(key=order)
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        lanes.write(Path(os.environ[lanes.LANES_DIR_ENV]), items, worker["workerid"])
 
 
-def _worker(config: pytest.Config) -> dict | None:
-    return getattr(config, "workerinput", None)
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller of a run in lanes makes the lanes' directory; its workers inherit it."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        os.environ[lanes.LANES_DIR_ENV] = tempfile.mkdtemp(prefix="kvbranch-lanes-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "workerinput", None) is None and lanes.LANES_DIR_ENV in os.environ:
+        shutil.rmtree(os.environ.pop(lanes.LANES_DIR_ENV), ignore_errors=True)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    return lanes.LaneScheduling(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
-    worker = _worker(session.config)
+    worker = getattr(session.config, "workerinput", None)
     if worker is None:  # one process runs everything: plan it all now
         prestart.plan(session.items)
         return
     # a lane learns which it is from the first test it is sent (pytest_runtest_setup); the
     # engine count is shared from now on, so that no lane launches as if it were alone
-    directory = Path(tempfile.gettempdir()) / f"kvbranch-lanes-{worker['testrunuid']}"
-    prestart.join_lane(directory, worker["workerid"])
+    prestart.join_lane(Path(os.environ[lanes.LANES_DIR_ENV]) / "engines", worker["workerid"])
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
     if prestart.lane_unplanned():
-        lane = _lane(item)
-        prestart.bind_lane(_lane_cores(lane))
-        prestart.plan([i for i in item.session.items if _lane(i) == lane])
+        lane = lanes.lane_of(item)
+        chosen = prestart.BIND_ENV in os.environ  # the user's binding is left alone
+        prestart.bind_lane(None if chosen else lanes.cores_of(lane, list(os.sched_getaffinity(0))))
+        prestart.plan([i for i in item.session.items if lanes.lane_of(i) == lane])
     yield
     prestart.launch_ahead(item)
 
