@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -54,7 +55,34 @@ class VanillaVLLM(ServerProcess):
     module = "tests.vanilla_vllm"
 
 
-plain_vllm = prestart.fixture("plain_vllm", lambda: (VanillaVLLM(PLAIN_ARGS, name="plain"),))
+class BorrowedVLLM(VanillaVLLM):
+    """The plain vLLM another lane runs (tests/lanes.py): one reference per run, not one per
+    lane (a server is ~3 GB of CI's 24). Launched and stopped by that lane."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(PLAIN_ARGS, name="plain", port=int(url.rsplit(":", 1)[1]))
+
+    def launch(self) -> BorrowedVLLM:
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"the other lane's plain vLLM at {self.url} is not ready")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        pass
+
+
+plain_vllm = prestart.fixture(
+    "plain_vllm", lambda: (VanillaVLLM(PLAIN_ARGS, name="plain"),), borrow=BorrowedVLLM
+)
 
 
 @pytest.fixture(scope="session")

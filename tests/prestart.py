@@ -31,13 +31,14 @@ more to do than wait (the cluster) registers its factory with :func:`register` a
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +46,16 @@ import pytest
 
 #: A fixture's processes, constructed but not launched.
 Factory = Callable[[], tuple[Any, ...]]
+#: A stand-in for a server another lane runs, from its URL: the same interface, launch and stop
+#: doing nothing.
+Borrow = Callable[[str], Any]
 
-#: Engines (about 2.6 GiB PSS each) that may be alive on the machine, every lane's together,
-#: when a module's servers launch ahead or a fixture launches its own (24 GB: seven leave ~3 GB).
-ENGINE_BUDGET = 7
+#: Engines (a server with its engine is 2.6-3 GiB) alive on the machine at once, every lane's
+#: together (24 GB: seven left 110 MB and the kernel killed a worker; six, 1.6 GB).
+ENGINE_BUDGET = 5
 #: How long a fixture waits for another lane to release engines before it launches anyway.
 ROOM_WAIT_S = 900.0
-#: vLLM's OpenMP binding, set to a lane's cores while another lane holds engines.
+#: vLLM's OpenMP binding, set to a lane's cores while another lane has tests left.
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
@@ -63,6 +67,8 @@ class Shared:
     #: the processes when they launch (:func:`_launch`), so a budget cannot be fooled by a count
     #: left at its default
     engines: int
+    #: one per run: a lane borrows it from the lane that launched it (the reference server)
+    borrow: Borrow | None = None
 
 
 _shared: dict[str, Shared] = {}
@@ -75,14 +81,22 @@ _last_user: dict[str, str] = {}
 #: first
 _ahead: dict[str, list[list[str]]] = {}
 _modules_started: set[str] = set()
+#: Session-wide servers that did not fit when the lane planned: launched in order once they do.
+_pending: list[str] = []
+#: One-per-run servers this lane launched and runs, until no lane needs them.
+_serving: dict[str, tuple[Any, ...]] = {}
+#: One-per-run servers this lane runs on another lane's.
+_borrowed: set[str] = set()
 
 
 @dataclass
 class Lane:
-    """This process's place among the run's lanes (pytest-xdist workers, tests/conftest.py):
-    ``directory`` holds one small file per lane with the engines it holds, so that every lane
-    counts the machine's engines against one :data:`ENGINE_BUDGET`; ``cores`` is this lane's
-    CPU list for :data:`BIND_ENV` (None: the user chose a binding, left alone)."""
+    """This process's place among the run's lanes (pytest-xdist workers, tests/lanes.py):
+    ``directory`` holds one small file per lane — the engines it holds, whether it waits for
+    room, whether its tests are done, the one-per-run servers it serves (by URL) and those it
+    still needs — so that every lane counts the machine's engines against one
+    :data:`ENGINE_BUDGET`, and one reference server serves them all; ``cores`` is this lane's
+    CPU list for :data:`BIND_ENV` (None: vLLM's or the user's binding, left alone)."""
 
     directory: Path
     name: str
@@ -90,16 +104,16 @@ class Lane:
     planned: bool = False
 
 
-_lane: Lane | None = None
-
-
 @dataclass
 class _Progress:
     #: the node id of this lane's last planned test; once it is torn down the lane is done
     last: str = ""
     done: bool = False
+    #: one-per-run servers this lane's tests still need
+    needs: set[str] = field(default_factory=set)
 
 
+_lane: Lane | None = None
 _progress = _Progress()
 
 
@@ -118,7 +132,7 @@ def lane_unplanned() -> bool:
 
 def bind_lane(cores: str | None) -> None:
     """Bind this lane's servers to ``cores`` (their launches inherit the environment) while
-    another lane has tests to run (:func:`_binding`); None leaves vLLM's binding alone."""
+    another lane has tests to run (:func:`_binding`); None leaves the binding alone."""
     assert _lane is not None
     _lane.cores, _lane.planned = cores, True
     if cores is not None:
@@ -129,23 +143,32 @@ def leave_lane() -> None:
     global _lane
     if _lane is not None:
         (_lane.directory / _lane.name).unlink(missing_ok=True)
-        try:
-            _lane.directory.rmdir()  # the last lane out
-        except OSError:
-            pass
+        if not _peers():  # the last lane out
+            (_lane.directory / ".lock").unlink(missing_ok=True)
+            try:
+                _lane.directory.rmdir()
+            except OSError:
+                pass
         _lane = None
 
 
 def _own_engines() -> int:
-    return sum(_shared[n].engines for n in {*_launched, *_held} if n in _shared)
+    names = ({*_launched, *_held} - _borrowed) | set(_serving)
+    return sum(_shared[n].engines for n in names if n in _shared)
 
 
 def _publish(*, waiting: bool = False) -> None:
     if _lane is None:
         return
+    state = {
+        "engines": _own_engines(),
+        "waiting": waiting,
+        "done": _progress.done,
+        "serves": {name: procs[0].url for name, procs in _serving.items()},
+        "needs": sorted(_progress.needs),
+    }
     path = _lane.directory / _lane.name
     tmp = path.with_suffix(".tmp")
-    state = {"engines": _own_engines(), "waiting": waiting, "done": _progress.done}
     tmp.write_text(json.dumps(state))
     os.replace(tmp, path)
 
@@ -157,7 +180,7 @@ def _peers() -> dict[str, dict[str, Any]]:
         return {}
     states = {}
     for path in _lane.directory.iterdir():
-        if path.name == _lane.name or path.suffix == ".tmp":
+        if path.name == _lane.name or path.suffix == ".tmp" or path.name.startswith("."):
             continue
         try:
             states[path.name] = json.loads(path.read_text())
@@ -170,26 +193,37 @@ def _engines_alive() -> int:
     return _own_engines() + sum(int(p.get("engines", 0)) for p in _peers().values())
 
 
-def _wait_for_room(engines: int) -> None:
-    """Block until ``engines`` more fit in :data:`ENGINE_BUDGET` beside every lane's. Another
-    lane's engines go when its tests are done with them; when two lanes wait for each other,
-    the one whose name sorts first goes ahead; past :data:`ROOM_WAIT_S` it goes anyway."""
-    deadline = time.monotonic() + ROOM_WAIT_S
-    while _lane is not None and _engines_alive() + engines > ENGINE_BUDGET:
-        peers = _peers()
-        if not any(int(p.get("engines", 0)) for p in peers.values()):
-            break  # nothing to wait for: this lane alone is over the budget
-        waiting = [name for name, p in peers.items() if p.get("waiting")]
-        if waiting and all(_lane.name < name for name in waiting):
-            break  # both wait for the other: the first name goes
-        if time.monotonic() > deadline:
-            warnings.warn(
-                f"prestart: launching past the engine budget after {ROOM_WAIT_S}s", stacklevel=2
-            )
-            break
-        _publish(waiting=True)
-        time.sleep(1.0)
-    _publish()
+@contextmanager
+def _room() -> Iterator[None]:
+    """One lane at a time looks at the engines alive and launches: two lanes planning at once
+    would each count the other's engines before they were published."""
+    if _lane is None:
+        yield
+        return
+    with open(_lane.directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _fits(names: Iterable[str]) -> bool:
+    more = sum(_shared[n].engines for n in names if n not in _borrowed)
+    return _engines_alive() + more <= ENGINE_BUDGET
+
+
+def _must_wait(name: str) -> bool:
+    """Whether ``name``'s engines wait for another lane's to go: not when they fit, nor when
+    no other lane holds any (this lane alone is over the budget), nor when both lanes wait
+    for each other (the first name goes)."""
+    if _lane is None or _fits([name]):
+        return False
+    peers = _peers()
+    if not any(int(p.get("engines", 0)) for p in peers.values()):
+        return False
+    waiting = [lane for lane, p in peers.items() if p.get("waiting")]
+    return not (waiting and all(_lane.name < lane for lane in waiting))
 
 
 @contextmanager
@@ -212,25 +246,43 @@ def _binding() -> Iterator[None]:
             os.environ[BIND_ENV] = cores
 
 
-def register(fixture_name: str, factory: Factory, *, scope: str = "module", engines: int = 1):
+def register(
+    fixture_name: str,
+    factory: Factory,
+    *,
+    scope: str = "module",
+    engines: int = 1,
+    borrow: Borrow | None = None,
+) -> None:
     """Name ``factory`` as what fixture ``fixture_name`` serves, for launching ahead."""
-    _shared[fixture_name] = Shared(factory, scope, engines)
+    _shared[fixture_name] = Shared(factory, scope, engines, borrow)
 
 
 def fixture(
-    fixture_name: str, factory: Factory, *, scope: str = "session", engines: int = 1
+    fixture_name: str,
+    factory: Factory,
+    *,
+    scope: str = "session",
+    engines: int = 1,
+    borrow: Borrow | None = None,
 ) -> Any:
     """A pytest fixture named ``fixture_name`` over ``factory``'s processes, launched ahead of
     its first test (:func:`plan`, :func:`launch_ahead`); it yields the process (or the tuple of
     them when there are several), each ready, and stops them at the end of its scope or after
-    its last test, whichever comes first."""
-    register(fixture_name, factory, scope=scope, engines=engines)
+    its last test, whichever comes first. With ``borrow`` (a session server), one runs per
+    run: a lane uses ``borrow(url)`` of the one another lane launched."""
+    register(fixture_name, factory, scope=scope, engines=engines, borrow=borrow)
 
     @pytest.fixture(scope=scope, name=fixture_name)
     def servers() -> Iterator[Any]:
         procs = take(fixture_name)
-        with held(fixture_name, procs), running(procs):
-            yield procs[0] if len(procs) == 1 else procs
+        with held(fixture_name, procs):
+            try:
+                for proc in procs:
+                    proc.wait_ready()
+                yield procs[0] if len(procs) == 1 else procs
+            finally:
+                _stop(fixture_name, procs, wait=True)
 
     return servers
 
@@ -245,7 +297,15 @@ def _engine_count(proc: Any) -> int:
 
 
 def _launch(fixture_name: str) -> tuple[Any, ...]:
+    """Launch ``fixture_name``'s processes — or, for a one-per-run server another lane serves,
+    borrow it (called in :func:`_room`)."""
     shared = _shared[fixture_name]
+    if shared.borrow is not None:
+        for peer in _peers().values():
+            url = peer.get("serves", {}).get(fixture_name)
+            if url:
+                _borrowed.add(fixture_name)
+                return (shared.borrow(url),)
     with _binding():  # the factory may read it too (P/D instances name their cores)
         procs = shared.factory()
         counted = sum(_engine_count(proc) for proc in procs)
@@ -256,7 +316,29 @@ def _launch(fixture_name: str) -> tuple[Any, ...]:
             )
         for proc in procs:
             proc.launch()
+    if shared.borrow is not None and _lane is not None:
+        _serving[fixture_name] = procs
     return procs
+
+
+def _stop(fixture_name: str, procs: tuple[Any, ...], *, wait: bool = False) -> None:
+    """Stop ``procs`` — unless they are borrowed, or this lane serves them and another lane
+    still needs them: then they stop once none does (``wait``: block until then; else a later
+    :func:`release_after` or the fixture's own end stops them)."""
+    _progress.needs.discard(fixture_name)
+    if fixture_name in _borrowed:
+        _publish()
+        return
+    if fixture_name in _serving:
+        while any(fixture_name in p.get("needs", ()) for p in _peers().values()):
+            if not wait:
+                _publish()
+                return
+            time.sleep(1.0)
+        _serving.pop(fixture_name, None)
+    for proc in procs:
+        proc.stop()
+    _publish()
 
 
 def module_of(item: Any) -> str:
@@ -266,8 +348,9 @@ def module_of(item: Any) -> str:
 
 def plan(items: Iterable[Any]) -> None:
     """For the collected ``items`` in their final order: launch the session's (and packages')
-    shared servers now, note which module's servers launch ahead during which module, and the
-    last test that uses each fixture, after which :func:`release_after` stops it."""
+    shared servers now (those that fit; the rest as soon as they do), note which module's
+    servers launch ahead during which module, and the last test that uses each fixture, after
+    which :func:`release_after` stops it."""
     _last_user.clear()
     _ahead.clear()
     _modules_started.clear()
@@ -287,23 +370,42 @@ def plan(items: Iterable[Any]) -> None:
         _ahead[before] = [
             [n for n in module_scoped if first_module[n] == module] for module in modules[i + 1 :]
         ]
-    launch_for(n for n in first_module if n in _shared and _shared[n].scope != "module")
+    _progress.needs = {n for n in first_module if n in _shared and _shared[n].borrow}
+    _pending[:] = [n for n in first_module if n in _shared and _shared[n].scope != "module"]
+    _launch_pending()
+
+
+def _try_launch(names: list[str]) -> bool:
+    """Launch ``names`` if they fit beside every lane's engines; False (none launched) if not."""
+    with _room():
+        if not _fits(names):
+            return False
+        launch_for(names)
+    return True
+
+
+def _launch_pending() -> None:
+    while _pending and _try_launch(_pending[:1]):
+        _pending.pop(0)
 
 
 def launch_ahead(item: Any) -> None:
-    """Once the first test of a module is set up (its own servers up), launch the own servers
-    of the modules after it, in order, while they fit in :data:`ENGINE_BUDGET` beside those
-    alive (the first that does not fit waits, and so do those after it: a module of one short
-    test hides little of a start-up, so the budget, not the distance, is the limit)."""
+    """After each test's set-up: launch the session's servers that did not fit so far; then,
+    once per module, the own servers of the modules after it, in order, while they fit in
+    :data:`ENGINE_BUDGET` beside those alive (the first that does not fit waits, and so do
+    those after it: a module of one short test hides little of a start-up, so the budget, not
+    the distance, is the limit)."""
+    _launch_pending()
     module = module_of(item)
     if module in _modules_started:
         return
     _modules_started.add(module)
+    if _pending:
+        return  # the session's first
     for names in _ahead.get(module, []):
         wanted = [n for n in names if n not in _launched and n not in _held]
-        if _engines_alive() + sum(_shared[n].engines for n in wanted) > ENGINE_BUDGET:
+        if not _try_launch(wanted):
             return  # nor the module after it: each module's servers come up in order
-        launch_for(wanted)
 
 
 def launch_for(fixture_names: Iterable[str]) -> None:
@@ -315,12 +417,27 @@ def launch_for(fixture_names: Iterable[str]) -> None:
 
 def take(fixture_name: str) -> tuple[Any, ...]:
     """The fixture's processes: those launched ahead, or launched now (once they fit in the
-    budget beside the other lanes'), counted as held from here on (:func:`held` ends that)."""
+    budget beside the other lanes': :func:`_must_wait`, at most :data:`ROOM_WAIT_S`), counted
+    as held from here on (:func:`held` ends that)."""
     procs = _launched.pop(fixture_name, None)
     if procs is None:
-        if fixture_name in _shared:
-            _wait_for_room(_shared[fixture_name].engines)
-        procs = _launch(fixture_name)
+        if fixture_name in _pending:
+            _pending.remove(fixture_name)
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            with _room():
+                if fixture_name not in _shared or not _must_wait(fixture_name):
+                    procs = _launch(fixture_name)
+                    break
+                if time.monotonic() > deadline:
+                    warnings.warn(
+                        f"prestart: launching past the engine budget after {ROOM_WAIT_S}s",
+                        stacklevel=2,
+                    )
+                    procs = _launch(fixture_name)
+                    break
+                _publish(waiting=True)
+            time.sleep(1.0)
     _held[fixture_name] = procs
     _publish()
     return procs
@@ -340,34 +457,25 @@ def held(fixture_name: str, procs: tuple[Any, ...]) -> Iterator[None]:
 
 def release_after(item: Any) -> None:
     """Stop the servers whose last collected user is ``item`` (it has just been torn down): a
-    test that comes later cannot ask for them, and their memory goes to the servers it starts."""
+    test that comes later cannot ask for them, and their memory goes to the servers it starts;
+    and those this lane serves that no lane needs any more."""
     for name, nodeid in _last_user.items():
-        if nodeid == item.nodeid:
-            for proc in _held.pop(name, ()):
-                proc.stop()
-            _publish()
+        if nodeid == item.nodeid and name in _held:
+            _stop(name, _held.pop(name))
+    for name, procs in list(_serving.items()):
+        if name not in _progress.needs and name not in _held and name not in _launched:
+            _stop(name, procs)
     if item.nodeid == _progress.last:
         _progress.done = True
         _publish()
 
 
-@contextmanager
-def running(procs: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
-    """Each process ready (its own start-up error raised here), all stopped on exit."""
-    try:
-        for proc in procs:
-            proc.wait_ready()
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
-
-
 def stop_untaken() -> None:
     """Stop what was launched for a test that never ran (a failure under ``-x``, a deselection
-    after collection, an interrupted session)."""
+    after collection, an interrupted session), and what this lane still serves."""
     while _launched:
-        _, procs = _launched.popitem()
-        for proc in procs:
-            proc.stop()
+        name, procs = _launched.popitem()
+        _stop(name, procs, wait=True)
+    for name, procs in list(_serving.items()):
+        _stop(name, procs, wait=True)
     _publish()

@@ -38,8 +38,10 @@ class FakeProcess:
 
 @pytest.fixture
 def bookkeeping(monkeypatch):
-    for name in ("_shared", "_launched", "_held", "_last_user", "_ahead"):
+    for name in ("_shared", "_launched", "_held", "_last_user", "_ahead", "_serving"):
         monkeypatch.setattr(prestart, name, {})
+    monkeypatch.setattr(prestart, "_pending", [])
+    monkeypatch.setattr(prestart, "_borrowed", set())
     monkeypatch.setattr(prestart, "_modules_started", set())
     monkeypatch.setattr(prestart, "_lane", None)
     monkeypatch.setattr(prestart, "_progress", prestart._Progress())
