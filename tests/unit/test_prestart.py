@@ -220,3 +220,39 @@ def test_a_lanes_servers_are_bound_to_its_cores_until_the_other_lane_is_done(
     prestart.take("two")
     assert seen == ["1", None]
     assert os.environ[prestart.BIND_ENV] == "1"  # this lane's other launches stay bound
+
+
+class FakeServer(FakeProcess):
+    def __init__(self, url: str = "http://127.0.0.1:1") -> None:
+        super().__init__()
+        self.url = url
+
+
+def test_a_lane_borrows_the_reference_another_lane_serves(bookkeeping, tmp_path):
+    prestart.join_lane(tmp_path, "gw1")
+    _peer(tmp_path, "gw0", engines=1, serves={"ref": "http://127.0.0.1:4242"})
+    made: list[FakeServer] = []
+    prestart.register(
+        "ref", lambda: (made.append(FakeServer()) or made[-1],), scope="session", borrow=FakeServer
+    )
+    (ref,) = prestart.take("ref")
+    assert ref.url == "http://127.0.0.1:4242" and made == []  # nothing launched here
+    assert json.loads((tmp_path / "gw1").read_text())["engines"] == 0  # nor counted twice
+
+
+def test_the_lane_serving_the_reference_keeps_it_while_another_lane_needs_it(bookkeeping, tmp_path):
+    prestart.join_lane(tmp_path, "gw0")
+    prestart.register(
+        "ref", lambda: (FakeServer("http://127.0.0.1:4242"),), scope="session", borrow=FakeServer
+    )
+    items = [FakeItem("m1.py::a", ["ref"]), FakeItem("m2.py::a")]
+    prestart.plan(items)  # launched at once, and served
+    mine = json.loads((tmp_path / "gw0").read_text())
+    assert mine["serves"] == {"ref": "http://127.0.0.1:4242"} and mine["needs"] == ["ref"]
+    (ref,) = prestart.take("ref")
+    _peer(tmp_path, "gw1", needs=["ref"])
+    prestart.release_after(items[0])  # this lane's last user: the other lane still needs it
+    assert ref.stops == 0 and json.loads((tmp_path / "gw0").read_text())["engines"] == 1
+    _peer(tmp_path, "gw1", needs=[])
+    prestart.release_after(items[1])  # no lane needs it: stopped
+    assert ref.stops == 1 and json.loads((tmp_path / "gw0").read_text())["serves"] == {}
