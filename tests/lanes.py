@@ -6,10 +6,11 @@ with one (test_tail_reuse + test_store_freshness: 151 s on two threads, 173 s bo
 core), so two lanes of one core each do nearly twice the work; and starts, sleeps and waits of
 one lane overlap the other's tests.
 
-* **Which lane** (:func:`lane_of`): the keyed package and every test of the kvbranch server run in
-  the kvbranch lane; the unit tests (while the servers start), the keyed P/D pair's modules, the
-  modules with servers of their own and the cluster in the other. Each lane starts only its own
-  servers, so only plain vLLM runs twice.
+* **Which lane** (:func:`lane_of`): the unit tests (while the servers start), the keyed package
+  and every test of the kvbranch server run in the kvbranch lane; the keyed P/D pair's modules,
+  the modules with servers of their own and the cluster in the other (the longer lane: its
+  servers start one after the other, within the memory budget). Each lane starts only its own
+  servers, but for the plain vLLM reference, which one lane serves to both.
 * **How the tests get there**: a worker writes each collected test's lane to the run's lanes
   directory (:func:`write`); the controller's :class:`LaneScheduling` sends each lane, whole
   and in collection order, to one worker. (pytest-xdist's ``loadgroup`` cannot: it renames a
@@ -35,7 +36,9 @@ _MAP = "lanes.json"
 
 def lane_of(item: Any) -> str:
     path = str(item.fspath).replace("\\", "/")
-    if "tests/integration" in path and {"keyed_server", "kvbranch_server"} & set(item.fixturenames):
+    if "tests/integration" not in path:
+        return LANES[0]  # the unit tests: while this lane's servers start
+    if {"keyed_server", "kvbranch_server"} & set(item.fixturenames):
         return LANES[0]
     return LANES[1]
 

@@ -3,30 +3,30 @@ after their last.
 
 Why: an engine start is a few single-threaded Python imports of vLLM and torch (25-50 s on CI's
 2 cores); started when their first test asks, the servers came up one after the other, each on
-the critical path, while the other core idled. Now:
+the critical path. Now:
 
-* the session's shared servers (kvbranch, plain vLLM, the keyed server, the keyed P/D pair)
-  launch at the end of collection, all at once, on the other core while the unit tests run
-  (pure logic, about two minutes on one core) — :func:`plan`;
+* the shared servers of a lane (tests/lanes.py; the whole run when it is one process) — kvbranch,
+  plain vLLM, the keyed server, the keyed P/D pair — launch when the lane gets its first test,
+  in order as they fit in :data:`ENGINE_BUDGET` — :func:`plan`;
 * a module's own servers (``scope="module"``: test_models' pair, test_pd's instances, the
-  cluster, ...) launch while a module before them runs, as soon as the engines then alive stay
-  within :data:`ENGINE_BUDGET` — :func:`launch_ahead`;
-* every one of them is *released* (stopped) right after the last collected test that uses it —
-  :func:`release_after` — so its memory goes to the servers started after it.
+  cluster, ...) launch while a module before them runs, as soon as they fit —
+  :func:`launch_ahead`;
+* every one of them is *released* (stopped) right after the last test of the lane that uses
+  it — :func:`release_after` — so its memory goes to the servers started after it;
+* a server registered with ``borrow`` (the plain vLLM reference) runs once per run: the lane
+  that launches it serves it to the other until neither needs it.
 
-Memory is the other budget: an engine is about 2.6 GiB (PSS) and CI has 24 GB; five engines
-kept to the end of the session plus the index-backed cluster's four did not fit (the kernel
-killed the kvbranch server's worker in a local run). So the integration modules run grouped by
-the shared servers they use (tests/conftest.py), each group's servers released after it, and
-the modules marked ``alone`` (the cluster) last. A server no collected test uses is never
-started.
+Memory is the budget that binds: a server with its engine is 2.6-3 GiB and CI has 24 GB. The
+lanes count their engines together through one file each in the run's lanes directory
+(:func:`join_lane`); the integration modules run grouped by the shared servers they use
+(tests/conftest.py), each group's servers released after it, and the modules marked ``alone``
+(the cluster) last. A server no collected test uses is never started.
 
 :func:`fixture` makes such a fixture: it takes its servers with :func:`take` (launched already,
-or now — e.g. under ``--collect-only``, or when the budget said wait) and wraps them in
-:func:`running`, which awaits each and stops them all at the end of the scope. A fixture with
-more to do than wait (the cluster) registers its factory with :func:`register` and calls
-:func:`take`, :func:`running` and :func:`held` itself. A "process" is anything with
-``launch()``, ``wait_ready()`` and ``stop()``.
+or now — e.g. under ``--collect-only``, or when the budget said wait), awaits each and stops
+them at the end of the scope. A fixture with more to do than wait (the cluster) registers its
+factory with :func:`register` and calls :func:`take` and :func:`held` itself. A "process" is
+anything with ``launch()``, ``wait_ready()`` and ``stop()``.
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ def _publish(*, waiting: bool = False) -> None:
         "done": _progress.done,
         "serves": {name: procs[0].url for name, procs in _serving.items()},
         "needs": sorted(_progress.needs),
+        "pid": os.getpid(),
     }
     path = _lane.directory / _lane.name
     tmp = path.with_suffix(".tmp")
@@ -183,10 +184,24 @@ def _peers() -> dict[str, dict[str, Any]]:
         if path.name == _lane.name or path.suffix == ".tmp" or path.name.startswith("."):
             continue
         try:
-            states[path.name] = json.loads(path.read_text())
+            state = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if _alive(state.get("pid")):  # a lane that died holds nothing and needs nothing
+            states[path.name] = state
     return states
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return True  # no pid published: taken at its word
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _engines_alive() -> int:
@@ -282,7 +297,9 @@ def fixture(
                     proc.wait_ready()
                 yield procs[0] if len(procs) == 1 else procs
             finally:
-                _stop(fixture_name, procs, wait=True)
+                # not waiting here for another lane that still needs it: the other servers
+                # of this scope stop after this one (tests.conftest waits at the session's end)
+                _stop(fixture_name, procs)
 
     return servers
 

@@ -27,8 +27,8 @@ ITEMS = [
 ]
 
 
-def test_the_kvbranch_and_keyed_servers_tests_share_a_lane_and_the_rest_the_other():
-    assert [lanes.lane_of(item) for item in ITEMS] == ["others", "kvbranch", "kvbranch", "others"]
+def test_unit_kvbranch_and_keyed_servers_tests_share_a_lane_and_the_rest_the_other():
+    assert [lanes.lane_of(item) for item in ITEMS] == ["kvbranch", "kvbranch", "kvbranch", "others"]
 
 
 def test_each_lane_is_bound_to_its_share_of_the_cpus():
@@ -49,4 +49,4 @@ def test_the_scheduler_takes_each_lane_as_one_unit_of_work(tmp_path):
     lanes.write(tmp_path, ITEMS, "gw0")
     scheduler = lanes.LaneScheduling(ControllerConfig(), directory=tmp_path)
     scopes = [scheduler._split_scope(item.nodeid) for item in ITEMS]
-    assert scopes == ["others", "kvbranch", "kvbranch", "others"]
+    assert scopes == ["kvbranch", "kvbranch", "kvbranch", "others"]
