@@ -151,21 +151,27 @@ def _group(item: pytest.Item) -> int:
 def pytest_collection_modifyitems(config, items):
     """Integration tests marked, and moved after the unit tests (a stable sort: each part keeps
     its order), so that the shared servers start while the unit tests run; the integration
-    modules, each kept whole, ordered by :func:`_group`; under pytest-xdist, each test's lane
-    written for the controller (:mod:`tests.lanes`)."""
-    module_group: dict[str, int] = {}
+    modules, each kept whole, ordered by :func:`_group`. In lanes (pytest-xdist), each lane's
+    part of a module is grouped by what that part uses (test_server's no-connector test went
+    first in the other lane, as its module's kvbranch tests do, and waited 223 s there for
+    memory the keyed server held), and each test's lane is written for the controller
+    (:mod:`tests.lanes`)."""
+    worker = getattr(config, "workerinput", None)
+
+    def part(item: pytest.Item) -> tuple[str, str]:
+        return (lanes.lane_of(item) if worker else "", prestart.module_of(item))
+
+    part_group: dict[tuple[str, str], int] = {}
     for item in items:
         if _is_integration(item):
             item.add_marker(pytest.mark.integration)
-            module = prestart.module_of(item)
-            module_group[module] = min(module_group.get(module, 9), _group(item))
+            part_group[part(item)] = min(part_group.get(part(item), 9), _group(item))
 
     def order(item: pytest.Item) -> tuple[bool, int]:
         integration = _is_integration(item)
-        return integration, module_group[prestart.module_of(item)] if integration else 0
+        return integration, part_group[part(item)] if integration else 0
 
     items.sort(key=order)
-    worker = getattr(config, "workerinput", None)
     if worker is not None:
         lanes.write(Path(os.environ[lanes.LANES_DIR_ENV]), items, worker["workerid"])
 
