@@ -273,6 +273,7 @@ def register(
     _shared[fixture_name] = Shared(factory, scope, engines, borrow)
 
 
+# Shape only beside register(): the same keywords, passed through (a session scope by default).
 def fixture(
     fixture_name: str,
     factory: Factory,
