@@ -256,3 +256,22 @@ def test_the_lane_serving_the_reference_keeps_it_while_another_lane_needs_it(boo
     _peer(tmp_path, "gw1", needs=[])
     prestart.release_after(items[1])  # no lane needs it: stopped
     assert ref.stops == 1 and json.loads((tmp_path / "gw0").read_text())["serves"] == {}
+
+
+def test_the_serving_lane_waits_at_its_end_until_no_lane_needs_the_reference(bookkeeping, tmp_path):
+    prestart.join_lane(tmp_path, "gw0")
+    prestart.register(
+        "ref", lambda: (FakeServer("http://127.0.0.1:4242"),), scope="session", borrow=FakeServer
+    )
+    items = [FakeItem("m1.py::a", ["ref"])]
+    prestart.plan(items)
+    (ref,) = prestart.take("ref")
+    _peer(tmp_path, "gw1", needs=["ref"])
+    prestart.release_after(items[0])
+    assert ref.stops == 0
+    release = threading.Timer(0.5, _peer, (tmp_path, "gw1"))
+    release.start()
+    started = time.monotonic()
+    prestart.stop_untaken()  # the session's end: waits for the other lane, then stops it
+    assert time.monotonic() - started >= 0.5 and ref.stops == 1
+    release.join()
