@@ -128,10 +128,6 @@ def pytest_runtest_makereport(item, call):
             )
 
 
-def _is_integration(item: pytest.Item) -> bool:
-    return "tests/integration" in str(item.fspath).replace("\\", "/")
-
-
 def _group(item: pytest.Item) -> int:
     """Where an integration test's module runs: with the keyed package's server, then with the
     kvbranch server (those that also use the keyed P/D pair last), then with the keyed P/D
@@ -156,19 +152,19 @@ def pytest_collection_modifyitems(config, items):
     first in the other lane, as its module's kvbranch tests do, and waited 223 s there for
     memory the keyed server held), and each test's lane is written for the controller
     (:mod:`tests.lanes`)."""
-    worker = getattr(config, "workerinput", None)
+    worker = _workerinput(config)
 
     def part(item: pytest.Item) -> tuple[str, str]:
         return (lanes.lane_of(item) if worker else "", prestart.module_of(item))
 
     part_group: dict[tuple[str, str], int] = {}
     for item in items:
-        if _is_integration(item):
+        if prestart.is_integration(item):
             item.add_marker(pytest.mark.integration)
             part_group[part(item)] = min(part_group.get(part(item), 9), _group(item))
 
     def order(item: pytest.Item) -> tuple[bool, int]:
-        integration = _is_integration(item)
+        integration = prestart.is_integration(item)
         return integration, part_group[part(item)] if integration else 0
 
     items.sort(key=order)
@@ -176,14 +172,20 @@ def pytest_collection_modifyitems(config, items):
         lanes.write(Path(os.environ[lanes.LANES_DIR_ENV]), items, worker["workerid"])
 
 
+def _workerinput(config: pytest.Config) -> dict | None:
+    """What pytest-xdist gives a worker (its id, the run's id); None in the controller or in a
+    run of one process."""
+    return getattr(config, "workerinput", None)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The controller of a run in lanes makes the lanes' directory; its workers inherit it."""
-    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+    if _workerinput(config) is None and config.getoption("numprocesses", None):
         os.environ[lanes.LANES_DIR_ENV] = tempfile.mkdtemp(prefix="kvbranch-lanes-")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if getattr(config, "workerinput", None) is None and lanes.LANES_DIR_ENV in os.environ:
+    if _workerinput(config) is None and lanes.LANES_DIR_ENV in os.environ:
         shutil.rmtree(os.environ.pop(lanes.LANES_DIR_ENV), ignore_errors=True)
 
 
@@ -194,7 +196,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
-    worker = getattr(session.config, "workerinput", None)
+    worker = _workerinput(session.config)
     if worker is None:  # one process runs everything: plan it all now
         prestart.plan(session.items)
         return

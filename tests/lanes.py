@@ -28,6 +28,8 @@ from typing import Any
 
 from xdist.scheduler import LoadScopeScheduling
 
+from tests import prestart
+
 LANES = ("kvbranch", "others")
 #: The run's lanes directory, made by the controller and inherited by the workers.
 LANES_DIR_ENV = "KVBRANCH_TEST_LANES_DIR"
@@ -35,8 +37,7 @@ _MAP = "lanes.json"
 
 
 def lane_of(item: Any) -> str:
-    path = str(item.fspath).replace("\\", "/")
-    if "tests/integration" not in path:
+    if not prestart.is_integration(item):
         return LANES[0]  # the unit tests: while this lane's servers start
     if {"keyed_server", "kvbranch_server"} & set(item.fixturenames):
         return LANES[0]

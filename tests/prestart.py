@@ -364,6 +364,11 @@ def module_of(item: Any) -> str:
     return item.nodeid.split("::")[0]
 
 
+def is_integration(item: Any) -> bool:
+    """Whether ``item`` is under tests/integration (starts real servers)."""
+    return "tests/integration" in str(item.fspath).replace("\\", "/")
+
+
 def plan(items: Iterable[Any]) -> None:
     """For the collected ``items`` in their final order: launch the session's (and packages')
     shared servers now (those that fit; the rest as soon as they do), note which module's
@@ -444,7 +449,7 @@ def take(fixture_name: str) -> tuple[Any, ...]:
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
             with _room():
-                if fixture_name not in _shared or not _must_wait(fixture_name):
+                if not _must_wait(fixture_name):
                     procs = _launch(fixture_name)
                     break
                 if time.monotonic() > deadline:
