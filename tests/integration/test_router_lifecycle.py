@@ -18,12 +18,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import psutil
 import pytest
 
 from sdk.contract import SESSIONS_PATH, session_path
+from tests import prestart
 from tests.integration.helpers import size_args
 from tests.server_process import ServerProcess
 
@@ -33,8 +35,15 @@ MARGIN_S = 25.0
 ARGS = ["--disagg", *size_args(0.5, 0.25, 4096), "--shutdown-grace-s", str(GRACE_S)]
 
 
-def _launch() -> ServerProcess:
-    return ServerProcess(ARGS, name="disagg-life", ready_timeout=900).start()
+@pytest.fixture
+def launcher() -> Iterator[ServerProcess]:
+    """A fresh launch per test (each ends it), counted in the memory budget while it runs."""
+    with prestart.reserved("the router lifecycle's --disagg launch", engines=2):
+        server = ServerProcess(ARGS, name="disagg-life", ready_timeout=900).start()
+        try:
+            yield server
+        finally:
+            server.stop()
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -144,8 +153,7 @@ def _hang_a_stream(launcher: ServerProcess, url: str, started: threading.Event) 
     return thread
 
 
-def test_sigterm_with_a_hanging_stream_stops_everything_within_the_grace():
-    launcher = _launch()
+def test_sigterm_with_a_hanging_stream_stops_everything_within_the_grace(launcher):
     procs: list[psutil.Process] = []
     try:
         _check_fanout(launcher)
@@ -165,11 +173,9 @@ def test_sigterm_with_a_hanging_stream_stops_everything_within_the_grace():
         assert not alive, f"still running {took:.0f}s after SIGTERM: {alive}"
     finally:
         _kill_all(procs)
-        launcher.stop()
 
 
-def test_sigkill_stops_the_engine_core_and_the_orphaned_instances():
-    launcher = _launch()
+def test_sigkill_stops_the_engine_core_and_the_orphaned_instances(launcher):
     procs: list[psutil.Process] = []
     problems: list[str] = []
     try:
@@ -193,7 +199,6 @@ def test_sigkill_stops_the_engine_core_and_the_orphaned_instances():
         assert not problems, problems
     finally:
         _kill_all(procs)
-        launcher.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -38,7 +38,7 @@ class FakeProcess:
 
 @pytest.fixture
 def bookkeeping(monkeypatch):
-    for name in ("_shared", "_launched", "_held", "_last_user", "_ahead", "_serving"):
+    for name in ("_shared", "_launched", "_held", "_last_user", "_ahead", "_serving", "_reserved"):
         monkeypatch.setattr(prestart, name, {})
     monkeypatch.setattr(prestart, "_pending", [])
     monkeypatch.setattr(prestart, "_borrowed", set())
@@ -181,6 +181,29 @@ def test_a_fixture_waits_until_the_other_lane_releases_its_engines(bookkeeping, 
     started = time.monotonic()
     prestart.take("big")
     assert time.monotonic() - started >= 0.5 and len(made) == 1
+    release.join()
+
+
+def test_engines_a_test_launches_itself_wait_for_room_and_count_until_its_block_ends(
+    bookkeeping, tmp_path
+):
+    prestart.join_lane(tmp_path, "gw1")
+    _peer(tmp_path, "gw0", engines=prestart.ENGINE_BUDGET - 1)
+    release = threading.Timer(0.5, _peer, (tmp_path, "gw0"), {"engines": 1})
+    release.start()
+    started = time.monotonic()
+    with prestart.reserved("a launch of P and D", engines=2):
+        assert time.monotonic() - started >= 0.5  # waited for the other lane's engines
+        mine = json.loads((tmp_path / "gw1").read_text())
+        assert mine["engines"] == 2  # the other lane counts them while they run
+        made = _register("more", prestart.ENGINE_BUDGET - 2)
+        items = [FakeItem("m1.py::a"), FakeItem("m2.py::a", ["more"])]
+        prestart.plan(items)
+        prestart.launch_ahead(items[0])
+        assert not made  # nor does this lane launch past them (2 + 1 + 3 > 5)
+    assert json.loads((tmp_path / "gw1").read_text())["engines"] == 0
+    prestart.take("more")  # room now: launched at once
+    assert len(made) == 1
     release.join()
 
 
