@@ -80,9 +80,16 @@ class BorrowedVLLM(VanillaVLLM):
         pass
 
 
-plain_vllm = prestart.fixture(
-    "plain_vllm", lambda: (VanillaVLLM(PLAIN_ARGS, name="plain"),), borrow=BorrowedVLLM
-)
+def _plain_vllm() -> tuple[VanillaVLLM]:
+    """In lanes, the reference serves both: one OpenMP thread on no core of its own (the
+    scheduler puts it where a core is free) — bound to the launching lane's core, it queued
+    behind that lane's engines while the other lane's core waited for its answers."""
+    floating = {prestart.BIND_ENV: "nobind", "OMP_NUM_THREADS": "1"}
+    env = floating if prestart.lanes_bound() else None
+    return (VanillaVLLM(PLAIN_ARGS, name="plain", env=env),)
+
+
+plain_vllm = prestart.fixture("plain_vllm", _plain_vllm, borrow=BorrowedVLLM)
 
 
 @pytest.fixture(scope="session")
