@@ -25,7 +25,11 @@ the threshold applies only while a request that ranks ahead of a running prefill
 runs. And while a long prefill runs *or waits* (more than one request existing), the whole step
 budget is the chunk: a resumed turn arriving meanwhile waits at most one short step instead of
 a 2048-token step of ~4 s (the step trace of real_traces 05:09 showed exactly that wait, for
-the first chunk of a cold admitted from the queue). Batches of resumed turns keep vLLM's
+the first chunk of a cold admitted from the queue). A long prefill running alone keeps short
+steps too while a turn finished less than ``aging_s`` ago — its agent is likely in a tool
+call and back soon: with vLLM's whole budget a lone cold ran 2048-token steps of ~7 s, and a
+resumed turn arriving meanwhile waited 5.3 s for one (capacity sweep 2026-12-05 15:09, BFCL,
+2 agents); a cold on an idle server keeps the whole budget. Batches of resumed turns keep vLLM's
 budget. ``running`` is kept in ``(priority, arrival)`` order so that the budget goes to the
 higher-ranked requests first.
 
@@ -241,6 +245,8 @@ class WarmFirstScheduler(Scheduler):
         #: Times each waiting request was passed after its first ``aging_s`` (for siblings).
         self._kvb_late_passes: dict[str, int] = {}
         self._kvb_backfill = self._kvb_priority and on_unless_zero(ENV_BACKFILL)
+        #: When a request last finished (monotonic): its agent may be back within ``aging_s``.
+        self._kvb_last_done = float("-inf")
 
     def add_request(self, request: Any) -> None:
         """A request the plugin did not rank (priority 0: a route whose vLLM body has no
@@ -255,13 +261,20 @@ class WarmFirstScheduler(Scheduler):
         if self._kvb_dynamic:
             self.running.sort(key=rank)
             waiting = [*self.waiting, *getattr(self, "kv_holding_waiting", ())]
-            cap, budget = step_limits(self.running, waiting, self._kvb_cap, self._kvb_budget)
+            expecting = time.monotonic() - self._kvb_last_done < self._kvb_aging_s
+            cap, budget = step_limits(
+                self.running, waiting, self._kvb_cap, self._kvb_budget, expecting=expecting
+            )
             self.scheduler_config.long_prefill_token_threshold = cap
             self.max_num_scheduled_tokens = budget
         self._kvb_passed = self._backfill() if self._kvb_backfill and self.waiting else set()
         if self._kvb_dynamic and self.waiting:
             self._kvb_passed |= colds_to_queue(self.running, self.waiting)
         return super().schedule(*args, **kwargs)
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        self._kvb_last_done = time.monotonic()
+        return super()._free_request(request, *args, **kwargs)
 
     def _handle_blocked_waiting_request(self, request: Any) -> bool:
         """vLLM asks this for each waiting request it looks at; ``False`` skips the request
@@ -349,8 +362,11 @@ def is_long(request: Any) -> bool:
     )
 
 
-def step_limits(running: list[Any], waiting: list[Any], chunk: int, budget: int) -> tuple[int, int]:
-    """(per-request prompt cap, step token budget) for this step (see the module docstring)."""
+def step_limits(
+    running: list[Any], waiting: list[Any], chunk: int, budget: int, *, expecting: bool = False
+) -> tuple[int, int]:
+    """(per-request prompt cap, step token budget) for this step (see the module docstring);
+    ``expecting``: a turn finished lately, so a resumed turn may arrive during this step."""
     if cap_needed(running, waiting):
         return chunk, budget  # warmer work: every prefill capped, the warm one gets the rest
     # A long prefill waiting would start with the whole budget once admitted (measured: a
@@ -359,6 +375,6 @@ def step_limits(running: list[Any], waiting: list[Any], chunk: int, budget: int)
     # budget: several of them batch into one step (measured: with short steps for them too,
     # the forking agent_workload's p50 TTFT at turns >= 5 was 1.25x worse, 05:25).
     long_pending = any(is_long(r) for r in running) or any(is_long(r) for r in waiting)
-    if long_pending and len(running) + len(waiting) > 1:
+    if long_pending and (len(running) + len(waiting) > 1 or expecting):
         return 0, chunk + len(running)  # short steps, colds one after the other; decodes go on
     return 0, budget

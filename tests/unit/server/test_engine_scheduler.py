@@ -409,3 +409,20 @@ def test_colds_to_queue_rule():
     assert colds_to_queue([running_long], [earlier, later]) == {"later"}
     assert colds_to_queue([], [earlier, later]) == {"later"}  # behind the one admitted first
     assert colds_to_queue([fake(WARM, 10, 10)], [short]) == set()
+
+
+def test_a_lone_cold_runs_short_steps_only_while_an_agent_may_be_back():
+    """A cold prefill alone on an idle server takes vLLM's whole step; once a turn has finished
+    lately (its agent is likely in a tool call), the same cold runs short steps, so the agent's
+    next turn waits one short step for it, not a whole one."""
+    chunk = 64
+    idle = make(chunk=chunk)
+    idle.add_request(request("cold", 18 * BS, priority=COLD, arrival=1.0))
+    assert idle.schedule().num_scheduled_tokens["cold"] == STEP_TOKENS
+
+    busy = make(chunk=chunk)
+    busy.add_request(request("turn", 2 * BS, priority=WARM, arrival=0.5, first=500))
+    busy.schedule()
+    busy.finish_requests("turn", RequestStatus.FINISHED_STOPPED)
+    busy.add_request(request("cold", 18 * BS, priority=COLD, arrival=1.0))
+    assert busy.schedule().num_scheduled_tokens["cold"] == chunk

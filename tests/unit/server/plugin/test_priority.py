@@ -304,6 +304,10 @@ def test_step_limits():
     cold, other = req(10, 2, 512, 4000), req(11, 2, 0, 3000, waiting=True)
     warm = req(3, 0, 0, 4100, waiting=True)
     assert step_limits([cold], [], 256, 2048) == (0, 2048)  # alone: vLLM's full step
+    # alone, but a turn finished lately (its agent is in a tool call): short steps
+    assert step_limits([cold], [], 256, 2048, expecting=True) == (0, 257)
+    assert step_limits([], [other], 256, 2048, expecting=True) == (0, 256)
+    assert step_limits([req(19, 0, 2000, 3000)], [], 256, 2048, expecting=True) == (0, 2048)
     assert step_limits([cold], [other], 256, 2048) == (0, 257)  # colds: short steps, in order
     assert step_limits([cold], [warm], 256, 2048) == (256, 2048)  # warm waits: cold capped
     decodes = [req(3, 0, 50, 50), req(4, 1, 60, 60)]
