@@ -40,9 +40,10 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
+from typing_extensions import Unpack
 
 #: A fixture's processes, constructed but not launched.
 Factory = Callable[[], tuple[Any, ...]]
@@ -230,15 +231,16 @@ def _wanted(names: Iterable[str]) -> int:
     return sum(_shared[n].engines for n in names if n not in _borrowed)
 
 
-def _fits(names: Iterable[str]) -> bool:
-    return _engines_alive() + _wanted(names) <= ENGINE_BUDGET
+def _fits(engines: int) -> bool:
+    """Whether ``engines`` more stay within :data:`ENGINE_BUDGET` beside every lane's."""
+    return _engines_alive() + engines <= ENGINE_BUDGET
 
 
 def _must_wait(engines: int) -> bool:
     """Whether ``engines`` more wait for another lane's to go: not when they fit, nor when
     no other lane holds any (this lane alone is over the budget), nor when both lanes wait
     for each other (the first lane by name goes)."""
-    if _lane is None or _engines_alive() + engines <= ENGINE_BUDGET:
+    if _lane is None or _fits(engines):
         return False
     peers = _peers()
     if not any(int(p.get("engines", 0)) for p in peers.values()):
@@ -290,33 +292,32 @@ def _binding() -> Iterator[None]:
             os.environ[BIND_ENV] = cores
 
 
+class Sizing(TypedDict, total=False):
+    """What :func:`register` and :func:`fixture` both take besides the scope: the vLLM engines
+    among the processes (1 unless said; see :class:`Shared`) and, for a one-per-run server,
+    how another lane borrows it."""
+
+    engines: int
+    borrow: Borrow | None
+
+
 def register(
-    fixture_name: str,
-    factory: Factory,
-    *,
-    scope: str = "module",
-    engines: int = 1,
-    borrow: Borrow | None = None,
+    fixture_name: str, factory: Factory, *, scope: str = "module", **sizing: Unpack[Sizing]
 ) -> None:
     """Name ``factory`` as what fixture ``fixture_name`` serves, for launching ahead."""
+    engines, borrow = sizing.get("engines", 1), sizing.get("borrow")
     _shared[fixture_name] = Shared(factory, scope, engines, borrow)
 
 
-# Shape only beside register(): the same keywords, passed through (a session scope by default).
 def fixture(
-    fixture_name: str,
-    factory: Factory,
-    *,
-    scope: str = "session",
-    engines: int = 1,
-    borrow: Borrow | None = None,
+    fixture_name: str, factory: Factory, *, scope: str = "session", **sizing: Unpack[Sizing]
 ) -> Any:
     """A pytest fixture named ``fixture_name`` over ``factory``'s processes, launched ahead of
     its first test (:func:`plan`, :func:`launch_ahead`); it yields the process (or the tuple of
     them when there are several), each ready, and stops them at the end of its scope or after
     its last test, whichever comes first. With ``borrow`` (a session server), one runs per
     run: a lane uses ``borrow(url)`` of the one another lane launched."""
-    register(fixture_name, factory, scope=scope, engines=engines, borrow=borrow)
+    register(fixture_name, factory, scope=scope, **sizing)
 
     @pytest.fixture(scope=scope, name=fixture_name)
     def servers() -> Iterator[Any]:
@@ -430,7 +431,7 @@ def plan(items: Iterable[Any]) -> None:
 def _try_launch(names: list[str]) -> bool:
     """Launch ``names`` if they fit beside every lane's engines; False (none launched) if not."""
     with _room():
-        if not _fits(names):
+        if not _fits(_wanted(names)):
             return False
         launch_for(names)
     return True
