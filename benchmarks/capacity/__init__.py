@@ -57,7 +57,11 @@ QUICK = {"agents": "1,2", "per_agent": 1, "alone": 1, "max_turns": 2, "tool_s": 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", choices=("bfcl", "mooncake"), default="bfcl")
-    parser.add_argument("--configs", default="kvbranch,plain", help="in this order")
+    parser.add_argument(
+        "--configs",
+        default="kvbranch,plain",
+        help="in this order; config+KEY=VALUE runs one with that environment variable",
+    )
     parser.add_argument("--agents", default="1,2,4,6,8,10,12,16", help="counts, ascending")
     parser.add_argument("--per-agent", type=int, default=2, help="conversations per agent")
     parser.add_argument("--alone", type=int, default=3, help="conversations run alone (SLO)")
@@ -83,6 +87,17 @@ def agent_counts(text: str) -> list[int]:
     if not counts or counts != sorted(set(counts)) or counts[0] < 1:
         raise SystemExit(f"--agents: ascending positive counts, got {text!r}")
     return counts
+
+
+def config_env(name: str) -> tuple[str, dict[str, str]]:
+    """A configuration with one environment variable of its own, ``config+KEY=VALUE`` (an A/B
+    of one part of the policy in one run, e.g. ``kvbranch-sched+KVBRANCH_PAUSE_COLDS=0``), as
+    ``(config, environment)``."""
+    spec, plus, assignment = name.partition("+")
+    key, equals, value = assignment.partition("=")
+    if plus and not (key and equals):
+        raise SystemExit(f"--configs: {name!r}: expected config+KEY=VALUE")
+    return spec, ({key: value} if plus else {})
 
 
 def load_traces(args: argparse.Namespace, n: int) -> tuple[list[Any], str]:
@@ -140,7 +155,8 @@ async def _config(name: str, args, convs, counts, slo: list[float], log) -> dict
     from benchmarks import real_traces
     from benchmarks.capacity import replay
 
-    connector, flags = real_traces.config_flags(name, args)
+    spec, env = config_env(name)
+    connector, flags = real_traces.config_flags(spec, args)
     reserved = (
         None if args.reserved_cpus is not None and args.reserved_cpus < 0 else args.reserved_cpus
     )
@@ -150,6 +166,7 @@ async def _config(name: str, args, convs, counts, slo: list[float], log) -> dict
             connector, args.kv_cache_gib, args.host_store_gib, args.max_model_len, flags
         ),
         reserved_cpus=reserved,
+        env=env,
     )
     sessions = args.trace == "bfcl"
     out: dict[str, Any] = {"flags": flags, "binding": common.omp_binding(server), "steps": []}

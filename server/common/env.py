@@ -24,6 +24,9 @@ ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
 ENV_PRIORITY_AGING_S = "KVBRANCH_PRIORITY_AGING_S"
 #: ``0``: the warm-first scheduler does not backfill (server/engine/scheduler.py; for A/B runs).
 ENV_BACKFILL = "KVBRANCH_BACKFILL"
+#: ``0``: the warm-first scheduler does not pause cold prefills for a resumed turn's step
+#: (server/engine/scheduler.py; for A/B runs).
+ENV_PAUSE_COLDS = "KVBRANCH_PAUSE_COLDS"
 
 
 def on_unless_zero(name: str) -> bool:

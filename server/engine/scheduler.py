@@ -33,6 +33,17 @@ resumed turn arriving meanwhile waited 5.3 s for one (capacity sweep 2026-12-05 
 budget. ``running`` is kept in ``(priority, arrival)`` order so that the budget goes to the
 higher-ranked requests first.
 
+**A resumed turn's step without cold chunks.** Capped, a running cold prefill still took its
+chunk in the step where a resumed turn started, so the turn's first token waited for ~256
+tokens of someone else's prefill (~0.8 s on one core). So a running long prefill that ranks
+behind a short prefill starting (admittable this step) or running sits out that step
+(:func:`colds_to_pause`, vLLM's own per-request skip ``next_decode_eligible_step``); it keeps
+its blocks and its place and goes on in the next step. Measured in the capacity sweep (BFCL
+whole conversations, 2026-12-05 16:48, A/B in one run): resumed p90 at 4 agents 2.00 s -> 1.12
+s, capacity at the SLO 2 -> 4 agents (plain vLLM 1); with a few colds beside 4 conversations in
+lockstep (policy_ab, 2026-12-03) it had fired too rarely to show. ``KVBRANCH_PAUSE_COLDS=0``
+turns it off (for A/B runs).
+
 **Colds one after the other.** While warmer work exists every prefill is capped at the chunk
 and the step keeps vLLM's budget, so a cold prefill waiting behind a running one was admitted
 beside it and the two shared every step. Besides finishing both late, that computes twice
@@ -85,7 +96,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from server.common.env import ENV_BACKFILL, on_unless_zero
+from server.common.env import ENV_BACKFILL, ENV_PAUSE_COLDS, on_unless_zero
 from server.common.priority_code import DEFAULT_AGING_S, aging_from_env, level_in, unranked
 from server.engine.scheduler_counters import SchedulerCounters, publish
 
@@ -212,6 +223,25 @@ def colds_to_queue(running: Iterable[Any], waiting: Iterable[Any]) -> set[str]:
     return queued
 
 
+def colds_to_pause(running: Iterable[Any], waiting: Iterable[Any], fits: Any) -> list[Any]:
+    """Running long prefills to leave out of the next step, so that a resumed turn's prefill
+    runs without their chunks (module docstring, "A resumed turn's step without cold chunks"):
+    those ranked behind the warm request — the best-ranked short prefill running, or, if none
+    runs, the best-ranked ready waiting request when it is short and ``fits(request)`` (vLLM
+    will admit it this step). Empty when no such warm request exists, so a paused cold is
+    never paused for nothing; only requests that outrank it pause it, which the plugin's
+    deadlines bound (a cold is never starved)."""
+    running = list(running)
+    warm = [r for r in running if is_prefilling(r) and not is_long(r)]
+    if not warm:
+        head = next((r for r in waiting if r.status in READY), None)
+        if head is None or is_long(head) or not fits(head):
+            return []
+        warm = [head]
+    best = min(rank(r) for r in warm)
+    return [r for r in running if is_long(r) and is_prefilling(r) and rank(r) > best]
+
+
 def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
     """The running request to preempt for ``head`` (the best-ranked waiting request): the
     worst-ranked *long* (cold) prefill that ranks behind ``head``; ``None`` if there is none.
@@ -245,6 +275,7 @@ class WarmFirstScheduler(Scheduler):
         #: Times each waiting request was passed after its first ``aging_s`` (for siblings).
         self._kvb_late_passes: dict[str, int] = {}
         self._kvb_backfill = self._kvb_priority and on_unless_zero(ENV_BACKFILL)
+        self._kvb_pause_colds = self._kvb_dynamic and on_unless_zero(ENV_PAUSE_COLDS)
         #: When a request last finished (monotonic): its agent may be back within ``aging_s``.
         self._kvb_last_done = float("-inf")
 
@@ -270,7 +301,26 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_passed = self._backfill() if self._kvb_backfill and self.waiting else set()
         if self._kvb_dynamic and self.waiting:
             self._kvb_passed |= colds_to_queue(self.running, self.waiting)
+        if self._kvb_pause_colds and self.running:
+            self._pause_colds()
         return super().schedule(*args, **kwargs)
+
+    def _pause_colds(self) -> None:
+        """Leave the running cold prefills that rank behind a resumed turn's prefill out of
+        this step (:func:`colds_to_pause`), with vLLM's own per-request skip: ``schedule``
+        advances ``current_step`` before it compares, so ``current_step + 2`` skips this step
+        alone. They keep their blocks and their place; vLLM may still preempt them."""
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        waiting = (r for r in self.waiting if r.request_id not in self._kvb_passed)
+        paused = colds_to_pause(
+            self.running, waiting, lambda r: self._device_blocks_needed(r) <= free
+        )
+        for request in paused:
+            request.next_decode_eligible_step = max(
+                request.next_decode_eligible_step, self.current_step + 2
+            )
+        if paused:
+            self.kvb_counters.paused_steps += 1
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         self._kvb_last_done = time.monotonic()

@@ -17,6 +17,8 @@ class SchedulerCounters:
     backfills: int = 0
     #: Waiting requests passed by those steps, summed.
     passed_requests: int = 0
+    #: Steps that left running cold prefills out for a resumed turn's prefill.
+    paused_steps: int = 0
 
 
 _published: SchedulerCounters | None = None

@@ -146,6 +146,11 @@ def _scheduler_metrics(sched: SchedulerStats | None):
                 "Waiting requests passed by a backfill, summed over steps",
                 sched.passed_requests,
             ),
+            (
+                "kvbranch_scheduler_paused_steps",
+                "Steps that left running cold prefills out for a resumed turn's prefill",
+                sched.paused_steps,
+            ),
         ],
     )
 

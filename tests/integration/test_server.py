@@ -84,6 +84,7 @@ def test_metrics_exports_kvbranch_counters(kvbranch_server):
     # The warm-first scheduler (on by default on CPU) publishes its decisions from the engine.
     assert "kvbranch_scheduler_backfills_total" in r.text
     assert "kvbranch_scheduler_preemptions_total" in r.text
+    assert "kvbranch_scheduler_paused_steps_total" in r.text
 
 
 #: kvbranch's launcher with ``--no-connector`` (one test uses it: stopped after it, not kept

@@ -109,6 +109,7 @@ class SchedulerStats(_Internal):
     preemptions: int
     backfills: int
     passed_requests: int
+    paused_steps: int
 
 
 class EngineStats(Stats):

@@ -203,3 +203,20 @@ def test_agents_start_one_stagger_apart_and_all_at_once_by_default(monkeypatch) 
     assert [w for _, w in waits] == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):
         replay.start_delay(1, -1.0)
+
+
+def test_a_configuration_may_carry_one_environment_variable_of_its_own() -> None:
+    from benchmarks.capacity import config_env
+
+    assert config_env("kvbranch-sched") == ("kvbranch-sched", {})
+    assert config_env("kvbranch-sched+KVBRANCH_PAUSE_COLDS=0") == (
+        "kvbranch-sched",
+        {"KVBRANCH_PAUSE_COLDS": "0"},
+    )
+    assert config_env("kvbranch-sched:--agent-priority+K=") == (
+        "kvbranch-sched:--agent-priority",
+        {"K": ""},
+    )
+    for bad in ("kvbranch+", "kvbranch+K", "kvbranch+=1"):
+        with pytest.raises(SystemExit, match="config\\+KEY=VALUE"):
+            config_env(bad)

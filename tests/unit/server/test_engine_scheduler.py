@@ -18,10 +18,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from server.common.env import ENV_PAUSE_COLDS
 from server.common.priority_code import encode
 from server.engine.scheduler import (
     WarmFirstScheduler,
     blocks_needed,
+    colds_to_pause,
     colds_to_queue,
     preemption_victim,
     requests_to_pass,
@@ -426,3 +428,45 @@ def test_a_lone_cold_runs_short_steps_only_while_an_agent_may_be_back():
     busy.finish_requests("turn", RequestStatus.FINISHED_STOPPED)
     busy.add_request(request("cold", 18 * BS, priority=COLD, arrival=1.0))
     assert busy.schedule().num_scheduled_tokens["cold"] == chunk
+
+
+def test_a_resumed_turn_starts_in_a_step_without_the_cold_chunks(monkeypatch):
+    """A running cold prefill sits out the step in which a resumed turn that outranks it
+    starts (so the turn's first token does not wait for someone else's chunk), and only that
+    step; with ``KVBRANCH_PAUSE_COLDS=0`` (or vLLM's scheduler) both share the step."""
+
+    def starting_step(pause: bool):
+        monkeypatch.setenv(ENV_PAUSE_COLDS, "1" if pause else "0")
+        sched = make(chunk=2 * BS)
+        cold = cold_holding_blocks(sched)
+        sched.add_request(request("warm", BS - 2, priority=WARM, arrival=2.0, first=2000))
+        return sched, cold, sched.schedule()
+
+    sched, cold, out = starting_step(pause=True)
+    assert scheduled_ids(out) == {"warm"}
+    assert sched.kvb_counters.paused_steps == 1
+    after = sched.schedule()  # the turn decodes: the cold goes on
+    assert "cold" in scheduled_ids(after) and cold.status == RequestStatus.RUNNING
+    assert sched.kvb_counters.paused_steps == 1 and sched.kvb_counters.preemptions == 0
+    _, _, out = starting_step(pause=False)
+    assert scheduled_ids(out) == {"warm", "cold"}
+
+
+def test_colds_to_pause_rule():
+    cold = fake(COLD, 64, 2000, arrival=1.0)
+    colder = fake(COLDER, 64, 2000, arrival=0.5)
+    decoding = fake(COLD, 2000, 2000, arrival=1.0)
+    warm = waiting_fake("warm", 2, WARM, arrival=4.0)
+    warm.num_prompt_tokens = 100
+    fits, full = (lambda r: True), (lambda r: False)
+    assert colds_to_pause([cold, colder, decoding], [warm], fits) == [cold, colder]
+    assert colds_to_pause([cold], [warm], full) == []  # it would not be admitted this step
+    assert colds_to_pause([cold], [], fits) == []
+    # The head of the queue is another cold: vLLM admits (or stops at) it first.
+    waiting_cold = waiting_fake("waiting-cold", 40, encode(1, 2), arrival=0.2)
+    waiting_cold.num_prompt_tokens = 2000
+    assert colds_to_pause([cold], [waiting_cold, warm], fits) == []
+    # A short prefill ranked behind the cold does not pause it; one ranked ahead, running, does.
+    assert colds_to_pause([cold], [waiting_fake("short", 2, SHORT, 4.0)], fits) == []
+    running_warm = fake(WARM, 10, 200, arrival=4.0)
+    assert colds_to_pause([cold, running_warm], [], full) == [cold]

@@ -42,7 +42,7 @@ STATS = {
     "requests": 10,
     "sessions": [],
     "pd": None,
-    "scheduler": {"preemptions": 11, "backfills": 12, "passed_requests": 13},
+    "scheduler": {"preemptions": 11, "backfills": 12, "passed_requests": 13, "paused_steps": 14},
 }
 
 
@@ -74,6 +74,7 @@ def test_a_scrape_is_served_from_the_async_snapshot(monkeypatch):
     assert values["kvbranch_connector_up"] == 1 and values["kvbranch_requests"] == 10
     assert values["kvbranch_scheduler_preemptions"] == 11
     assert values["kvbranch_scheduler_backfills"] == 12
+    assert values["kvbranch_scheduler_paused_steps"] == 14
 
 
 def test_a_connector_that_does_not_answer_is_down_without_a_blocking_call(monkeypatch):
