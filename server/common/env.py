@@ -27,6 +27,9 @@ ENV_BACKFILL = "KVBRANCH_BACKFILL"
 #: ``0``: the warm-first scheduler does not pause cold prefills for a resumed turn's step
 #: (server/engine/scheduler.py; for A/B runs).
 ENV_PAUSE_COLDS = "KVBRANCH_PAUSE_COLDS"
+#: ``0``: the warm-first scheduler batches a burst of resumed turns into one step instead of
+#: running them in rank order in short steps (server/engine/scheduler.py; for A/B runs).
+ENV_SPLIT_BURSTS = "KVBRANCH_SPLIT_BURSTS"
 
 
 def on_unless_zero(name: str) -> bool:

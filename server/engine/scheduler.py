@@ -29,9 +29,16 @@ the first chunk of a cold admitted from the queue). A long prefill running alone
 steps too while a turn finished less than ``aging_s`` ago — its agent is likely in a tool
 call and back soon: with vLLM's whole budget a lone cold ran 2048-token steps of ~7 s, and a
 resumed turn arriving meanwhile waited 5.3 s for one (capacity sweep 2026-12-05 15:09, BFCL,
-2 agents); a cold on an idle server keeps the whole budget. Batches of resumed turns keep vLLM's
-budget. ``running`` is kept in ``(priority, arrival)`` order so that the budget goes to the
-higher-ranked requests first.
+2 agents); a cold on an idle server keeps the whole budget. ``running`` is kept in
+``(priority, arrival)`` order so that the budget goes to the higher-ranked requests first.
+
+**A burst of resumed turns in rank order.** Several resumed turns pending at once (agents
+whose tool calls end together) shared one step under vLLM's budget and all got their first
+token at its end: five turns of 100-283 new tokens against ~3k-token histories took one 4.5 s
+step (capacity sweep 2026-12-05 16:48, BFCL, 6 agents), and finishing together kept their
+agents in lockstep for the next turn. So while more than one short prefill is pending the step
+budget is the chunk: the best-ranked turns are computed first, turns small enough still share
+a step. ``KVBRANCH_SPLIT_BURSTS=0`` turns it off (for A/B runs).
 
 **A resumed turn's step without cold chunks.** Capped, a running cold prefill still took its
 chunk in the step where a resumed turn started, so the turn's first token waited for ~256
@@ -96,7 +103,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from server.common.env import ENV_BACKFILL, ENV_PAUSE_COLDS, on_unless_zero
+from server.common.env import ENV_BACKFILL, ENV_PAUSE_COLDS, ENV_SPLIT_BURSTS, on_unless_zero
 from server.common.priority_code import DEFAULT_AGING_S, aging_from_env, level_in, unranked
 from server.engine.scheduler_counters import SchedulerCounters, publish
 
@@ -276,6 +283,7 @@ class WarmFirstScheduler(Scheduler):
         self._kvb_late_passes: dict[str, int] = {}
         self._kvb_backfill = self._kvb_priority and on_unless_zero(ENV_BACKFILL)
         self._kvb_pause_colds = self._kvb_dynamic and on_unless_zero(ENV_PAUSE_COLDS)
+        self._kvb_split_bursts = on_unless_zero(ENV_SPLIT_BURSTS)
         #: When a request last finished (monotonic): its agent may be back within ``aging_s``.
         self._kvb_last_done = float("-inf")
 
@@ -294,7 +302,12 @@ class WarmFirstScheduler(Scheduler):
             waiting = [*self.waiting, *getattr(self, "kv_holding_waiting", ())]
             expecting = time.monotonic() - self._kvb_last_done < self._kvb_aging_s
             cap, budget = step_limits(
-                self.running, waiting, self._kvb_cap, self._kvb_budget, expecting=expecting
+                self.running,
+                waiting,
+                self._kvb_cap,
+                self._kvb_budget,
+                expecting=expecting,
+                split_bursts=self._kvb_split_bursts,
             )
             self.scheduler_config.long_prefill_token_threshold = cap
             self.max_num_scheduled_tokens = budget
@@ -412,18 +425,33 @@ def is_long(request: Any) -> bool:
     )
 
 
+def short_prefills(running: Iterable[Any], waiting: Iterable[Any]) -> int:
+    """Resumed turns (short prefills) prefilling or ready to start."""
+    return sum(1 for r in running if is_prefilling(r) and not is_long(r)) + sum(
+        1 for r in waiting if r.status in READY and not is_long(r)
+    )
+
+
 def step_limits(
-    running: list[Any], waiting: list[Any], chunk: int, budget: int, *, expecting: bool = False
+    running: list[Any],
+    waiting: list[Any],
+    chunk: int,
+    budget: int,
+    *,
+    expecting: bool = False,
+    split_bursts: bool = False,
 ) -> tuple[int, int]:
     """(per-request prompt cap, step token budget) for this step (see the module docstring);
-    ``expecting``: a turn finished lately, so a resumed turn may arrive during this step."""
+    ``expecting``: a turn finished lately, so a resumed turn may arrive during this step;
+    ``split_bursts``: several resumed turns pending run in rank order in short steps."""
+    if split_bursts and short_prefills(running, waiting) > 1:
+        budget = chunk + len(running)  # a burst: in rank order, small turns still batch
     if cap_needed(running, waiting):
         return chunk, budget  # warmer work: every prefill capped, the warm one gets the rest
     # A long prefill waiting would start with the whole budget once admitted (measured: a
     # 2048-token first chunk of 4 s that a resumed turn arriving 0.5 s later waited for,
-    # RESULTS.md real_traces 05:09 step trace). Short prefills (resumed turns) keep vLLM's
-    # budget: several of them batch into one step (measured: with short steps for them too,
-    # the forking agent_workload's p50 TTFT at turns >= 5 was 1.25x worse, 05:25).
+    # RESULTS.md real_traces 05:09 step trace). A short prefill (resumed turn) alone keeps
+    # vLLM's budget.
     long_pending = any(is_long(r) for r in running) or any(is_long(r) for r in waiting)
     if long_pending and (len(running) + len(waiting) > 1 or expecting):
         return 0, chunk + len(running)  # short steps, colds one after the other; decodes go on

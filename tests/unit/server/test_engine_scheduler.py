@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from server.common.env import ENV_PAUSE_COLDS
+from server.common.env import ENV_PAUSE_COLDS, ENV_SPLIT_BURSTS
 from server.common.priority_code import encode
 from server.engine.scheduler import (
     WarmFirstScheduler,
@@ -470,3 +470,28 @@ def test_colds_to_pause_rule():
     assert colds_to_pause([cold], [waiting_fake("short", 2, SHORT, 4.0)], fits) == []
     running_warm = fake(WARM, 10, 200, arrival=4.0)
     assert colds_to_pause([cold, running_warm], [], full) == [cold]
+
+
+def test_a_burst_of_resumed_turns_runs_in_rank_order_small_ones_still_together(monkeypatch):
+    """Several resumed turns ready at once: with vLLM's budget they share one long step and all
+    get their first token at its end; split, the first-ranked is computed first in a short
+    step (the chunk), and turns small enough still share one."""
+
+    def first_step(split: bool, tokens: int) -> tuple[dict[str, int], list[Request]]:
+        monkeypatch.setenv(ENV_SPLIT_BURSTS, "1" if split else "0")
+        sched = make(chunk=2 * BS)
+        turns = [
+            request(f"turn{k}", tokens, encode(3 + k, 0), arrival=1.0 + k, first=100 * (k + 1))
+            for k in range(3)
+        ]
+        for turn in turns:
+            sched.add_request(turn)
+        return sched.schedule().num_scheduled_tokens, turns
+
+    scheduled, turns = first_step(split=True, tokens=BS + 8)
+    assert scheduled["turn0"] == BS + 8 and turns[0].num_computed_tokens == BS + 8
+    assert "turn2" not in scheduled  # the budget (one chunk) went to the better-ranked first
+    scheduled, _ = first_step(split=False, tokens=BS + 8)
+    assert scheduled == {"turn0": BS + 8, "turn1": BS + 8, "turn2": BS + 8}
+    scheduled, _ = first_step(split=True, tokens=8)  # small turns: one step for all three
+    assert scheduled == {"turn0": 8, "turn1": 8, "turn2": 8}

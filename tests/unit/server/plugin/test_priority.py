@@ -320,3 +320,8 @@ def test_step_limits():
     # several batch into one step.
     resumed = [req(20 + k, 0, 0, 3000, waiting=True) for k in range(3)]
     assert step_limits([req(19, 0, 2000, 3000)], resumed, 256, 2048) == (0, 2048)
+    # ... unless bursts are split: then short steps, which the first-ranked fill first.
+    decoding = req(19, 0, 3000, 3000)
+    assert step_limits([decoding], resumed, 256, 2048, split_bursts=True) == (0, 257)
+    assert step_limits([decoding], resumed[:1], 256, 2048, split_bursts=True) == (0, 2048)
+    assert step_limits([cold], [warm, resumed[0]], 256, 2048, split_bursts=True) == (256, 257)
