@@ -89,7 +89,9 @@ Pinned to vLLM 0.32's ``Scheduler`` (``running``, ``waiting``, ``scheduler_confi
 request's ``priority``, ``num_computed_tokens``, ``num_prompt_tokens``, ``num_tokens``,
 ``arrival_time``, ``block_hashes``, ``kv_cache_manager.block_pool.get_num_free_blocks()``,
 ``kv_cache_manager.coordinator.find_longest_cache_hit``, a block's ``ref_cnt``,
-``_preempt_request``, ``_request_blocks_can_be_freed`` and ``_handle_blocked_waiting_request``).
+``_preempt_request``, ``_request_blocks_can_be_freed``, ``_handle_blocked_waiting_request``,
+``max_num_active_reqs``, ``num_waiting_for_streaming_input``, ``current_step`` and a request's
+``next_decode_eligible_step``).
 """
 
 from __future__ import annotations
@@ -324,9 +326,11 @@ class WarmFirstScheduler(Scheduler):
         advances ``current_step`` before it compares, so ``current_step + 2`` skips this step
         alone. They keep their blocks and their place; vLLM may still preempt them."""
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        # vLLM's own admission bound (paused streaming sessions hold a slot too)
+        room = len(self.running) + self.num_waiting_for_streaming_input < self.max_num_active_reqs
         waiting = (r for r in self.waiting if r.request_id not in self._kvb_passed)
         paused = colds_to_pause(
-            self.running, waiting, lambda r: self._device_blocks_needed(r) <= free
+            self.running, waiting, lambda r: room and self._device_blocks_needed(r) <= free
         )
         for request in paused:
             request.next_decode_eligible_step = max(

@@ -452,6 +452,18 @@ def test_a_resumed_turn_starts_in_a_step_without_the_cold_chunks(monkeypatch):
     assert scheduled_ids(out) == {"warm", "cold"}
 
 
+def test_a_cold_is_not_paused_for_a_turn_vllm_will_not_admit(monkeypatch):
+    """No room for another running request (vLLM's admission bound): the resumed turn waits,
+    and the cold prefill goes on instead of sitting out a step for nothing."""
+    monkeypatch.setenv(ENV_PAUSE_COLDS, "1")
+    sched = make(chunk=2 * BS)
+    cold_holding_blocks(sched)
+    sched.max_num_active_reqs = 1
+    sched.add_request(request("warm", BS - 2, priority=WARM, arrival=2.0, first=2000))
+    assert scheduled_ids(sched.schedule()) == {"cold"}
+    assert sched.kvb_counters.paused_steps == 0
+
+
 def test_colds_to_pause_rule():
     cold = fake(COLD, 64, 2000, arrival=1.0)
     colder = fake(COLDER, 64, 2000, arrival=0.5)
