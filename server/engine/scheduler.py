@@ -241,14 +241,17 @@ def colds_to_pause(running: Iterable[Any], waiting: Iterable[Any], fits: Any) ->
     never paused for nothing; only requests that outrank it pause it, which the plugin's
     deadlines bound (a cold is never starved)."""
     running = list(running)
-    warm = [r for r in running if is_prefilling(r) and not is_long(r)]
+    colds = [r for r in running if is_long(r)]
+    if not colds:  # most steps: nothing to pause, and no need to look at the queue
+        return []
+    warm = [r for r in running if is_short_prefill(r)]
     if not warm:
         head = next((r for r in waiting if r.status in READY), None)
         if head is None or is_long(head) or not fits(head):
             return []
         warm = [head]
     best = min(rank(r) for r in warm)
-    return [r for r in running if is_long(r) and is_prefilling(r) and rank(r) > best]
+    return [r for r in colds if rank(r) > best]
 
 
 def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
@@ -429,9 +432,14 @@ def is_long(request: Any) -> bool:
     )
 
 
+def is_short_prefill(request: Any) -> bool:
+    """A resumed turn's prefill (not a long one by the plugin's estimate), still to run."""
+    return is_prefilling(request) and not is_long(request)
+
+
 def short_prefills(running: Iterable[Any], waiting: Iterable[Any]) -> int:
     """Resumed turns (short prefills) prefilling or ready to start."""
-    return sum(1 for r in running if is_prefilling(r) and not is_long(r)) + sum(
+    return sum(1 for r in running if is_short_prefill(r)) + sum(
         1 for r in waiting if r.status in READY and not is_long(r)
     )
 
