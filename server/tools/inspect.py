@@ -8,7 +8,9 @@ command line — for an operator, and with ``--json`` for scripts.
     python -m server.inspect stats                   # host store and hit counters
 
 It talks HTTP to the public routes only (``/v1/kvbranch/...``), with the same key a client
-would use (``--api-key`` or ``KVBRANCH_API_KEY``): what it shows is what that key may see. Every
+would use (``--api-key`` or ``KVBRANCH_API_KEY``): what it shows is what that key may see. It
+looks at the server the sdk talks to (``--url``, else ``KVBRANCH_BASE_URL``, as the sdk reads
+it; the inspector's former ``KVBRANCH_URL`` still works, with a warning). Every
 answer is parsed with the wire contract's models (:mod:`sdk.contract`), so a server that speaks
 another contract is a clear error, not a wrong table.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -40,9 +43,31 @@ from sdk.contract import (
     session_path,
 )
 
-ENV_URL = "KVBRANCH_URL"
+#: The server's URL, the same variable the sdk, the integrations and the examples read.
+ENV_URL = "KVBRANCH_BASE_URL"
+#: The inspector's former name for it: still read when ``ENV_URL`` is unset, with a warning,
+#: so that a script written for it keeps working while it moves to the one name.
+DEPRECATED_ENV_URL = "KVBRANCH_URL"
 ENV_API_KEY = "KVBRANCH_API_KEY"
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+logger = logging.getLogger(__name__)
+_warned_deprecated_url = False
+
+
+def default_url() -> str:
+    """``$KVBRANCH_BASE_URL``, else the deprecated ``$KVBRANCH_URL`` (warned about once per
+    process), else ``http://127.0.0.1:8000``. A trailing ``/v1``, as the sdk accepts in the same
+    variable, is dropped: the inspector's paths start with ``/v1``."""
+    global _warned_deprecated_url
+    url = os.environ.get(ENV_URL)
+    if not url:
+        url = os.environ.get(DEPRECATED_ENV_URL)
+        if url and not _warned_deprecated_url:
+            _warned_deprecated_url = True
+            logger.warning("%s is deprecated: set %s instead", DEPRECATED_ENV_URL, ENV_URL)
+    url = (url or DEFAULT_URL).strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 class InspectError(Exception):
@@ -229,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "branches and where their KV is, pins and leases, the cluster's instances and index.",
     )
     parser.add_argument(
-        "--url", default=os.environ.get(ENV_URL, DEFAULT_URL), help=f"server or router ({ENV_URL})"
+        "--url", default=None, help=f"server or router (default ${ENV_URL}, else {DEFAULT_URL})"
     )
     parser.add_argument(
         "--api-key",
@@ -254,8 +279,9 @@ def main(
     args = build_parser().parse_args(argv)
     out = out or sys.stdout
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url or default_url()
     with httpx.Client(
-        base_url=args.url, headers=headers, timeout=args.timeout, transport=transport
+        base_url=url, headers=headers, timeout=args.timeout, transport=transport
     ) as client:
         try:
             if args.command == "session":

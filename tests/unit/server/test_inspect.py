@@ -103,3 +103,40 @@ def test_a_single_server_has_no_cluster_and_errors_are_one_line(capsys):
     code, _ = _run(["sessions"], httpx.MockTransport(other))
     assert code == 2 and "contract" in capsys.readouterr().err
     assert session_path("x")  # the path builder the command uses
+
+
+def _host_asked(argv: list[str]) -> str:
+    """The host a command's request went to (the fake server answers whatever the host)."""
+    fake = _fake_with_a_session()
+    hosts: list[str] = []
+
+    def recording(request: httpx.Request) -> httpx.Response:
+        hosts.append(f"{request.url.host}:{request.url.port}{request.url.path}")
+        return fake.transport().handle_request(request)
+
+    code, _ = _run(argv, httpx.MockTransport(recording))
+    assert code == 0
+    return hosts[0]
+
+
+def test_the_server_url_is_the_sdks_kvbranch_base_url(monkeypatch, caplog):
+    monkeypatch.setenv("KVBRANCH_BASE_URL", "http://kvb.example:9000/v1/")  # as the sdk takes it
+    monkeypatch.setenv("KVBRANCH_URL", "http://old.example:1")
+    monkeypatch.setattr(inspect_cli, "_warned_deprecated_url", False)
+    with caplog.at_level("WARNING", logger=inspect_cli.__name__):
+        assert _host_asked(["health"]) == "kvb.example:9000/v1/kvbranch/health"
+    assert not caplog.records  # the new name wins; the old one is not even read
+    assert _host_asked(["--url", "http://flag.example:2", "health"]).startswith("flag.example:2/")
+
+
+def test_the_former_kvbranch_url_still_works_and_warns_once(monkeypatch, caplog):
+    monkeypatch.delenv("KVBRANCH_BASE_URL", raising=False)
+    monkeypatch.setenv("KVBRANCH_URL", "http://old.example:7000")
+    monkeypatch.setattr(inspect_cli, "_warned_deprecated_url", False)
+    with caplog.at_level("WARNING", logger=inspect_cli.__name__):
+        assert _host_asked(["health"]).startswith("old.example:7000/")
+        assert _host_asked(["stats"]).startswith("old.example:7000/")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == ["KVBRANCH_URL is deprecated: set KVBRANCH_BASE_URL instead"]
+    monkeypatch.delenv("KVBRANCH_URL")
+    assert _host_asked(["health"]).startswith("127.0.0.1:8000/")
