@@ -403,3 +403,46 @@ def test_configuration_md_lists_every_flag_and_only_real_ones():
         f"docs/configuration.md lists flags the parser lacks: {sorted(table - real)}"
     )
     assert not real - table, f"docs/configuration.md lacks: {sorted(real - table)}"
+
+
+# --- the environment variables -----------------------------------------------------------------
+
+#: Where a ``KVBRANCH_*`` variable is read: the code (a quoted name), the set-up script and the
+#: deploy files (a shell, Compose, systemd or Kubernetes expansion, a Dockerfile ARG/ENV).
+VARIABLE_IN_CODE = re.compile(r"""["'](KVBRANCH_[A-Z0-9_]+)["']""")
+VARIABLE_IN_SHELL = re.compile(
+    r"\$[{(]?(KVBRANCH_[A-Z0-9_]+)|^(?:ARG|ENV) (KVBRANCH_[A-Z0-9_]+)", re.M
+)
+CODE_FOLDERS = ("server", "sdk", "integrations", "benchmarks", "examples", "tests")
+
+
+def variables_read() -> dict[str, str]:
+    """Each ``KVBRANCH_*`` name the project reads, with one file that reads it."""
+    found: dict[str, str] = {}
+    for folder in CODE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for name in VARIABLE_IN_CODE.findall(path.read_text()):
+                found.setdefault(name, str(path.relative_to(ROOT)))
+    shell = [*(ROOT / "scripts").glob("*.sh"), DOCKERFILE, COMPOSE, UNIT]
+    for path in [*shell, *(DEPLOY / "kubernetes").rglob("*.yaml")]:
+        for match in VARIABLE_IN_SHELL.finditer(path.read_text()):
+            found.setdefault(match.group(1) or match.group(2), str(path.relative_to(ROOT)))
+    return found
+
+
+def variables_documented() -> set[str]:
+    """The names in the first column of docs/configuration.md's variable tables."""
+    return {
+        name
+        for line in CONFIGURATION.read_text().splitlines()
+        if line.startswith("| `KVBRANCH_")
+        for name in re.findall(r"`(KVBRANCH_[A-Z0-9_]+)`", line.split("|")[1])
+    }
+
+
+def test_configuration_md_documents_every_variable_the_code_reads_and_only_those():
+    read, documented = variables_read(), variables_documented()
+    missing = {name: where for name, where in read.items() if name not in documented}
+    assert not missing, f"docs/configuration.md lacks (name: a file that reads it): {missing}"
+    unread = sorted(documented - read.keys())
+    assert not unread, f"docs/configuration.md documents variables nothing reads: {unread}"
