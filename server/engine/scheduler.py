@@ -1,66 +1,62 @@
 """The warm-first scheduler: vLLM's priority scheduler, plus preemption of cold prefills for
 warmer work and short steps only while cold prefills run (``--agent-priority`` on CPU, the
-default there; docs/scheduling.md has the measurements behind each rule).
+default there).
 
-**Preemption for warmer work.** Under KV pressure a resumed agent turn waits for *device
-blocks* to hold its history (loaded from the host store), not for its place in the queue:
-vLLM admits a waiting request only when blocks are free, and preempts only to grow a running
-request (RESULTS.md, real_traces 02:00 reading). So before each step, while the best-ranked
-waiting request would not fit in the free blocks, the worst-ranked running *long* prefill
-(plugin level >= 2: more than ~1024 tokens left to compute) that ranks behind it is preempted
-with vLLM's own ``_preempt_request`` (blocks freed, back to the waiting queue with its arrival
-and priority). What it computed is not lost: every full block went to the host store as it
-filled (and stays in vLLM's prefix cache until evicted), so it loads them back in one copy and
-recomputes at most its last partial block. Decodes and short prefills (resumed turns) are
-never preempted here (measured: resumed turns preempting one another made the forking
-workload 1.7x slower). A cold request is passed only by requests that rank ahead of it, which
-the plugin's deadlines bound (:mod:`server.plugin.priority`: a level-L request only by
-level-L' requests arriving within ``(L - L') * aging_s`` after it), so it is never starved.
+Why: an agent's resumed turn has a long history that is already cached and a few new tokens,
+so it costs a fraction of a second; a cold prefill costs seconds. vLLM's own rules make the
+cheap turn wait for the expensive one in several ways, one rule below for each.
+docs/scheduling.md has the measurements behind every rule, the variants tried and reverted, and
+the settings (``KVBRANCH_*`` switches for A/B runs: docs/configuration.md).
+
+**Preemption for warmer work.** Under KV pressure a resumed turn waits for *device blocks* to
+hold its history (loaded from the host store), not for its place in the queue: vLLM admits a
+waiting request only when blocks are free, and preempts only to grow a running request. So
+before each step, while the best-ranked waiting request would not fit in the free blocks, the
+worst-ranked running *long* prefill (plugin level >= 2: more than ~1024 tokens left to
+compute) that ranks behind it is preempted with vLLM's own ``_preempt_request`` (blocks freed,
+back to the waiting queue with its arrival and priority). What it computed is not lost: every
+full block went to the host store as it filled (and stays in vLLM's prefix cache until
+evicted), so it loads them back in one copy and recomputes at most its last partial block.
+Decodes and short prefills (resumed turns) are never preempted here: a preempted resumed turn
+throws away a prefill about as cheap as the one it makes room for. A cold request is passed
+only by requests that rank ahead of it, which the plugin's deadlines bound
+(:mod:`server.plugin.priority`: a level-L request only by level-L' requests arriving within
+``(L - L') * aging_s`` after it), so it is never starved.
 
 **The chunk only by need, short steps while colds queue.** vLLM's
 ``--long-prefill-token-threshold`` caps every request's prompt chunk whenever more than one
-request exists: two cold 2.5-4k-token prompts arriving together shared every step and finished
-together at 32-34 s, where first come first served finishes the first in about half that. So
-the threshold applies only while a request that ranks ahead of a running prefill waits or
-runs. And while a long prefill runs *or waits* (more than one request existing), the whole step
-budget is the chunk: a resumed turn arriving meanwhile waits at most one short step instead of
-a 2048-token step of ~4 s (the step trace of real_traces 05:09 showed exactly that wait, for
-the first chunk of a cold admitted from the queue). A long prefill running alone keeps short
-steps too while a turn finished less than ``aging_s`` ago — its agent is likely in a tool
-call and back soon: with vLLM's whole budget a lone cold ran 2048-token steps of ~7 s, and a
-resumed turn arriving meanwhile waited 5.3 s for one (capacity sweep 2026-12-05 15:09, BFCL,
-2 agents); a cold on an idle server keeps the whole budget. ``running`` is kept in
-``(priority, arrival)`` order so that the budget goes to the higher-ranked requests first.
+request exists, so two cold prompts arriving together share every step and both finish late,
+where first come first served finishes the first in about half the time. So the threshold
+applies only while a request that ranks ahead of a running prefill waits or runs. And while a
+long prefill runs *or waits* (more than one request existing), the whole step budget is the
+chunk: a resumed turn arriving meanwhile waits at most one short step instead of a full-budget
+step of seconds. A long prefill running alone keeps short steps too while a turn finished less
+than ``aging_s`` ago: that turn's agent is likely in a tool call and back soon. A cold prefill
+on an idle server keeps the whole budget. ``running`` is kept in ``(priority, arrival)`` order
+so that the budget goes to the higher-ranked requests first.
 
-**A burst of resumed turns in rank order.** Several resumed turns pending at once (agents
-whose tool calls end together) shared one step under vLLM's budget and all got their first
-token at its end: five turns of 100-283 new tokens against ~3k-token histories took one 4.5 s
-step (capacity sweep 2026-12-05 16:48, BFCL, 6 agents), and finishing together kept their
-agents in lockstep for the next turn. So while more than one short prefill is pending the step
-budget is the chunk: the best-ranked turns are computed first, turns small enough still share
-a step. ``KVBRANCH_SPLIT_BURSTS=0`` turns it off (for A/B runs).
+**A burst of resumed turns in rank order.** Several resumed turns pending at once (agents whose
+tool calls end together) would share one step under vLLM's budget and all get their first token
+at its end, which also keeps their agents in lockstep for the next turn. So while more than one
+short prefill is pending the step budget is the chunk: the best-ranked turns are computed
+first, turns small enough still share a step. ``KVBRANCH_SPLIT_BURSTS=0`` turns it off.
 
-**A resumed turn's step without cold chunks.** Capped, a running cold prefill still took its
-chunk in the step where a resumed turn started, so the turn's first token waited for ~256
-tokens of someone else's prefill (~0.8 s on one core). So a running long prefill that ranks
-behind a short prefill starting (admittable this step) or running sits out that step
-(:func:`colds_to_pause`, vLLM's own per-request skip ``next_decode_eligible_step``); it keeps
-its blocks and its place and goes on in the next step. Measured in the capacity sweep (BFCL
-whole conversations, 2026-12-05 16:48, A/B in one run): resumed p90 at 4 agents 2.00 s -> 1.12
-s, capacity at the SLO 2 -> 4 agents (plain vLLM 1); with a few colds beside 4 conversations in
-lockstep (policy_ab, 2026-12-03) it had fired too rarely to show. ``KVBRANCH_PAUSE_COLDS=0``
-turns it off (for A/B runs).
+**A resumed turn's step without cold chunks.** Capped, a running cold prefill would still take
+its chunk in the step where a resumed turn starts, so the turn's first token would wait for
+someone else's prefill. So a running long prefill that ranks behind a short prefill starting
+(admittable this step) or running sits out that step (:func:`colds_to_pause`, vLLM's own
+per-request skip ``next_decode_eligible_step``); it keeps its blocks and its place and goes on
+in the next step. ``KVBRANCH_PAUSE_COLDS=0`` turns it off.
 
 **Colds one after the other.** While warmer work exists every prefill is capped at the chunk
-and the step keeps vLLM's budget, so a cold prefill waiting behind a running one was admitted
-beside it and the two shared every step. Besides finishing both late, that computes twice
-what they share: vLLM's prefix cache hits only blocks complete when a request is admitted, so
-two conversations with the same tools prompt, prefilled side by side, each computed it
-(measured: 2.1k extra prompt tokens in every other pass of the real traces, 10% of a pass's
-prefill; RESULTS.md policy_ab 19:43 step trace). So a waiting long prefill that ranks behind
-a running one, or behind one admitted ahead of it in this step, is not admitted while that
-one prefills (:func:`colds_to_queue`); the running one finishes its prompt in at most
-``prompt / chunk`` steps, then the next is admitted and finds the shared blocks cached.
+and the step keeps vLLM's budget, so a cold prefill waiting behind a running one would be
+admitted beside it and the two would share every step. Besides finishing both late, that
+computes twice what they share: vLLM's prefix cache hits only blocks complete when a request is
+admitted, so two conversations with the same tools prompt, prefilled side by side, would each
+compute it. So a waiting long prefill that ranks behind a running one, or behind one admitted
+ahead of it in this step, is not admitted while that one prefills (:func:`colds_to_queue`);
+the running one finishes its prompt in at most ``prompt / chunk`` steps, then the next is
+admitted and finds the shared blocks cached.
 
 **Backfill.** vLLM admits waiting requests in rank order and stops at the first that does not
 fit in the free device blocks. Under a tight device budget that idles blocks a later request
@@ -71,12 +67,12 @@ scheduler plays vLLM's admission ahead, in rank order, counting each request's b
 the prefix blocks running requests hold *and* of its common prefix with the requests admitted
 ahead of it in this step (so the two branches of a fork, both waiting, are admitted together);
 a request that does not fit is passed when a short request behind it fits, and keeps its place
-for the next step. A request is passed freely during its first ``aging_s`` seconds of waiting
-(8 s by default); after that only for a fork's sibling (a request at least half of whose
-blocks are so shared) and at most ``MAX_LATE_PASSES`` (2) times, each time delaying it by one
-short turn beside the one running; then the blocks drain for it as under vLLM's order, so it
-is never starved. Long (cold) prefills are never backfilled: they would hold blocks for
-seconds. ``KVBRANCH_BACKFILL=0`` turns it off (for A/B runs).
+for the next step. A request is passed freely during its first ``aging_s`` seconds of waiting;
+after that only for a fork's sibling (a request at least half of whose blocks are so shared)
+and at most ``MAX_LATE_PASSES`` times, each time delaying it by one short turn beside the one
+running; then the blocks drain for it as under vLLM's order, so it is never starved. Long
+(cold) prefills are never backfilled: they would hold blocks for seconds.
+``KVBRANCH_BACKFILL=0`` turns it off.
 
 **Unranked requests.** A request vLLM receives with priority 0 (a route whose body has no
 ``priority``, e.g. /v1/messages) would be first in vLLM's order; it ranks as the coldest
@@ -258,10 +254,9 @@ def preemption_victim(running: Iterable[Any], head: Any) -> Any | None:
     """The running request to preempt for ``head`` (the best-ranked waiting request): the
     worst-ranked *long* (cold) prefill that ranks behind ``head``; ``None`` if there is none.
     Decodes, better-ranked prefills and short prefills (resumed turns, whatever their rank)
-    are never preempted: measured, preempting resumed turns for each other under a tight
-    device budget made the forking agent_workload 1.7x slower at turns >= 5 (RESULTS.md
-    agent_workload 05:41), each preemption throwing away a prefill about as cheap as the one
-    it made room for."""
+    are never preempted: each such preemption would throw away a prefill about as cheap as the
+    one it made room for, and resumed turns preempting one another made a forking workload
+    slower (docs/scheduling.md, "Forking agents")."""
     behind = [r for r in running if is_long(r) and rank(r) > rank(head)]
     return max(behind, key=rank, default=None)
 
@@ -460,10 +455,9 @@ def step_limits(
         budget = chunk + len(running)  # a burst: in rank order, small turns still batch
     if cap_needed(running, waiting):
         return chunk, budget  # warmer work: every prefill capped, the warm one gets the rest
-    # A long prefill waiting would start with the whole budget once admitted (measured: a
-    # 2048-token first chunk of 4 s that a resumed turn arriving 0.5 s later waited for,
-    # RESULTS.md real_traces 05:09 step trace). A short prefill (resumed turn) alone keeps
-    # vLLM's budget.
+    # A long prefill waiting would start with the whole budget once admitted, and a resumed
+    # turn arriving meanwhile would wait for that whole first chunk. A short prefill (resumed
+    # turn) alone keeps vLLM's budget.
     long_pending = any(is_long(r) for r in running) or any(is_long(r) for r in waiting)
     if long_pending and (len(running) + len(waiting) > 1 or expecting):
         return 0, chunk + len(running)  # short steps, colds one after the other; decodes go on
