@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -95,11 +96,15 @@ __all__ = [
     "Request",
     "RequestStatus",
     "SchedulerOutput",
+    "SupportsHMA",
     "VllmConfig",
     "architecture_traits",
     "group_block_bytes",
     "install_nixl_side_channel",
+    "kv_group_block_sizes",
     "kv_group_kinds",
+    "kv_group_layers",
+    "null_block_id",
     "kv_events_enabled",
     "maybe_convert_block_hash",
     "nixl_base_worker",
@@ -204,6 +209,28 @@ def kv_group_kinds(kv_cache_config: Any) -> list[str]:
     if kv_cache_config is None:
         return []
     return [spec_kind(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
+
+
+def kv_group_block_sizes(kv_cache_config: Any) -> list[int]:
+    """Tokens per block of each KV cache group (several sizes only with SSM groups)."""
+    if kv_cache_config is None:
+        return []
+    return [int(group.kv_cache_spec.block_size) for group in kv_cache_config.kv_cache_groups]
+
+
+def kv_group_layers(kv_cache_config: Any) -> list[list[str]]:
+    """The attention layers of each KV cache group, by the names ``register_kv_caches`` uses."""
+    if kv_cache_config is None:
+        return []
+    return [list(group.layer_names) for group in kv_cache_config.kv_cache_groups]
+
+
+def null_block_id(kv_cache_manager: Any) -> int:
+    """The block id vLLM puts in a request's block table where a group keeps no block (a
+    sliding-window group's blocks left behind by the window): the block pool's null block."""
+    pool = getattr(kv_cache_manager, "block_pool", None)
+    null = getattr(pool, "null_block", None)
+    return int(null.block_id) if null is not None else 0
 
 
 def group_block_bytes(group: Any) -> int:

@@ -1,22 +1,27 @@
 """Which engines the host store can serve, read from the kinds of their KV cache groups.
 
-The host store keeps, per block hash, the K and V of ``block_size`` tokens at every layer, and
-loads them back as the prefix of a later request. That is right only for a KV cache group whose
-blocks hold every token of the request for as long as it runs: full attention (MLA included).
-vLLM's other groups do not: a sliding-window or chunked-local group frees (and reuses) blocks
-that fell out of the window while the request still runs, and a Mamba group holds a running
-state, not per-token KV. So:
+The connector declares vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on:
+a model whose layers differ in how they keep KV gets one KV cache group per kind (and several
+groups of one kind when the layer counts call for it), each with its own block table.
 
-* one full-attention group — the store is on. This is also what a model with sliding-window
-  layers gets from vLLM when the hybrid KV cache manager is off (vLLM turns it off for a
-  connector that does not declare ``SupportsHMA``, as this one): every layer's blocks are
-  managed as full attention (the window still limits the attention compute);
-* one group of another kind (every layer windowed, a pure SSM) — the store is off, with a
-  warning: the engine runs as plain vLLM (its own prefix cache only), never loading KV a
-  window or a state would have dropped;
-* several groups — the hybrid manager is on (only a composing connector that declares
-  ``SupportsHMA``, or a start that forced it, gets here): refused at start with what to do,
-  since a non-HMA connector under it fails at the first finished request.
+The host store keeps, per block position of a prompt, the KV of that position in *every*
+group: a slot is one block of every layer. That serves every group whose blocks hold per-token
+K and V:
+
+* full attention (MLA's latent included): every block of the request stays while it runs;
+* sliding window and chunked-local attention: vLLM frees the blocks the window left behind
+  (they become the null block in the request's table), but a block is saved in the step that
+  fills it, when every group still has it, so a stored slot is whole. When a later request
+  loads a prefix, vLLM allocates only the blocks each group still needs (the window before the
+  hit's end) and pads the rest with the null block; the connector copies into what was
+  allocated and skips the nulls. A hit therefore needs nothing more than the full-attention
+  rule: consecutive whole slots.
+
+Groups of another kind — a Mamba or linear-attention state (Mamba2, Gated DeltaNet), whose
+block is a running state rather than per-token KV — are not stored: an engine with one turns
+its host store off and runs as plain vLLM (its own prefix cache), with a warning. Groups of
+different block sizes (vLLM gives SSM groups their own) are refused the same way, since a slot
+is one block position of every group.
 
 Pure: kinds are strings (``vllm_compat.kv_group_kinds`` reads them from vLLM).
 """
@@ -25,35 +30,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-#: The one group kind the host store keeps.
+#: Kinds whose blocks hold per-token K and V (``vllm_compat.spec_kind``).
 FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+CHUNKED_LOCAL = "chunked_local"
+STORED_KINDS = frozenset({FULL_ATTENTION, SLIDING_WINDOW, CHUNKED_LOCAL})
 
 
-class HybridKVCacheError(ValueError):
-    """The engine runs vLLM's hybrid KV cache manager (several KV cache groups)."""
-
-
-def check_groups(kinds: Sequence[str]) -> None:
-    """Raise :class:`HybridKVCacheError` when there is more than one KV cache group."""
-    if len(kinds) > 1:
-        raise HybridKVCacheError(
-            f"the kvbranch connector supports one KV cache group; this engine has "
-            f"{len(kinds)} ({', '.join(kinds)}): vLLM's hybrid KV cache manager is on. Start "
-            "vLLM with --disable-hybrid-kv-cache-manager (python -m server does); hybrid "
-            "attention/SSM models do not run with the connector at all (docs/models.md)"
-        )
-
-
-def store_off_reason(kinds: Sequence[str]) -> str | None:
+def store_off_reason(kinds: Sequence[str], block_sizes: Sequence[int] = ()) -> str | None:
     """Why the host store must stay off for an engine with these KV cache groups, or ``None``
-    when it can be on (one full-attention group). Call :func:`check_groups` first."""
+    when it can be on (every group of a stored kind, one block size)."""
     if not kinds:
         return "the model has no KV cache (attention-free)"
-    if len(kinds) > 1:
-        return f"{len(kinds)} KV cache groups ({', '.join(kinds)})"
-    if kinds[0] != FULL_ATTENTION:
+    other = sorted({kind for kind in kinds if kind not in STORED_KINDS})
+    if other:
         return (
-            f"its KV cache group is {kinds[0]}, whose blocks vLLM drops or rewrites while a "
-            "request runs; the host store keeps full-attention blocks only"
+            f"its KV cache groups ({', '.join(kinds)}) include {', '.join(other)}, whose "
+            "blocks hold a running state rather than per-token KV; the host store keeps "
+            "attention KV only"
+        )
+    if len(set(block_sizes)) > 1:
+        return (
+            f"its KV cache groups have different block sizes ({', '.join(map(str, block_sizes))})"
+            "; a host store slot is one block position of every group"
         )
     return None

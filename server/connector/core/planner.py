@@ -24,7 +24,13 @@ from typing import Any
 # One home for the extension-arg names (the middleware strips the internal ones from clients).
 from sdk.contract import BRANCH_XARG, OWNER_XARG, PIN_TTL_XARG, PREFETCH_XARG, TAG_XARG  # noqa: F401
 from server.connector.core.block_index import HostBlockIndex
-from server.connector.core.metadata import KVBranchMetadata
+from server.connector.core.metadata import (
+    DeviceBlock,
+    KVBranchMetadata,
+    device_block,
+    device_blocks,
+    whole,
+)
 from server.connector.core.sessions import DEFAULT_BRANCH, RegistryError, SessionRegistry
 from server.connector.core.tails import TailSpec, finished_tail, identity_of, parent_key
 
@@ -107,9 +113,11 @@ class Planner:
         self.store_resets = 0
         #: Tails of finished requests waiting to be copied out: (request id, device block,
         #: tail). The request's blocks stay allocated until the worker reports the copy done.
-        self.pending_tail_saves: list[tuple[str, int, TailSpec | None]] = []
+        self.pending_tail_saves: list[tuple[str, DeviceBlock, TailSpec | None]] = []
         #: (host slot, device block) loads planned since the last step's metadata.
-        self.pending_loads: list[tuple[int, int]] = []
+        self.pending_loads: list[tuple[int, DeviceBlock]] = []
+        #: The block id vLLM's tables use where a group keeps no block (its null block).
+        self.null_block = 0
 
     # --- vLLM scheduler hooks ----------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -164,9 +172,12 @@ class Planner:
             # prompt repeats entirely would have matched by its hash already.
             plan.tail_slot, plan.tail_tokens = found[0], min(found[1], self.block_size - 1)
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request: Any, block_ids: Sequence[int | DeviceBlock], num_external_tokens: int
+    ) -> None:
         """Queue the loads of what :meth:`num_new_matched_tokens` offered, into the blocks vLLM
-        allocated (they go out with the step's metadata, :meth:`build_meta`)."""
+        allocated (they go out with the step's metadata, :meth:`build_meta`). ``block_ids``:
+        the request's device block per position (a group's skipped block is not loaded)."""
         with self.lock:
             plan = self.plans.setdefault(request.request_id, RequestPlan(request))
             if plan.remote_state == "noted":
@@ -185,7 +196,7 @@ class Planner:
             if n_blocks and plan.load_slots:
                 for i in range(n_blocks):
                     slot = plan.load_slots[i]
-                    self.pending_loads.append((slot, block_ids[start + i]))
+                    self.pending_loads.append((slot, device_block(block_ids[start + i])))
                     self.index.touch(request.block_hashes[start + i])
                 self.index.counters.loaded_blocks += n_blocks
             if tail:
@@ -199,7 +210,7 @@ class Planner:
                     self.index.counters.loaded_tails += 1
                     self.index.counters.tail_tokens_loaded += tail
                 if slot is not None and start + n_blocks < len(block_ids):
-                    self.pending_loads.append((slot, block_ids[start + n_blocks]))
+                    self.pending_loads.append((slot, device_block(block_ids[start + n_blocks])))
                     self.index.touch_slot(slot)
                 else:  # never offered: vLLM passes back the connector's own count
                     logger.error(
@@ -267,10 +278,16 @@ class Planner:
         return meta
 
     def plan_saves(
-        self, scheduled: dict[str, int], resolve_block_ids, protected: set[int]
-    ) -> list[tuple[int, int]]:
-        """(device block, host slot) copies for every block that becomes full this step."""
-        saves: list[tuple[int, int]] = []
+        self,
+        scheduled: dict[str, int],
+        resolve_block_ids: Callable[[str], Sequence[Sequence[int]]],
+        protected: set[int],
+    ) -> list[tuple[DeviceBlock, int]]:
+        """(device block, host slot) copies for every block that becomes full this step.
+        ``resolve_block_ids``: a request's block table as vLLM keeps it (block ids per KV cache
+        group). A position some group no longer holds (a device hit behind a sliding window)
+        is not saved: a slot is whole or absent."""
+        saves: list[tuple[DeviceBlock, int]] = []
         if self.index.num_slots == 0:
             return saves
         # Slots written this step are not evicted for another write in the same step either:
@@ -301,9 +318,11 @@ class Planner:
                         groups = resolve_block_ids(req_id)
                         if not groups:
                             break
-                        block_ids = groups[0]
+                        block_ids = device_blocks(groups, self.null_block)
                     if k >= len(block_ids):
                         break
+                    if not whole(block_ids[k]):
+                        continue
                     # Filed under its tail parent too: a later prompt ending inside it loads
                     # the prefix it repeats (tails.py).
                     parent = (
@@ -324,7 +343,9 @@ class Planner:
         """:meth:`finish` without block ids (no tail is kept): the prompt-source split."""
         return self.finish(request, None)[0]
 
-    def finish(self, request: Any, block_ids: Sequence[int] | None) -> tuple[dict | None, bool]:
+    def finish(
+        self, request: Any, block_ids: Sequence[int | DeviceBlock] | None
+    ) -> tuple[dict | None, bool]:
         """Forget the request; update its branch (lease renewal, tokens for prefetch/fork);
         plan the copy of its tail. Returns the prompt-source split (also put into
         ``kv_transfer_params``) and whether vLLM must keep the request's blocks until the
@@ -375,17 +396,24 @@ class Planner:
                     pass  # e.g. another tenant's session id: serve the request, keep no state
             self.registry.expire()
             delay = False
-            if tail is not None and block_ids is not None and tail.block < len(block_ids):
+            if (
+                tail is not None
+                and block_ids is not None
+                and tail.block < len(block_ids)
+                and whole(device_block(block_ids[tail.block]))
+            ):
                 if tail.key in self.index:
                     self.index.touch(tail.key)  # the same tail is stored: nothing to copy
                 else:
                     self.pending_tail_saves.append(
-                        (request.request_id, block_ids[tail.block], tail)
+                        (request.request_id, device_block(block_ids[tail.block]), tail)
                     )
                     delay = True
             return split, delay
 
-    def plan_tail_saves(self, protected: set[int]) -> tuple[list[tuple[int, int]], list[str]]:
+    def plan_tail_saves(
+        self, protected: set[int]
+    ) -> tuple[list[tuple[DeviceBlock, int]], list[str]]:
         """(device block, host slot) copies of the finished requests' tails, and the ids of
         those requests: the worker reports them done after the copy (also when a tail got no
         slot), which frees their blocks."""

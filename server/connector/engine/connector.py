@@ -28,8 +28,8 @@ from server.common.control_path import default_control_socket
 from server.connector.config import ConnectorConfig
 from server.connector.control.ops import Op
 from server.connector.core.block_index import StoreEvent, StoreEventLog
-from server.connector.core.kv_groups import check_groups, store_off_reason
-from server.connector.core.metadata import KVBranchMetadata
+from server.connector.core.kv_groups import store_off_reason
+from server.connector.core.metadata import KVBranchMetadata, device_blocks
 from server.connector.core.planner import Planner
 from server.connector.engine.scheduler_side import KVBranchScheduler
 from server.connector.engine.stats import KVBranchPromMetrics, KVBranchTransferStats
@@ -45,10 +45,14 @@ from server.connector.vllm_compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
     group_block_bytes,
     kv_events_enabled,
+    kv_group_block_sizes,
     kv_group_kinds,
+    kv_group_layers,
     maybe_convert_block_hash,
+    null_block_id,
 )
 
 if TYPE_CHECKING:
@@ -110,11 +114,15 @@ def host_events(changes: list[StoreEvent], block_size: int) -> list[KVCacheEvent
 
 
 def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes of one block across all layers of the (single) KV cache group."""
-    return group_block_bytes(kv_cache_config.kv_cache_groups[0])
+    """Bytes of one host store slot: one block of every layer, in every KV cache group."""
+    return sum(group_block_bytes(group) for group in kv_cache_config.kv_cache_groups)
 
 
-class KVBranchConnector(KVConnectorBase_V1):
+class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
+    """Declares ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, and the connector
+    saves and loads every KV cache group of a block position together (``core/kv_groups.py``
+    says which groups it can store; with any other, the host store stays off)."""
+
     _cache_hit_source = CacheHitSource.HOST
     #: Per-step timing (``KVBRANCH_STEP_TRACE``; off by default): see ``step_trace.py``.
     _trace = StepTrace("off", folder="")
@@ -130,8 +138,7 @@ class KVBranchConnector(KVConnectorBase_V1):
             config = config.model_copy(update={"control_socket": path})
         block_size = vllm_config.cache_config.block_size
         kinds = kv_group_kinds(kv_cache_config)
-        check_groups(kinds)  # several groups: the hybrid KV cache manager is on, refused
-        off = store_off_reason(kinds)
+        off = store_off_reason(kinds, kv_group_block_sizes(kv_cache_config))
         enabled = off is None
         if not enabled:
             logger.warning(
@@ -166,7 +173,9 @@ class KVBranchConnector(KVConnectorBase_V1):
                 # Host-store saves and evictions join vLLM's KV event stream (take_events).
                 self.scheduler_side.planner.index.event_log = StoreEventLog()
         else:
-            self.worker_side = KVBranchWorker(num_slots if enabled else 0, block_bytes)
+            self.worker_side = KVBranchWorker(
+                num_slots if enabled else 0, block_bytes, groups=kv_group_layers(kv_cache_config)
+            )
 
     # --- what a composing connector (P/D) reaches ------------------------------------------------
     @property
@@ -260,6 +269,7 @@ class KVBranchConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.scheduler_side is not None:
             self.scheduler_side.kv_cache_manager = kv_cache_manager
+            self.scheduler_side.planner.null_block = null_block_id(kv_cache_manager)
 
     def on_new_request(self, request: Request) -> None:
         if self.scheduler_side is not None:
@@ -283,8 +293,11 @@ class KVBranchConnector(KVConnectorBase_V1):
             return
         # Also when the store is disabled: this is where a request's split is recorded.
         started = time.perf_counter()
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self.scheduler_side.planner.after_alloc(request, block_ids, num_external_tokens)
+        planner = self.scheduler_side.planner
+        block_ids = (
+            device_blocks(blocks.get_block_ids(), planner.null_block) if num_external_tokens else []
+        )
+        planner.after_alloc(request, block_ids, num_external_tokens)
         if self._trace.enabled:
             self._trace.add_hook_time("alloc", started)
 
@@ -308,10 +321,18 @@ class KVBranchConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls :meth:`request_finished_all_groups` instead (``SupportsHMA``); a composing
+        connector without it may still call this, with the one group's blocks."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler_side is None:
             return False, None
         started = time.perf_counter()
-        result = self.scheduler_side.request_finished(request, block_ids)
+        positions = device_blocks(block_ids, self.scheduler_side.planner.null_block)
+        result = self.scheduler_side.request_finished(request, positions)
         if self._trace.enabled:
             self._trace.add_hook_time("finish", started)
         return result

@@ -52,6 +52,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -120,8 +121,46 @@ def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
     raise ValueError(f"no dimension of size {num_blocks} in KV cache shape {tuple(shape)}")
 
 
+def group_caches(
+    kv_caches: dict[str, torch.Tensor], groups: Sequence[Sequence[str]] | None
+) -> dict[tuple[int, str], torch.Tensor]:
+    """The KV tensors a slot copies, keyed by (KV cache group, layer): each group's layers,
+    each storage once within a group (layers may share one tensor: cross-layer KV sharing).
+
+    Under vLLM's hybrid KV cache manager the layers of different groups share one tensor
+    (layer *i* of every group), each group addressing its own blocks of it: such a tensor is
+    listed once per group, since a slot holds that position's block of every group. Without
+    ``groups``, all layers are one group."""
+    layer_groups = [list(kv_caches)] if not groups else [list(g) for g in groups]
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    for g, names in enumerate(layer_groups):
+        seen: set[int] = set()
+        for name in names:
+            tensor = kv_caches.get(name)
+            if not isinstance(tensor, torch.Tensor) or tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            out[(g, name)] = tensor
+    return out
+
+
+def group_pairs(
+    blocks: Sequence[int | Sequence[int]], slots: Sequence[int], group: int
+) -> tuple[list[int], list[int]]:
+    """(device blocks, slots) of one group: the positions where that group holds a block."""
+    src: list[int] = []
+    dst: list[int] = []
+    for block, slot in zip(blocks, slots, strict=True):
+        block_id = block if isinstance(block, int) else block[group]
+        if block_id >= 0:
+            src.append(block_id)
+            dst.append(slot)
+    return src, dst
+
+
 class HostKVPool:
-    """Host copies of KV blocks, addressed by slot."""
+    """Host copies of KV blocks, addressed by slot: one slot is one block position of every
+    KV cache group (every layer)."""
 
     def __init__(
         self,
@@ -130,23 +169,17 @@ class HostKVPool:
         num_slots: int,
         async_saves: bool = False,
         prefault: bool = False,
+        groups: Sequence[Sequence[str]] | None = None,
     ) -> None:
         self.num_slots = num_slots
-        # Layers may share one tensor (e.g. cross-layer sharing); copy each storage once.
-        seen: dict[int, str] = {}
-        self.device_caches: dict[str, torch.Tensor] = {}
-        for name, tensor in kv_caches.items():
-            key = tensor.data_ptr()
-            if key in seen:
-                continue
-            seen[key] = name
-            self.device_caches[name] = tensor
+        self.device_caches = group_caches(kv_caches, groups)
+        self.num_groups = 1 + max(g for g, _ in self.device_caches)
         first = next(iter(self.device_caches.values()))
         self.device = first.device
         self.cuda = first.is_cuda
-        self.block_dims: dict[str, int] = {}
-        self.host_dims: dict[str, int] = {}
-        self.host_caches: dict[str, torch.Tensor] = {}
+        self.block_dims: dict[tuple[int, str], int] = {}
+        self.host_dims: dict[tuple[int, str], int] = {}
+        self.host_caches: dict[tuple[int, str], torch.Tensor] = {}
         for name, tensor in self.device_caches.items():
             dim = find_block_dim(tensor.shape, num_blocks)
             shape = list(tensor.shape)
@@ -201,7 +234,7 @@ class HostKVPool:
             )
 
     # --- device -> host ----------------------------------------------------------------------
-    def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+    def save(self, block_ids: Sequence[int | Sequence[int]], slots: Sequence[int]) -> None:
         if self._saver is not None and block_ids:
             self.fence()  # saves in order, one at a time
             src, dst = list(block_ids), list(slots)
@@ -209,29 +242,39 @@ class HostKVPool:
             return
         self._copy(block_ids, slots, to_host=True)
 
-    def _copy(self, src: Sequence[int], dst: Sequence[int], *, to_host: bool) -> None:
+    def _copy(self, src: Sequence[Any], dst: Sequence[Any], *, to_host: bool) -> None:
         """Copy blocks ``src`` to ``dst``: device blocks to host slots (``to_host``, a save) or
-        host slots to device blocks (a load)."""
+        host slots to device blocks (a load). A device block is an id (one group) or one id
+        per group, :data:`~server.connector.core.metadata.SKIPPED` where a group has none."""
         if not src:
             return
+        blocks, slots = (src, dst) if to_host else (dst, src)
+        per_group = [group_pairs(blocks, slots, g) for g in range(self.num_groups)]
         if self.cuda:
-            (self._save_cuda if to_host else self._load_cuda)(src, dst)
+            (self._save_cuda if to_host else self._load_cuda)(per_group)
             return
-        src_idx = torch.tensor(src, dtype=torch.long)
-        dst_idx = torch.tensor(dst, dtype=torch.long)
-        for name, dev in self.device_caches.items():
-            dim, host = self.block_dims[name], self.host_caches[name]
-            source, target = (dev, host) if to_host else (host, dev)
-            target.index_copy_(dim, dst_idx, source.index_select(dim, src_idx))
+        index = [
+            (torch.tensor(b, dtype=torch.long), torch.tensor(s, dtype=torch.long))
+            for b, s in per_group
+        ]
+        for key, dev in self.device_caches.items():
+            block_idx, slot_idx = index[key[0]]
+            if not len(block_idx):
+                continue
+            dim, host = self.block_dims[key], self.host_caches[key]
+            if to_host:
+                host.index_copy_(dim, slot_idx, dev.index_select(dim, block_idx))
+            else:
+                dev.index_copy_(dim, block_idx, host.index_select(dim, slot_idx))
 
-    def _save_cuda(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+    def _save_cuda(self, per_group: list[tuple[list[int], list[int]]]) -> None:
         assert self._stream is not None
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # after the forward that computed these blocks
         with torch.cuda.stream(self._stream):
-            for name, dev in self.device_caches.items():
-                dim, host = self.block_dims[name], self.host_caches[name]
-                for block, slot in zip(block_ids, slots, strict=True):
+            for key, dev in self.device_caches.items():
+                dim, host = self.block_dims[key], self.host_caches[key]
+                for block, slot in zip(*per_group[key[0]], strict=True):
                     host[slot].copy_(dev.select(dim, block), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -241,20 +284,20 @@ class HostKVPool:
         self._pending_save = event
 
     # --- host -> device ----------------------------------------------------------------------
-    def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+    def load(self, slots: Sequence[int], block_ids: Sequence[int | Sequence[int]]) -> None:
         self.fence()  # CPU async: a pending save may still write the slots read here
         self._copy(slots, block_ids, to_host=False)
 
-    def _load_cuda(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+    def _load_cuda(self, per_group: list[tuple[list[int], list[int]]]) -> None:
         assert self._stream is not None
         compute = torch.cuda.current_stream(self.device)
         # After this step's zeroing of freshly allocated blocks (queued on the compute stream):
         # a zero landing after the load would wipe the loaded KV.
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
-            for name, dev in self.device_caches.items():
-                dim, host = self.block_dims[name], self.host_caches[name]
-                for slot, block in zip(slots, block_ids, strict=True):
+            for key, dev in self.device_caches.items():
+                dim, host = self.block_dims[key], self.host_caches[key]
+                for block, slot in zip(*per_group[key[0]], strict=True):
                     dev.select(dim, block).copy_(host[slot], non_blocking=True)
         # The forward that reads these blocks runs on the compute stream right after.
         compute.wait_stream(self._stream)

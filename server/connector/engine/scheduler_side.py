@@ -16,7 +16,7 @@ from server.connector.config import ConnectorConfig
 from server.connector.control.ops import OPS, Op, run_op
 from server.connector.control.transport import ControlServer, engine_socket_path
 from server.connector.core.block_index import HostBlockIndex
-from server.connector.core.metadata import KVBranchMetadata
+from server.connector.core.metadata import DeviceBlock, KVBranchMetadata
 from server.connector.core.planner import Planner
 from server.connector.core.sessions import SessionRegistry
 
@@ -99,7 +99,9 @@ class KVBranchScheduler:
         )
         return self.planner.build_meta(scheduler_output.num_scheduled_tokens, resolve)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[DeviceBlock]
+    ) -> tuple[bool, dict | None]:
         # Blocks stay allocated while the tail is copied out (one step; see tails.py).
         split, delay = self.planner.finish(request, block_ids if self.enabled else None)
         return delay, ({"kvbranch": split} if split else None)

@@ -22,10 +22,18 @@ logger = logging.getLogger("kvbranch.connector")
 
 
 class KVBranchWorker:
-    def __init__(self, num_slots: int, block_bytes: int, pool: HostKVPool | None = None) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        block_bytes: int,
+        pool: HostKVPool | None = None,
+        groups: list[list[str]] | None = None,
+    ) -> None:
         self.num_slots = num_slots
         self.block_bytes = block_bytes
         self.pool = pool
+        #: The layers of each KV cache group (``None``: one group of every layer).
+        self.groups = groups
         self.transfer_stats = KVBranchTransferStats()
         #: Requests whose tail copy ran, for the next ``finished``.
         self._finished_saves: set[str] = set()
@@ -39,6 +47,7 @@ class KVBranchWorker:
             self.num_slots,
             async_saves=async_saves_from_env(),
             prefault=prefault_from_env(),
+            groups=self.groups,
         )
         if self.pool.block_bytes != self.block_bytes:
             logger.warning(

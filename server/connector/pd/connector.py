@@ -51,6 +51,15 @@ class KVBranchPDConnector(MultiConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if groups > 1:
+            # P/D's pull, holds and split accounting address one block table per request.
+            raise ValueError(
+                f"kvbranch P/D supports one KV cache group; this engine has {groups}: vLLM's "
+                "hybrid KV cache manager is on. Start P and D with "
+                "--disable-hybrid-kv-cache-manager (python -m server --disagg does); hybrid "
+                "attention/SSM models do not run with P/D (docs/models.md)"
+            )
         super().__init__(vllm_config, role, kv_cache_config)
         children = children_of(self)
         self._nixl_index = next(
@@ -168,6 +177,16 @@ class KVBranchPDConnector(MultiConnector):
             except Exception:
                 logger.exception("kvbranch: keeping request %s's params", request.request_id)
         return delay, params
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """P/D instances run with the hybrid KV cache manager off (one group): through
+        :meth:`request_finished`, which keeps D's params for the next turn's P. vLLM calls
+        this one because every child declares ``SupportsHMA``."""
+        if len(block_ids) == 1:
+            return self.request_finished(request, block_ids[0])
+        return super().request_finished_all_groups(request, block_ids)
 
 
 def _register_by_name() -> None:

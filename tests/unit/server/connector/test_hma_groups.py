@@ -10,38 +10,45 @@ import pytest
 import torch
 
 from server.connector import vllm_compat
-from server.connector.core.kv_groups import (
-    FULL_ATTENTION,
-    HybridKVCacheError,
-    check_groups,
-    store_off_reason,
-)
+from server.connector.core.kv_groups import FULL_ATTENTION, store_off_reason
 from server.launcher.model_support import check_model, refusal
 from server.launcher.settings import LaunchError
 
 
 # --- the host store's rule ------------------------------------------------------------------
-def test_one_full_attention_group_is_served():
-    check_groups([FULL_ATTENTION])
-    assert store_off_reason([FULL_ATTENTION]) is None
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        [FULL_ATTENTION],
+        ["sliding_window"],
+        ["chunked_local"],
+        ["sliding_window", FULL_ATTENTION],
+        [FULL_ATTENTION, "sliding_window", "sliding_window", "sliding_window"],
+    ],
+    ids=["full", "sliding", "chunked", "gpt-oss", "gemma3"],
+)
+def test_attention_groups_are_stored(kinds):
+    """Every group whose blocks hold per-token KV, however many groups (the hybrid manager on)."""
+    assert store_off_reason(kinds, [128] * len(kinds)) is None
 
 
-@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local", "mamba", "mixed", "Other"])
-def test_one_group_of_another_kind_turns_the_store_off(kind):
-    check_groups([kind])  # runs, as plain vLLM
-    reason = store_off_reason([kind])
-    assert reason is not None and kind in reason
+@pytest.mark.parametrize(
+    "kinds",
+    [["mamba"], ["mixed"], ["Other"], [FULL_ATTENTION, "mamba"], ["mamba", "sliding_window"]],
+)
+def test_a_group_of_another_kind_turns_the_store_off(kinds):
+    reason = store_off_reason(kinds, [128] * len(kinds))
+    assert reason is not None
+    assert all(kind in reason for kind in kinds if kind not in ("full_attention", "sliding_window"))
+
+
+def test_different_block_sizes_turn_the_store_off():
+    reason = store_off_reason([FULL_ATTENTION, "sliding_window"], [128, 384])
+    assert reason is not None and "128, 384" in reason
 
 
 def test_attention_free_turns_the_store_off():
     assert "attention-free" in (store_off_reason([]) or "")
-
-
-def test_several_groups_are_refused_with_the_way_out():
-    with pytest.raises(HybridKVCacheError) as e:
-        check_groups(["sliding_window", FULL_ATTENTION])
-    assert "--disable-hybrid-kv-cache-manager" in str(e.value)
-    assert "sliding_window, full_attention" in str(e.value)
 
 
 # --- vLLM's specs, by kind ------------------------------------------------------------------

@@ -54,12 +54,12 @@ def test_host_tensors_shape(make, dim):
     assert not pool.cuda
     assert pool.num_slots == NUM_SLOTS
     for name, tensor in caches.items():
-        assert pool.block_dims[name] == dim
+        assert pool.block_dims[0, name] == dim
         expected = list(tensor.shape)
         expected[dim] = NUM_SLOTS
-        assert list(pool.host_caches[name].shape) == expected
-        assert pool.host_caches[name].dtype == tensor.dtype
-        assert pool.host_caches[name].device.type == "cpu"
+        assert list(pool.host_caches[0, name].shape) == expected
+        assert pool.host_caches[0, name].dtype == tensor.dtype
+        assert pool.host_caches[0, name].device.type == "cpu"
     per_layer = caches["l0"].numel() // NUM_BLOCKS * caches["l0"].element_size()
     assert pool.block_bytes == 2 * per_layer
 
@@ -72,7 +72,7 @@ def test_save_then_load_round_trips_exact_blocks(make, dim):
     pool = HostKVPool(caches, NUM_BLOCKS, NUM_SLOTS)
     pool.save([1, 4, 2], [3, 0, 2])
     for n in caches:
-        host = pool.host_caches[n]
+        host = pool.host_caches[0, n]
         assert torch.equal(block(host, dim, 3), block(originals[n], dim, 1))
         assert torch.equal(block(host, dim, 0), block(originals[n], dim, 4))
         assert torch.equal(block(host, dim, 2), block(originals[n], dim, 2))
@@ -97,9 +97,9 @@ def test_save_does_not_modify_device_and_load_does_not_modify_host(make, dim):
     pool.save([0, 5], [1, 2])
     assert torch.equal(caches["l0"], before)
     # unsaved slots hold uninitialised memory (maybe NaN bit patterns): compare bits
-    host_before = pool.host_caches["l0"].clone().view(torch.int32)
+    host_before = pool.host_caches[0, "l0"].clone().view(torch.int32)
     pool.load([1], [3])
-    assert torch.equal(pool.host_caches["l0"].view(torch.int32), host_before)
+    assert torch.equal(pool.host_caches[0, "l0"].view(torch.int32), host_before)
     assert torch.equal(block(caches["l0"], dim, 3), block(before, dim, 0))
 
 
@@ -110,7 +110,7 @@ def test_dtype_preserved_bitwise():
         .to(torch.bfloat16)
     )
     pool = HostKVPool({"l": cache}, NUM_BLOCKS, NUM_SLOTS)
-    assert pool.host_caches["l"].dtype == torch.bfloat16
+    assert pool.host_caches[0, "l"].dtype == torch.bfloat16
     saved = cache[2].clone()
     pool.save([2], [1])
     cache.fill_(0)
@@ -144,8 +144,8 @@ def test_layers_sharing_one_tensor_are_copied_once():
     other = dim0_cache(1)
     caches = {"a": shared, "b": shared, "c": other}
     pool = HostKVPool(caches, NUM_BLOCKS, NUM_SLOTS)
-    assert list(pool.device_caches) == ["a", "c"]
-    assert set(pool.host_caches) == {"a", "c"}
+    assert [name for _, name in pool.device_caches] == ["a", "c"]
+    assert set(pool.host_caches) == {(0, "a"), (0, "c")}
     per_layer = shared.numel() // NUM_BLOCKS * shared.element_size()
     assert pool.block_bytes == 2 * per_layer
     originals = {"a": shared.clone(), "c": other.clone()}
@@ -162,7 +162,7 @@ def test_views_of_one_storage_at_different_offsets_are_separate():
     backing = torch.randn(2, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
     caches = {"l0": backing[0], "l1": backing[1]}
     pool = HostKVPool(caches, NUM_BLOCKS, NUM_SLOTS)
-    assert set(pool.device_caches) == {"l0", "l1"}
+    assert {name for _, name in pool.device_caches} == {"l0", "l1"}
     original = backing.clone()
     pool.save([1], [2])
     backing.zero_()

@@ -27,8 +27,8 @@ def test_async_save_matches_sync_after_fence():
     asyn.fence()
     for name in kv:  # the saved slots (the others are uninitialized memory)
         for slot in (0, 3):
-            want = sync.host_caches[name].select(1, slot)
-            assert torch.equal(want, asyn.host_caches[name].select(1, slot))
+            want = sync.host_caches[0, name].select(1, slot)
+            assert torch.equal(want, asyn.host_caches[0, name].select(1, slot))
 
 
 def test_load_and_next_save_wait_for_the_pending_save(monkeypatch):

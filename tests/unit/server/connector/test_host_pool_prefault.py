@@ -78,7 +78,7 @@ def test_pool_prefaults_in_the_background_and_saves_stay_exact():
     pool.prefault_thread.join(30)
     pool.fence()
     assert pool.prefaulted_bytes > 0
-    for name, host in pool.host_caches.items():
+    for (_, name), host in pool.host_caches.items():
         assert torch.equal(host.select(0, 0), kv[name].select(0, 1))
         assert torch.equal(host.select(0, 255), kv[name].select(0, 3))
         resident, pages = resident_pages(host)

@@ -154,10 +154,10 @@ def test_after_alloc_emits_loads_and_records_split():
     matched = planner.num_new_matched_tokens(req, 4)
     assert matched == 12
     device_blocks = [50, 51, 52, 53, 54, 55]
-    loads: list[tuple[int, int]] = []
+    loads: list[tuple[int, tuple[int, ...]]] = []
     planner.after_alloc(req, device_blocks, matched)
     loads.extend(planner.pending_loads)
-    assert loads == [(slots[1], 51), (slots[2], 52), (slots[3], 53)]
+    assert loads == [(slots[1], (51,)), (slots[2], (52,)), (slots[3], (53,))]
     assert index.counters.loaded_blocks == 3
     assert planner.plans["r"].recorded
     assert planner.plans["r"].load_slots is None
@@ -171,10 +171,10 @@ def test_after_alloc_with_fewer_external_tokens_loads_fewer():
     req = make_request("r", 17)
     slots = announce(planner, index, req, range(4))
     assert planner.num_new_matched_tokens(req, 0) == 16
-    loads: list[tuple[int, int]] = []
+    loads: list[tuple[int, tuple[int, ...]]] = []
     planner.after_alloc(req, [9, 8, 7, 6, 5], 8)
     loads.extend(planner.pending_loads)
-    assert loads == [(slots[0], 9), (slots[1], 8)]
+    assert loads == [(slots[0], (9,)), (slots[1], (8,))]
     assert planner.hits_tokens == {"device": 0, "host": 8, "remote": 0, "recomputed": 9}
 
 
@@ -183,7 +183,7 @@ def test_after_alloc_without_external_tokens():
     req = make_request("r", 10)
     planner.on_new_request(req)
     assert planner.num_new_matched_tokens(req, 0) == 0
-    loads: list[tuple[int, int]] = []
+    loads: list[tuple[int, tuple[int, ...]]] = []
     planner.after_alloc(req, [1, 2, 3], 0)
     loads.extend(planner.pending_loads)
     assert loads == []
@@ -228,10 +228,10 @@ def test_plan_saves_each_full_block_once():
     planner.on_new_request(req)
     blocks = {"r": [[100, 101, 102, 103]]}
     saves = planner.plan_saves({"r": 6}, _resolver(blocks), set())
-    assert [b for b, _ in saves] == [100]
+    assert [b for b, _ in saves] == [(100,)]
     req.num_computed_tokens = 6
     saves2 = planner.plan_saves({"r": 8}, _resolver(blocks), set())  # 14 done
-    assert [b for b, _ in saves2] == [101, 102]
+    assert [b for b, _ in saves2] == [(101,), (102,)]
     req.num_computed_tokens = 14
     assert planner.plan_saves({"r": 1}, _resolver(blocks), set()) == []
     all_saves = saves + saves2
@@ -246,7 +246,7 @@ def test_plan_saves_skips_stored_blocks():
     req = make_request("r", 16)
     announce(planner, index, req, [0, 2])
     saves = planner.plan_saves({"r": 16}, _resolver({"r": [[10, 11, 12, 13]]}), set())
-    assert [b for b, _ in saves] == [11, 13]
+    assert [b for b, _ in saves] == [(11,), (13,)]
     assert index.counters.saved_blocks == 4
 
 
@@ -274,7 +274,7 @@ def test_plan_saves_respects_protected_slots():
     req = make_request("r", 4)
     planner.on_new_request(req)
     saves = planner.plan_saves({"r": 4}, _resolver({"r": [[5]]}), {slots[0]})
-    assert saves == [(5, slots[1])]
+    assert saves == [((5,), slots[1])]
     assert old.block_hashes[0] in index
 
 
@@ -285,7 +285,7 @@ def test_plan_saves_multiple_requests():
     planner.on_new_request(a)
     planner.on_new_request(b)
     saves = planner.plan_saves({"a": 8, "b": 4}, _resolver({"a": [[1, 2]], "b": [[3]]}), set())
-    assert sorted(blk for blk, _ in saves) == [1, 2, 3]
+    assert sorted(blk for blk, _ in saves) == [(1,), (2,), (3,)]
     assert len({slot for _, slot in saves}) == 3
 
 
@@ -476,7 +476,7 @@ def test_stale_load_plan_is_not_reused():
     assert planner.num_new_matched_tokens(req, 0) == 12
     # not allocated this step (e.g. no room); next step the device holds the whole prefix
     assert planner.num_new_matched_tokens(req, 12) == 0
-    loads: list[tuple[int, int]] = []
+    loads: list[tuple[int, tuple[int, ...]]] = []
     planner.after_alloc(req, [], 0)
     loads.extend(planner.pending_loads)
     assert loads == []

@@ -99,7 +99,7 @@ def test_finished_request_delays_free_until_its_tail_copy_is_planned():
     assert delayed
     saves, done = planner.plan_tail_saves(set())
     assert done == ["r1"]
-    assert len(saves) == 1 and saves[0][0] == blocks[2]  # the partial block, device side
+    assert len(saves) == 1 and saves[0][0] == (blocks[2],)  # the partial block, device side
     assert index.counters.saved_tails == 1 and index.counters.saved_blocks == 0
     assert planner.plan_tail_saves(set()) == ([], [])  # once
 
@@ -151,10 +151,10 @@ def test_next_prompt_loads_the_tail_after_the_device_hit():
     slot = _stored(planner)
     req, matched = new_prompt(planner, "r2", HISTORY + REPLY + [7, 7, 7], device_hit=8)
     assert matched == 3  # 9, 10, 50; the last sampled token (51) is computed now
-    loads: list[tuple[int, int]] = []
+    loads: list[tuple[int, tuple[int, ...]]] = []
     planner.after_alloc(req, [200, 201, 202, 203], matched)
     loads.extend(planner.pending_loads)
-    assert loads == [(slot, 202)]
+    assert loads == [(slot, (202,))]
     assert planner.plans["r2"].split["host_hit_tokens"] == 3
     assert planner.plans["r2"].split["recomputed_tokens"] == 15 - 8 - 3
 
@@ -167,10 +167,10 @@ def test_full_blocks_then_tail_from_the_host_store_alone():
     slot = _stored(planner)
     req, matched = new_prompt(planner, "r2", HISTORY + REPLY + [7, 7])
     assert matched == 11
-    loads: list[tuple[int, int]] = []
+    loads: list[tuple[int, tuple[int, ...]]] = []
     planner.after_alloc(req, [200, 201, 202, 203], matched)
     loads.extend(planner.pending_loads)
-    assert loads[-1] == (slot, 202) and len(loads) == 3
+    assert loads[-1] == (slot, (202,)) and len(loads) == 3
 
 
 def test_divergence_inside_the_tail_loads_only_the_matching_prefix():
@@ -231,7 +231,7 @@ def test_unoffered_external_tokens_load_nothing():
     planner, _, _ = make_planner()
     req, matched = new_prompt(planner, "r2", HISTORY + [1, 2], device_hit=8)
     assert matched == 0
-    loads: list[tuple[int, int]] = []
+    loads: list[tuple[int, tuple[int, ...]]] = []
     planner.after_alloc(req, [200, 201, 202], 3)
     loads.extend(planner.pending_loads)
     assert loads == []
@@ -302,7 +302,7 @@ def test_a_prompt_ending_inside_a_stored_full_block_loads_the_prefix_it_repeats(
     regen, matched = new_prompt(planner, "r2", HISTORY)  # the same prompt again
     assert matched == 9  # two full blocks and token 9; token 10 is computed
     planner.after_alloc(regen, [200, 201, 202], matched)
-    assert planner.pending_loads[-1] == (index.slot_of(req.block_hashes[2]), 202)
+    assert planner.pending_loads[-1] == (index.slot_of(req.block_hashes[2]), (202,))
     # an edited reply: only the repeated prefix of the full block loads
     _, matched = new_prompt(planner, "r3", HISTORY + [50, 99, 98], device_hit=8)
     assert matched == 3
