@@ -105,6 +105,7 @@ __all__ = [
     "kv_group_kinds",
     "kv_group_layers",
     "null_block_id",
+    "prefix_reuse_off_reason",
     "kv_events_enabled",
     "maybe_convert_block_hash",
     "nixl_base_worker",
@@ -209,6 +210,30 @@ def kv_group_kinds(kv_cache_config: Any) -> list[str]:
     if kv_cache_config is None:
         return []
     return [spec_kind(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
+
+
+def prefix_reuse_off_reason(vllm_config: Any) -> str | None:
+    """Why this engine cannot continue a prefill from KV it did not compute in the same pass,
+    or ``None``. vLLM's CPU platform runs MLA without chunked prefill and prefix caching (its
+    MLA backend computes a prompt from token 0), and turns both off for such a model: a
+    prefix loaded from the host store would be ignored by the attention, and the answer wrong.
+    """
+    from vllm.platforms import current_platform
+
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    if (
+        model is not None
+        and getattr(model, "use_mla", False)
+        and current_platform.is_cpu()
+        and cache is not None
+        and not cache.enable_prefix_caching
+    ):
+        return (
+            "vLLM runs MLA on the CPU without prefix caching or chunked prefill: its attention "
+            "cannot continue from a loaded prefix (a GPU backend can)"
+        )
+    return None
 
 
 def kv_group_block_sizes(kv_cache_config: Any) -> list[int]:

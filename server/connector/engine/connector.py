@@ -53,6 +53,7 @@ from server.connector.vllm_compat import (
     kv_group_layers,
     maybe_convert_block_hash,
     null_block_id,
+    prefix_reuse_off_reason,
 )
 
 if TYPE_CHECKING:
@@ -138,7 +139,9 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
             config = config.model_copy(update={"control_socket": path})
         block_size = vllm_config.cache_config.block_size
         kinds = kv_group_kinds(kv_cache_config)
-        off = store_off_reason(kinds, kv_group_block_sizes(kv_cache_config))
+        off = store_off_reason(
+            kinds, kv_group_block_sizes(kv_cache_config)
+        ) or prefix_reuse_off_reason(vllm_config)
         enabled = off is None
         if not enabled:
             logger.warning(

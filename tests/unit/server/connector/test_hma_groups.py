@@ -192,3 +192,21 @@ def test_block_bytes_count_each_layer_once():
     assert vllm_compat.group_block_bytes(KVCacheGroupSpec(["a", "b", "c"], small)) == (
         3 * small.page_size_bytes
     )
+
+
+def test_mla_on_the_cpu_loads_no_prefix():
+    """vLLM's CPU platform turns prefix caching off for MLA (its backend computes a prompt
+    from token 0): the host store must stay off there, and only there."""
+    from types import SimpleNamespace
+
+    def config(use_mla: bool, prefix_caching: bool) -> SimpleNamespace:
+        return SimpleNamespace(
+            model_config=SimpleNamespace(use_mla=use_mla),
+            cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
+        )
+
+    reason = vllm_compat.prefix_reuse_off_reason(config(True, False))
+    assert reason is not None and "MLA" in reason
+    assert vllm_compat.prefix_reuse_off_reason(config(False, False)) is None
+    assert vllm_compat.prefix_reuse_off_reason(config(True, True)) is None  # a GPU backend
+    assert vllm_compat.prefix_reuse_off_reason(config(False, True)) is None
