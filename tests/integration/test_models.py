@@ -111,6 +111,15 @@ def test_sliding_window_model_is_token_exact_through_the_host_store(sliding_serv
         assert re.search(r"kv cache group sizes \(\d+, \d+\)", groups), groups
         assert not server.log_tail(5000, (HMA_OFF_FOR_HYBRID, "Turning off hybrid kv cache"))
     assert "host store disabled" not in ours.log_tail(5000, ("host store disabled",))
+    # ... so the device holds as many tokens and requests as plain vLLM's in the same memory
+    capacity = [
+        re.findall(
+            r"KV cache size: [\d,]+ tokens, Maximum concurrency.*",
+            s.log_tail(5000, ("KV cache size",)),
+        )
+        for s in (ours, plain)
+    ]
+    assert capacity[0] and capacity[0] == capacity[1], capacity
 
     responses, history = turns(ours, "swa", reset_between=True)
     plain_responses, _ = turns(plain, None, reset_between=False)
