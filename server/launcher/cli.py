@@ -25,7 +25,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.common.env import (
@@ -43,6 +44,15 @@ from server.engine.idle import ENV_IDLE_POLL_S
 from server.engine.spin import ENV_MQ_SPIN_S
 from server.engine.spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
 from server.index.event_sockets import exposed_endpoints
+from server.launcher.model_needs import cpu_dtype, cpu_refusal
+from server.launcher.model_parsers import (
+    chat_template,
+    chosen_parsers,
+    fit_parsers,
+    parser_argv,
+    parsers_for,
+)
+from server.launcher.model_support import read_config
 from server.launcher.phases import Phases, PhaseTracker, StdoutTee, watch_listening
 from server.launcher.settings import (
     CONNECTOR_CLASS,
@@ -76,6 +86,12 @@ class LaunchPlan:
     served_model_name: str
     control_socket: str | None
     shutdown_grace_s: float = 5.0
+    #: Lines the launcher says once the launch is planned (choices it made for the model).
+    notes: list[str] = field(default_factory=list)
+    #: The (tool-call, reasoning) parsers the launcher chose by model and the user did not
+    #: override (``None`` for each it did not choose): :func:`run` checks them against the
+    #: model's tokenizer.
+    chosen_parsers: tuple[str | None, str | None] = (None, None)
 
 
 def _has_cuda() -> bool:
@@ -116,9 +132,10 @@ def resolve_model(model: str | None) -> str:
     return model  # a hub name; vLLM reports it if it cannot be loaded
 
 
-def kv_bytes_per_token(model_path: str, cuda: bool) -> int | None:
+def kv_bytes_per_token(model_path: str, cuda: bool, dtype: str | None = None) -> int | None:
     """KV cache bytes one token needs (all layers, K and V), from the model's config.json;
-    None when the folder or its config does not say."""
+    None when the folder or its config does not say. ``dtype``: the one the launcher gives
+    vLLM on CPU (float32 unless the model needs another)."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
         layers = int(config["num_hidden_layers"])
@@ -128,12 +145,15 @@ def kv_bytes_per_token(model_path: str, cuda: bool) -> int | None:
         )
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
-    dtype_bytes = 2 if cuda else 4  # float32 on CPU (see plan_launch), 16-bit on CUDA
+    # float32 on CPU unless the model needs another (see plan_launch), 16-bit on CUDA
+    dtype_bytes = 2 if cuda or dtype in ("bfloat16", "float16", "half") else 4
     return 2 * layers * heads * head_dim * dtype_bytes
 
 
-def check_kv_fits(model_path: str, kv_cache_gib: float, max_model_len: int, cuda: bool) -> None:
-    per_token = kv_bytes_per_token(model_path, cuda)
+def check_kv_fits(
+    model_path: str, kv_cache_gib: float, max_model_len: int, cuda: bool, dtype: str | None = None
+) -> None:
+    per_token = kv_bytes_per_token(model_path, cuda, dtype)
     if per_token is None:
         return
     capacity = int(kv_cache_gib * GIB) // per_token
@@ -154,8 +174,22 @@ def plan_launch(
     keys = api_keys(args, passthrough)
     cuda = _has_cuda() if cuda is None else cuda
     served = args.served_model_name or Path(model_path.rstrip("/")).name
+    config = read_config(model_path)  # None for a hub name: vLLM fetches it later
+    notes: list[str] = []
+    dtype, dtype_why = cpu_dtype(config)
+    if not cuda:
+        refusal = cpu_refusal(config)
+        if refusal:
+            raise LaunchError(f"--model {model_path}: {refusal}")
+        if dtype_why and not has_flag(passthrough, "--dtype"):
+            notes.append(dtype_why)
     if "--max-model-len" not in passthrough:
-        check_kv_fits(model_path, args.kv_cache_gib, args.max_model_len, cuda)
+        check_kv_fits(model_path, args.kv_cache_gib, args.max_model_len, cuda, dtype)
+    parsers = parsers_for(config, chat_template(model_path) if config else None)
+    parser_flags = parser_argv(parsers, passthrough)
+    chosen = chosen_parsers(parsers, parser_flags)
+    if any(chosen):
+        notes.append(f"parsers for {parsers.family}: {' '.join(parser_flags[1:])}")
     argv = [
         "--model",
         model_path,
@@ -170,16 +204,14 @@ def plan_launch(
         "--max-model-len",
         str(args.max_model_len),
         "--enable-prompt-tokens-details",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
+        *parser_flags,
         "--uvicorn-log-level",
         "warning" if args.log_level == "info" else args.log_level,
     ]
     if not cuda:
-        # Measured on these CPUs: bf16 gives garbled output on AVX2, and torch.compile warm-up
-        # costs minutes per start.
-        argv += ["--dtype", "float32", "--enforce-eager"]
+        # Measured on these CPUs: bf16 gives garbled output on AVX2 (float32 unless the model
+        # needs another, model_needs.py), and torch.compile warm-up costs minutes per start.
+        argv += ["--dtype", dtype, "--enforce-eager"]
     if args.block_size:
         argv += ["--block-size", str(args.block_size)]
     if args.api_key:
@@ -277,7 +309,16 @@ def plan_launch(
         env.update(pd_environment(args))
     if keys:
         env[ENV_API_KEYS] = ",".join(keys)
-    return LaunchPlan(argv, env, model_path, served, control_socket, args.shutdown_grace_s)
+    return LaunchPlan(
+        argv,
+        env,
+        model_path,
+        served,
+        control_socket,
+        args.shutdown_grace_s,
+        notes=notes,
+        chosen_parsers=chosen,
+    )
 
 
 def flag_value(passthrough: list[str], flag: str) -> str | None:
@@ -398,6 +439,16 @@ def pd_environment(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+class VLLMFailed(Exception):
+    """vLLM's server raised: at start (its engine core, its API server's set-up) or later."""
+
+
+def last_line(exc: BaseException) -> str:
+    """An exception's message in one line (its last non-empty one), with its type."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1]}" if lines else type(exc).__name__
+
+
 def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
         cut = argv.index("--")
@@ -410,15 +461,21 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     os.environ.update(plan.env)
     # Phases start once the launch is planned: a launch error stays one line.
     phases.say(f"model {plan.model_path} (KV cache size checked); importing vLLM")
+    for note in plan.notes:
+        phases.say(note)
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    if plan.control_socket:  # with the connector: refuse models it cannot serve, in one line
-        from server.launcher.model_support import check_model
+    from server.launcher.model_needs import install_refusal
+    from server.launcher.model_support import check_model, parser_misfit
 
+    refusal = install_refusal(read_config(plan.model_path))
+    if refusal:
+        raise LaunchError(f"--model {plan.model_path}: {refusal}")
+    if plan.control_socket:  # with the connector: refuse models it cannot serve, in one line
         check_model(plan.model_path)
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm"))
     try:
@@ -427,6 +484,9 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
         raise LaunchError("vLLM rejected the arguments (see the line above)") from exc
     configure_logging_from_args(vllm_args)
     validate_parsed_serve_args(vllm_args)
+    refit = fit_parsers(vllm_args, plan.chosen_parsers, parser_misfit)
+    if refit:
+        phases.say(refit)
     url = f"http://{vllm_args.host}:{vllm_args.port}"
     phases.say(f"starting vLLM on {url} model={plan.served_model_name}")
     from server.launcher.process import start_reaper
@@ -441,12 +501,21 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
 
     tee = StdoutTee(on_line)
     stop = threading.Event()
+    ready = threading.Event()
+
+    def on_ready() -> None:
+        ready.set()
+        phases.say(f"ready: {url}")
+
     if not getattr(vllm_args, "uds", None):
-        watch_listening(
-            vllm_args.host or "", vllm_args.port, lambda: phases.say(f"ready: {url}"), stop
-        )
+        watch_listening(vllm_args.host or "", vllm_args.port, on_ready, stop)
     try:
         uvloop.run(run_server(vllm_args))
+    except Exception as exc:
+        # vLLM's own traceback first (its root cause, e.g. the engine core's), then one line.
+        traceback.print_exc()
+        when = "stopped" if ready.is_set() else "failed to start"
+        raise VLLMFailed(f"vLLM {when}: {last_line(exc)}") from exc
     finally:
         stop.set()
         tee.close()
@@ -484,6 +553,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         plan = plan_launch(args, passthrough)
         run(plan)
+    except VLLMFailed as exc:
+        # Exit now: vLLM has shut its engine down, and what it leaves behind (a non-daemon
+        # thread, a ZMQ context) must not keep a failed server alive where a supervisor
+        # waits for it to exit. The reaper stops any process left.
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

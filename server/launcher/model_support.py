@@ -81,3 +81,32 @@ def check_model(model_path: str, traits: Traits = vllm_traits) -> None:
     reason = refusal(config, traits) if config is not None else None
     if reason is not None:
         raise LaunchError(f"--model {model_path}: {reason}")
+
+
+def parser_misfit(vllm_args: Any, tool: str | None, reasoning: str | None) -> str | None:
+    """What vLLM's own start-up check of the parsers against the model's tokenizer
+    (``ParserManager.get_parser`` with the tokenizer, which the API server runs after the
+    engine has started) says, run here before anything is loaded; ``None`` when they fit.
+
+    Imports vLLM and loads the tokenizer (a second or so): call it where the launcher has
+    imported vLLM anyway."""
+    from vllm.parser import ParserManager
+    from vllm.tokenizers import get_tokenizer
+
+    tokenizer = get_tokenizer(
+        vllm_args.tokenizer or vllm_args.model,
+        tokenizer_mode=vllm_args.tokenizer_mode,
+        trust_remote_code=vllm_args.trust_remote_code,
+        revision=vllm_args.tokenizer_revision or vllm_args.revision,
+    )
+    try:
+        ParserManager.get_parser(
+            tool_parser_name=tool,
+            reasoning_parser_name=reasoning,
+            enable_auto_tools=True,
+            model_name=vllm_args.model,
+            tokenizer=tokenizer,
+        )
+    except Exception as exc:  # noqa: BLE001 - vLLM raises TypeError, a parser anything
+        return str(exc)
+    return None

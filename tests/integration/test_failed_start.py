@@ -1,0 +1,111 @@
+"""A start that fails exits: when vLLM fails after its engine core started, ``python -m server``
+ends with a non-zero status and one line saying why, so a supervisor (systemd, Kubernetes, the
+tests' own :class:`ServerProcess`) sees the failure and restarts or reports it, instead of a
+process that logged the engine's shutdown and then stayed alive.
+
+The failure is the one users met: a gpt-oss model (Harmony format) started with a tool-call
+parser vLLM refuses for it, here named by hand after ``--`` (the launcher itself now picks
+Harmony's parser). vLLM starts the engine core, then its API server refuses the parser and shuts
+the engine down. The model is a two-layer gpt-oss config with the embedded model's tokenizer;
+its weights are vLLM's dummy ones (nothing is computed: the start fails before any request).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.launcher.model_cache import ensure_model
+from server.launcher.process import free_port
+from tests import prestart
+
+ROOT = Path(__file__).resolve().parents[2]
+#: A start takes 30-90 s on 2 busy cores; a launcher that stays alive never ends.
+EXIT_WITHIN_S = 300
+
+
+def gpt_oss_config() -> dict:
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": 49152,
+        "hidden_size": 128,
+        "intermediate_size": 128,
+        "head_dim": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 128,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+
+
+def test_engine_failure_after_start_exits_non_zero_in_one_line(tmp_path):
+    source = ensure_model()
+    model = tmp_path / "gpt-oss"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).symlink_to(source / name)
+    (model / "config.json").write_text(json.dumps(gpt_oss_config()))
+    command = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        str(model),
+        "--port",
+        str(free_port()),
+        "--kv-cache-gib",
+        "0.25",
+        "--max-model-len",
+        "1024",
+        "--",
+        "--load-format",
+        "dummy",
+        "--tool-call-parser",
+        "hermes",
+    ]
+    with prestart.reserved("failed-start", engines=1):
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=EXIT_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            pytest.fail(f"still running {EXIT_WITHIN_S} s after launch:\n{output[-3000:]}")
+    assert proc.returncode == 1, output[-3000:]
+    # vLLM really had started its engine core and shut it down before the failure
+    assert "engine up" in output and "[shutdown]" in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-3000:]
+    assert errors[0].startswith("error: vLLM failed to start: TypeError: --tool-call-parser hermes")
+    assert "Harmony requires GptOssToolParser" in errors[0]
