@@ -178,5 +178,6 @@ def fit_parsers(
             now = f"--tool-call-parser {new_tool}" + (
                 f" --reasoning-parser {new_reasoning}" if new_reasoning else ""
             )
-            return f"the model's tokenizer does not fit {was} ({reason.splitlines()[-1]}): {now}"
+            why = reason.strip().splitlines()[-1] if reason.strip() else "refused"
+            return f"the model's tokenizer does not fit {was} ({why}): using {now}"
     return None  # vLLM reports it; the launcher exits (main)

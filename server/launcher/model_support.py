@@ -108,5 +108,5 @@ def parser_misfit(vllm_args: Any, tool: str | None, reasoning: str | None) -> st
             tokenizer=tokenizer,
         )
     except Exception as exc:  # noqa: BLE001 - vLLM raises TypeError, a parser anything
-        return str(exc)
+        return str(exc.__cause__ or exc)  # the parser's own words, without vLLM's preamble
     return None

@@ -200,7 +200,7 @@ def test_a_misfit_falls_back_to_no_reasoning_then_hermes():
     misfit, calls = misfit_unless(("hermes", None))
     line = fit_parsers(args, ("qwen3_coder", "qwen3"), misfit)
     assert (args.tool_call_parser, args.reasoning_parser) == ("hermes", "")
-    assert line is not None and line.endswith(": --tool-call-parser hermes")
+    assert line is not None and line.endswith(": using --tool-call-parser hermes")
     assert calls[-1] == ("hermes", None)
 
     args = vllm_args("deepseek_v3", "deepseek_v3")
@@ -245,7 +245,7 @@ def test_vllms_own_check_against_the_embedded_tokenizer():
         revision=None,
     )
     reason = parser_misfit(args, "deepseek_v3", "deepseek_v3")
-    assert reason is not None and "cannot be used with the tokenizer" in reason
+    assert reason is not None and "could not locate tool call start/end tokens" in reason
     assert parser_misfit(args, "hermes", "deepseek_v3") is None
     vllm = Namespace(**vars(args), tool_call_parser="deepseek_v3", reasoning_parser="deepseek_v3")
     line = fit_parsers(vllm, ("deepseek_v3", "deepseek_v3"), parser_misfit)
