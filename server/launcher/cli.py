@@ -26,8 +26,10 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from server.common.env import (
     ENV_ADVERTISE_URL,
@@ -52,7 +54,7 @@ from server.launcher.model_parsers import (
     parser_argv,
     parsers_for,
 )
-from server.launcher.model_support import read_config
+from server.launcher.model_support import hub_snapshot, read_config
 from server.launcher.phases import Phases, PhaseTracker, StdoutTee, watch_listening
 from server.launcher.settings import (
     CONNECTOR_CLASS,
@@ -92,6 +94,8 @@ class LaunchPlan:
     #: override (``None`` for each it did not choose): :func:`run` checks them against the
     #: model's tokenizer.
     chosen_parsers: tuple[str | None, str | None] = (None, None)
+    #: The model's ``config.json`` (a local folder's, or a hub name's snapshot), if read.
+    model_config: dict[str, Any] | None = None
 
 
 def _has_cuda() -> bool:
@@ -167,14 +171,23 @@ def check_kv_fits(
 
 
 def plan_launch(
-    args: argparse.Namespace, passthrough: list[str], cuda: bool | None = None
+    args: argparse.Namespace,
+    passthrough: list[str],
+    cuda: bool | None = None,
+    hub: Callable[[str, str | None], str | None] = hub_snapshot,
 ) -> LaunchPlan:
-    """Turn our flags into vLLM's argv. Pure apart from model resolution (testable)."""
+    """Turn our flags into vLLM's argv. Pure apart from model resolution (testable): a local
+    folder's config is read, a hub name's fetched with ``hub`` (its snapshot folder, or None)."""
     model_path = resolve_model(args.model)  # first: a bad --model fails before importing torch
     keys = api_keys(args, passthrough)
     cuda = _has_cuda() if cuda is None else cuda
     served = args.served_model_name or Path(model_path.rstrip("/")).name
-    config = read_config(model_path)  # None for a hub name: vLLM fetches it later
+    folder = (
+        model_path
+        if Path(model_path).is_dir()
+        else hub(model_path, flag_value(passthrough, "--revision"))
+    )
+    config = read_config(folder) if folder else None
     notes: list[str] = []
     dtype, dtype_why = cpu_dtype(config)
     if not cuda:
@@ -185,7 +198,7 @@ def plan_launch(
             notes.append(dtype_why)
     if "--max-model-len" not in passthrough:
         check_kv_fits(model_path, args.kv_cache_gib, args.max_model_len, cuda, dtype)
-    parsers = parsers_for(config, chat_template(model_path) if config else None)
+    parsers = parsers_for(config, chat_template(folder) if folder and config else None)
     parser_flags = parser_argv(parsers, passthrough)
     chosen = chosen_parsers(parsers, parser_flags)
     if any(chosen):
@@ -318,6 +331,7 @@ def plan_launch(
         args.shutdown_grace_s,
         notes=notes,
         chosen_parsers=chosen,
+        model_config=config,
     )
 
 
@@ -472,11 +486,13 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     from server.launcher.model_needs import install_refusal
     from server.launcher.model_support import check_model, parser_misfit
 
-    refusal = install_refusal(read_config(plan.model_path))
+    refusal = install_refusal(plan.model_config)
     if refusal:
         raise LaunchError(f"--model {plan.model_path}: {refusal}")
-    if plan.control_socket:  # with the connector: refuse models it cannot serve, in one line
-        check_model(plan.model_path)
+    if plan.control_socket:  # with the connector: what of the model the host store keeps
+        note = check_model(plan.model_path, pd=plan.env.get(ENV_ROLE) in PD_ROLES)
+        if note:
+            phases.say(note)
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm"))
     try:
         vllm_args = parser.parse_args(plan.vllm_argv)

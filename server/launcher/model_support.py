@@ -1,14 +1,17 @@
-"""The launcher's check that a model can run with the kvbranch connector, before vLLM starts.
+"""The launcher's check of a model's layer kinds against what the kvbranch connector stores,
+before vLLM starts.
 
-vLLM turns its hybrid KV cache manager off for a KV connector that does not declare
-``SupportsHMA``, and kvbranch's does not (``server/connector/core/kv_groups.py`` says which KV
-cache groups the host store serves). A model with sliding-window layers then runs with every
-layer managed as full attention, which is correct. A hybrid attention/SSM model (Jamba,
-Granite 4.0 hybrid, Nemotron-H, Falcon-H1, Qwen3-Next, ...) cannot start that way: vLLM fails
-in its engine core, after loading the weights, with a traceback about KV cache specs that does
-not name the connector. An attention-free model (a pure SSM such as Mamba) has no KV blocks for
-the host store at all. The launcher refuses both in one line that names the model type, the
-reason and the way out (``--no-connector``), before anything is loaded.
+The connector declares ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on and every
+model vLLM runs starts with the connector. The host store keeps attention KV (full, sliding
+window, chunked-local: ``server/connector/core/kv_groups.py``); a hybrid attention/SSM model
+(Jamba, Granite 4.0 hybrid, Nemotron-H, Falcon-H1, Qwen3-Next, Qwen3.5, ...) or an
+attention-free one (Mamba) has state layers it does not store yet, so the connector turns its
+host store off for them and the engine serves them as plain vLLM does (its own prefix cache).
+The launcher says so in one line before loading anything, naming the model type.
+
+P/D is different: its instances run with the hybrid manager off (its pull addresses one block
+table), which vLLM cannot do for state layers; there such a model is refused in one line, with
+the way out.
 
 vLLM's own model registry decides what is hybrid (the traits it reads for
 ``ModelConfig.is_hybrid``, through ``vllm_compat.architecture_traits``); only a local model
@@ -18,6 +21,7 @@ folder is checked (a hub name is not read before vLLM fetches it).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,8 +44,9 @@ def read_config(model_path: str) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-def refusal(config: dict[str, Any], traits: Traits) -> str | None:
-    """Why a model with this ``config.json`` cannot run with the connector, or ``None``."""
+def state_layers(config: dict[str, Any], traits: Traits) -> str | None:
+    """What of a model with this ``config.json`` the host store cannot keep — ``"hybrid"``
+    (attention and state layers) or ``"attention-free"`` — or ``None``."""
     architectures = config.get("architectures")
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         return None  # vLLM reports a config it cannot read
@@ -52,20 +57,40 @@ def refusal(config: dict[str, Any], traits: Traits) -> str | None:
     layer_types = config.get("layer_types")
     if hybrid and isinstance(layer_types, list) and layer_types:
         hybrid = not all(t in ATTENTION_LAYER_TYPES for t in layer_types)
-    what = f"{architectures[0]} (model_type {config.get('model_type', '?')})"
     if hybrid:
-        return (
-            f"{what} is a hybrid attention/SSM model: its state layers need vLLM's hybrid KV "
-            "cache manager, which the kvbranch connector does not support (vLLM turns it off "
-            "and the engine would fail at start; docs/models.md). Run it with --no-connector "
-            "(vLLM's own prefix cache, no host store)"
-        )
-    if attention_free:
-        return (
-            f"{what} is attention-free: it has no KV cache blocks for the kvbranch host store "
-            "(docs/models.md). Run it with --no-connector"
-        )
-    return None
+        return "hybrid"
+    return "attention-free" if attention_free else None
+
+
+def _what(config: dict[str, Any], kind: str) -> str:
+    model = f"{config['architectures'][0]} (model_type {config.get('model_type', '?')})"
+    return f"{model} is {'a hybrid attention/SSM' if kind == 'hybrid' else 'an attention-free'}"
+
+
+def store_note(config: dict[str, Any], traits: Traits) -> str | None:
+    """The line a single instance prints for a model whose state layers the host store does
+    not keep, or ``None``."""
+    kind = state_layers(config, traits)
+    if kind is None:
+        return None
+    layers = "Mamba / linear-attention state" if kind == "hybrid" else "state"
+    return (
+        f"{_what(config, kind)} model: the kvbranch host store does not keep its {layers} "
+        "layers yet, so it stays off and turns reuse vLLM's own prefix cache (sessions, "
+        "branches and the API work; docs/models.md)"
+    )
+
+
+def refusal(config: dict[str, Any], traits: Traits) -> str | None:
+    """Why a P/D instance cannot run a model with this ``config.json``, or ``None``."""
+    kind = state_layers(config, traits)
+    if kind is None:
+        return None
+    return (
+        f"{_what(config, kind)} model: kvbranch P/D runs vLLM with its hybrid KV cache "
+        "manager off, which state layers need (docs/models.md). Serve it as a single "
+        "instance (python -m server without --disagg/--role), or run P/D with --no-connector"
+    )
 
 
 def vllm_traits(architectures: list[str]) -> tuple[bool, bool] | None:
@@ -75,12 +100,18 @@ def vllm_traits(architectures: list[str]) -> tuple[bool, bool] | None:
     return architecture_traits(architectures)
 
 
-def check_model(model_path: str, traits: Traits = vllm_traits) -> None:
-    """Raise :class:`LaunchError` for a local model the connector cannot serve."""
+def check_model(model_path: str, traits: Traits = vllm_traits, *, pd: bool = False) -> str | None:
+    """For a local model: raise :class:`LaunchError` when a P/D instance (``pd``) cannot run
+    it; else the line to print when the host store will stay off for it, or ``None``."""
     config = read_config(model_path)
-    reason = refusal(config, traits) if config is not None else None
-    if reason is not None:
-        raise LaunchError(f"--model {model_path}: {reason}")
+    if config is None:
+        return None
+    if pd:
+        reason = refusal(config, traits)
+        if reason is not None:
+            raise LaunchError(f"--model {model_path}: {reason}")
+        return None
+    return store_note(config, traits)
 
 
 def parser_misfit(vllm_args: Any, tool: str | None, reasoning: str | None) -> str | None:
@@ -110,3 +141,24 @@ def parser_misfit(vllm_args: Any, tool: str | None, reasoning: str | None) -> st
     except Exception as exc:  # noqa: BLE001 - vLLM raises TypeError, a parser anything
         return str(exc.__cause__ or exc)  # the parser's own words, without vLLM's preamble
     return None
+
+
+def hub_snapshot(name: str, revision: str | None = None) -> str | None:
+    """For a hub model name: the local snapshot folder with its ``config.json`` (and chat
+    template files where the repository has them), fetched with huggingface_hub as vLLM fetches
+    them a moment later (from its cache with ``HF_HUB_OFFLINE=1``); ``None`` where that fails
+    (no network, no such repository, ModelScope)."""
+    if os.environ.get("VLLM_USE_MODELSCOPE", "").lower() in ("1", "true"):
+        return None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        config = hf_hub_download(name, "config.json", revision=revision)
+    except Exception:  # noqa: BLE001 - vLLM reports a model it cannot fetch
+        return None
+    for optional in ("tokenizer_config.json", "chat_template.jinja"):
+        try:
+            hf_hub_download(name, optional, revision=revision)
+        except Exception:  # noqa: BLE001, S112 - absent from many repositories
+            continue
+    return str(Path(config).parent)

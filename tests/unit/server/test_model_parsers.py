@@ -251,3 +251,59 @@ def test_vllms_own_check_against_the_embedded_tokenizer():
     line = fit_parsers(vllm, ("deepseek_v3", "deepseek_v3"), parser_misfit)
     assert (vllm.tool_call_parser, vllm.reasoning_parser) == ("hermes", "deepseek_v3"), line
     assert parser_misfit(args, "qwen3_coder", "qwen3") is None  # matched as text, no tokens
+
+
+def test_a_hub_names_config_comes_from_its_snapshot(tmp_path):
+    snapshot = folder(tmp_path, arch("GptOssForCausalLM", "gpt_oss"), "snapshot")
+    asked = []
+
+    def hub(name, revision):
+        asked.append((name, revision))
+        return str(snapshot)
+
+    args = build_parser().parse_args(["--model", "openai/gpt-oss-20b"])
+    plan = plan_launch(args, ["--revision", "v1"], cuda=True, hub=hub)
+    assert asked == [("openai/gpt-oss-20b", "v1")]
+    assert plan.vllm_argv[plan.vllm_argv.index("--model") + 1] == "openai/gpt-oss-20b"
+    assert flags(plan.vllm_argv, "--tool-call-parser") == ["openai"]
+    assert plan.model_config == arch("GptOssForCausalLM", "gpt_oss")
+
+    offline = plan_launch(args, [], cuda=True, hub=lambda name, revision: None)
+    assert flags(offline.vllm_argv, "--tool-call-parser") == ["hermes"]  # as before
+    assert offline.model_config is None
+
+
+def test_a_local_folder_is_never_looked_up_on_the_hub(tmp_path):
+    def hub(name, revision):
+        raise AssertionError("hub asked for a local folder")
+
+    model = folder(tmp_path, arch("LlamaForCausalLM", "llama"))
+    plan_launch(build_parser().parse_args(["--model", str(model)]), [], cuda=True, hub=hub)
+
+
+def test_hub_snapshot_fetches_the_config_and_template_files(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from server.launcher.model_support import hub_snapshot
+
+    fetched = []
+
+    def download(name, filename, revision=None):
+        fetched.append(filename)
+        if filename == "chat_template.jinja":
+            raise huggingface_hub.errors.EntryNotFoundError("none")
+        return str(tmp_path / "snap" / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.delenv("VLLM_USE_MODELSCOPE", raising=False)
+    assert hub_snapshot("org/model") == str(tmp_path / "snap")
+    assert fetched == ["config.json", "tokenizer_config.json", "chat_template.jinja"]
+
+    def offline(name, filename, revision=None):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    assert hub_snapshot("org/model") is None
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "1")
+    assert hub_snapshot("org/model") is None
