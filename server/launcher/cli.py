@@ -474,6 +474,11 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     phases = phases or Phases(started=_STARTED)
     os.environ.update(plan.env)
     # Phases start once the launch is planned: a launch error stays one line.
+    from server.launcher.model_needs import install_refusal
+
+    refusal = install_refusal(plan.model_config)  # before vLLM's import, which takes seconds
+    if refusal:
+        raise LaunchError(f"--model {plan.model_path}: {refusal}")
     phases.say(f"model {plan.model_path} (KV cache size checked); importing vLLM")
     for note in plan.notes:
         phases.say(note)
@@ -483,12 +488,8 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from server.launcher.model_needs import install_refusal
     from server.launcher.model_support import check_model, parser_misfit
 
-    refusal = install_refusal(plan.model_config)
-    if refusal:
-        raise LaunchError(f"--model {plan.model_path}: {refusal}")
     if plan.control_socket:  # with the connector: what of the model the host store keeps
         note = check_model(plan.model_path, pd=plan.env.get(ENV_ROLE) in PD_ROLES)
         if note:

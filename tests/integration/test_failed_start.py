@@ -1,4 +1,6 @@
-"""A start that fails exits: when vLLM fails after its engine core started, ``python -m server``
+"""A start that fails exits, and a model this machine cannot run is refused before vLLM loads.
+
+A start that fails exits: when vLLM fails after its engine core started, ``python -m server``
 ends with a non-zero status and one line saying why, so a supervisor (systemd, Kubernetes, the
 tests' own :class:`ServerProcess`) sees the failure and restarts or reports it, instead of a
 process that logged the engine's shutdown and then stayed alive.
@@ -109,3 +111,63 @@ def test_engine_failure_after_start_exits_non_zero_in_one_line(tmp_path):
     assert len(errors) == 1, output[-3000:]
     assert errors[0].startswith("error: vLLM failed to start: TypeError: --tool-call-parser hermes")
     assert "Harmony requires GptOssToolParser" in errors[0]
+
+
+QWEN3_5 = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "text_config": {"model_type": "qwen3_5_moe_text"},
+}
+DEEPSEEK_V32 = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_topk": 64,
+}
+
+
+def _has_cuda() -> bool:
+    from server.launcher.cli import _has_cuda as launcher_has_cuda
+
+    return launcher_has_cuda()
+
+
+def _has_torchvision() -> bool:
+    from server.launcher.model_needs import missing_module
+
+    return missing_module("torchvision") is None
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        pytest.param(
+            QWEN3_5,
+            ("imports torchvision", "install the torchvision release built for the installed"),
+            marks=pytest.mark.skipif(_has_torchvision(), reason="torchvision is installed"),
+            id="qwen3_5-without-torchvision",
+        ),
+        pytest.param(
+            DEEPSEEK_V32,
+            ("sparse attention", "Sparse Attention is not supported on CPU", "GPU"),
+            marks=pytest.mark.skipif(_has_cuda(), reason="a GPU runs sparse attention"),
+            id="sparse-attention-on-cpu",
+        ),
+    ],
+)
+def test_a_model_this_machine_cannot_run_is_refused_before_vllm_loads(tmp_path, config, words):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    run = subprocess.run(
+        [sys.executable, "-m", "server", "--model", str(model), "--port", str(free_port())],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --model {model}: {config['architectures'][0]}"), last
+    for word in words:
+        assert word in last, last
+    assert "starting vLLM" not in run.stderr and "Traceback" not in run.stderr
