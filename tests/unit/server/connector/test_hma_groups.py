@@ -127,7 +127,7 @@ def test_full_attention_and_sliding_window_models_pass():
     assert refusal(sliding, traits) is None
 
 
-def test_hybrid_model_refused_naming_its_type():
+def test_hybrid_model_refused_by_pd_naming_its_type():
     reason = refusal({"architectures": ["JambaForCausalLM"], "model_type": "jamba"}, traits)
     assert reason is not None
     assert "JambaForCausalLM (model_type jamba)" in reason
@@ -146,7 +146,7 @@ def test_hybrid_architecture_with_attention_layers_only_passes():
     assert "hybrid attention/SSM" in (refusal(config, traits) or "")
 
 
-def test_attention_free_model_refused():
+def test_attention_free_model_refused_by_pd():
     reason = refusal({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, traits)
     assert reason is not None and "attention-free" in reason
 
@@ -165,13 +165,21 @@ def test_unknown_architecture_is_left_to_vllm():
 
 
 def test_check_model_reads_the_folder(tmp_path):
+    """A P/D instance refuses a hybrid model; a single instance serves it with the host store
+    off and says so in one line."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["JambaForCausalLM"]}))
     with pytest.raises(LaunchError) as e:
-        check_model(str(tmp_path), traits)
+        check_model(str(tmp_path), traits, pd=True)
     assert str(e.value).startswith(f"--model {tmp_path}: JambaForCausalLM")
+    note = check_model(str(tmp_path), traits)
+    assert note is not None and note.startswith("JambaForCausalLM")
+    assert "host store" in note and "stays off" in note
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert check_model(str(tmp_path), traits) is None
+    assert check_model(str(tmp_path), traits, pd=True) is None
     (tmp_path / "config.json").write_text("[not an object")
-    check_model(str(tmp_path), traits)  # vLLM reports it
-    check_model("HuggingFaceTB/SmolLM2-135M-Instruct", traits)  # a hub name: not read
+    assert check_model(str(tmp_path), traits, pd=True) is None  # vLLM reports it
+    assert check_model("HuggingFaceTB/SmolLM2-135M-Instruct", traits, pd=True) is None  # hub
 
 
 def test_block_bytes_count_each_layer_once():
