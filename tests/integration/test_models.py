@@ -2,14 +2,14 @@
 
 * Sliding-window layers: the embedded model's weights under a config that makes every other
   layer a sliding-window layer (``layer_types``, a 256-token window: two blocks), the shape of
-  Gemma 2/3, gpt-oss or Cohere 2. Under kvbranch vLLM turns its hybrid KV cache manager off
-  and manages every layer's blocks as full attention; plain vLLM keeps the manager on and drops
-  the blocks a window left. The greedy tokens must be the same, also when every reused token
+  Gemma 2/3, gpt-oss or Cohere 2. Both servers keep vLLM's hybrid KV cache manager on (a
+  group per layer kind; kvbranch declares SupportsHMA), so the window layers' blocks are freed
+  as the window moves and a load restores only the blocks the window still covers. The greedy tokens must be the same, also when every reused token
   of turn 2 and of a fork came from the host store (device cache reset between turns): the
   windowed layers must not load wrong KV.
 * Hybrid attention/SSM: a two-layer Granite 4.0 hybrid config (one Mamba layer, one attention
-  layer) is refused by the launcher in one line that names the model type, before vLLM loads
-  anything (vLLM would fail in its engine core: "Failed to promote local KV cache specs").
+  layer) is refused by a P/D instance's launcher in one line that names the model type, before
+  vLLM loads anything (P/D runs with the hybrid manager off, which state layers need).
 
 One kvbranch server and one plain vLLM server for the module (0.25 GiB of KV each), stopped at
 its end.
@@ -173,7 +173,10 @@ def hybrid_config() -> dict:
     }
 
 
-def test_hybrid_ssm_model_is_refused_in_one_line(tmp_path):
+def test_hybrid_ssm_model_is_refused_by_pd_in_one_line(tmp_path):
+    """P/D instances run with the hybrid KV cache manager off, which state layers need: the
+    launcher refuses such a model there before vLLM loads anything (a single instance serves
+    it with the host store off: test_model_families)."""
     source = ensure_model()
     model = tmp_path / "hybrid"
     model.mkdir()
@@ -181,8 +184,9 @@ def test_hybrid_ssm_model_is_refused_in_one_line(tmp_path):
         (model / name).symlink_to(source / name)
     (model / "config.json").write_text(json.dumps(hybrid_config()))
     run = subprocess.run(
-        # random weights: let through, vLLM would load it and fail in its engine core
-        [sys.executable, "-m", "server", "--model", str(model), *SIZES[:4], "--", *DUMMY],
+        # random weights: nothing is computed, the launcher refuses first
+        [sys.executable, "-m", "server", "--model", str(model), "--role", "prefill"]
+        + [*SIZES[:4], "--", *DUMMY],
         cwd=ROOT,
         capture_output=True,
         text=True,
