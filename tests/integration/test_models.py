@@ -4,9 +4,9 @@
   layer a sliding-window layer (``layer_types``, a 256-token window: two blocks), the shape of
   Gemma 2/3, gpt-oss or Cohere 2. Both servers keep vLLM's hybrid KV cache manager on (a
   group per layer kind; kvbranch declares SupportsHMA), so the window layers' blocks are freed
-  as the window moves and a load restores only the blocks the window still covers. The greedy tokens must be the same, also when every reused token
-  of turn 2 and of a fork came from the host store (device cache reset between turns): the
-  windowed layers must not load wrong KV.
+  as the window moves and a load restores only the blocks the window still covers. The greedy
+  tokens must be the same, also when every reused token of turn 2 and of a fork came from the
+  host store (device cache reset between turns): the windowed layers must not load wrong KV.
 * Hybrid attention/SSM: a two-layer Granite 4.0 hybrid config (one Mamba layer, one attention
   layer) is refused by a P/D instance's launcher in one line that names the model type, before
   vLLM loads anything (P/D runs with the hybrid manager off, which state layers need).
