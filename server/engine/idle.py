@@ -7,9 +7,8 @@ only 1 ms between two empty steps, so that the NIXL worker (whose progress threa
 ``server/connector/pd/verified_nixl.py``) notices the peer's reads. Every empty step is a
 scheduler pass and a
 round trip to the worker: a held conversation keeps an idle instance busy for good. On a small
-CPU host that is the core the other instance, the API servers and the router need. Measured
-(``benchmarks/RESULTS.md``, pd_turns readings of 2026-12-01): an idle P/D holding one
-conversation used 8.5 CPU-seconds in 15 s with vLLM's poll, 3.4 with 20 ms; TTFT unchanged.
+CPU host that is the core the other instance, the API servers and the router need
+(docs/pd_notes.md, "The engine's own waits", has what it cost and what this saves).
 
 The launcher passes ``--idle-poll-ms`` (:data:`DEFAULT_IDLE_POLL_MS`) to every instance it
 starts through :data:`ENV_IDLE_POLL_S`, and this module makes the engine core wait up to that

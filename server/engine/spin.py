@@ -3,12 +3,12 @@
 vLLM's shared-memory message queue (``shm_broadcast.SpinCondition``) makes a reader spin on
 ``sched_yield`` for 1 s after every message before it sleeps on its notification socket. The
 engine core reads the worker's answer after every step, and the worker reads the next step, so
-under load both spin whenever the other computes: the profile of issue 14 (8 agents x 10 turns,
-``benchmarks/RESULTS.md``) found the engine core in ``sched_yield`` for 96% of its samples,
-about two thirds of a core, on a 2-core host where the worker computes on the other core. That
-core is the one the API server, the router and, with ``--disagg``, the other instance need; a
-spinning process that lands on a compute core takes up to half of it (the scheduler shares a
-core between runnable threads, yielding or not).
+under load both spin whenever the other computes: the engine core spends most of its time in
+``sched_yield`` on a host where the worker computes on another core (docs/pd_notes.md, "The
+engine's own waits", has the profile). That core is the one the API server, the router and,
+with ``--disagg``, the other instance need; a spinning process that lands on a compute core
+takes up to half of it (the scheduler shares a core between runnable threads, yielding or
+not).
 
 The launcher passes ``--mq-spin-ms`` (default :data:`DEFAULT_SPIN_MS`) to every instance it
 starts, with or without the connector, through :data:`ENV_MQ_SPIN_S`; this plugin then sets

@@ -53,8 +53,8 @@ MAX_CONNECTIONS = 512
 #: own keep-alive (vLLM's uvicorn closes an idle connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
 #: 5 s by default), or a request sent on a connection the instance is closing at that moment
 #: fails with ReadError; httpx's default expiry is also 5 s. Seen in a P/D benchmark
-#: (RESULTS.md agent_workload 2026-12-03 09:05): a fork fanned out to P failed that way, P
-#: was marked down until its next probe, and two forks and a prefetch got 502/503 meanwhile.
+#: (docs/pd_notes.md): a fork fanned out to P failed that way, P was marked down until its
+#: next probe, and the requests routed meanwhile got 502/503.
 KEEPALIVE_EXPIRY_S = 2.0
 
 

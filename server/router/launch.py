@@ -1,7 +1,7 @@
 """Starting the router, and ``--disagg``: a prefill instance, a decode instance and the router
 on one machine (a demo and the tests' P/D cluster).
 
-Stopping is bounded (issue 13): on SIGTERM the router gives in-flight requests
+Stopping is bounded: on SIGTERM the router gives in-flight requests
 ``--shutdown-grace-s``, then cancels them (uvicorn alone would wait for a hanging stream
 forever); ``--disagg`` then stops P and D, SIGKILLing what is left after vLLM's teardown
 time (``server.launcher.process.TEARDOWN_S``). P and D stop on their own when the launcher dies

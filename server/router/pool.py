@@ -279,8 +279,8 @@ class Pool:
         not asked again, so a flood of health checks costs a live instance at most one probe per
         ``PROBE_MAX_AGE_S``. One last seen down is probed now (joining a probe in flight, so
         still one at a time): a background probe that saw it down just before it came back must
-        not make health say degraded about an instance that answers (CI 2026-12-05, a restarted
-        decode instance)."""
+        not make health say degraded about an instance that answers (a restarted decode
+        instance did, docs/pd_notes.md)."""
         await asyncio.gather(
             *(self.probe(i, PROBE_MAX_AGE_S if i.alive else 0.0) for i in self.all)
         )

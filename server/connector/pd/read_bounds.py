@@ -1,5 +1,5 @@
 """A P/D read that cannot start or finish ends in bounded time (recompute), never "KV fetch in
-progress" for good (issue 22). Two holes upstream ``NixlConnector`` (vLLM 0.32) leaves:
+progress" for good. Two holes upstream ``NixlConnector`` (vLLM 0.32) leaves:
 
 * **A read promised but never queued.** The scheduler parks a request in
   ``WAITING_FOR_REMOTE_KVS`` when the connector says "load async", and waits for the worker to
@@ -7,8 +7,8 @@ progress" for good (issue 22). Two holes upstream ``NixlConnector`` (vLLM 0.32) 
   raised, or a path of its skips the read: a client-set ``_remote_blocks_processed``, the host
   buffer on P), nothing is ever reported. No read exists, so reporting the request received
   with only its local tokens valid is safe: vLLM recomputes the rest, or frees the blocks of a
-  request aborted meanwhile (it waits for that report too: the engine-core assertion of the
-  issue came from a late one).
+  request aborted meanwhile (it waits for that report too: an engine-core assertion seen in
+  testing came from a late one).
 * **A read in flight that never completes.** Upstream bounds handshakes (a 5 s receive
   timeout) and reads that would start after D's deadline, not a transfer in flight. Past
   ``pull_timeout_s`` such a read is failed through upstream's own failure path (release the

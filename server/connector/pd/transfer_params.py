@@ -5,11 +5,12 @@ engine as is), and upstream ``NixlConnector`` reads it on the scheduler thread: 
 contact (host, port: heartbeats and handshakes), whose memory to read, and its own internal
 markers (``_remote_blocks_processed``, ``_p_side_truncated``) that it sets on the same dict
 after it processed it. A client that sets such a marker itself skips upstream's work, or ours:
-issue 22 read another tenant's KV with ``kvbranch_verified``, and hung (then killed) an engine
-with ``_remote_blocks_processed``. So, on the first sight of a request, before any upstream
-hook sees the dict, :func:`sanitize` keeps only :data:`INCOMING_KEYS`: the keys upstream's pull
-connector reads from a peer's handle (``nixl/pull_scheduler.py``, ``nixl/base_scheduler.py``,
-``nixl/metadata.py`` in vLLM 0.32) and our sealed fields and claim. Markers set later by
+a client-set ``kvbranch_verified`` once read another tenant's KV, and a client-set
+``_remote_blocks_processed`` hung (then killed) an engine (docs/pd_notes.md). So, on the first
+sight of a request, before any upstream hook sees the dict, :func:`sanitize` keeps only
+:data:`INCOMING_KEYS`: the keys upstream's pull connector reads from a peer's handle
+(``nixl/pull_scheduler.py``, ``nixl/base_scheduler.py``, ``nixl/metadata.py`` in vLLM 0.32) and
+our sealed fields and claim. Markers set later by
 upstream on the (now server-owned) dict keep working; the verification state itself lives on
 the server (:class:`server.connector.pd.verified_nixl.VerifiedNixlConnector`), never in the dict.
 

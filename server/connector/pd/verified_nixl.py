@@ -9,7 +9,7 @@
    what upstream lacks for correctness and for these machines:
 
    * **handles checked on first sight**: the client's ``kv_transfer_params`` are cut to an
-     allow-list before upstream reads them (no client-set marker survives: issue 22), a
+     allow-list before upstream reads them (no client-set marker survives), a
      handle naming a peer must be sealed, fresh, claimed (P), unused and of this engine's
      identity (tenant, adapter, model, KV dtype, block size), and the verdict is kept here,
      per engine request, not in the params (:mod:`~server.connector.pd.transfer_params`,
