@@ -28,7 +28,8 @@ from server.launcher.process import free_port
 from tests import prestart
 
 ROOT = Path(__file__).resolve().parents[2]
-#: A start takes 30-90 s on 2 busy cores; a launcher that stays alive never ends.
+#: Far above any start on a busy CI machine (docs/testing.md); a launcher that stays alive
+#: never ends.
 EXIT_WITHIN_S = 300
 
 
