@@ -218,3 +218,36 @@ def test_mla_on_the_cpu_loads_no_prefix():
     assert vllm_compat.prefix_reuse_off_reason(config(False, False)) is None
     assert vllm_compat.prefix_reuse_off_reason(config(True, True)) is None  # a GPU backend
     assert vllm_compat.prefix_reuse_off_reason(config(False, True)) is None
+
+
+def test_sparse_attention_groups_are_stored_as_attention():
+    """DeepSeek-V3.2 / GLM-5 (GPU only): the MLA latent and the indexer's keys are both
+    per-token caches that stay for the whole request (vLLM's MLAAttentionSpec, the indexer's
+    with ``cache_role=INDEXER``), so a slot keeps both groups' blocks of a position."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SparseCacheRole,
+    )
+
+    latent = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    indexer = MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=128,
+        dtype=torch.bfloat16,
+        cache_role=SparseCacheRole.INDEXER,
+    )
+    config = KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["l0.attn", "l1.attn"], latent),
+            KVCacheGroupSpec(["l0.indexer", "l1.indexer"], indexer),
+        ],
+    )
+    kinds = vllm_compat.kv_group_kinds(config)
+    assert kinds == [FULL_ATTENTION, FULL_ATTENTION]
+    assert store_off_reason(kinds, vllm_compat.kv_group_block_sizes(config)) is None
+    assert vllm_compat.kv_group_layers(config)[1] == ["l0.indexer", "l1.indexer"]
