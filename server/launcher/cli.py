@@ -55,7 +55,13 @@ from server.launcher.model_parsers import (
     parsers_for,
 )
 from server.launcher.model_support import hub_snapshot, read_config
-from server.launcher.phases import Phases, PhaseTracker, StdoutTee, watch_listening
+from server.launcher.phases import (
+    Phases,
+    PhaseTracker,
+    StdoutTee,
+    tells_engine_death,
+    watch_listening,
+)
 from server.launcher.settings import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
@@ -511,10 +517,14 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     start_reaper(plan.shutdown_grace_s)  # vLLM's engine core must not outlive us (SIGKILL)
     tracker = PhaseTracker()  # vLLM's own log lines tell the engine's phases
 
+    engine_died = threading.Event()
+
     def on_line(line: bytes) -> None:
         phase = tracker.phase_of(line)
         if phase is not None:
             phases.say(phase)
+        if tells_engine_death(line):
+            engine_died.set()
 
     tee = StdoutTee(on_line)
     stop = threading.Event()
@@ -528,6 +538,10 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
         watch_listening(vllm_args.host or "", vllm_args.port, on_ready, stop)
     try:
         uvloop.run(run_server(vllm_args))
+        if engine_died.is_set():  # vLLM stopped itself, as after a SIGTERM: say it failed
+            raise VLLMFailed("vLLM stopped: its engine core died (its error is in the log above)")
+    except VLLMFailed:
+        raise
     except Exception as exc:
         # vLLM's own traceback first (its root cause, e.g. the engine core's), then one line.
         traceback.print_exc()

@@ -24,7 +24,15 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["ENGINE_PHASES", "PhaseTracker", "Phases", "StdoutTee", "watch_listening"]
+__all__ = [
+    "ENGINE_DEATH_MARKERS",
+    "ENGINE_PHASES",
+    "PhaseTracker",
+    "Phases",
+    "StdoutTee",
+    "tells_engine_death",
+    "watch_listening",
+]
 
 #: (a vLLM 0.32 log line's marker, the phase it starts), in the order they happen.
 ENGINE_PHASES: tuple[tuple[bytes, str], ...] = (
@@ -37,6 +45,14 @@ ENGINE_PHASES: tuple[tuple[bytes, str], ...] = (
         b"init engine (profile, create kv cache, warmup model) took",
         "engine up; starting the HTTP server",
     ),
+)
+#: vLLM 0.32 log lines that say its engine died while serving (a fatal error in the engine core,
+#: the core's process gone, the API server's output handler failing). vLLM's server then shuts
+#: itself down and returns as it does from a requested stop: only these lines tell them apart.
+ENGINE_DEATH_MARKERS: tuple[bytes, ...] = (
+    b"EngineCore encountered a fatal error",
+    b"engine core exited unexpectedly",
+    b"AsyncLLM output_handler failed",
 )
 _MAX_PARTIAL = 64 * 1024  # a "line" longer than this is not one of vLLM's log lines
 
@@ -71,6 +87,11 @@ class PhaseTracker:
                 self._next = index + 1
                 return phase
         return None
+
+
+def tells_engine_death(line: bytes) -> bool:
+    """Whether this vLLM log line says its engine died (:data:`ENGINE_DEATH_MARKERS`)."""
+    return any(marker in line for marker in ENGINE_DEATH_MARKERS)
 
 
 class StdoutTee:

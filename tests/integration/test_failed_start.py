@@ -1,4 +1,5 @@
-"""A start that fails exits, and a model this machine cannot run is refused before vLLM loads.
+"""A start that fails exits, so does a server whose engine dies, and a model this machine cannot
+run is refused before vLLM loads.
 
 A start that fails exits: when vLLM fails after its engine core started, ``python -m server``
 ends with a non-zero status and one line saying why, so a supervisor (systemd, Kubernetes, the
@@ -172,3 +173,44 @@ def test_a_model_this_machine_cannot_run_is_refused_before_vllm_loads(tmp_path, 
     for word in words:
         assert word in last, last
     assert "starting vLLM" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_server_whose_engine_core_dies_exits_non_zero(tmp_path):
+    """vLLM's server stops itself when its engine core dies, and returns as from a requested
+    stop: the launcher must still exit with status 1, or a supervisor that restarts failed
+    services (systemd's Restart=on-failure) would leave it down."""
+    import httpx
+    import psutil
+
+    from server.launcher.process import ServerProcess
+
+    server = ServerProcess(
+        ["--kv-cache-gib", "0.25", "--max-model-len", "1024", "--no-connector"],
+        name="engine-dies",
+        ready_timeout=EXIT_WITHIN_S,
+    )
+    with prestart.reserved("engine-dies", engines=1):
+        server.start()
+        try:
+            assert server.proc is not None
+            cores = [
+                p
+                for p in psutil.Process(server.proc.pid).children(recursive=True)
+                if "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM::EngineCor")
+            ]
+            assert cores, [p.cmdline() for p in psutil.Process(server.proc.pid).children(True)]
+            cores[0].kill()
+            try:
+                server.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"still running 120 s after its engine core died:\n{server.log_tail()}")
+            assert server.proc.returncode == 1, server.log_tail()
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"{server.url}/v1/models", timeout=2.0)
+            log = server.log_tail(400)
+            errors = [line for line in log.splitlines() if line.startswith("error: ")]
+            assert errors == [
+                "error: vLLM stopped: its engine core died (its error is in the log above)"
+            ], log[-3000:]
+        finally:
+            server.stop()

@@ -107,3 +107,22 @@ def test_the_watch_stops_when_told():
         stop.set()
         thread.join(5.0)
         assert not thread.is_alive()
+
+
+def test_engine_death_lines_are_told_from_a_requested_stop():
+    from server.launcher.phases import tells_engine_death
+
+    died = (
+        b"(EngineCore pid=7) ERROR 12-06 02:26:27 [core.py:1512] EngineCore encountered a fatal "
+        b"error.",
+        b"(APIServer pid=6) WARNING [core_client.py:818] [shutdown] MPClient: engine core exited "
+        b"unexpectedly; starting cleanup",
+        b"(APIServer pid=6) ERROR [async_llm.py:906] AsyncLLM output_handler failed.",
+    )
+    assert all(tells_engine_death(line) for line in died)
+    stopped = (
+        b"(APIServer pid=6) INFO [core_client.py:777] [shutdown] MPClient: complete",
+        b"(EngineCore pid=7) INFO [core.py:1454] [shutdown] EngineCore: trigger received "
+        b"signal=SIGTERM",
+    )
+    assert not any(tells_engine_death(line) for line in stopped)
