@@ -91,7 +91,13 @@ async def run_config(
     profiler = StepProfiler(args.profile_dir / name) if args.profile_dir and connector else None
     server = common.start_server(
         name,
-        common.server_args(connector, args.kv_cache_gib, args.host_store_gib, args.max_model_len),
+        common.server_args(
+            connector,
+            args.kv_cache_gib,
+            args.host_store_gib,
+            args.max_model_len,
+            family_args(args.family),
+        ),
         reserved_cpus=args.reserved_cpus,
         env=profiler.env() if profiler else None,
     )
@@ -369,6 +375,25 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+def family_args(family: str | None) -> list[str]:
+    """The launcher flags that serve a tiny model of ``family`` (``tests/tiny_models.py``:
+    weights that make the answer depend on the history, the embedded model's tokenizer, so
+    the workload's token counts hold); none for the embedded model."""
+    if not family:
+        return []
+    from tests import tiny_models
+
+    return [
+        "--model",
+        str(tiny_models.ensure(family)),
+        "--served-model-name",
+        common.MODEL_NAME,  # the name every request of the workload uses
+        "--",
+        "--dtype",
+        tiny_models.family_of(family).dtype,
+    ]
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=150, help="new user+tool tokens per turn")
@@ -393,6 +418,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         type=Path,
         help="trace kvbranch's engine steps into this folder and split each turn's TTFT",
     )
+    ap.add_argument(
+        "--family",
+        default=None,
+        help="a tiny model family of tests/tiny_models.py (dense, mla, gpt-oss, gemma3, gdn, "
+        "mamba2) instead of the embedded model: its records are named config@family",
+    )
     common.add_run_args(ap)
 
 
@@ -412,11 +443,16 @@ def run(args: argparse.Namespace) -> list[Record]:
     reporting.write_json(
         raw, {"args": vars(args), "machine": info, "workload": workload, "results": results}
     )
-    png: Path | None = reporting.plot_path("turn_ttft.png", args.no_results)
-    if not plot(results, png):
+    png: Path | None = (
+        None if args.family else reporting.plot_path("turn_ttft.png", args.no_results)
+    )
+    if png is None or not plot(results, png):
         png = None
     reporting.publish(report(args, results, info, elapsed, png, raw), args.no_results)
-    return records_of(results, png)
+    records = records_of(results, png)
+    if args.family:  # one row per family beside the embedded model's
+        records = [dataclasses.replace(r, config=f"{r.config}@{args.family}") for r in records]
+    return records
 
 
 def records_of(results: dict[str, dict], png: Path | None) -> list[Record]:
