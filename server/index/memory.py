@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Generic, TypeVar
 
@@ -83,10 +84,13 @@ class MemoryIndexStore(IndexStore):
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
         block_ttl_s: float = DEFAULT_BLOCK_TTL_S,
         max_blocks: int = 1_000_000,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_holds < 1:
             raise ValueError("max_holds must be at least 1")
         super().__init__(hold_ttl_s)
+        #: The clock every TTL here runs on (a test moves its own instead of sleeping).
+        self.clock = clock
         self.max_holds = max_holds
         self.session_ttl_s = session_ttl_s
         self.block_ttl_s = block_ttl_s
@@ -104,7 +108,7 @@ class MemoryIndexStore(IndexStore):
     # --- session level ---------------------------------------------------------------------
 
     async def begin_turn(self, key: Key) -> TurnStart:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             item = self._holds.pop(key)
             hold: Hold | None = None
@@ -122,7 +126,7 @@ class MemoryIndexStore(IndexStore):
         return TurnStart(turn=turn, hold=hold, home=home, chain=list(chain))
 
     async def put_hold(self, key: Key, hold: Hold) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             current = self._holds.get(key, now)
             if current is not None and current.turn > hold.turn:
@@ -136,7 +140,7 @@ class MemoryIndexStore(IndexStore):
             return True
 
     async def peek_hold(self, key: Key) -> Hold | None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             item = self._holds.items.get(key)
             if item is None or item[0] <= now:
@@ -146,12 +150,12 @@ class MemoryIndexStore(IndexStore):
 
     async def set_home(self, tenant: str, session: str, instance_id: str) -> None:
         with self._lock:
-            self._homes.set((tenant, session), instance_id, time.monotonic() + self.session_ttl_s)
+            self._homes.set((tenant, session), instance_id, self.clock() + self.session_ttl_s)
 
     async def add_session_instances(
         self, tenant: str, session: str, instance_ids: list[str]
     ) -> None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             have = set(self._placement.get((tenant, session), now) or ())
             for iid in instance_ids:
@@ -162,7 +166,7 @@ class MemoryIndexStore(IndexStore):
 
     async def session_instances(self, tenant: str, session: str) -> set[str]:
         with self._lock:
-            return set(self._placement.get((tenant, session), time.monotonic()) or ())
+            return set(self._placement.get((tenant, session), self.clock()) or ())
 
     async def drop_session(self, tenant: str, session: str) -> int:
         with self._lock:
@@ -185,14 +189,14 @@ class MemoryIndexStore(IndexStore):
 
     async def heartbeat(self, record: InstanceRecord, ttl_s: float) -> None:
         with self._lock:
-            self._members.set(record.instance_id, record, time.monotonic() + ttl_s)
+            self._members.set(record.instance_id, record, self.clock() + ttl_s)
 
     async def deregister(self, instance_id: str) -> None:
         with self._lock:
             self._members.pop(instance_id)
 
     async def members(self) -> list[InstanceRecord]:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             self._members.sweep(now)
             return [r for _, r in self._members.items.values()]
@@ -200,7 +204,7 @@ class MemoryIndexStore(IndexStore):
     # --- block level -----------------------------------------------------------------------
 
     async def apply_blocks(self, batch: BlockBatch) -> None:
-        now = time.monotonic()
+        now = self.clock()
         owner = (batch.instance_id, batch.tier)
         with self._lock:
             for h in batch.removed:
@@ -215,7 +219,7 @@ class MemoryIndexStore(IndexStore):
     async def block_hits(
         self, chain: list[int], members: list[InstanceRecord]
     ) -> dict[str, BlockHits]:
-        now = time.monotonic()
+        now = self.clock()
         hits = {m.instance_id: BlockHits() for m in members}
         gens = {m.instance_id: m.generation for m in members}
         open_ = {(m.instance_id, t) for m in members for t in ("device", "host")}
@@ -234,7 +238,7 @@ class MemoryIndexStore(IndexStore):
     # --- housekeeping ----------------------------------------------------------------------
 
     async def sweep(self) -> int:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             dropped = self._holds.sweep(now)
             self.hold_counts.expired += dropped
@@ -247,7 +251,7 @@ class MemoryIndexStore(IndexStore):
 
     async def snapshot(self, tenant: str | None) -> list[dict[str, Any]]:
         await self.sweep()
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             return [
                 snapshot_row(k, h, at - now)
