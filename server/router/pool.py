@@ -151,9 +151,12 @@ class Pool:
         store: IndexStore | None = None,
         policy: str = CACHE_AWARE,
         registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if store is None and (not prefill_urls or not decode_urls):
             raise ValueError("a router needs at least one prefill and one decode instance")
+        #: The router clock every age and deadline here is read from (a test moves its own).
+        self.clock = clock
         self.prefills = [Instance(u.rstrip("/"), "prefill") for u in prefill_urls]
         self.decodes = [Instance(u.rstrip("/"), "decode") for u in decode_urls]
         self.client = client
@@ -209,7 +212,7 @@ class Pool:
         """Whether ``inst`` is up: its last probe when younger than ``max_age``, else the probe
         in flight if there is one, else a new probe. The probe runs on its own (shielded): a
         caller that goes away does not cancel it for the others."""
-        now = time.monotonic()
+        now = self.clock()
         if now < inst.ejected_until:
             return False
         if now - inst.checked_at < max_age:
@@ -243,12 +246,12 @@ class Pool:
             )  # a restart lost D's blocks
         if alive != inst.alive:
             logger.warning("%s %s is %s", inst.role, inst.url, "up" if alive else "DOWN")
-        inst.alive, inst.instance_id, inst.checked_at = alive, reported, time.monotonic()
+        inst.alive, inst.instance_id, inst.checked_at = alive, reported, self.clock()
         return alive
 
     def mark_down(self, inst: Instance) -> None:
         """``inst`` could not be reached: skip it until a probe finds it up again."""
-        inst.alive, inst.checked_at = False, time.monotonic()
+        inst.alive, inst.checked_at = False, self.clock()
         inst.failures += 1
 
     def failed(self, inst: Instance, *, reachable: bool = True) -> None:
@@ -261,7 +264,7 @@ class Pool:
             self.mark_down(inst)
         inst.consecutive_failures += 1
         if inst.consecutive_failures >= EJECT_AFTER_FAILURES:
-            inst.alive, inst.ejected_until = False, time.monotonic() + EJECT_S
+            inst.alive, inst.ejected_until = False, self.clock() + EJECT_S
             logger.warning(
                 "%s %s failed %d requests in a row: left out for %.0f s",
                 inst.role,
@@ -293,7 +296,7 @@ class Pool:
         self.records_refused += 1
         self._refused_metric.inc()
         self._refused_unlogged += 1
-        now = time.monotonic()
+        now = self.clock()
         if now - self._refused_logged_at >= REFUSED_LOG_INTERVAL_S:
             logger.warning(
                 "ignored %d index record(s) whose seal does not verify, the last for instance "
@@ -310,9 +313,9 @@ class Pool:
         """Follow the shared index's membership: learn new instances, leave out the ones whose
         heartbeat expired. The index unreachable: keep the last view — routers go on serving on
         affinity alone, and an instance that died meanwhile fails its probe."""
-        if self.store is None or time.monotonic() - self._members_at < max_age:
+        if self.store is None or self.clock() - self._members_at < max_age:
             return
-        self._members_at = time.monotonic()
+        self._members_at = self.clock()
         try:
             records = [r for r in await self.store.members() if self.trusted(r)]
         except IndexUnavailable as exc:
@@ -327,7 +330,7 @@ class Pool:
         if self.members_failures:
             logger.warning("index reachable again (%d failed reads)", self.members_failures)
             self.members_failures = 0
-        now = time.monotonic()
+        now = self.clock()
         if not records and any(i.listed and not i.seed for i in self.all):
             # Everyone gone at once, without a failed read in between: the index lost its
             # records (a fast failover), not the fleet. Keep the last view for one heartbeat
@@ -375,7 +378,7 @@ class Pool:
     def routable(self, instances: list[Instance]) -> bool:
         """Some instance of ``instances`` would get a turn now (as last probed). Health reports
         this, so it says degraded whenever turns would get 503."""
-        now = time.monotonic()
+        now = self.clock()
         return any(self.usable(i, now) for i in instances)
 
     def fresh(self, inst: Instance, now: float) -> bool:
@@ -387,11 +390,11 @@ class Pool:
         background refresh (:meth:`keep_fresh`) keeps them fresh, so a turn rarely waits."""
         await self.refresh_members()
         candidates = [i for i in instances if i.eligible]
-        now = time.monotonic()
+        now = self.clock()
         stale = [i for i in candidates if not self.fresh(i, now)]
         if stale:
             await asyncio.gather(*(self.probe(i) for i in stale))
-        now = time.monotonic()
+        now = self.clock()
         return [i for i in candidates if self.usable(i, now)]
 
     async def keep_fresh(self) -> None:
@@ -401,7 +404,7 @@ class Pool:
         while True:
             try:
                 await self.refresh_members(max_age=MEMBERS_MAX_AGE_S * 0.9)  # about once a second
-                soon = time.monotonic() + PROBE_MAX_AGE_S / 2
+                soon = self.clock() + PROBE_MAX_AGE_S / 2
                 due = [i for i in self.all if i.eligible and not self.fresh(i, soon)]
                 if due:
                     await asyncio.gather(*(self.probe(i, PROBE_MAX_AGE_S / 2) for i in due))

@@ -16,13 +16,24 @@ from tests.unit.server.router.fakes import D, base_of, json_reply
 PS = [f"http://p{i}.test:1" for i in range(3)]
 
 
-def _pool(down: set[str]) -> Pool:
+class FakeClock:
+    """The pool's router clock, moved by the test: ages and deadlines without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pool(down: set[str], clock: FakeClock | None = None) -> Pool:
     def handler(request: httpx.Request) -> httpx.Response:
         if base_of(request) in down:
             raise httpx.ConnectError("refused", request=request)
         return json_reply(200, {"instance_id": base_of(request)})
 
-    return Pool(PS, [D], client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return Pool(PS, [D], client=client, clock=clock or FakeClock())
 
 
 def _placement(pool: Pool, sessions: list[str]) -> dict[str, str]:
@@ -59,9 +70,9 @@ def test_sessions_spread_over_prefills_and_stay_put_when_another_one_leaves_and_
     assert _placement(pool, sessions) == before, "sessions did not return to their prefill"
 
 
-def test_an_instance_failing_requests_is_ejected_then_tried_again(monkeypatch):
-    monkeypatch.setattr(pool_mod, "EJECT_S", 0.2)
-    pool = _pool(set())
+def test_an_instance_failing_requests_is_ejected_then_tried_again():
+    clock = FakeClock()
+    pool = _pool(set(), clock)
     p0 = pool.prefills[0]
 
     async def live() -> list[str]:
@@ -75,10 +86,10 @@ def test_an_instance_failing_requests_is_ejected_then_tried_again(monkeypatch):
     p0.checked_at = 0.0  # its health check answers 200: ejection wins over it
     assert PS[0] not in asyncio.run(live())
     assert not p0.info()["alive"] and p0.info()["failures"] == pool_mod.EJECT_AFTER_FAILURES
+    clock.now += pool_mod.EJECT_S - 0.01
     p0.checked_at = 0.0
-    import time
-
-    time.sleep(0.25)
+    assert PS[0] not in asyncio.run(live()), "tried again before the ejection ended"
+    clock.now += 0.01
     assert PS[0] in asyncio.run(live()), "not tried again after the ejection"
     pool.failed(p0)  # still failing: out again at once
     assert PS[0] not in asyncio.run(live())
