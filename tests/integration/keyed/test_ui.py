@@ -17,6 +17,9 @@ import shutil
 
 import httpx
 import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
 
 from server.common.ui_page import UI_DATA_PATH, UI_PATH
 from tests.integration.helpers import system_prompt
@@ -27,11 +30,9 @@ SESSION, SECRET = "ui-agent", "ui-b-secret"
 BRANCH_HEADER = "X-KVBranch-Branch"
 SOURCES = ("device", "host", "remote", "recomputed")
 
-webdriver = pytest.importorskip("selenium.webdriver")
-pytestmark = pytest.mark.skipif(
-    shutil.which("chromium") is None or shutil.which("chromedriver") is None,
-    reason="Debian's chromium and chromium-driver are not installed (scripts/setup.sh does it)",
-)
+#: Debian's browser and its driver: scripts/setup.sh installs them (scripts/system-packages.txt)
+#: as it installs selenium (the dev extra); without them this test fails, it is not skipped.
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
 def _client(server, key):
@@ -65,16 +66,16 @@ def _streamed_turn(c, server, messages, branch="main", session=SESSION):
     return split, text
 
 
-def _browser():
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
+def _browser() -> webdriver.Chrome:
+    assert CHROMIUM and CHROMEDRIVER, (
+        "Debian's chromium and chromium-driver are not installed (scripts/setup.sh installs them)"
+    )
     options = Options()
-    options.binary_location = shutil.which("chromium")
+    options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(arg)
     options.add_argument("--window-size=1200,900")
-    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,16 @@ for a colder one, and never while it decodes. Pure rules with small fakes at the
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
+from transformers import LlamaConfig
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -28,7 +33,6 @@ from server.engine.scheduler import (
     preemption_victim,
     requests_to_pass,
 )
-from server.launcher.model_cache import default_model_dir
 
 BS = 16
 #: Priorities as the plugin encodes them (deadline s, level): a cold 1-4k-token prefill, a
@@ -38,12 +42,31 @@ NUM_BLOCKS = 20  # one is vLLM's null block: 19 usable
 STEP_TOKENS = 256
 
 
+@functools.cache
+def model_folder() -> Path:
+    """A model folder of the tests' own, with a config only: the scheduler reads the model's
+    config, never its weights or tokenizer, so these tests need neither the embedded model nor a
+    way to skip when it is not built."""
+    folder = Path(tempfile.mkdtemp(prefix="kvb-scheduler-model-"))
+    atexit.register(shutil.rmtree, folder, True)
+    LlamaConfig(
+        vocab_size=256,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+    ).save_pretrained(folder)
+    return folder
+
+
 def make(
     cls: type[Scheduler] = WarmFirstScheduler, policy: str = "priority", chunk: int = 0
 ) -> Scheduler:
-    if not (default_model_dir() / "config.json").exists():
-        pytest.skip("the embedded model is not built (scripts/setup.sh builds it)")
-    model = ModelConfig(model=str(default_model_dir()), dtype="float32", max_model_len=1024)
+    model = ModelConfig(
+        model=str(model_folder()), dtype="float32", max_model_len=1024, skip_tokenizer_init=True
+    )
     sched = SchedulerConfig(
         max_num_seqs=8,
         max_num_batched_tokens=STEP_TOKENS,
