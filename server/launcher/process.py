@@ -2,7 +2,7 @@
 the benchmarks and ``--disagg`` (they all need the same readiness wait and whole-process-group
 teardown) — and make sure nothing it starts outlives it.
 
-Lifetime rules (issue 13): a child started by :class:`ServerProcess` stops when its launcher
+Lifetime rules: a child started by :class:`ServerProcess` stops when its launcher
 dies, even by SIGKILL (:func:`die_with_launcher`: the kernel's parent-death signal where the
 launching thread is the main one, and a watchdog thread polling the parent pid everywhere); and
 an instance's own children (vLLM's engine core) stop when the instance dies
@@ -242,7 +242,7 @@ class ServerProcess:
         # vLLM's dev routes (reset_prefix_cache, sleep, collective_rpc, ...) only when the
         # caller's environment or ``env`` asks for them (VLLM_SERVER_DEV_MODE=1): never by default.
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.extra_env)
-        env[ENV_PARENT_PID] = str(os.getpid())  # the child stops when we die (issue 13)
+        env[ENV_PARENT_PID] = str(os.getpid())  # the child stops when we die
         if threading.current_thread() is threading.main_thread():
             env[ENV_PARENT_DEATHSIG] = "1"
         else:

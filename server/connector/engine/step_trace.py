@@ -1,4 +1,5 @@
-"""Per-step timing of the engine, seen from the connector's hooks (issue 14's profile).
+"""Per-step timing of the engine, seen from the connector's hooks (what
+``benchmarks/turn_ttft --profile-dir`` splits each turn's TTFT with).
 
 When ``KVBRANCH_STEP_TRACE`` names a folder, each role of the connector appends one JSON line
 per engine step to ``<folder>/<role>-<pid>.jsonl``:
