@@ -324,6 +324,10 @@ def plan_launch(
     env[ENV_ADVERTISE_URL] = advertise_url(args)
     if args.cpu_cores and not cuda:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_cores
+    if control_socket and not cuda and args.role not in PD_ROLES:
+        reserved = reserved_cpu_cores(passthrough)
+        if reserved is not None:
+            env[ENV_RESERVED_CPUS] = reserved
     if args.role in PD_ROLES:
         env.update(pd_environment(args))
     if keys:
@@ -339,6 +343,44 @@ def plan_launch(
         chosen_parsers=chosen,
         model_config=config,
     )
+
+
+#: How many cores vLLM's CPU worker keeps off its OpenMP threads
+#: (``vllm/utils/ompmultiprocessing.py``).
+ENV_RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def reserved_cpu_cores(passthrough: list[str]) -> str | None:
+    """The cores vLLM's CPU worker keeps off its OpenMP threads in plain vLLM: one per local
+    rank (tensor x pipeline parallel) for the engine core process. With any KV connector
+    configured vLLM reserves one more per rank (meant for NIXL's thread in P/D), so the
+    kvbranch connector alone would compute with one OpenMP thread fewer than plain vLLM (on 2
+    cores, where that reservation cannot be met, with two threads instead of one): its float
+    reductions split differently, greedy logprobs drift from plain vLLM's and tokens can flip
+    (docs/models.md). ``None`` where the user chose (``VLLM_CPU_NUM_OF_RESERVED_CPU`` in the
+    environment). P/D keeps vLLM's extra core: NIXL is what it is for, and the plain P/D
+    baseline has it too."""
+    if ENV_RESERVED_CPUS in os.environ:
+        return None
+    ranks = 1
+    for flags in (
+        ("--tensor-parallel-size", "-tp"),
+        ("--pipeline-parallel-size", "-pp"),
+    ):
+        value = flag_value(passthrough, flags[0]) or short_flag_value(passthrough, flags[1])
+        if value and value.isdigit():
+            ranks *= int(value)
+    return str(ranks)
+
+
+def short_flag_value(passthrough: list[str], flag: str) -> str | None:
+    """The value of a short vLLM flag (``-tp 2`` or ``-tp=2``; the last one wins)."""
+    value = None
+    for i, arg in enumerate(passthrough):
+        name, eq, rest = arg.partition("=")
+        if name == flag:
+            value = rest if eq else (passthrough[i + 1] if i + 1 < len(passthrough) else "")
+    return value
 
 
 def flag_value(passthrough: list[str], flag: str) -> str | None:

@@ -547,3 +547,34 @@ def test_a_launched_server_is_told_its_launcher(monkeypatch):
     server.launch()
     assert seen["env"][ENV_PARENT_PID] == str(os.getpid())
     assert seen["env"][ENV_PARENT_DEATHSIG] == "1"  # launched from the main thread
+
+
+@pytest.mark.parametrize(
+    ("passthrough", "reserved"),
+    [
+        ([], "1"),
+        (["--tensor-parallel-size", "2"], "2"),
+        (["-tp", "2", "--pipeline-parallel-size=2"], "4"),
+        (["-pp=2"], "2"),
+    ],
+)
+def test_plan_reserves_the_cores_plain_vllm_reserves(model_dir, monkeypatch, passthrough, reserved):
+    # vLLM reserves one more core per rank for any KV connector: the kvbranch connector alone
+    # would then run the model on other OpenMP threads than plain vLLM, and round differently
+    monkeypatch.delenv(cli.ENV_RESERVED_CPUS, raising=False)
+    plan = plan_launch(parse("--model", str(model_dir)), passthrough, cuda=False)
+    assert plan.env[cli.ENV_RESERVED_CPUS] == reserved
+
+
+@pytest.mark.parametrize("extra", [["--no-connector"], ["--role", "prefill"]])
+def test_plan_leaves_the_reserved_cores_to_vllm_without_our_connector_alone(
+    model_dir, monkeypatch, extra
+):
+    monkeypatch.delenv(cli.ENV_RESERVED_CPUS, raising=False)
+    plan = plan_launch(parse("--model", str(model_dir), *extra), [], cuda=False)
+    assert cli.ENV_RESERVED_CPUS not in plan.env
+    plan = plan_launch(parse("--model", str(model_dir)), [], cuda=True)
+    assert cli.ENV_RESERVED_CPUS not in plan.env
+    monkeypatch.setenv(cli.ENV_RESERVED_CPUS, "0")  # the user's own choice stands
+    plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
+    assert cli.ENV_RESERVED_CPUS not in plan.env
