@@ -22,6 +22,8 @@ import sys
 
 def main(argv: list[str]) -> int:
     from server.launcher.cli import build_parser, plan_launch, split_passthrough
+    from server.launcher.model_parsers import fit_parsers
+    from server.launcher.model_support import parser_misfit
     from server.launcher.process import die_with_launcher, start_reaper
 
     ours, passthrough = split_passthrough(argv)
@@ -41,6 +43,11 @@ def main(argv: list[str]) -> int:
 
     vllm_args = make_arg_parser(FlexibleArgumentParser(prog="vllm")).parse_args(plan.vllm_argv)
     validate_parsed_serve_args(vllm_args)
+    # The parsers the launcher chose by model, refitted to the model's tokenizer as the
+    # launcher does (a tiny model folder carries another family's tokenizer).
+    refit = fit_parsers(vllm_args, plan.chosen_parsers, parser_misfit)
+    if refit:
+        print(refit, file=sys.stderr, flush=True)
     start_reaper(plan.shutdown_grace_s)
     uvloop.run(run_server(vllm_args))
     return 0
