@@ -18,12 +18,14 @@ vLLM server on every answer (greedy, token for token).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx
 import pytest
 
 from sdk.contract import CLAIM_FIELD, HOLD_CLAIM_PATH
+from server.connector.pd import transfer_auth
 from server.connector.pd.transfer_auth import (
     EXPIRES_FIELD,
     MAC_FIELD,
@@ -390,6 +392,69 @@ def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
     assert answer in (None, expected)
     assert answer is None or r.json()["kvbranch"]["remote_hit_tokens"] == 0
     assert _declined_since(prefill, before) == {"identity": 1}
+
+
+def _claim_past_its_read_deadline(claimed: dict) -> dict:
+    """D's claim on ``claimed`` as D signs it, still valid on the wall clock (P's own check, made
+    when the scheduler offers the pull) but with the read deadline on D's ``perf_counter`` (what
+    P's NIXL worker checks right before it reads) already past: the hold ended between P's
+    check and P's read."""
+    claim = claimed[CLAIM_FIELD]
+    body = {
+        "handle": claim["handle"],
+        "until": claim["until"],
+        "until_perf": time.perf_counter() - 1.0,
+    }
+    return dict(
+        body, mac=transfer_auth._mac(SECRET.encode(), json.dumps(body, sort_keys=True).encode())
+    )
+
+
+def _reads_declined_as_expired(server) -> float:
+    """NIXL's own count of reads its worker declined because D's deadline had passed."""
+    with client(server) as c:
+        r = c.get("/metrics")
+    assert r.status_code == 200, r.text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in r.text.splitlines()
+        if line.startswith("vllm:nixl_num_kv_expired_reqs_total")
+    )
+
+
+def test_a_pull_whose_hold_ends_before_the_read_recomputes_and_later_pulls_run(pd, plain_server):
+    """P checks the claim, queues the read, and NIXL's worker then finds D's deadline passed and
+    fails the read. With the failure policy P runs ("recompute") vLLM 0.32 puts the turn back in
+    the queue with its handle and upstream alone offers D's tokens again without reading them:
+    the turn waited forever (docs/pd.md, "A pull that fails"). Here it is recomputed: the plain
+    server's answer, in bounded time; a later pull still runs."""
+    prefill, decode, router = pd
+    messages, session, handle, turn2, expected = _held_turn(decode, plain_server, "late")
+    _empty_prefill_caches(prefill)
+    r = _claim(decode, handle)
+    assert r.status_code == 200, r.text
+    late = dict(handle, **{CLAIM_FIELD: _claim_past_its_read_deadline(dict(handle, **r.json()))})
+    declined, expired = _declined(prefill), _reads_declined_as_expired(prefill)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    turn = pool.submit(_at_p, prefill, decode, turn2, late)
+    try:  # the bound: seconds of work (a failed read, a ~300-token prefill), not minutes
+        r, answer = turn.result(timeout=180)
+    except concurrent.futures.TimeoutError:
+        pytest.fail("P's turn hangs after its failed pull (it waits for a read never queued)")
+    finally:
+        pool.shutdown(wait=False)  # a hung turn ends when the cluster stops
+    assert answer == expected
+    assert r.json()["kvbranch"]["remote_hit_tokens"] == 0
+    assert _declined_since(prefill, declined) == {}  # passed every check of ours ...
+    assert _reads_declined_as_expired(prefill) > expired  # ... and NIXL's worker failed it
+    # A later pull from the same D: read, same answer.
+    fresh = _held_handle(decode, messages, session)
+    _empty_prefill_caches(prefill)
+    r = _claim(decode, fresh)
+    assert r.status_code == 200, r.text
+    r, answer = _at_p(prefill, decode, turn2, dict(fresh, **r.json()))
+    assert answer == expected
+    assert r.json()["kvbranch"]["remote_hit_tokens"] > 0
 
 
 def test_a_prefill_handle_for_another_prompt_is_not_read_by_d(pd, plain_server):

@@ -303,8 +303,11 @@ class VerifiedNixlConnector(NixlConnector):
             seen = self._admit(request)
             if seen.processed:
                 # One read per request. Upstream leaves D's block list in the params after it
-                # queued the read; a P request asked again (preempted) would be told to wait
-                # for a second read upstream never queues: "KV fetch in progress" for good.
+                # queued the read; a P request asked again would be told to wait for a second
+                # read upstream never queues: "KV fetch in progress" for good. Asked again:
+                # preempted, or put back in the queue after its read failed (the recompute
+                # policy: the hold ended before the read, D died), which must recompute
+                # (docs/pd.md, "A pull that fails").
                 return 0, False
             seen.local_tokens = num_computed_tokens
             params = request.kv_transfer_params
