@@ -16,7 +16,7 @@ The bundled 135M model answers in prose when it may choose, so the model node fo
 on the first step of a turn (a named ``tool_choice``) and answers after the tool result. The
 tool is ``strict``: vLLM then constrains its arguments by the tool's JSON schema (guided
 decoding), here an enum of the cities the tool knows, instead of letting the small model
-write a bare string. Needs the ``langchain`` extra (langchain-core, langgraph).
+write a bare string. Needs the ``langgraph`` extra (langchain-core, langgraph).
 """
 
 from __future__ import annotations

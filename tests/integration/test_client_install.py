@@ -1,7 +1,8 @@
 """The client alone, as an agent app installs it: ``pip install "<clone>[langchain]"`` into a
 clean virtual environment (no vLLM, no torch), then a LangChain ``ChatKVBranch`` and the sdk in
 that environment talk to the real server this test session started — the answer is the plain
-vLLM server's, token for token. Keeps the README's "Install the client alone" true."""
+vLLM server's, token for token. LangGraph is its own extra: the LangChain integration works
+without it. Keeps the README's "Install the client alone" true."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ SCRIPT = textwrap.dedent(
     from sdk import KVBranchClient
 
     url, model, prompt = sys.argv[1:4]
-    heavy = [m for m in ("vllm", "torch") if importlib.util.find_spec(m) is not None]
+    heavy = [m for m in ("vllm", "torch", "langgraph") if importlib.util.find_spec(m) is not None]
     llm = ChatKVBranch(model=model, base_url=url + "/v1", temperature=0, max_tokens=12)
     reply = llm.invoke(prompt, config={"configurable": {"thread_id": "client-only-1"}})
     with KVBranchClient(url) as client:
@@ -75,7 +76,7 @@ def test_the_client_alone_talks_to_the_server(client_venv, kvbranch_server, plai
     )
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["heavy"] == []  # no vLLM, no torch in the client's environment
+    assert out["heavy"] == []  # no vLLM, no torch, no LangGraph in the client's environment
     expected = text_of(chat(plain_server, [{"role": "user", "content": prompt}], max_tokens=12))
     assert out["text"] == expected
     assert out["cache_split"]["prompt_tokens"] > 0

@@ -296,6 +296,20 @@ def test_find_gguf_without_package(monkeypatch):
         mc.find_gguf()
 
 
+def test_convert_without_the_demo_extra_says_what_to_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "gguf" else real(name, *a),
+    )
+    with pytest.raises(ModelCacheError, match=r"needs gguf: pip install 'kvbranch\[demo\]'"):
+        mc.convert(tmp_path / "model.gguf", tmp_path / "model")
+    assert not (tmp_path / "model").exists()
+
+
 # --- default_model_dir ------------------------------------------------------------------------
 @pytest.fixture
 def no_dir_env(monkeypatch):

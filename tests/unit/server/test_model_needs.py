@@ -115,11 +115,14 @@ def test_sparse_attention_passes_on_cuda_and_dense_mla_on_cpu(tmp_path):
 
 # --- torchvision ------------------------------------------------------------------------------
 def test_qwen3_5_without_torchvision_is_refused_saying_what_to_install():
-    reason = install_refusal(QWEN3_5, missing=lambda name: f"ModuleNotFoundError: {name}")
+    def never(name: str) -> str:
+        raise AssertionError("imported what is not installed")
+
+    reason = install_refusal(QWEN3_5, missing=never, installed=lambda name: False)
     assert reason is not None and "\n" not in reason
     assert "Qwen3_5MoeForConditionalGeneration" in reason
     assert "install the torchvision release built for the installed torch" in reason
-    assert install_refusal(QWEN3_5, missing=lambda name: None) is None
+    assert install_refusal(QWEN3_5, missing=lambda name: None, installed=lambda name: True) is None
 
 
 def test_only_the_models_that_import_it_need_torchvision():
@@ -127,7 +130,17 @@ def test_only_the_models_that_import_it_need_torchvision():
         raise AssertionError("imported for a model that does not need it")
 
     for config in (QWEN3_NEXT, LLAMA, DEEPSEEK_V3, None, {"architectures": "x"}):
-        assert install_refusal(config, missing=never) is None
+        assert install_refusal(config, missing=never, installed=lambda name: False) is None
+
+
+def test_a_torchvision_that_does_not_import_is_refused_for_every_model():
+    broken = "RuntimeError: operator torchvision::nms does not exist"
+    for config in (LLAMA, QWEN3_5, None):
+        reason = install_refusal(config, missing=lambda name: broken, installed=lambda n: True)
+        assert reason is not None and "\n" not in reason
+        assert broken in reason
+        assert "pip uninstall torchvision torchaudio torchcodec" in reason
+    assert install_refusal(LLAMA, missing=lambda name: None, installed=lambda n: True) is None
 
 
 def test_missing_module_reports_an_import_that_fails():
