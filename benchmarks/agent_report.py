@@ -246,7 +246,7 @@ def records_of(
     sessions x turns and device budget, so that profiles keep their own latest numbers)."""
     p = workload["params"]
     prefix = f"{args.profile} {p['sessions']}x{p['turns']}, {args.kv_cache_gib} GiB: "
-    plots = (png.name,) if png is not None and png.parent == reporting.BENCH_DIR else ()
+    plots = reporting.plot_ref(png)
     names = list(sums)
     late_p50 = prefix + "p50 TTFT turns >= 5"
     out = [result(NAME, n, late_p50, sums[n]["ttft_p50_late"], "s", plots=plots) for n in names]

@@ -33,7 +33,7 @@ Per configuration: TTFT p50/p95 per turn index, job completion time per session,
 by source (device cache / host store / recomputed, from the server's accounting), output
 tokens per second, peak summed RSS of the server's process group; ratios against plain vLLM.
 Raw data and the workload go to benchmarks/out/; a TTFT-vs-turn plot to
-benchmarks/agent_workload_<profile>.png (``_pd.png`` for runs of P/D configurations only); a
+benchmarks/plots/agent_workload_<profile>.png (``_pd.png`` for runs of P/D configurations only); a
 report is printed and its records written (benchmarks/README.md).
 
 Over 400 lines on purpose: the workload, its runner and the command line read as one script;

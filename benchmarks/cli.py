@@ -27,7 +27,7 @@ def usage(entries: dict[str, registry.Entry]) -> str:
     width = max([len(n) for n in entries] + [len("report")])
     lines = [
         f"usage: {PROG} <benchmark> [options]   ({PROG} <benchmark> --help: its options)",
-        f"       {PROG} report [--check]        (rebuild benchmarks/RESULTS.md from the records)",
+        f"       {PROG} report [--check]        (RESULTS.md and the README's figures)",
         "",
         "benchmarks:",
     ]

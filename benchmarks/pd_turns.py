@@ -20,7 +20,7 @@ core 0). Conversations run one after the other; each turn adds a tool observatio
 content token through the router (or the single server). Greedy outputs are compared across
 configurations turn by turn.
 
-Raw data: benchmarks/out/pd_turns-<time>.json; plot: benchmarks/pd_turns.png; the report is
+Raw data: benchmarks/out/pd_turns-<time>.json; plot: benchmarks/plots/pd_turns.png; the report is
 printed and the records written to benchmarks/results/ (unless --no-results).
 """
 
@@ -259,7 +259,7 @@ def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: f
             r["turns"][i]["content"] == t["content"] for r in results[1:] if i < len(r["turns"])
         )
     lines.append(f"- Greedy outputs identical across {', '.join(names)}: {same}/{total} turns.")
-    lines.append("- Plot: `benchmarks/pd_turns.png`.")
+    lines.append("- Plot: `benchmarks/plots/pd_turns.png`.")
     return "\n".join(lines)
 
 
@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> list[Record]:
     plot(results, args.turns, png)
     reporting.publish(report(results, args, info, elapsed), args.no_results)
     log(f"raw data: {out}")
-    return records_of(results, () if args.no_results else (png.name,))
+    return records_of(results, reporting.plot_ref(png))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import Any
 
 from benchmarks import reporting
 
-PLOTS_DIR = reporting.BENCH_DIR / "plots"
+PLOTS_DIR = reporting.PLOTS_DIR
 #: The log every run appended its tables to until 2026-12-05 (RESULTS.md is generated now).
 HISTORY_MD = reporting.BENCH_DIR / "history" / "RESULTS-log-2026.md"
 RAW_KINDS = ("turn_ttft", "agent_workload", "pd_turns")

@@ -1,48 +1,46 @@
-"""``python -m benchmarks report``: ``benchmarks/RESULTS.md`` rebuilt from the records alone.
+"""``python -m benchmarks report``: ``benchmarks/RESULTS.md`` and the README's figures rebuilt
+from the records alone.
 
 Why generated: the file used to be a log appended by every run with a headline table written by
-hand, which drifted from the sections below it. Here the headline is every target of the latest
-numbers (met or not), and each benchmark gets one short section with its latest numbers and the
-run(s) they come from (machine, commit, command, plots). The output is a pure function of the
-records — no clock, no machine probe — so ``report --check`` can tell whether the committed file
-is what the committed records give.
+hand, which drifted from the sections below it. Here the headline is the few claims chosen in
+``benchmarks/headline.toml`` (:mod:`benchmarks.headline`), the same rows the README shows between
+its markers, and each benchmark gets one short section with its latest numbers and the run(s)
+they come from (machine, commit, command, plots). The output is a pure function of the records
+— no clock, no machine probe — so ``report --check`` can tell whether the committed files are
+what the committed records give.
 
 "Latest" is per number: for each benchmark, the newest record of every (config, metric) pair.
 A benchmark whose profiles measure different metrics (a quick and a full profile) keeps the
-latest of each, each shown with its own run.
+latest of each, each shown with its own run. Numbers measured per agent count are one table row
+per count (:func:`per_count_table`), so that a sweep takes a few lines, not one line a number.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
-from benchmarks import records
+from benchmarks import headline, records
 from benchmarks.records import Record
+from benchmarks.report_format import cell, fmt_value
 
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+README_MD = Path(__file__).resolve().parent.parent / "README.md"
 HISTORY = "history/RESULTS-log-2026.md"
-
-
-def fmt_value(r: Record) -> str:
-    if not math.isfinite(r.value):
-        return "n/a"
-    text = f"{int(r.value)}" if r.value.is_integer() and abs(r.value) < 1e15 else f"{r.value:g}"
-    return f"{text} {r.unit}" if r.unit else text
+#: ``config@variant``: a config run on another model family (``turn_ttft --family NAME``).
+VARIANT = "@"
+#: A metric measured at one agent count of a sweep: ``bfcl agents=4 resumed TTFT p90``.
+PER_COUNT = re.compile(r"^(?P<head>.*?)\bagents=(?P<n>\d+) (?P<what>.+)$")
 
 
 def fmt_met(r: Record) -> str:
     if not r.target:
         return ""
     return "–" if r.met is None else ("MET" if r.met else "**NOT MET**")
-
-
-def cell(text: str) -> str:
-    """Text safe inside a Markdown table cell."""
-    return " ".join(text.replace("|", "\\|").split())
 
 
 def run_key(r: Record) -> tuple[str, str, str, str]:
@@ -66,80 +64,194 @@ def latest(all_records: list[Record]) -> dict[str, list[Record]]:
     }
 
 
-def headline(by_bench: dict[str, list[Record]]) -> list[str]:
-    lines = [
-        "## Headline: every target, latest numbers",
-        "",
-        "| benchmark | config | metric | value | target | met | date |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    n = 0
-    for bench, rows in by_bench.items():
-        for r in rows:
-            if r.target:
-                n += 1
-                lines.append(
-                    f"| [{bench}](#{anchor(bench)}) | {cell(r.config)} | {cell(r.metric)} | "
-                    f"{fmt_value(r)} | {cell(r.target)} | {fmt_met(r)} | {r.date} |"
-                )
-    if not n:
-        lines.append("| – | – | no record states a target | – | – | – | – |")
-    return lines
-
-
 def anchor(bench: str) -> str:
     """GitHub's heading anchor of a section titled with the benchmark's name."""
     return "".join(c for c in bench.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
 
 
-def section(bench: str, rows: list[Record]) -> list[str]:
-    lines = [f"## {bench}", ""]
+def runs_of(rows: list[Record]) -> dict[tuple[str, str, str, str], list[Record]]:
+    """The section's records grouped by the run that wrote them, newest run first."""
     runs: dict[tuple[str, str, str, str], list[Record]] = {}
     for r in rows:
         runs.setdefault(run_key(r), []).append(r)
-    for (date, commit, command, machine), recs in runs.items():
-        lines.append(f"- Run {date}, git {commit or '?'}: `{command or '?'}`")
-        lines.append(f"- Machine: {machine or '?'}")
-        plots = sorted({p for r in recs for p in r.plots})
-        if plots:
-            lines.append("- Plots: " + ", ".join(f"[{p}]({p})" for p in plots))
-        shared = {r.note for r in recs}
-        if len(shared) == 1 and recs[0].note:  # the run's note: once, not in every row
-            lines.append(f"- Note: {cell(recs[0].note)}")
-        own = len(shared) > 1
-        lines += [
-            "",
-            "| config | metric | value | target | met |" + (" note |" if own else ""),
-            "|---|---|---|---|---|" + ("---|" if own else ""),
-        ]
-        lines += [
-            f"| {cell(r.config)} | {cell(r.metric)} | {fmt_value(r)} | {cell(r.target)} "
-            f"| {fmt_met(r)} |" + (f" {cell(r.note)} |" if own else "")
-            for r in recs
-        ]
-        lines.append("")
+    return runs
+
+
+def shared_note(recs: list[Record]) -> list[str]:
+    """The parts of the records' notes (``; ``-separated) that every record of the run has: said
+    once for the run instead of in every cell."""
+    parts = [r.note.split("; ") if r.note else [] for r in recs]
+    return [p for p in parts[0] if all(p in other for other in parts[1:])]
+
+
+def own_note(r: Record, shared: list[str]) -> str:
+    return "; ".join(p for p in (r.note.split("; ") if r.note else []) if p not in shared)
+
+
+def run_lines(recs: list[Record], shared: list[str]) -> list[str]:
+    """Where one run's numbers come from: date, commit, machine and command in one line, what
+    every record's note says in a second."""
+    r = recs[0]
+    lines = [f"- Run {r.date}, git {r.commit or '?'}, {r.machine or '?'}: `{r.command or '?'}`"]
+    if shared:
+        lines.append(f"  Note: {cell('; '.join(shared))}")
     return lines
 
 
-def render(all_records: list[Record]) -> str:
-    """The whole RESULTS.md for these records (deterministic: no clock, no probe)."""
-    by_bench = latest(all_records)
+def value_cell(r: Record, shared: list[str]) -> str:
+    """A value with its own note and its target's verdict, for one cell of a run's table."""
+    text = fmt_value(r.value, r.unit)
+    note = own_note(r, shared)
+    if note:
+        text += f" ({cell(note)})"
+    if r.target:
+        text += f" (target {cell(r.target)}: {fmt_met(r)})"
+    return text
+
+
+def pivot(
+    keyed: list[tuple[str, str, Record]], first: str, fmt: Callable[[Record], str]
+) -> list[str]:
+    """A table of (row, column, record) triples: one row per row key, one column per column key,
+    both in the order the run wrote them."""
+    rows: dict[str, dict[str, Record]] = {}
+    columns: list[str] = []
+    for row, column, r in keyed:
+        rows.setdefault(row, {})[column] = r
+        if column not in columns:
+            columns.append(column)
     lines = [
+        f"| {first} | " + " | ".join(cell(c) for c in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for row, cells in rows.items():
+        values = [fmt(cells[c]) if c in cells else "" for c in columns]
+        lines.append(f"| {cell(row)} | " + " | ".join(values) + " |")
+    return lines
+
+
+def per_count_key(r: Record) -> tuple[str, str] | None:
+    """(``config`` and agent count, what was measured) of a per-count metric, else None."""
+    m = PER_COUNT.match(r.metric)
+    if m is None:
+        return None
+    return f"{r.config}, {m['head'].strip()} {m['n']}".replace("  ", " "), m["what"]
+
+
+def run_tables(recs: list[Record], shared: list[str]) -> list[str]:
+    """One run's numbers: one row per metric and a column per config; numbers measured per
+    agent count one row per config and count, a column per thing measured."""
+    counted: list[tuple[str, str, Record]] = []
+    rest: list[tuple[str, str, Record]] = []
+    for r in recs:
+        key = per_count_key(r)
+        if key is None:
+            rest.append((r.metric, r.config, r))
+        else:
+            counted.append((key[0], key[1], r))
+    lines: list[str] = []
+    fmt = partial(value_cell, shared=shared)
+    if rest:
+        lines += ["", *pivot(rest, "metric", fmt)]
+    if counted:
+        lines += ["", *pivot(counted, "config, agents", fmt)]
+    return lines
+
+
+def variant_table(recs: list[Record]) -> list[str]:
+    """Records of ``config@variant`` configs (the same measurement on another model family, one
+    run each): one row per variant with the run it comes from (and what all its notes say), one
+    column per config and metric."""
+    groups: dict[str, list[Record]] = {}
+    for r in recs:
+        groups.setdefault(r.config.rsplit(VARIANT, 1)[1], []).append(r)
+    shared = {v: shared_note(group) for v, group in groups.items()}
+    keyed = [
+        (v, f"{r.config.rsplit(VARIANT, 1)[0]}: {r.metric}", r)
+        for v, g in groups.items()
+        for r in g
+    ]
+    lines = pivot(keyed, "variant", lambda r: value_cell(r, shared[r.config.rsplit(VARIANT, 1)[1]]))
+    lines[0] += " run |"
+    lines[1] += "---|"
+    for i, (variant, group) in enumerate(groups.items(), 2):
+        r = group[0]
+        run = f"{r.date.removesuffix(' UTC')}, git {r.commit or '?'}: `{r.command}`"
+        lines[i] += f" {cell('; '.join([run, *shared[variant]]))} |"
+    return lines
+
+
+def section(bench: str, rows: list[Record]) -> list[str]:
+    """A benchmark's section: its plots, each run its latest numbers come from, then its
+    ``config@variant`` runs in one table."""
+    lines = [f"## {bench}", ""]
+    plots = sorted({p for r in rows for p in r.plots})
+    lines += [f"![{p}]({p})" for p in plots]
+    if plots:
+        lines.append("")
+    variants = [r for r in rows if VARIANT in r.config]
+    for recs in runs_of([r for r in rows if VARIANT not in r.config]).values():
+        shared = shared_note(recs)
+        lines += run_lines(recs, shared) + run_tables(recs, shared) + [""]
+    if variants:
+        lines += [
+            f"Variants (`config{VARIANT}name`: the same run on another model family),",
+            f"one row each, on {variants[0].machine or '?'}:",
+            "",
+            *variant_table(variants),
+            "",
+        ]
+    return lines
+
+
+def intro(all_records: list[Record]) -> list[str]:
+    return [
         "# kvbranch benchmark results",
         "",
-        "Generated by `python -m benchmarks report` from the records in `benchmarks/results/`;",
-        "do not edit by hand (benchmarks/README.md says how records are written). Every number",
-        "is the latest of its benchmark, configuration and metric, with the run it comes from.",
-        "The machines are shared and the model is small: compare the configurations of one run,",
-        "not absolute times. The log every run appended to until 2026-12-05:",
-        f"[{HISTORY}]({HISTORY}).",
+        "Generated by `python -m benchmarks report` from the records in `benchmarks/results/`",
+        "and the rows chosen in `benchmarks/headline.toml`; do not edit by hand",
+        "(benchmarks/README.md says how records are written). Every number is the latest of its",
+        "benchmark, configuration and metric, with the run it comes from. The machines are shared",
+        "and the model is small (SmolLM2-135M): compare the configurations of one run, not",
+        f"absolute times. The log every run appended to until 2026-12-05: [{HISTORY}]({HISTORY}).",
+        "",
+        headline.hardware_line(all_records),
         "",
     ]
-    lines += headline(by_bench)
+
+
+def render(all_records: list[Record], claims: list[headline.Claim] | None = None) -> str:
+    """The whole RESULTS.md for these records (deterministic: no clock, no probe)."""
+    by_bench = latest(all_records)
+    chosen = headline.load() if claims is None else claims
+    lines = intro(all_records)
+    lines += ["## Headline", ""]
+    lines += headline.table(headline.rows(chosen, by_bench), anchor)
     lines.append("")
     for bench, rows in by_bench.items():
         lines += section(bench, rows)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def render_readme(
+    readme: str, all_records: list[Record], claims: list[headline.Claim] | None = None
+) -> str:
+    """``readme`` with its generated figures: the headline rows of the same records."""
+    chosen = headline.load() if claims is None else claims
+    rows = headline.rows(chosen, latest(all_records))
+    block = headline.readme_lines(rows, headline.hardware_line(all_records))
+    return headline.with_readme_block(readme, block)
+
+
+def _outputs(args: argparse.Namespace) -> dict[Path, str]:
+    """Each file the report writes, with the text the records give it."""
+    all_records = records.read_all(args.results_dir)
+    claims = headline.load(args.headline)
+    out = {args.out: render(all_records, claims)}
+    if args.readme is not None:
+        current = args.readme.read_text() if args.readme.exists() else ""
+        out[args.readme] = render_readme(current, all_records, claims)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -148,22 +260,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--results-dir", type=Path, default=records.RESULTS_DIR)
     ap.add_argument("--out", type=Path, default=RESULTS_MD)
+    ap.add_argument("--headline", type=Path, default=headline.HEADLINE_TOML)
     ap.add_argument(
-        "--check", action="store_true", help="write nothing; exit 1 if --out is not up to date"
+        "--readme", type=Path, default=README_MD, help="the README whose figures are generated"
+    )
+    ap.add_argument("--no-readme", dest="readme", action="store_const", const=None)
+    ap.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if a file is not up to date"
     )
     args = ap.parse_args(list(argv) if argv is not None else None)
     try:
-        text = render(records.read_all(args.results_dir))
+        outputs = _outputs(args)
     except ValueError as exc:
         print(f"report: {exc}", file=sys.stderr)
         return 1
+    stale = [p for p, text in outputs.items() if (p.read_text() if p.exists() else "") != text]
     if args.check:
-        current = args.out.read_text() if args.out.exists() else ""
-        if current != text:
-            print(f"{args.out} is not what the records give: run `python -m benchmarks report`")
-            return 1
-        print(f"{args.out} is up to date")
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out} ({text.count(chr(10))} lines)")
+        for path in stale:
+            print(f"{path} is not what the records give: run `python -m benchmarks report`")
+        if not stale:
+            print("the results page and the README's figures are up to date")
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        path.write_text(text)
+        print(f"wrote {path} ({text.count(chr(10))} lines)")
     return 0

@@ -25,6 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
 OUT_DIR = BENCH_DIR / "out"
+PLOTS_DIR = BENCH_DIR / "plots"
 
 
 # --- machine -------------------------------------------------------------------------------------
@@ -243,10 +244,18 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def plot_path(name: str, no_results: bool) -> Path:
-    """Where a run's plot goes: in ``benchmarks/`` (committed, linked from the records), or
-    under ``out/`` for a run that is not recorded (``--no-results``), so that a trial never
-    replaces a recorded plot."""
-    return (OUT_DIR if no_results else BENCH_DIR) / name
+    """Where a run's plot goes: in ``benchmarks/plots/`` (committed, linked from the records:
+    every plot in one folder), or under ``out/`` for a run that is not recorded
+    (``--no-results``), so that a trial never replaces a recorded plot."""
+    return (OUT_DIR if no_results else PLOTS_DIR) / name
+
+
+def plot_ref(png: Path | None) -> tuple[str, ...]:
+    """A record's ``plots`` entry for this plot: its path relative to ``benchmarks/`` when it is
+    a recorded plot (under ``plots/``), nothing for a trial's plot or a plot not drawn."""
+    if png is None or png.parent != PLOTS_DIR:
+        return ()
+    return (str(png.relative_to(BENCH_DIR)),)
 
 
 def raw_path(name: str) -> Path:

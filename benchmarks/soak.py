@@ -31,8 +31,8 @@ replayed on it (greedy, same ``max_tokens``, non-streaming): the answers must be
 Report (:mod:`benchmarks.soak_report`): per tenant the requests served, 4xx and 5xx by cause,
 failures during a fault of the only instance of a role apart; RSS of every process tree and the
 Redis key count sampled every ``--sample-every`` seconds; every target met or not. Raw data
-(bodies included): ``benchmarks/out/soak-<time>.json``; the record without bodies and the plot:
-``benchmarks/soak[_quick].json|png``; records in benchmarks/results/ (unless --no-results).
+(bodies included): ``benchmarks/out/soak-<time>.json`` (not committed); the plot:
+``benchmarks/plots/soak[_quick].png``; records in benchmarks/results/ (unless --no-results).
 Everything it started is stopped on exit, Ctrl-C and errors included; all traffic goes to
 127.0.0.1.
 """
@@ -625,12 +625,10 @@ async def soak_run(args: argparse.Namespace) -> list[Record]:
     name = "soak_quick" if args.quick else "soak"
     png = reporting.plot_path(f"{name}.png", args.no_results)
     soak_report.plot(record, png)
-    slim = dict(record, served=[{k: v for k, v in r.items() if k != "body"} for r in soak.served])
-    reporting.write_json(reporting.plot_path(f"{name}.json", args.no_results), slim)
     rel = png.relative_to(reporting.ROOT)
     section = soak_report.section(record, info.result(), log.elapsed(), str(rel))
     reporting.publish(section, args.no_results)
-    return soak_report.records_of(record, png.name if not args.no_results else "")
+    return soak_report.records_of(record, next(iter(reporting.plot_ref(png)), ""))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> list[Record]:
             for s in res["steps"]
             if s["summary"].agents in ref
         }
-    png = reporting.plot_path(f"plots/capacity_{args.trace}.png", args.no_results)
+    png = reporting.plot_path(f"capacity_{args.trace}.png", args.no_results)
     drawn = plot.plot(summaries, slo[0], png, f"capacity on {args.trace}: p90 of resumed turns")
     shown = str(drawn.relative_to(reporting.BENCH_DIR)) if drawn else ""
     alone = {n: r["alone"] for n, r in results.items()}
