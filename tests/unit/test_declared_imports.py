@@ -11,6 +11,7 @@ provides it in this environment (``importlib.metadata``), then looked up in pypr
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import re
 import sys
@@ -60,6 +61,12 @@ def declared(extra: str | None, project: dict = PROJECT) -> set[str]:
     return names
 
 
+@functools.cache
+def providers() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
+@functools.cache
 def third_party_imports(folder: Path) -> dict[str, set[str]]:
     """Top-level third-party module -> the files (relative to the root) that import it."""
     found: dict[str, set[str]] = {}
@@ -88,12 +95,11 @@ def third_party_imports(folder: Path) -> dict[str, set[str]]:
 
 
 def undeclared(folder: str, extra: str | None, project: dict = PROJECT) -> list[str]:
-    providers = importlib.metadata.packages_distributions()
     names = declared(extra, project)
     out = []
     for module, files in sorted(third_party_imports(ROOT / folder).items()):
         where = ", ".join(sorted(files)[:3])
-        dists = {normalized(d) for d in providers.get(module, [])}
+        dists = {normalized(d) for d in providers().get(module, [])}
         if extra == "server-cuda":
             dists = {CUDA_NAME.get(d, d) for d in dists}
         if not dists:
