@@ -89,13 +89,13 @@ def own_note(r: Record, shared: list[str]) -> str:
 
 
 def run_lines(recs: list[Record], shared: list[str]) -> list[str]:
-    """Where one run's numbers come from: date, commit, machine and command in one line, what
-    every record's note says in a second."""
+    """Where one run's numbers come from, in one line: date, commit, machine, command, and what
+    every record's note says."""
     r = recs[0]
-    lines = [f"- Run {r.date}, git {r.commit or '?'}, {r.machine or '?'}: `{r.command or '?'}`"]
+    line = f"- Run {r.date}, git {r.commit or '?'}, {r.machine or '?'}: `{r.command or '?'}`"
     if shared:
-        lines.append(f"  Note: {cell('; '.join(shared))}")
-    return lines
+        line += f". Note: {cell('; '.join(shared))}"
+    return [line]
 
 
 def value_cell(r: Record, shared: list[str]) -> str:
