@@ -18,6 +18,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from integrations.langchain import ChatKVBranch
+from tests.integration.helpers import reset_device_cache
 
 MAX_TOKENS = 48  # enough to close a small JSON object; keeps generations short
 #: A tool call's budget (what ``bind_tools`` binds, as the examples do): the grammar lets the
@@ -138,15 +139,20 @@ def test_session_turns_hit_the_cache_and_forks_share_it(kvbranch_server):
     split = meta["kvbranch"]
     assert split["prompt_tokens"] == first.usage_metadata["input_tokens"]
     history += [first, ("human", "And day two?")]
+    # vLLM's own prefix cache would read the history too: gone, only the host store has it
+    reset_device_cache(kvbranch_server)
     second = llm.invoke(history, config=config)
     assert second.usage_metadata["input_token_details"]["cache_read"] >= 128
+    assert second.response_metadata["kvbranch"]["host_hit_tokens"] >= 128
     alt = llm.fork("plan-b", config=config)
     info = alt.branch_info()
     assert info.parent == "main" and info.fork_offset_tokens > 0
+    reset_device_cache(kvbranch_server)
     chunks = list(alt.stream(history[:3] + [("human", "Day two, by train?")]))
     last = [c for c in chunks if c.response_metadata.get("kvbranch")][-1]
     assert last.response_metadata["branch_id"] == "plan-b"
     assert last.usage_metadata["input_token_details"]["cache_read"] >= 128
+    assert last.response_metadata["kvbranch"]["host_hit_tokens"] >= 128
 
 
 def test_tool_call_plumbing(kvbranch_server):
