@@ -36,7 +36,7 @@ from examples import langchain_agent, langgraph_agent, llamaindex_agent
 from examples._common import reused_tokens  # noqa: E402
 from integrations.langchain import ChatKVBranch  # noqa: E402
 from integrations.llamaindex import KVBranchLLM  # noqa: E402
-from tests.integration.helpers import llm_kwargs  # noqa: E402
+from tests.integration.helpers import llm_kwargs, reset_device_cache  # noqa: E402
 
 BLOCK = 128
 MAX_TOKENS = 48
@@ -100,7 +100,9 @@ def test_langgraph_react_agent_thread_reuse_and_time_travel(kvbranch_server):
     turn1_prompt = lg_split(first_answer)["prompt_tokens"]
     assert shared_prefix(turn1_prompt) >= 2 * BLOCK
 
-    # resuming the thread: same session and branch; its first call reuses turn 1's KV
+    # resuming the thread: same session and branch; its first call reuses turn 1's KV, from
+    # the host store alone (vLLM's own prefix cache would have it too)
+    reset_device_cache(kvbranch_server)
     second_call, _ = check_lg_turn(
         langgraph_agent.ask(graph, thread, "What is the weather in Lyon today?"), schema
     )
@@ -109,6 +111,7 @@ def test_langgraph_react_agent_thread_reuse_and_time_travel(kvbranch_server):
         second_call.response_metadata["branch_id"],
     ) == (thread_id, "main")
     assert reused_tokens(lg_split(second_call)) >= shared_prefix(turn1_prompt)
+    assert lg_split(second_call)["host_hit_tokens"] >= shared_prefix(turn1_prompt)
 
     # time travel: a run from the checkpoint after turn 1 is on a branch forked from main
     snapshot = langgraph_agent.checkpoint_after(graph, thread, after_first)
@@ -157,6 +160,7 @@ async def test_llamaindex_react_agent_memory_and_reuse(kvbranch_server):
 
     first = await llamaindex_agent.turn(agent, mem, "What is the weather in Paris?")
     check_li_turn(first, schemas)
+    reset_device_cache(kvbranch_server)  # turn 1's KV from the host store alone
     second = await llamaindex_agent.turn(agent, mem, "What is the weather in Oslo?")
     check_li_turn(second, schemas)
 
@@ -185,12 +189,14 @@ async def test_llamaindex_function_agent_memory_reuse_and_fork(kvbranch_server):
     first = await llamaindex_agent.turn(agent, mem, "What is the weather in Paris?")
     check_li_turn(first, schemas)
     assert reused_tokens(first.splits[0]) < BLOCK  # cold: no block of it was cached
+    reset_device_cache(kvbranch_server)  # turn 1's KV from the host store alone
     second = await llamaindex_agent.turn(agent, mem, "What is the weather in Oslo?")
     check_li_turn(second, schemas)
     assert [m.role.value for m in await mem.aget_all()][:1] == ["user"]
     turn1_prompt = first.splits[-1]["prompt_tokens"]
     assert shared_prefix(turn1_prompt) >= 2 * BLOCK
     assert reused_tokens(second.splits[0]) >= shared_prefix(turn1_prompt)
+    assert second.splits[0]["host_hit_tokens"] >= shared_prefix(turn1_prompt)
 
     # a fork of the conversation: a new branch that finds the history so far cached
     alt_llm = await llm.afork()
