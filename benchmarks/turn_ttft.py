@@ -16,7 +16,7 @@ most 8 tokens recomputed beyond the new ones.
 turn's and each reference's TTFT into: before its prefill step, the host-store load, the
 forward, and after it.
 
-Raw data: benchmarks/out/turn_ttft-<time>.json; plot: benchmarks/turn_ttft.png; the report is
+Raw data: benchmarks/out/turn_ttft-<time>.json; plot: benchmarks/plots/turn_ttft.png; the report is
 printed and the records written to benchmarks/results/ (unless --no-results).
 (Over 400 lines on purpose: the workload, its two references and the report read as one
 script.)
@@ -464,7 +464,7 @@ def run(args: argparse.Namespace) -> list[Record]:
 
 def records_of(results: dict[str, dict], png: Path | None) -> list[Record]:
     """The run's results: TTFT at the last turn, and the two targets of issue 14."""
-    plots = (png.name,) if png is not None and png.parent == reporting.BENCH_DIR else ()
+    plots = reporting.plot_ref(png)
     out: list[Record] = []
     for name, res in results.items():
         last = res["turns"][-1]
