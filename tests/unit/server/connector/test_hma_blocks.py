@@ -79,3 +79,62 @@ def test_a_tail_in_a_position_a_group_lost_is_not_kept():
     again.num_computed_tokens = 10
     _, delayed = planner.finish(again, [(1, 4), (2, 5), (3, 6)])
     assert delayed and planner.pending_tail_saves[0][1] == (3, 6)
+
+
+def test_vllms_own_manager_pads_a_sliding_group_with_the_null_block():
+    """What the loads rely on, on vLLM's real KV cache manager (full + 2-block window groups):
+    for a request whose first 8 blocks come from the connector, the sliding group gets blocks
+    only for the window before the hit's end (positions 6 and 7) and the null block before it,
+    so a load copies that group's KV into those two positions and skips the rest."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.request import Request
+
+    from server.connector import vllm_compat
+
+    bs = 16
+    shape = {"block_size": bs, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
+    config = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
+            KVCacheGroupSpec(["swa"], SlidingWindowSpec(**shape, sliding_window=2 * bs)),
+        ],
+    )
+    init_none_hash(sha256)
+    manager = KVCacheManager(
+        config, max_model_len=1024, scheduler_block_size=bs, hash_block_size=bs
+    )
+    prompt = 10 * bs + 3
+    request = Request(
+        "r",
+        prompt_token_ids=list(range(prompt)),
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(bs, sha256),
+    )
+    computed, hit, _ = manager.get_computed_blocks(request)
+    assert hit == 0
+    external = 8 * bs
+    assert manager.allocate_slots(
+        request,
+        prompt - external,
+        num_new_computed_tokens=hit,
+        new_computed_blocks=computed,
+        num_external_computed_tokens=external,
+    )
+    null = vllm_compat.null_block_id(manager)
+    positions = device_blocks(manager.get_blocks("r").get_block_ids(), null)
+    loaded = positions[:8]
+    assert all(full != SKIPPED for full, _ in loaded)
+    assert [swa == SKIPPED for _, swa in loaded] == [True] * 6 + [False] * 2
+    assert all(whole(p) for p in positions[8:])  # the blocks computed now: every group
