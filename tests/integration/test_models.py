@@ -7,9 +7,10 @@
   as the window moves and a load restores only the blocks the window still covers. The greedy
   tokens must be the same, also when every reused token of turn 2 and of a fork came from the
   host store (device cache reset between turns): the windowed layers must not load wrong KV.
-* Hybrid attention/SSM: a two-layer Granite 4.0 hybrid config (one Mamba layer, one attention
-  layer) is refused by a P/D instance's launcher in one line that names the model type, before
-  vLLM loads anything (P/D runs with the hybrid manager off, which state layers need).
+* Hybrid attention/SSM: the tiny Granite 4.0 hybrid config (``tests/tiny_models.py``, Mamba 2
+  and attention layers) is refused by a P/D instance's launcher in one line that names the
+  model type, before vLLM loads anything (P/D runs with the hybrid manager off, which state
+  layers need).
 
 One kvbranch server and one plain vLLM server for the module (0.25 GiB of KV each), stopped at
 its end.
@@ -25,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from server.launcher.model_cache import ensure_model
-from tests import prestart
+from tests import prestart, tiny_models
 from tests.conftest import VanillaVLLM
 from tests.integration.helpers import (
     BLOCK,
@@ -143,36 +144,6 @@ def test_sliding_window_model_is_token_exact_through_the_host_store(sliding_serv
     assert forked["kvbranch"]["host_hit_tokens"] >= BLOCK
 
 
-def hybrid_config() -> dict:
-    """A two-layer Granite 4.0 hybrid (granitemoehybrid: one Mamba 2 layer, one attention
-    layer, no experts), small enough to load with random weights."""
-    return {
-        "architectures": ["GraniteMoeHybridForCausalLM"],
-        "model_type": "granitemoehybrid",
-        "layer_types": ["mamba", "attention"],
-        "vocab_size": 49152,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "shared_intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_local_experts": 0,
-        "num_experts_per_tok": 0,
-        "mamba_n_heads": 8,
-        "mamba_d_head": 32,
-        "mamba_d_state": 16,
-        "mamba_n_groups": 1,
-        "mamba_expand": 2,
-        "mamba_d_conv": 4,
-        "max_position_embeddings": 4096,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 2,
-        "tie_word_embeddings": True,
-    }
-
-
 def test_hybrid_ssm_model_is_refused_by_pd_in_one_line(tmp_path):
     """P/D instances run with the hybrid KV cache manager off, which state layers need: the
     launcher refuses such a model there before vLLM loads anything (a single instance serves
@@ -182,7 +153,9 @@ def test_hybrid_ssm_model_is_refused_by_pd_in_one_line(tmp_path):
     model.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (model / name).symlink_to(source / name)
-    (model / "config.json").write_text(json.dumps(hybrid_config()))
+    # the tiny Granite 4.0 hybrid's config (Mamba 2 and attention layers); no weights needed
+    config = tiny_models.full_config(tiny_models.family_of("mamba2"))
+    (model / "config.json").write_text(json.dumps(config))
     run = subprocess.run(
         # random weights: nothing is computed, the launcher refuses first
         [sys.executable, "-m", "server", "--model", str(model), "--role", "prefill"]
