@@ -396,18 +396,16 @@ class Planner:
                     pass  # e.g. another tenant's session id: serve the request, keep no state
             self.registry.expire()
             delay = False
-            if (
-                tail is not None
-                and block_ids is not None
-                and tail.block < len(block_ids)
-                and whole(device_block(block_ids[tail.block]))
-            ):
+            tail_block = (
+                device_block(block_ids[tail.block])
+                if tail is not None and block_ids is not None and tail.block < len(block_ids)
+                else None
+            )
+            if tail is not None and tail_block is not None and whole(tail_block):
                 if tail.key in self.index:
                     self.index.touch(tail.key)  # the same tail is stored: nothing to copy
                 else:
-                    self.pending_tail_saves.append(
-                        (request.request_id, device_block(block_ids[tail.block]), tail)
-                    )
+                    self.pending_tail_saves.append((request.request_id, tail_block, tail))
                     delay = True
             return split, delay
 

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from server.common.env import on_unless_zero
+from server.connector.core.metadata import SKIPPED, device_block
 
 #: ``0``: CPU saves in the step, on its critical path; anything else or unset: in a background
 #: thread (see the module docstring; docs/scheduling.md has the turn-1 measurement).
@@ -151,8 +152,8 @@ def group_pairs(
     src: list[int] = []
     dst: list[int] = []
     for block, slot in zip(blocks, slots, strict=True):
-        block_id = block if isinstance(block, int) else block[group]
-        if block_id >= 0:
+        block_id = device_block(block)[group]
+        if block_id != SKIPPED:
             src.append(block_id)
             dst.append(slot)
     return src, dst
