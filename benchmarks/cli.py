@@ -61,16 +61,18 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def command_of(argv: Sequence[str]) -> str:
+def command_of(argv: Sequence[str], entry_point: str = "benchmarks") -> str:
     """The command as typed (:func:`benchmarks.reporting.command_line`: the server switches of
-    the environment in front, no secret), spelled through this entry."""
+    the environment in front, no secret), spelled through ``entry_point``."""
     env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k in reporting.REPORTED_ENV]
-    return " ".join([*env, ".venv/bin/python -m benchmarks", *argv])
+    return " ".join([*env, f".venv/bin/python -m {entry_point}", *argv])
 
 
-def parser_for(entry: registry.Entry, module: ModuleType) -> argparse.ArgumentParser:
+def parser_for(
+    entry: registry.Entry, module: ModuleType, prog: str = ""
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"{PROG} {entry.name}",
+        prog=prog or f"{PROG} {entry.name}",
         description=module.__doc__ or entry.description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -79,8 +81,12 @@ def parser_for(entry: registry.Entry, module: ModuleType) -> argparse.ArgumentPa
     return parser
 
 
-def run_benchmark(entry: registry.Entry, module: ModuleType, argv: Sequence[str]) -> int:
-    parser = parser_for(entry, module)
+def run_benchmark(
+    entry: registry.Entry, module: ModuleType, argv: Sequence[str], entry_point: str = ""
+) -> int:
+    """Parse the benchmark's options, run it, stamp and write its records. ``entry_point``: the
+    module the run was started by where it is not ``python -m benchmarks <name>``."""
+    parser = parser_for(entry, module, f"python -m {entry_point}" if entry_point else "")
     args = parser.parse_args(list(argv))
     if getattr(args, "reserved_cpus", None) is not None and args.reserved_cpus < 0:
         args.reserved_cpus = None  # -1: vLLM's own reservation (benchmarks.common)
@@ -90,7 +96,7 @@ def run_benchmark(entry: registry.Entry, module: ModuleType, argv: Sequence[str]
         machine=reporting.machine_line(machine.result()),
         commit=reporting.git_rev(),
         date=utc_now(),
-        command=command_of([entry.name, *argv]),
+        command=command_of(argv, entry_point) if entry_point else command_of([entry.name, *argv]),
     )
     stamped = records.stamp(found, ctx)
     for r in stamped:
@@ -102,6 +108,14 @@ def run_benchmark(entry: registry.Entry, module: ModuleType, argv: Sequence[str]
     path = records.write_run(stamped, args.results_dir)
     print(f"{len(stamped)} records written to {path}; `{PROG} report` rebuilds RESULTS.md")
     return 0
+
+
+def run_study(module: ModuleType, argv: Sequence[str]) -> int:
+    """A study kept in ``benchmarks/history/`` (not listed: it ran for one question), run by its
+    own module, ``python -m benchmarks.history.<name>``, through the same options and records."""
+    spelled = module.__spec__.name if module.__spec__ is not None else module.__name__
+    entry = registry.Entry(module.NAME, module.DESCRIPTION, spelled)
+    return run_benchmark(entry, module, argv, entry_point=spelled)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

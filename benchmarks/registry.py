@@ -29,10 +29,12 @@ from pathlib import Path
 from types import ModuleType
 
 BENCH_DIR = Path(__file__).resolve().parent
-#: Modules of this folder that are library code, never benchmarks (never read while listing).
+#: Modules of this folder that are library code, never benchmarks (never read while listing);
+#: ``history``: studies that ran once, kept with the records they wrote (history/README.md).
 LIBRARY = frozenset(
     {
         "__main__",
+        "history",
         "agent_report",
         "bfcl_traces",
         "cli",

@@ -6,6 +6,7 @@ temporary folder; the real listing runs the real entry in a subprocess, no serve
 from __future__ import annotations
 
 import argparse
+import importlib
 import subprocess
 import sys
 import textwrap
@@ -39,20 +40,38 @@ def test_the_listing_names_every_module_that_defines_the_interface():
     # the benchmarks of issue 38 item 3 by name: none lost on the way
     assert {
         "agent_workload",
-        "aiperf_run",
         "cluster_agents",
-        "cuda_copy_check",
-        "index_sim",
-        "load_test",
         "pd_turns",
         "policy_ab",
         "real_traces",
         "soak",
-        "sse_parse",
         "turn1_ab",
         "turn_ttft",
     } <= set(found)
     assert all(entry.description and "\n" not in entry.description for entry in found.values())
+
+
+def _studies() -> list[str]:
+    return sorted(p.stem for p in (BENCH / "history").glob("*.py"))
+
+
+def test_history_studies_are_not_listed_but_each_runs_by_its_module():
+    listed = {entry.module_name for entry in registry.discover().values()}
+    assert _studies() and not any(".history." in name for name in listed)
+    for name in _studies():
+        module = importlib.import_module(f"benchmarks.history.{name}")
+        assert registry.is_benchmark(module), name
+        entry = registry.Entry(module.NAME, module.DESCRIPTION, module.__name__)
+        assert module.NAME in cli.parser_for(entry, module).format_help()
+    out = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.history.{_studies()[0]}", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert f"python -m benchmarks.history.{_studies()[0]}" in out and "--no-results" in out
 
 
 def test_the_real_entry_lists_them_with_their_descriptions():

@@ -16,7 +16,7 @@ usage chunk, ``[DONE]``) cut into chunks of several sizes, parsed to events, bes
 ``iter_sse`` runs per text chunk).
 
     .venv/bin/pip install httpx-sse       # the rival, not a dependency of kvbranch
-    .venv/bin/python -m benchmarks sse_parse [--mb 4] [--repeat 5]
+    .venv/bin/python -m benchmarks.history.sse_parse [--mb 4] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ try:  # the rival: installed by hand (see above), so that listing benchmarks nev
 except ImportError:
     httpx_sse = None
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import cli, reporting  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
@@ -244,7 +244,7 @@ def report(
     lines = [
         f"## sse_parse — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        f"`python -m benchmarks sse_parse --mb {megabytes:g} --repeat {repeat}` (Python "
+        f"`python -m benchmarks.history.sse_parse --mb {megabytes:g} --repeat {repeat}` (Python "
         f"{platform.python_version()}, httpx {httpx.__version__}, httpx-sse "
         f"{getattr(httpx_sse, '__version__', '0.4.3')}; a shared 2-core machine, best of "
         f"{repeat}).",
@@ -309,4 +309,4 @@ def run(args: argparse.Namespace) -> list[Record]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
+    raise SystemExit(cli.run_study(sys.modules[__name__], sys.argv[1:]))
