@@ -3,7 +3,7 @@ plain vLLM and kvbranch, side by side, scaled to a 2-core machine and the embedd
 
     python3 -m venv benchmarks/.aiperf-venv                        # aiperf in its own venv
     benchmarks/.aiperf-venv/bin/pip install aiperf==0.13.0
-    .venv/bin/python -m benchmarks aiperf_run                      # 4 sessions x 4 turns
+    .venv/bin/python -m benchmarks.history.aiperf_run                      # 4 sessions x 4 turns
 
 Each configuration gets a fresh server (the same core reservation and device KV budget as the
 other benchmarks: ``benchmarks/common.py``), then ``aiperf profile`` runs S synthetic
@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import cli, common, reporting  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
@@ -416,4 +416,4 @@ def run(args: argparse.Namespace) -> list[Record]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
+    raise SystemExit(cli.run_study(sys.modules[__name__], sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Load test: many concurrent agent sessions with forks and explicit pins, for minutes.
 
-    .venv/bin/python -m benchmarks load_test --quick      # ~60 s of load (plus server start)
-    .venv/bin/python -m benchmarks load_test              # ~3 min of load, 32 sessions
+    .venv/bin/python -m benchmarks.history.load_test --quick  # ~60 s of load (plus server start)
+    .venv/bin/python -m benchmarks.history.load_test          # ~3 min of load, 32 sessions
 
 Starts its own kvbranch server (real vLLM, real model, connector on), then runs S concurrent
 workers with the async sdk (``sdk.AsyncKVBranchClient``) until the duration is over. Each worker
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import cli, common, reporting  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
@@ -342,4 +342,4 @@ def run(args: argparse.Namespace) -> list[Record]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
+    raise SystemExit(cli.run_study(sys.modules[__name__], sys.argv[1:]))
