@@ -1,4 +1,4 @@
-"""benchmarks/index_sim.py at a tiny size on the embedded backend: the structural facts hold
+"""benchmarks/history/index_sim.py at a tiny size on the embedded backend: the structural facts hold
 (no hold taken twice, nothing aimed at a killed instance once its heartbeat expired, index
 routing beats round robin)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from benchmarks.index_sim import SimConfig, per_second, run_all, table, targets
+from benchmarks.history.index_sim import SimConfig, per_second, run_all, table, targets
 
 
 def test_tiny_simulation_on_the_memory_backend():

@@ -3,7 +3,7 @@ backends (:mod:`server.index`: the in-process one and a real ``redis-server``) a
 routing code (:class:`server.router.pool.Pool` and :class:`server.router.turn.TurnFlow`), with 1,
 2 and 4 router replicas (docs: /work/shared/CLUSTER_NOTES.md §6.3).
 
-Run: ``python -m benchmarks index_sim [--quick] [--backends memory,redis] [--routers 1,2,4]
+Run: ``python -m benchmarks.history.index_sim [--quick] [--backends memory,redis] [--routers 1,2,4]
 [--no-results]``.
 
 What is real and what is simulated:
@@ -1052,4 +1052,4 @@ def run(a: argparse.Namespace) -> list[Record]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
+    raise SystemExit(cli.run_study(sys.modules[__name__], sys.argv[1:]))
