@@ -1,4 +1,4 @@
-"""``python -m benchmarks.plots`` on tiny recorded data: raw JSON in the shape turn_ttft.py,
+"""``python -m benchmarks.history.plots`` on tiny recorded data: raw JSON in the shape turn_ttft.py,
 agent_workload.py and pd_turns.py write it, and a RESULTS.md section; the three PNGs are
 written, and the RESULTS.md tables are read as recorded (pure logic: no server)."""
 
@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from benchmarks import plots  # noqa: E402
+from benchmarks.history import plots  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 PNGS = ("ttft_per_turn.png", "recomputed_tokens.png", "pd_comparison.png")
@@ -74,7 +74,7 @@ def test_command_writes_the_pngs_from_json(tmp_path: Path) -> None:
     paths = _fixtures(tmp_path)
     out = tmp_path / "plots"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.plots", "--no-results", "--out-dir", str(out)]
+        [sys.executable, "-m", "benchmarks.history.plots", "--no-results", "--out-dir", str(out)]
         + ["--json", *map(str, paths)],
         cwd=ROOT,
         capture_output=True,

@@ -1,4 +1,5 @@
-"""Plots of what the benchmarks recorded, readable at a glance:
+"""Plots of what the benchmarks recorded in the results log until 2026-12-05, readable at a glance
+(each benchmark's records link its own plot now; these three are drawn from the log's tables):
 
 * ``ttft_per_turn.png``     — TTFT per turn, plain vLLM against kvbranch, one panel per workload;
 * ``recomputed_tokens.png`` — prompt tokens recomputed per turn (where per-turn counts were
@@ -6,8 +7,8 @@
 * ``pd_comparison.png``     — upstream P/D against kvbranch P/D (and single instances where the
   run had them), one panel per P/D workload.
 
-    .venv/bin/python -m benchmarks.plots                 # writes benchmarks/plots/*.png
-    .venv/bin/python -m benchmarks.plots --json benchmarks/out/turn_ttft-*.json
+    .venv/bin/python -m benchmarks.history.plots                 # writes benchmarks/plots/*.png
+    .venv/bin/python -m benchmarks.history.plots --json benchmarks/out/turn_ttft-*.json
 
 Sources, nothing else (no number is written in this file): the raw JSON the benchmarks wrote
 (``benchmarks/out/{turn_ttft,agent_workload,pd_turns}-*.json``, not committed; ``--json``
@@ -662,8 +663,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_results:
         sources = "raw JSON"
     note = (
-        f"Data: {sources} (python -m benchmarks.plots); each panel is the latest run of its "
-        "workload, named above it. Shared 2-core CPU machine: compare configurations side by "
+        f"Data: {sources} (python -m benchmarks.history.plots); each panel is the latest run of "
+        "its workload, named above it. Shared 2-core CPU machine: compare configurations side by "
         "side, not absolute times."
     )
     shown: list[Run] = []
