@@ -5,7 +5,7 @@ zeroed (``new_block_ids_to_zero``), copy-on-write, the forward, or a peer connec
 (NIXL, in P/D). Step N's device->host save of that block must be complete first.
 
 * Writers on the CUDA compute stream are ordered by the save itself (``HostKVPool.save`` makes
-  the compute stream wait on the save's event; tests/unit/test_host_pool_cuda.py checks that on
+  the compute stream wait on the save's event; tests/gpu/test_cuda_copy.py checks that on
   a GPU).
 * Writers outside any CUDA stream (a peer's pull) get a host-side wait, in the first connector
   hook of the step: ``handle_preemptions`` (model runner V1 calls it before ``_update_states``

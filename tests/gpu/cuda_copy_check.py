@@ -1,9 +1,11 @@
 """CUDA checks and timings of the host store's block copies
-(``server/connector/engine/host_pool.py``).
+(``server/connector/engine/host_pool.py``): a correctness check, run on a GPU machine as one
+script or under pytest (``tests/gpu/test_cuda_copy.py``, marked ``gpu``, skipped without CUDA).
 
 Torch only (no vLLM import), so it runs on any CUDA machine with torch:
 
-    python -m benchmarks cuda_copy_check [--quick]
+    python -m tests.gpu.cuda_copy_check [--quick]        # prints its JSON; exit 1 if a check fails
+    python -m pytest tests/gpu -q -n 0                   # the same checks as tests
 
 Checks, on both paged layouts vLLM uses (blocks first, and ``[2, blocks, ...]``):
 
@@ -26,8 +28,7 @@ fraction says how much of the link the block layout leaves on the table.
 
 Without CUDA (``--dry-run``, or automatically on a machine with no GPU) the same timing code runs
 on CPU tensors so the script itself is checked; the CUDA-only checks are reported as skipped and
-the numbers say nothing about a GPU. A failed check is a record with its target not met.
-tests/unit/test_host_pool_cuda.py runs the same checks under pytest.
+the numbers say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -41,16 +42,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import cli, reporting  # noqa: E402  (standard library only)
-from benchmarks.records import Record, result  # noqa: E402  (standard library only)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from server.connector.engine.host_pool import HostKVPool  # noqa: E402  (torch only)
 
-NAME = "cuda_copy_check"
-DESCRIPTION = (
-    "CUDA checks and timings of the host store's block copies (torch only; a CPU dry run "
-    "without CUDA)"
-)
 LAYOUTS = ("blocks_first", "kv_first")  # [blocks, 2, bs, heads, hd] and [2, blocks, bs, ...]
 
 
@@ -280,98 +274,72 @@ def time_copies(
     return rows
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
-    reporting.add_int_args(
-        parser, {"--layers": 28, "--block-size": 16, "--kv-heads": 8, "--head-dim": 128}
-    )
-    parser.add_argument(
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m tests.gpu.cuda_copy_check", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    for flag, default in (("--layers", 28), ("--block-size", 16), ("--kv-heads", 8)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument(
         "--link-mib",
         type=int,
         default=1024,
         help="size of the contiguous copy that measures the link's limit",
     )
-    parser.add_argument(
+    ap.add_argument(
         "--dry-run",
         action="store_true",
         help="run the timing code on CPU tensors (automatic without CUDA)",
     )
+    return ap.parse_args(argv)
 
 
-def records_of(results: dict) -> list[Record]:
-    """The checks passed (a dry run: none run, no target decided), the link's limit and the
-    largest paged copy's share of it per layout and direction."""
-    device = results["device"]
-    checks = results["checks"]
-    ran = [v for v in checks.values() if not v.startswith("skipped")]
-    passed = sum(v == "ok" for v in ran)
-    out = [
-        result(
-            NAME,
-            device,
-            f"copy checks passed (of {len(checks)}; {len(checks) - len(ran)} skipped)",
-            passed,
-            "checks",
-            target=f"all {len(checks)}" if ran else "",
-            met=passed == len(checks) if ran else None,
-            note=results.get("note", ""),
-        )
-    ]
-    for direction in ("h2d", "d2h"):
-        gbps = results["link"].get(f"{direction}_GBps")
-        if gbps is not None:
-            out.append(result(NAME, device, f"link limit {direction}", gbps, "GB/s"))
-    for row in results["timings"]:
-        if row["blocks"] == max(r["blocks"] for r in results["timings"]) and "of_link" in row:
-            metric = f"{row['direction']} of {row['blocks']} blocks ({row['layout']}), of the link"
-            out.append(result(NAME, device, metric, 100 * row["of_link"], "%"))
+def run_checks(cuda: bool) -> dict[str, str]:
+    """Each check on each layout: ``ok``, ``FAIL: why``, or skipped without CUDA."""
+    out: dict[str, str] = {}
+    for name, check in CHECKS.items():
+        for layout in LAYOUTS:
+            key = f"{name}[{layout}]"
+            if not cuda:
+                out[key] = "skipped (needs CUDA)"
+                continue
+            try:
+                check(layout)
+                out[key] = "ok"
+            except AssertionError as exc:
+                out[key] = f"FAIL: {exc}"
     return out
 
 
-def run(args: argparse.Namespace) -> list[Record]:
+def run(args: argparse.Namespace) -> dict:
+    """The checks, the link's limit and the paged copies' timings, as one JSON-able dict."""
     cuda = torch.cuda.is_available() and not args.dry_run
     device = "cuda" if cuda else "cpu"
     results: dict = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)",
         "torch": torch.__version__,
-        "checks": {},
+        "checks": run_checks(cuda),
         "timings": [],
     }
     if not cuda:
         results["note"] = "dry run on CPU: checks the script, says nothing about a GPU"
-    failed = False
-    for name, check in CHECKS.items():
-        for layout in LAYOUTS:
-            key = f"{name}[{layout}]"
-            if not cuda:
-                results["checks"][key] = "skipped (needs CUDA)"
-                continue
-            try:
-                check(layout)
-                results["checks"][key] = "ok"
-            except AssertionError as exc:
-                results["checks"][key] = f"FAIL: {exc}"
-                failed = True
     repeats = 2 if args.quick else 5
     results["link"] = link_limit(device, args.link_mib if cuda else min(args.link_mib, 64), repeats)
     sizes = [1, 16] if args.quick else [1, 4, 16, 64]
+    shape = (args.layers, args.block_size, args.kv_heads, args.head_dim)
     for layout in LAYOUTS:
-        results["timings"] += time_copies(
-            layout,
-            args.layers,
-            args.block_size,
-            args.kv_heads,
-            args.head_dim,
-            sizes,
-            repeats,
-            device,
-            results["link"],
-        )
+        results["timings"] += time_copies(layout, *shape, sizes, repeats, device, results["link"])
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    results = run(parse_args(argv))
     print(json.dumps(results, indent=1))
-    if failed:  # the records say so too; the exit status is for scripts that check it
-        print("a copy check FAILED", file=sys.stderr)
-    return records_of(results)
+    failed = [k for k, v in results["checks"].items() if v.startswith("FAIL")]
+    if failed:
+        print(f"copy checks FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
+    raise SystemExit(main())
