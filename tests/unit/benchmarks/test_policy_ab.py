@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import policy_ab, reporting
+from benchmarks import reporting
+from benchmarks.history import policy_ab
 
 INFO = dict.fromkeys(
     ["cpu", "cores", "ram", "kernel", "python", "vllm", "torch", "transformers"], "x"

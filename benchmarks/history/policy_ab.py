@@ -1,8 +1,8 @@
 """Agent-aware scheduling on and off, in interleaved passes of the real agent traces: does the
 policy cost throughput?
 
-    .venv/bin/python -m benchmarks policy_ab                 # 6 passes each, ~12 min on 2 cores
-    .venv/bin/python -m benchmarks policy_ab --passes 2 --conversations 4 --no-results
+    .venv/bin/python -m benchmarks.history.policy_ab  # 6 passes each, ~12 min on 2 cores
+    .venv/bin/python -m benchmarks.history.policy_ab --passes 2 --conversations 4 --no-results
 
 Why: benchmarks/real_traces.py runs each configuration once, one after the other; its
 throughput ratio (policy on / off) moved 0.89-0.95x between runs while the walls of the same
@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import bfcl_traces, cli, common, real_traces, reporting  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
@@ -374,4 +374,4 @@ def run(args: argparse.Namespace) -> list[Record]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
+    raise SystemExit(cli.run_study(sys.modules[__name__], sys.argv[1:]))
