@@ -1,5 +1,6 @@
-"""Real agent conversations for :mod:`benchmarks.real_traces`, built from the Berkeley Function
-Calling Leaderboard's multi-turn set, as the ``bfcl-eval`` package on PyPI ships it.
+"""Real agent conversations (for capacity through :mod:`benchmarks.traces.bfcl`), built from the
+Berkeley Function Calling Leaderboard's multi-turn set, as the ``bfcl-eval`` package on PyPI
+ships it.
 
 Why this data set: it is the only public one found on the registry that has everything an agent
 trace has — a large tools prompt (the JSON schemas of the APIs involved, 2-4k tokens), several

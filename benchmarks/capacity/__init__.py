@@ -11,7 +11,8 @@ kvbranch saves, saturated or not.
 
 How, per configuration (one server at a time: one instance, the same core reservation and
 device KV budget, ``common.start_server``; ``plain`` is vLLM with its prefix cache, ``kvbranch``
-the connector; flags as in :mod:`benchmarks.real_traces`):
+the connector with vLLM's own scheduling, ``kvbranch-sched`` with ``--sched-flags`` or
+``kvbranch-sched:<its own flags>``: :func:`config_flags`):
 
 1. **The SLO.** One agent replays ``--alone`` conversations one at a time; the median TTFT of
    their resumed turns is the reference, and the SLO is ``--slo-multiple`` times the first
@@ -89,6 +90,16 @@ def agent_counts(text: str) -> list[int]:
     return counts
 
 
+def config_flags(name: str, args: argparse.Namespace) -> tuple[bool, list[str]]:
+    """``(connector on, launcher flags)`` of a configuration's name."""
+    if name == "plain":
+        return False, common.SCHEDULER_OFF_FLAGS
+    if name == "kvbranch":
+        return True, common.SCHEDULER_OFF_FLAGS
+    _, _, flags = name.partition(":")  # kvbranch-sched:<its own flags>
+    return True, (flags or args.sched_flags).split()
+
+
 def config_env(name: str) -> tuple[str, dict[str, str]]:
     """A configuration with one environment variable of its own, ``config+KEY=VALUE`` (an A/B
     of one part of the policy in one run, e.g. ``kvbranch-sched+KVBRANCH_PAUSE_COLDS=0``), as
@@ -152,11 +163,10 @@ async def _config(name: str, args, convs, counts, slo: list[float], log) -> dict
     sweep. ``slo`` is shared across configurations: empty until the first sets it."""
     from openai import AsyncOpenAI
 
-    from benchmarks import real_traces
     from benchmarks.capacity import replay
 
     spec, env = config_env(name)
-    connector, flags = real_traces.config_flags(spec, args)
+    connector, flags = config_flags(spec, args)
     reserved = (
         None if args.reserved_cpus is not None and args.reserved_cpus < 0 else args.reserved_cpus
     )

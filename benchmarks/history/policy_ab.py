@@ -4,12 +4,12 @@ policy cost throughput?
     .venv/bin/python -m benchmarks.history.policy_ab  # 6 passes each, ~12 min on 2 cores
     .venv/bin/python -m benchmarks.history.policy_ab --passes 2 --conversations 4 --no-results
 
-Why: benchmarks/real_traces.py runs each configuration once, one after the other; its
+Why: benchmarks/history/real_traces.py runs each configuration once, one after the other; its
 throughput ratio (policy on / off) moved 0.89-0.95x between runs while the walls of the same
 configuration moved by 15%, so "throughput not lower" (issue 24) was neither shown nor refuted.
 Here both kvbranch servers are up at once with their engines on the same core
 (``--cpu-cores``) and run the same concurrent pass of the BFCL conversations
-(:mod:`benchmarks.real_traces`) in turn — A then B, then B then A — each pass under a fresh
+(:mod:`benchmarks.history.real_traces`) in turn — A then B, then B then A — each pass under a fresh
 ``cache_salt`` (nothing of an earlier pass is reused; only one server works at a time). Per
 pass: wall, output tokens/s, p50 TTFT of the steps after each conversation's first, p95 of the
 first steps. The report gives the median of the per-pass ratios (on / off) with a 95% bootstrap
@@ -43,7 +43,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import bfcl_traces, cli, common, real_traces, reporting  # noqa: E402
+from benchmarks import bfcl_traces, cli, common, reporting  # noqa: E402
+from benchmarks.history import real_traces  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.reporting import median, percentile  # noqa: E402
 from benchmarks.step_profile import paired_steps, sum_samples, window_totals  # noqa: E402

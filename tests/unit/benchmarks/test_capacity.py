@@ -220,3 +220,17 @@ def test_a_configuration_may_carry_one_environment_variable_of_its_own() -> None
     for bad in ("kvbranch+", "kvbranch+K", "kvbranch+=1"):
         with pytest.raises(SystemExit, match="config\\+KEY=VALUE"):
             config_env(bad)
+
+
+def test_a_configuration_name_gives_the_connector_and_the_scheduling_flags() -> None:
+    import argparse
+
+    from benchmarks import capacity, common
+
+    args = argparse.Namespace(sched_flags="--agent-priority --cold-prefill-chunk 256")
+    assert capacity.config_flags("plain", args) == (False, common.SCHEDULER_OFF_FLAGS)
+    assert capacity.config_flags("kvbranch", args) == (True, common.SCHEDULER_OFF_FLAGS)
+    sched = ["--agent-priority", "--cold-prefill-chunk", "256"]
+    assert capacity.config_flags("kvbranch-sched", args) == (True, sched)
+    own = capacity.config_flags("kvbranch-sched:--cold-prefill-chunk 512", args)
+    assert own == (True, ["--cold-prefill-chunk", "512"])

@@ -42,7 +42,6 @@ def test_the_listing_names_every_module_that_defines_the_interface():
         "agent_workload",
         "cluster_agents",
         "pd_turns",
-        "real_traces",
         "soak",
         "turn1_ab",
         "turn_ttft",

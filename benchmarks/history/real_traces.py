@@ -1,8 +1,8 @@
 """Real agent traces through the unmodified ``openai`` client: plain vLLM vs kvbranch, with and
 without agent-aware scheduling (docs/scheduling.md).
 
-    .venv/bin/python -m benchmarks real_traces                 # ~6 min on 2 cores (quiet)
-    .venv/bin/python -m benchmarks real_traces --conversations 2 --no-results   # a smoke run
+    .venv/bin/python -m benchmarks.history.real_traces  # ~6 min on 2 cores (quiet)
+    .venv/bin/python -m benchmarks.history.real_traces --conversations 2 --no-results  # a smoke
 
 The conversations are the Berkeley Function Calling Leaderboard's multi-turn set
 (:mod:`benchmarks.bfcl_traces` says why that one and how it is replayed): each has a 3-5k-token
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import bfcl_traces, cli, common, reporting  # noqa: E402
 from benchmarks.openai_stream import read_stream  # noqa: E402
@@ -368,4 +368,4 @@ def run(args: argparse.Namespace) -> list[Record]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
+    raise SystemExit(cli.run_study(sys.modules[__name__], sys.argv[1:]))
