@@ -40,9 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import cli, common, reporting  # noqa: E402
 from benchmarks.pd_turns import conversation_turns  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
-from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET  # noqa: E402
-from server.launcher.process import ServerProcess  # noqa: E402
-from tests.integration.helpers import pd_instance  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 NAME = "cluster_agents"
@@ -53,7 +50,6 @@ DESCRIPTION = (
 CONFIGS = ("cluster", "single-router", "round-robin")
 #: The target: the cluster's hit rate at least this share of one router's.
 HIT_RATE_TARGET = 0.9
-SECRET = "cluster-bench-" + "0" * 50
 
 
 def redis_info(server: RedisServer) -> dict[str, str]:
@@ -63,26 +59,6 @@ def redis_info(server: RedisServer) -> dict[str, str]:
     ).stdout
     return dict(
         line.split(":", 1) for line in out.splitlines() if ":" in line and not line.startswith("#")
-    )
-
-
-def instance(role: str, core: str, index: str, args: argparse.Namespace) -> ServerProcess:
-    """A P or D instance of the benchmark's cluster on ``index``, built the way every P/D
-    fixture of the tests builds one (:func:`tests.integration.helpers.pd_instance`)."""
-    sizes = ["--kv-cache-gib", str(args.kv_cache_gib), "--host-store-gib", str(args.host_store_gib)]
-    argv = [*sizes, "--max-model-len", str(args.max_model_len), "--index", index]
-    env = {ENV_CLUSTER_SECRET: SECRET, "PYTHONHASHSEED": "0"}
-    inst = pd_instance(argv, role, core, name=f"cb-{role}", env=env)
-    inst.ready_timeout = 1200  # shared machines: see common.start_server
-    return inst
-
-
-def router(argv: list[str]) -> ServerProcess:
-    return ServerProcess(
-        ["--role", "router", *argv],
-        name="cb-router",
-        ready_timeout=120,
-        env={ENV_CLUSTER_SECRET: SECRET},
     )
 
 
@@ -104,9 +80,9 @@ async def wait_members(client: httpx.AsyncClient, url: str, n: int, timeout: flo
 async def run_config(name: str, args: argparse.Namespace, log: reporting.Progress) -> dict:
     redis = RedisServer().start() if name == "cluster" else None
     index = redis.url if redis is not None else "memory"
-    prefills = [instance("prefill", "0", index, args) for _ in range(2)]
-    decodes = [instance("decode", "1", index, args) for _ in range(2)]
-    routers: list[ServerProcess] = []
+    prefills = [common.cluster_instance("prefill", "0", index, args) for _ in range(2)]
+    decodes = [common.cluster_instance("decode", "1", index, args) for _ in range(2)]
+    routers: list[common.ServerProcess] = []
     turns: list[dict] = []
     failures: list[str] = []
     t_start = time.monotonic()
@@ -119,11 +95,11 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
         seeds = [a for p in prefills for a in ("--prefill", p.url)]
         seeds += [a for d in decodes for a in ("--decode", d.url)]
         if name == "cluster":
-            routers = [router(["--index", index]) for _ in range(2)]
+            routers = [common.cluster_router(["--index", index]) for _ in range(2)]
         elif name == "single-router":
-            routers = [router(seeds)]
+            routers = [common.cluster_router(seeds)]
         else:
-            routers = [router([*seeds, "--router-policy", "round-robin"])]
+            routers = [common.cluster_router([*seeds, "--router-policy", "round-robin"])]
         for r in routers:
             r.start()
         convs = {

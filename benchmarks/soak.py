@@ -55,7 +55,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import cli, cluster_agents, common, reporting, soak_abuse, soak_report  # noqa: E402
+from benchmarks import cli, common, reporting, soak_abuse, soak_report  # noqa: E402
 from benchmarks.records import Record  # noqa: E402
 from benchmarks.soak_abuse import Outcome  # noqa: E402
 from benchmarks.textgen import WORDS  # noqa: E402
@@ -109,11 +109,11 @@ class SoakCluster:
         self.redis = RedisServer()
         self.keys = {t: f"tenant-{t.lower()}-{secrets.token_hex(8)}" for t in ("A", "B", "C")}
         key_flags = [a for k in self.keys.values() for a in ("--api-key", k)]
-        # cluster_agents' launch forms (its cluster secret, core binding, sizes), with the keys
+        # the benchmarks' cluster launch forms (their secret, core binding, sizes), with the keys
         self.procs: dict[str, ServerProcess] = {}
         for role, count, core in (("prefill", args.prefills, "0"), ("decode", args.decodes, "1")):
             for n in range(count):
-                inst = cluster_agents.instance(role, core, self.redis.url, args)
+                inst = common.cluster_instance(role, core, self.redis.url, args)
                 inst.args += key_flags
                 self.procs[f"{role}{n}"] = inst
         for n in range(2):
@@ -123,7 +123,7 @@ class SoakCluster:
                 "--router-tenant-inflight",
                 str(args.tenant_inflight),
             ]
-            self.procs[f"router{n}"] = cluster_agents.router([*flags, *key_flags])
+            self.procs[f"router{n}"] = common.cluster_router([*flags, *key_flags])
         for name, proc in self.procs.items():
             proc.name, proc.api_key = f"soak-{name}", self.keys["A"]
             proc.ready_timeout = max(proc.ready_timeout, 300)
