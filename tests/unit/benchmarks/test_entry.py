@@ -40,7 +40,6 @@ def test_the_listing_names_every_module_that_defines_the_interface():
     # the benchmarks of issue 38 item 3 by name: none lost on the way
     assert {
         "agent_workload",
-        "cluster_agents",
         "pd_turns",
         "soak",
         "turn1_ab",

@@ -8,8 +8,8 @@
 * ``round-robin``  — one router, no index at all (``--router-policy round-robin``): P and D in
                      turn, nothing pulled, each P's prefix cache only by luck.
 
-    .venv/bin/python -m benchmarks cluster_agents                       # ~20 minutes on 2 cores
-    .venv/bin/python -m benchmarks cluster_agents --sessions 4 --turns 4  # quicker
+    .venv/bin/python -m benchmarks.history.cluster_agents  # ~20 minutes on 2 cores
+    .venv/bin/python -m benchmarks.history.cluster_agents --sessions 4 --turns 4  # quicker
 
 Every configuration gets fresh instances: 2 prefill (core 0) and 2 decode (core 1), the same
 sizes, the same conversations (greedy; answers are compared across configurations), and the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import cli, common, reporting  # noqa: E402
 from benchmarks.pd_turns import conversation_turns  # noqa: E402
@@ -328,4 +328,4 @@ def run(args: argparse.Namespace) -> list[Record]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
+    raise SystemExit(cli.run_study(sys.modules[__name__], sys.argv[1:]))
