@@ -168,7 +168,12 @@ def targets(
     faults: list[dict[str, Any]],
     end: dict[str, Any],
 ) -> list[Target]:
-    """Every target of the soak."""
+    """Every target of the soak: what the tenants were answered, then how the cluster held."""
+    return traffic_targets(tenants, answers) + cluster_targets(memory, faults, end)
+
+
+def traffic_targets(tenants: dict[str, dict], answers: dict[str, Any]) -> list[Target]:
+    """The legitimate tenants served, right and never throttled; the hostile ones refused."""
     legit = [tenants.get(t, {"failed": 0, "by_cause": Counter(), "ok": 0}) for t in LEGIT]
     failed = sum(t["failed"] for t in legit)
     throttled = sum(n for t in legit for c, n in t["by_cause"].items() if c.startswith("429"))
@@ -177,11 +182,6 @@ def targets(
     c429 = sum(
         n for c, n in tenants.get("C", {}).get("by_cause", {}).items() if c.startswith("429")
     )
-    recovered = [f for f in faults if f["t_back"] is not None]
-    routers = {n: p for n, p in memory["procs"].items() if n.startswith("router")}
-    growth = [p["growth"] for p in routers.values() if p["growth"] is not None]
-    died = end.get("died", {})
-    no_ttl = end.get("keys_without_ttl")
     return [
         Target(
             "legitimate requests failed (5xx or no answer) outside a fault of the only "
@@ -225,6 +225,20 @@ def targets(
             "requests",
             "> 0",
         ),
+    ]
+
+
+def cluster_targets(
+    memory: dict[str, Any], faults: list[dict[str, Any]], end: dict[str, Any]
+) -> list[Target]:
+    """The cluster recovered from every fault, its routers did not grow, nothing died on its
+    own, and Redis holds no key forever."""
+    recovered = [f for f in faults if f["t_back"] is not None]
+    routers = {n: p for n, p in memory["procs"].items() if n.startswith("router")}
+    growth = [p["growth"] for p in routers.values() if p["growth"] is not None]
+    died = end.get("died", {})
+    no_ttl = end.get("keys_without_ttl")
+    return [
         Target(
             "the cluster recovered on its own from every fault",
             len(recovered) == len(faults) and bool(faults) and end.get("whole", False),
@@ -277,14 +291,22 @@ def records_of(record: dict[str, Any], plot: str) -> list[Record]:
 
 def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot: str) -> str:
     """The Markdown report of one soak run."""
-    cfg, faults = record["config"], record["faults"]
+    faults = record["faults"]
     tenants = tenant_summary(record["events"], faults)
     answers = compare_answers(record["served"])
     memory = memory_summary(record["samples"], faults, record["end"].get("died", {}))
     lines = reporting.run_header(
         "Cluster soak: tenants, abuse and faults through 2 routers + Redis", info, elapsed_s
     )
-    lines.append(
+    lines += [workload_line(record["config"]), ""]
+    lines += [tenant_table(tenants), fault_table(faults), memory_table(memory)]
+    lines += findings(tenants, answers, memory, faults, record["end"])
+    lines.append(f"- Plot: `{plot}` (RSS over time, Redis keys; faults marked).")
+    return "\n".join(lines) + "\n"
+
+
+def workload_line(cfg: dict[str, Any]) -> str:
+    return (
         f"{cfg['prefills']} P + {cfg['decodes']} D + 2 routers + Redis, three API keys (A and B "
         f"legitimate, C abusive), `--router-tenant-inflight {cfg['tenant_inflight']}`; "
         f"{cfg['traffic_s']:.0f} s of traffic: {cfg['agents']} agents per legitimate tenant "
@@ -295,7 +317,18 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
         f"{' → '.join(cfg['fault_cycle'])}. Answers replayed afterwards on plain vLLM "
         "(tests/vanilla_vllm.py, no kvbranch code), greedy, same bodies."
     )
-    lines.append("")
+
+
+def tenant_table(tenants: dict[str, dict]) -> str:
+    header = [
+        "tenant",
+        "requests",
+        "ok",
+        "4xx / 5xx / no answer by cause",
+        "failed",
+        "failed during fault",
+        "unexpected status",
+    ]
     rows = []
     for name in sorted(tenants):
         t = tenants[name]
@@ -311,36 +344,26 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
                 t["unexpected"],
             ]
         )
-    lines.append(
-        reporting.md_table(
-            [
-                "tenant",
-                "requests",
-                "ok",
-                "4xx / 5xx / no answer by cause",
-                "failed",
-                "failed during fault",
-                "unexpected status",
-            ],
-            rows,
-        )
-    )
-    lines.append(
-        reporting.md_table(
-            ["fault", "victim", "killed at s", "back at s", "only one of its role"],
-            [
-                [
-                    f["role"],
-                    f["victim"],
-                    f"{f['t_kill']:.0f}",
-                    "never" if f["t_back"] is None else f"{f['t_back']:.0f}",
-                    f["only"],
-                ]
-                for f in faults
-            ],
-        )
-    )
-    mem_rows = [
+    return reporting.md_table(header, rows)
+
+
+def fault_table(faults: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            f["role"],
+            f["victim"],
+            f"{f['t_kill']:.0f}",
+            "never" if f["t_back"] is None else f"{f['t_back']:.0f}",
+            f["only"],
+        ]
+        for f in faults
+    ]
+    header = ["fault", "victim", "killed at s", "back at s", "only one of its role"]
+    return reporting.md_table(header, rows)
+
+
+def memory_table(memory: dict[str, Any]) -> str:
+    rows = [
         [
             n,
             f"{p['first']:.0f}",
@@ -350,11 +373,19 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
         ]
         for n, p in memory["procs"].items()
     ]
-    lines.append(
-        reporting.md_table(
-            ["process (RSS of its tree)", "first MiB", "peak", "last", "growth"], mem_rows
-        )
-    )
+    header = ["process (RSS of its tree)", "first MiB", "peak", "last", "growth"]
+    return reporting.md_table(header, rows)
+
+
+def findings(
+    tenants: dict[str, dict],
+    answers: dict[str, Any],
+    memory: dict[str, Any],
+    faults: list[dict[str, Any]],
+    end: dict[str, Any],
+) -> list[str]:
+    """The report's bullet lines: Redis keys, answers, every target, what failed."""
+    lines = []
     keys = memory["redis_keys"]
     if keys:
         lines.append(f"- Redis keys: min {keys['min']}, max {keys['max']}, last {keys['last']}.")
@@ -367,7 +398,7 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
             f"- WRONG ({w['kind']}, t={w['t0']:.0f}s): cluster {w['cluster']!r} vs "
             f"plain {w['plain']!r}"[:400]
         )
-    for t in targets(tenants, answers, memory, faults, record["end"]):
+    for t in targets(tenants, answers, memory, faults, end):
         lines.append(f"- Target: {t.what} — {t.detail}: {'met' if t.met else '**NOT met**'}.")
     for f in faults:
         if f.get("restart_error"):
@@ -375,8 +406,7 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
     for name, t in sorted(tenants.items()):
         for f in t["failures"][:6]:
             lines.append(f"- {name} failure: {f}")
-    lines.append(f"- Plot: `{plot}` (RSS over time, Redis keys; faults marked).")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(record: dict[str, Any], path: Path) -> bool:
