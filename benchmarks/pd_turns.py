@@ -1,24 +1,36 @@
-"""Multi-turn TTFT on prefill/decode disaggregation, side by side in one run:
+"""Multi-turn TTFT on prefill/decode disaggregation, side by side in one run, at each device
+budget (``--kv-cache-gib 0.15 1.5``: small, P's own cache cannot keep the conversations; ample):
 
-* ``pd``             — upstream P/D: vLLM's NixlConnector, no D->P pull (P recomputes what its
-                       own prefix cache lacks: the last partial block and D's generated tokens);
-* ``pd-kvbranch``    — kvbranch P/D: NIXL bidirectional + token-prefix check + host store, with
-                       the kvbranch router carrying D's params from turn N to N+1;
-* ``single-kvbranch``— one kvbranch instance on one core (the same compute as each P/D instance);
-* ``single-plain``   — one plain vLLM instance on one core (P/D's own overhead is measured
-                       against it);
-* ``pd-kvbranch-sched`` (opt-in) — kvbranch P/D with ``--agent-priority`` (off by default on P/D
-                       instances since 2026-12-03, docs/scheduling.md "On P/D").
+* ``pd-upstream``    — **upstream P/D**: vLLM's own bidirectional P/D, two plain vLLM 0.32
+                       instances with vLLM's ``NixlConnector`` (``bidirectional_kv_xfer``) and a
+                       minimal proxy that carries D's params to the next turn's P
+                       (:mod:`benchmarks.upstream_pd`; its CPU-host fixes are named there and in
+                       docs/pd.md, "The upstream baseline");
+* ``pd-kvbranch``    — kvbranch P/D (``python -m server --disagg``): NIXL bidirectional with
+                       verified handles, the host store, the kvbranch router;
+* ``pd``             — P/D without the pull (``--disagg --no-connector --no-bidirectional``):
+                       kvbranch's launcher, router and ``VerifiedNixlConnector`` with no D->P
+                       pull and no host store (P recomputes what its own prefix cache lacks).
+                       Not upstream: kvbranch's request guard and handle checks still run. The
+                       key stays ``pd`` for the records of earlier runs;
+* ``single-kvbranch``, ``single-plain`` (opt-in) — one instance on core 0, kvbranch or
+                       ``--no-connector``;
+* ``pd-kvbranch-sched`` (opt-in) — kvbranch P/D with ``--agent-priority``; ``<config>-spin1000``
+                       and ``<config>-poll1``: vLLM's own message-queue spin and idle poll.
 
-    .venv/bin/python -m benchmarks pd_turns                 # ~15 minutes on 2 cores
-    .venv/bin/python -m benchmarks pd_turns --conversations 2 --turns 4   # quicker
-    .venv/bin/python -m benchmarks pd_turns --interleave --kv-cache-gib 0.1  # under pressure
+    .venv/bin/python -m benchmarks pd_turns                               # conversations
+    .venv/bin/python -m benchmarks pd_turns --interleave                  # P's cache gone
+    .venv/bin/python -m benchmarks pd_turns --workload agents             # forking agents
+    .venv/bin/python -m benchmarks pd_turns --workload bfcl --turns 3     # BFCL traces
+    .venv/bin/python -m benchmarks pd_turns --conversations 2 --turns 3 --kv-cache-gib 0.5
 
-Every configuration gets fresh servers on the same cores (P on core 0, D on core 1; single on
-core 0). Conversations run one after the other; each turn adds a tool observation of
-``--new-tokens`` tokens and generates ``--gen-tokens``; TTFT is measured at the first streamed
-content token through the router (or the single server). Greedy outputs are compared across
-configurations turn by turn.
+The workloads: :mod:`benchmarks.pd_workloads`. Every configuration gets fresh servers on the
+same cores (P on core 0, D on core 1; single on core 0), one configuration at a time; at a
+budget too small for ``--max-model-len`` the run's max model length is what the budget holds.
+TTFT is measured at the first streamed content token through the router, the proxy or the
+single server; greedy answers are compared across every configuration and budget, turn by turn.
+Tokens pulled from D: the kvbranch split's ``remote_hit_tokens``, and for upstream P's own
+``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``.
 
 Raw data: benchmarks/out/pd_turns-<time>.json; plot: benchmarks/plots/pd_turns.png; the report is
 printed and the records written to benchmarks/results/ (unless --no-results).
@@ -28,30 +40,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
-import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import cli, common, reporting  # noqa: E402
-from benchmarks.records import Record, result  # noqa: E402
-from benchmarks.textgen import text_of_tokens  # noqa: E402
+from benchmarks.pd_report import UPSTREAM, plot, records_of, report  # noqa: E402
+from benchmarks.pd_workloads import (  # noqa: E402
+    WORKLOADS,
+    conversation_turns,
+    run_workload,
+    turn_order,
+)
+from benchmarks.records import Record  # noqa: E402
+from benchmarks.upstream_pd import UpstreamPD  # noqa: E402
+from benchmarks.upstream_pd.cluster import PULLED  # noqa: E402
+
+__all__ = ["conversation_turns", "turn_order"]  # re-exported for cluster_agents and the tests
 
 NAME = "pd_turns"
 DESCRIPTION = (
-    "multi-turn TTFT on prefill/decode disaggregation: upstream P/D vs kvbranch P/D vs single "
-    "instances"
+    "multi-turn TTFT on P/D: vLLM's own bidirectional P/D vs kvbranch P/D vs P/D without the "
+    "pull, at a small and an ample device budget"
 )
-#: The targets: kvbranch P/D's p50 TTFT at turns >= 3 this much lower than upstream P/D's, and
-#: turn 1 (nothing to reuse) within 3% of it.
-PD_TARGET = 1.6
-TURN1_TARGET = 1.03
-
-CONFIGS = {
+CONFIGS: dict[str, list[str]] = {
     "pd": ["--disagg", "--no-connector", "--no-bidirectional"],
     "pd-kvbranch": ["--disagg"],
     "single-kvbranch": ["--cpu-cores", "0"],
@@ -66,242 +83,89 @@ CONFIGS = {
 for _name in list(CONFIGS):
     CONFIGS[f"{_name}-spin1000"] = [*CONFIGS[_name], "--mq-spin-ms", "1000"]
     CONFIGS[f"{_name}-poll1"] = [*CONFIGS[_name], "--idle-poll-ms", "0"]
-DEFAULT_CONFIGS = ["pd", "pd-kvbranch", "single-kvbranch", "single-plain"]
+CONFIGS[UPSTREAM] = []  # not the launcher: benchmarks/upstream_pd
+DEFAULT_CONFIGS = [UPSTREAM, "pd-kvbranch", "pd"]
+DEFAULT_BUDGETS = [0.15, 1.5]
 
 
-def conversation_turns(
-    seed: int, turns: int, system_tokens: int, new_tokens: int
-) -> tuple[str, list[str]]:
-    rng = random.Random(seed)
-    system = "You are an agent that uses tools. Notes: " + text_of_tokens(rng, system_tokens)
-    users = [f"Task {seed}: inspect the logs and report." + text_of_tokens(rng, 40)]
-    users += [
-        f"Tool result {t}: " + text_of_tokens(rng, new_tokens, style="observation")
-        for t in range(1, turns)
-    ]
-    return system, users
+def fitted_max_len(gib: float, max_model_len: int) -> int:
+    """``max_model_len``, or what ``gib`` of device KV holds if less (vLLM and the launcher
+    refuse a budget that cannot hold one sequence of the max length)."""
+    from server.launcher.cli import kv_bytes_per_token, resolve_model
+
+    per_token = kv_bytes_per_token(resolve_model(None), cuda=False)
+    if per_token is None:
+        return max_model_len
+    blocks = int(gib * 2**30) // per_token // common.BLOCK_TOKENS
+    # vLLM's own check leaves one block of a budget's whole blocks out (0.15 GiB: 3328 tokens).
+    return min(max_model_len, (blocks - 1) * common.BLOCK_TOKENS)
 
 
-async def run_config(name: str, args: argparse.Namespace, log: reporting.Progress) -> dict:
-    server_args = [
-        "--kv-cache-gib",
-        str(args.kv_cache_gib),
-        "--max-model-len",
-        str(args.max_model_len),
-        *CONFIGS[name],
-    ]
+class Started:
+    """A configuration's servers: its URL, how to stop it, and tokens P pulled from D so far
+    (``None``: counted from the turns' kvbranch split instead)."""
+
+    def __init__(
+        self, url: str, stop: Callable[[], None], pulled: Callable[[], float] | None = None
+    ) -> None:
+        self.url, self.stop, self.pulled = url, stop, pulled
+        self.proxy_stats: Callable[[], dict[str, int]] | None = None
+
+
+def start(name: str, gib: float, max_len: int, args: argparse.Namespace) -> Started:
+    if name == UPSTREAM:
+        up = UpstreamPD(
+            kv_cache_gib=gib,
+            max_model_len=max_len,
+            hold_ttl_s=int(args.pd_hold_ttl_s),
+            failure_policy=args.upstream_failure_policy,
+            idle_poll_ms=args.upstream_idle_poll_ms,
+            name=f"{name}@{gib:g}",
+        ).start()
+        started = Started(up.url, up.stop, lambda: up.prompt_tokens_by_source().get(PULLED, 0.0))
+        started.proxy_stats = up.proxy_stats
+        return started
+    flags = list(CONFIGS[name])
+    if "--disagg" in flags:
+        flags += ["--pd-hold-ttl-s", str(args.pd_hold_ttl_s)]
+    server_args = ["--kv-cache-gib", str(gib), "--max-model-len", str(max_len), *flags]
     server = common.start_server(f"bench-{name}", server_args, reserved_cpus=None)
-    turns: list[dict] = []
-    convs = {
-        conv: conversation_turns(args.seed + conv, args.turns, args.system_tokens, args.new_tokens)
-        for conv in range(args.conversations)
-    }
-    history = {conv: [{"role": "system", "content": system}] for conv, (system, _) in convs.items()}
+    return Started(server.url, server.stop)
+
+
+async def run_config(
+    name: str, gib: float, args: argparse.Namespace, log: reporting.Progress
+) -> dict[str, Any]:
+    max_len = fitted_max_len(gib, args.max_model_len)
+    server = start(name, gib, max_len, args)
+    out: dict[str, Any] = {"name": f"{name}@{gib:g}GiB", "config": name, "budget_gib": gib}
     try:
+        before = server.pulled() if server.pulled else 0.0
         async with httpx.AsyncClient(timeout=1800) as client:
-            for conv, turn in turn_order(args.conversations, args.turns, args.interleave):
-                messages = history[conv]
-                messages.append({"role": "user", "content": convs[conv][1][turn - 1]})
-                body = common.greedy_turn(messages, args.gen_tokens, f"pd-bench-{conv}")
-                res = await common.stream_chat(client, server.url, body)
-                turns.append(common.turn_row(res, conversation=conv, turn=turn))
-                log(
-                    f"[{name}] conv {conv} turn {turn}: TTFT {res.ttft_s:.2f}s, prompt "
-                    f"{res.prompt_tokens} (device {res.device_hit_tokens}, host "
-                    f"{res.host_hit_tokens}, remote {res.remote_hit_tokens}, recomputed "
-                    f"{res.recomputed_tokens})"
-                )
-                messages.append({"role": "assistant", "content": res.content})
+            sessions_api = "kvbranch" in name
+            out["turns"] = await run_workload(client, server.url, args, log, name, sessions_api)
+        rows = out["turns"]
+        pulled = server.pulled() - before if server.pulled else None
+        out["pulled_tokens"] = (
+            pulled if pulled is not None else sum(t["remote_hit_tokens"] for t in rows)
+        )
+        out["proxy"] = server.proxy_stats() if server.proxy_stats else None
     finally:
         server.stop()
-    return {"name": name, "server_args": server_args, "turns": turns}
-
-
-def turn_order(conversations: int, turns: int, interleave: bool) -> list[tuple[int, int]]:
-    """(conversation, turn) in request order: each conversation to its end, or (``interleave``)
-    turn t of every conversation before turn t+1 of any, so that the others' turns pass
-    between two turns of one conversation."""
-    if interleave:
-        return [(c, t) for t in range(1, turns + 1) for c in range(conversations)]
-    return [(c, t) for c in range(conversations) for t in range(1, turns + 1)]
-
-
-def mean_ttft(result: dict, first_turn: int) -> float:
-    values = [t["ttft_s"] for t in result["turns"] if t["turn"] >= first_turn]
-    return statistics.fmean(values) if values else float("nan")
-
-
-def p50_ttft(result: dict, first_turn: int) -> float:
-    values = [t["ttft_s"] for t in result["turns"] if t["turn"] >= first_turn]
-    return statistics.median(values) if values else float("nan")
-
-
-def per_turn_median(result: dict, turn: int) -> float:
-    values = [t["ttft_s"] for t in result["turns"] if t["turn"] == turn]
-    return statistics.median(values) if values else float("nan")
-
-
-def plot(results: list[dict], turns: int, path: Path) -> None:
-    plt = reporting.pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = list(range(1, turns + 1))
-    for res in results:
-        ax.plot(xs, [per_turn_median(res, t) for t in xs], marker="o", label=res["name"])
-    reporting.save_plot(
-        fig,
-        ax,
-        path,
-        "turn",
-        "median TTFT (s)",
-        "Multi-turn TTFT: P/D with and without the D->P pull",
-        dpi=120,
-    )
-
-
-def report(results: list[dict], args: argparse.Namespace, info: dict, elapsed: float) -> str:
-    by = {r["name"]: r for r in results}
-    header = ["turn", *[r["name"] for r in results]]
-    rows = [
-        [t, *[f"{per_turn_median(r, t):.2f}" for r in results]] for t in range(1, args.turns + 1)
-    ]
-    means = {r["name"]: mean_ttft(r, 2) for r in results}
-    summary = [["mean TTFT turns >= 2 (s)", *[f"{means[r['name']]:.2f}" for r in results]]]
-    rec = [
-        [
-            "recomputed prompt tokens, turns >= 2",
-            *[
-                str(sum(t["recomputed_tokens"] for t in r["turns"] if t["turn"] >= 2))
-                for r in results
-            ],
-        ],
-        [
-            "tokens pulled from D (remote hits)",
-            *[str(sum(t["remote_hit_tokens"] for t in r["turns"])) for r in results],
-        ],
-        [
-            "median 1-min load average at requests (2 cores = 2.0)",
-            *[f"{statistics.median([t['load1'] or 0 for t in r['turns']]):.1f}" for r in results],
-        ],
-    ]
-    lines = [
-        *reporting.run_header("pd_turns", info, elapsed),
-        f"- {args.conversations} conversations x {args.turns} turns, system prompt "
-        f"~{args.system_tokens} tokens, ~{args.new_tokens} new tokens and "
-        f"{args.gen_tokens} generated tokens per turn; "
-        + (
-            "conversations interleaved turn by turn; "
-            if args.interleave
-            else "conversations one at a time; "
-        )
-        + f"device KV {args.kv_cache_gib} GiB per instance; "
-        "P on core 0, D on core 1, single instances on core 0.",
-        "",
-        "Median TTFT per turn (s):",
-        "",
-        reporting.md_table(header, rows),
-        "",
-        reporting.md_table(["", *[r["name"] for r in results]], summary + rec),
-        "",
-    ]
-    if "pd" in by and "pd-kvbranch" in by and max(t["turn"] for t in by["pd"]["turns"]) >= 3:
-        p50 = {n: p50_ttft(by[n], 3) for n in ("pd", "pd-kvbranch")}
-        lines.append(
-            f"- p50 TTFT at turns >= 3: pd {p50['pd']:.2f} s, pd-kvbranch "
-            f"{p50['pd-kvbranch']:.2f} s: {p50['pd'] / p50['pd-kvbranch']:.2f}x lower "
-            "(target >= 1.6x; mean over turns >= 2: target pd-kvbranch at most 1/1.6 of pd)."
-        )
-    ratios = [
-        ("pd-kvbranch", "pd", "P/D with the kvbranch pull vs upstream P/D"),
-        ("pd-kvbranch", "single-kvbranch", "P/D kvbranch vs single-instance kvbranch"),
-        ("pd", "single-plain", "Upstream P/D's overhead over a plain single instance"),
-        *[
-            (f"{n}-spin1000", n, f"{n}: vLLM's 1 s message-queue spin vs the 2 ms default")
-            for n in by
-        ],
-        *[(f"{n}-poll1", n, f"{n}: vLLM's 1 ms idle poll vs the 20 ms default") for n in by],
-    ]
-    first = {n: [t["ttft_s"] for t in by[n]["turns"] if t["turn"] == 1] for n in by}
-    for a, b in (("pd-kvbranch", "pd"), ("single-kvbranch", "single-plain")):
-        if a in by and b in by:
-            ma, mb = statistics.fmean(first[a]), statistics.fmean(first[b])
-            lines.append(
-                f"- Turn 1 (nothing to reuse), {a} vs {b}: mean TTFT {ma:.2f} s vs {mb:.2f} s "
-                f"({ma / mb:.3f}x; target within 3%), medians {statistics.median(first[a]):.2f} "
-                f"s vs {statistics.median(first[b]):.2f} s, n = {len(first[a])}."
-            )
-    for n in by:
-        legs = [
-            (t["prefill_leg_s"], t["ttft_s"])
-            for t in by[n]["turns"]
-            if t["turn"] == 1 and t.get("prefill_leg_s") is not None
-        ]
-        if legs:
-            p = statistics.fmean(x for x, _ in legs)
-            rest = statistics.fmean(y - x for x, y in legs)
-            lines.append(
-                f"- {n}, turn 1 split by the router's Server-Timing: P's leg {p:.2f} s, "
-                f"then D's read and first token (with the router on both sides) {rest:.2f} s."
-            )
-    for a, b, label in ratios:
-        if a in by and b in by:
-            lines.append(
-                f"- {label} (mean TTFT turns >= 2): {means[a]:.2f} s vs {means[b]:.2f} s "
-                f"({means[a] / means[b]:.2f}x, {means[a] - means[b]:+.3f} s per turn)."
-            )
-    names = [r["name"] for r in results]
-    same = 0
-    total = 0
-    for i, t in enumerate(results[0]["turns"]):
-        total += 1
-        same += all(
-            r["turns"][i]["content"] == t["content"] for r in results[1:] if i < len(r["turns"])
-        )
-    lines.append(f"- Greedy outputs identical across {', '.join(names)}: {same}/{total} turns.")
-    lines.append("- Plot: `benchmarks/plots/pd_turns.png`.")
-    return "\n".join(lines)
-
-
-def records_of(results: list[dict], plots: tuple[str, ...]) -> list[Record]:
-    """Mean TTFT at turns >= 2 per configuration, and the two P/D targets."""
-    by = {r["name"]: r for r in results}
-    out = [
-        result(NAME, n, "mean TTFT turns >= 2", mean_ttft(r, 2), "s", plots=plots)
-        for n, r in by.items()
-    ]
-    if "pd" in by and "pd-kvbranch" in by:
-        if max(t["turn"] for t in by["pd"]["turns"]) >= 3:
-            ratio = p50_ttft(by["pd"], 3) / p50_ttft(by["pd-kvbranch"], 3)
-            out.append(
-                result(
-                    NAME,
-                    "pd/pd-kvbranch",
-                    "p50 TTFT turns >= 3",
-                    ratio,
-                    "x",
-                    target=f">= {PD_TARGET}x",
-                    met=ratio >= PD_TARGET,
-                )
-            )
-        first = {n: [t["ttft_s"] for t in by[n]["turns"] if t["turn"] == 1] for n in by}
-        turn1 = statistics.fmean(first["pd-kvbranch"]) / statistics.fmean(first["pd"])
-        out.append(
-            result(
-                NAME,
-                "pd-kvbranch/pd",
-                f"mean TTFT at turn 1 (n = {len(first['pd'])})",
-                turn1,
-                "x",
-                target=f"within 3% (<= {TURN1_TARGET})",
-                met=turn1 <= TURN1_TARGET,
-            )
-        )
+    out["max_model_len"] = max_len
     return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=DEFAULT_CONFIGS,
+        choices=list(CONFIGS),
+        metavar="CONFIG",
+        help="in this order (default: %(default)s; all: %(choices)s)",
+    )
+    parser.add_argument("--workload", choices=WORKLOADS, default="conversations")
     reporting.add_int_args(parser, {"--conversations": 4, "--turns": 6, "--system-tokens": 500})
     parser.add_argument(
         "--new-tokens",
@@ -313,17 +177,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="round-robin the conversations turn by turn (with a small --kv-cache-gib: P's own "
-        "cache cannot keep a conversation between its turns, the case the D->P pull is for)",
+        help="conversations: round-robin turn by turn (with a small budget P's own cache "
+        "cannot keep a conversation between its turns, the case the D->P pull is for)",
     )
-    common.add_server_args(parser, 1.0, 4096, None)
+    parser.add_argument("--fork-turn", type=int, default=3, help="agents: the turn that forks")
+    parser.add_argument("--pause-s", type=float, default=1.0, help="agents, bfcl: tool time")
+    parser.add_argument(
+        "--bfcl-max-chars",
+        type=int,
+        default=9000,
+        help="bfcl: only traces whose last step is at most this long (fits a small budget)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        nargs="+",
+        default=DEFAULT_BUDGETS,
+        help="device KV budget per instance, one run of every configuration per value "
+        "(1 GiB ~ 23k tokens; default: %(default)s)",
+    )
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--pd-hold-ttl-s",
+        type=float,
+        default=30.0,
+        help="how long D holds a turn's blocks (kvbranch's --pd-hold-ttl-s, upstream's "
+        "decoder_kv_blocks_ttl)",
+    )
+    parser.add_argument(
+        "--upstream-failure-policy",
+        choices=("fail", "recompute"),
+        default="fail",
+        help="upstream P/D's kv_load_failure_policy (vLLM's default: fail; the proxy then "
+        "sends the turn's P leg again without D's params)",
+    )
+    parser.add_argument(
+        "--upstream-idle-poll-ms",
+        type=float,
+        default=20.0,
+        help="upstream P/D: how long an engine that only holds blocks waits between steps, "
+        "as every instance kvbranch's launcher starts (0: vLLM's own 1 ms)",
+    )
     common.add_run_args(parser, seed=7, reserved_cpus=False)
 
 
 def run(args: argparse.Namespace) -> list[Record]:
     log = reporting.Progress()
     info_job = reporting.machine_info_async()
-    results = [asyncio.run(run_config(name, args, log)) for name in args.configs]
+    results = [
+        asyncio.run(run_config(name, gib, args, log))
+        for gib in args.kv_cache_gib
+        for name in args.configs
+    ]
     elapsed = log.elapsed()
     info = info_job.result()
     out = reporting.raw_path("pd_turns")
@@ -332,7 +237,7 @@ def run(args: argparse.Namespace) -> list[Record]:
     plot(results, args.turns, png)
     reporting.publish(report(results, args, info, elapsed), args.no_results)
     log(f"raw data: {out}")
-    return records_of(results, reporting.plot_ref(png))
+    return records_of(results, args, reporting.plot_ref(png))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,14 @@ its pages are faulted in by the saves that first reach them, as before 2026-12-0
 on the server that just computed it) and reports those requests as ``warm_ttft_s`` /
 ``warm_total_s``: the cost of kvbranch's lookups where the device cache already has everything.
 
-``--pd`` compares the P/D clusters instead (the launcher's ``--disagg``: a router, P on core 0,
-D on core 1): upstream P/D (vLLM's NixlConnector, ``pd``) against kvbranch P/D
-(``pd-kvbranch``), both up at once, each request through its router (``--pd-configs``: others,
-e.g. ``pd-unpaced,pd-kvbranch-unpaced``, both without NIXL's progress thread as before
-2026-12-05); the report splits each
-TTFT by the router's ``Server-Timing`` phases. ``--session`` puts each prompt on a session of
+``--pd`` compares the P/D clusters instead (P on core 0, D on core 1 in each): upstream P/D
+(``pd-upstream``: vLLM's own bidirectional P/D, plain vLLM instances behind a minimal proxy,
+:mod:`benchmarks.upstream_pd`) against kvbranch P/D (``pd-kvbranch``, the launcher's
+``--disagg``), both up at once, each request through its router or proxy (``--pd-configs``:
+others, e.g. ``pd`` — P/D without the pull, kvbranch's launcher with ``--no-connector
+--no-bidirectional`` — or ``pd-unpaced,pd-kvbranch-unpaced``, both without NIXL's progress
+thread as before 2026-12-05); the report splits each TTFT by the ``Server-Timing`` phases
+(the proxy reports P's leg only). ``--session`` puts each prompt on a session of
 its own (the first turn of a new session: the router's index, the instance's session, and with
 ``--pd`` D's hold of the blocks for the next turn, which a sessionless request does not get).
 ``--crowd TOKENS`` sends, 0.15 s after each measured prompt, another agent's never-seen prompt
@@ -45,15 +47,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -62,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import cli, common, reporting  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.textgen import text_of_tokens  # noqa: E402
+from benchmarks.upstream_pd import UpstreamPD  # noqa: E402
 
 #: name -> (with the connector, extra environment, launcher flags): kvbranch as users get it
 #: (the launcher's defaults), and with the host-store save back in the step.
@@ -78,8 +82,11 @@ CONFIGS = {
     "kvbranch-sync": (True, {"KVBRANCH_ASYNC_SAVE": "0"}, []),
     "kvbranch-fault": (True, {"KVBRANCH_PREFAULT": "0"}, []),
 }
+UPSTREAM = "pd-upstream"
 #: ``--pd``: name -> launcher flags (as benchmarks/pd_turns.py runs them); the first is the base.
+#: ``pd-upstream`` is not the launcher (:mod:`benchmarks.upstream_pd`).
 PD_CONFIGS = {
+    UPSTREAM: [],
     "pd": ["--disagg", "--no-connector", "--no-bidirectional"],
     "pd-kvbranch": ["--disagg"],
     # As before 2026-12-05: no NIXL progress thread, a peer's read waits for the forward.
@@ -148,7 +155,7 @@ async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     return out
 
 
-async def measure(args, servers: dict[str, common.ServerProcess], log) -> tuple[list[dict], dict]:
+async def measure(args, servers: dict[str, Any], log) -> tuple[list[dict], dict]:
     rng = random.Random(args.seed)
     rounds = []
     async with httpx.AsyncClient() as client:
@@ -349,6 +356,23 @@ def phases_md(rounds: list[dict], names: list[str]) -> str:
     return reporting.md_table(header, rows)
 
 
+@contextlib.contextmanager
+def clusters_up(
+    specs: dict[str, common.ServerSpec], args: argparse.Namespace, upstream: bool
+) -> Iterator[dict[str, Any]]:
+    """Every server up (:func:`benchmarks.common.servers_up`) and, with ``upstream``, the
+    upstream P/D cluster; named in ``--pd-configs``' order (the first is the base)."""
+    with contextlib.ExitStack() as stack:
+        started: dict[str, Any] = {}
+        if upstream:
+            started[UPSTREAM] = stack.enter_context(
+                UpstreamPD(kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
+            )
+        started.update(stack.enter_context(common.servers_up(specs)))
+        order = args.pd_configs.split(",") if args.pd else list(started)
+        yield {n: started[n] for n in order if n in started}
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     reporting.add_int_args(ap, {"--rounds": 24, "--tokens": 800, "--max-tokens": 4})
     ap.add_argument("--cpu-cores", default="1", help="the engines' core(s), the same for all")
@@ -361,7 +385,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--pd-configs",
-        default="pd,pd-kvbranch",
+        default=f"{UPSTREAM},pd-kvbranch",
         help=f"--pd: the clusters, the first is the base (of {', '.join(PD_CONFIGS)})",
     )
     ap.add_argument(
@@ -388,6 +412,8 @@ def run(args: argparse.Namespace) -> list[Record]:
             str(args.max_model_len),
         ]
         for name in args.pd_configs.split(","):
+            if name == UPSTREAM:
+                continue  # started beside the others (clusters_up)
             flags = PD_CONFIGS[name]
             store = (
                 [] if "--no-connector" in flags else ["--host-store-gib", str(args.host_store_gib)]
@@ -403,8 +429,12 @@ def run(args: argparse.Namespace) -> list[Record]:
                 connector, args.kv_cache_gib, args.host_store_gib, args.max_model_len, flags
             )
             specs[name] = common.ServerSpec(server_args, env, args.reserved_cpus)
-    with common.servers_up(specs) as servers:
-        bindings = {n: common.omp_binding(s) for n, s in servers.items()}
+    upstream = args.pd and UPSTREAM in args.pd_configs.split(",")
+    with clusters_up(specs, args, upstream) as servers:
+        bindings = {
+            n: common.omp_binding(s) if isinstance(s, common.ServerProcess) else "P 0, D 1"
+            for n, s in servers.items()
+        }
         rounds, sums = asyncio.run(measure(args, servers, log))
     elapsed = time.monotonic() - t0
     raw = reporting.raw_path("turn1_ab")

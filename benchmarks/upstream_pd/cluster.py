@@ -38,6 +38,7 @@ class UpstreamPD:
     failure_policy: str = "fail"
     nixl_progress_us: int = 1000
     mq_spin_ms: float = 2.0
+    idle_poll_ms: float = 20.0
     cores: tuple[str, str] = ("0", "1")
     ready_timeout: float = 1200.0
     name: str = "pd-upstream"
@@ -50,7 +51,7 @@ class UpstreamPD:
             *("--max-model-len", str(self.max_model_len), "--hold-ttl-s", str(self.hold_ttl_s)),
             *("--failure-policy", self.failure_policy),
             *("--nixl-progress-us", str(self.nixl_progress_us)),
-            *("--mq-spin-ms", str(self.mq_spin_ms)),
+            *("--mq-spin-ms", str(self.mq_spin_ms), "--idle-poll-ms", str(self.idle_poll_ms)),
         ]
 
     def start(self) -> UpstreamPD:

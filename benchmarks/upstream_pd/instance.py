@@ -18,10 +18,13 @@ of this CPU host:
   :func:`~server.launcher.cli.pd_environment`: two instances on one machine;
 * its engine on its own core (``VLLM_CPU_OMP_THREADS_BIND``), kept there against NIXL's
   re-pinning, and NIXL's progress thread paced (:mod:`benchmarks.upstream_pd.cpu_host`);
-* vLLM's message-queue busy-wait bounded to ``--mq-spin-ms`` (kvbranch's ``kvbranch_mq_spin``
-  general plugin alone, server/engine/spin.py: every instance the kvbranch launcher starts
-  gets it, plain vLLM ones included). vLLM's 1 ms poll of an engine that only holds blocks is
-  left as it is (kvbranch's ``--idle-poll-ms`` is not applied here);
+* vLLM's two busy-waits bounded, by kvbranch's ``kvbranch_mq_spin`` general plugin alone
+  (server/engine/spin.py and idle.py; every instance the kvbranch launcher starts gets both,
+  plain vLLM ones included): the message queue's 1 s spin after each step (``--mq-spin-ms``,
+  2 ms) and the 1 ms empty steps of an engine that only holds blocks for its peer
+  (``--idle-poll-ms``, 20 ms; a new request ends the wait at once). Both are CPU time on a
+  shared core: with D holding the last conversation's blocks, the next conversation's first
+  P leg took 4.0 s instead of 1.8 s on this 2-core host (docs/pd.md, "The upstream baseline");
 * D's params in the streamed usage chunk (:mod:`benchmarks.upstream_pd.stream_params`).
 
 ``--failure-policy`` is vLLM's ``kv_load_failure_policy`` (vLLM's default ``fail``: a pull
@@ -55,6 +58,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--failure-policy", choices=("fail", "recompute"), default="fail")
     ap.add_argument("--nixl-progress-us", type=int, default=1000, help="0: upstream's spin")
     ap.add_argument("--mq-spin-ms", type=float, default=2.0, help="<= 0: vLLM's own 1 s")
+    ap.add_argument("--idle-poll-ms", type=float, default=20.0, help="0: vLLM's own 1 ms")
     ap.add_argument("--log-level", default="info")
     return ap.parse_args(argv)
 
@@ -77,6 +81,7 @@ def transfer_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def environment(args: argparse.Namespace) -> dict[str, str]:
+    from server.engine.idle import ENV_IDLE_POLL_S
     from server.engine.spin import ENV_MQ_SPIN_S
     from server.launcher.cli import pd_environment
 
@@ -90,6 +95,9 @@ def environment(args: argparse.Namespace) -> dict[str, str]:
     }
     if args.mq_spin_ms > 0:
         env[ENV_MQ_SPIN_S] = str(args.mq_spin_ms / 1000.0)
+    if args.idle_poll_ms > 0:  # the same plugin installs the idle poll
+        env["VLLM_PLUGINS"] = SPIN_PLUGIN
+        env[ENV_IDLE_POLL_S] = str(args.idle_poll_ms / 1000.0)
     return env
 
 

@@ -1,0 +1,170 @@
+"""The workloads :mod:`benchmarks.pd_turns` runs through each P/D configuration, all returning
+the same turn rows (:func:`benchmarks.common.turn_row` plus ``conversation``, ``branch`` and
+``turn``), so that the report and the answer check are one for all:
+
+* ``conversations`` — synthetic tool-using conversations (a system prompt, then a tool
+  observation of ``--new-tokens`` per turn), the model's answers fed back; one at a time, or
+  turn by turn across conversations (``--interleave``: with a small budget P's own cache
+  cannot keep a conversation between its turns, the seed's setting for the D→P pull);
+* ``agents`` — the forking agents of :mod:`benchmarks.agent_workload` (concurrent sessions,
+  tool pauses, each session forking into 2 branches at ``--fork-turn``), its own runner: the
+  kvbranch configurations use the session, fork and prefetch routes as there, the others send
+  the same requests with the session and branch in the body only;
+* ``bfcl`` — the BFCL multi-turn traces of :mod:`benchmarks.bfcl_traces`, concurrently, one
+  step after the other per conversation. The model's answers are *not* fed back (each step's
+  prompt holds the trace's own tool calls), so a turn's prompt does not extend what D generated
+  the turn before: the case where a pull must stop at the common prefix (docs/pd_notes.md
+  pitfall 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import random
+from typing import Any
+
+import httpx
+
+from benchmarks import common, reporting
+from benchmarks.textgen import text_of_tokens
+from sdk.contract import DEFAULT_BRANCH
+
+WORKLOADS = ("conversations", "agents", "bfcl")
+
+
+def conversation_turns(
+    seed: int, turns: int, system_tokens: int, new_tokens: int
+) -> tuple[str, list[str]]:
+    rng = random.Random(seed)
+    system = "You are an agent that uses tools. Notes: " + text_of_tokens(rng, system_tokens)
+    users = [f"Task {seed}: inspect the logs and report." + text_of_tokens(rng, 40)]
+    users += [
+        f"Tool result {t}: " + text_of_tokens(rng, new_tokens, style="observation")
+        for t in range(1, turns)
+    ]
+    return system, users
+
+
+def turn_order(conversations: int, turns: int, interleave: bool) -> list[tuple[int, int]]:
+    """(conversation, turn) in request order: each conversation to its end, or (``interleave``)
+    turn t of every conversation before turn t+1 of any, so that the others' turns pass
+    between two turns of one conversation."""
+    if interleave:
+        return [(c, t) for t in range(1, turns + 1) for c in range(conversations)]
+    return [(c, t) for c in range(conversations) for t in range(1, turns + 1)]
+
+
+def _log_row(log: reporting.Progress, name: str, row: dict[str, Any]) -> None:
+    log(
+        f"[{name}] {row['conversation']}/{row['branch']} turn {row['turn']}: TTFT "
+        f"{row['ttft_s']:.2f}s, prompt {row['prompt_tokens']} (device {row['device_hit_tokens']}, "
+        f"host {row['host_hit_tokens']}, remote {row['remote_hit_tokens']}, recomputed "
+        f"{row['recomputed_tokens']})"
+    )
+
+
+async def conversations(
+    client: httpx.AsyncClient,
+    url: str,
+    args: argparse.Namespace,
+    log: reporting.Progress,
+    name: str,
+) -> list[dict[str, Any]]:
+    convs = {
+        c: conversation_turns(args.seed + c, args.turns, args.system_tokens, args.new_tokens)
+        for c in range(args.conversations)
+    }
+    history = {c: [{"role": "system", "content": system}] for c, (system, _) in convs.items()}
+    rows = []
+    for conv, turn in turn_order(args.conversations, args.turns, args.interleave):
+        messages = history[conv]
+        messages.append({"role": "user", "content": convs[conv][1][turn - 1]})
+        body = common.greedy_turn(messages, args.gen_tokens, f"pd-bench-{conv}")
+        res = await common.stream_chat(client, url, body)
+        rows.append(common.turn_row(res, conversation=str(conv), branch=DEFAULT_BRANCH, turn=turn))
+        _log_row(log, name, rows[-1])
+        messages.append({"role": "assistant", "content": res.content})
+    return rows
+
+
+async def agents(
+    client: httpx.AsyncClient,
+    url: str,
+    args: argparse.Namespace,
+    log: reporting.Progress,
+    name: str,
+    sessions_api: bool,
+) -> list[dict[str, Any]]:
+    from benchmarks.agent_workload import Runner, build_workload
+
+    params = {
+        "sessions": args.conversations,
+        "turns": args.turns,
+        "obs_tokens": args.new_tokens,
+        "gen_tokens": args.gen_tokens,
+        "system_tokens": args.system_tokens,
+        "tools": 4,
+        "pause_min": args.pause_s / 2,
+        "pause_max": args.pause_s * 1.5,
+        "fork_turn": args.fork_turn,
+        "branches": 2,
+        "stagger_s": 2.0,
+        "seed": args.seed,
+    }
+    runner = Runner(name, sessions_api, url, build_workload(params), args.gen_tokens, client, log)
+    await runner.run()
+    if runner.errors:
+        raise RuntimeError(f"{name}: {runner.errors[:3]}")
+    fields = {f.name for f in dataclasses.fields(common.StreamResult)}
+    return [
+        common.turn_row(
+            common.StreamResult(**{k: v for k, v in r.items() if k in fields}),
+            conversation=r["session"],
+            branch=r["branch"],
+            turn=r["turn"],
+        )
+        for r in runner.records
+    ]
+
+
+async def bfcl(
+    client: httpx.AsyncClient,
+    url: str,
+    args: argparse.Namespace,
+    log: reporting.Progress,
+    name: str,
+) -> list[dict[str, Any]]:
+    from benchmarks import bfcl_traces
+
+    convs = bfcl_traces.load(args.conversations, args.turns, max_chars=args.bfcl_max_chars)
+    rows: list[dict[str, Any]] = []
+
+    async def one(conv: dict[str, Any]) -> None:
+        for step, messages in enumerate(conv["steps"]):
+            body = common.greedy_turn(messages, args.gen_tokens, f"bfcl-{conv['id']}")
+            res = await common.stream_chat(client, url, body)
+            rows.append(
+                common.turn_row(res, conversation=conv["id"], branch=DEFAULT_BRANCH, turn=step + 1)
+            )
+            _log_row(log, name, rows[-1])
+            await asyncio.sleep(args.pause_s)
+
+    await asyncio.gather(*(one(c) for c in convs))
+    return rows
+
+
+async def run_workload(
+    client: httpx.AsyncClient,
+    url: str,
+    args: argparse.Namespace,
+    log: reporting.Progress,
+    name: str,
+    sessions_api: bool,
+) -> list[dict[str, Any]]:
+    if args.workload == "agents":
+        return await agents(client, url, args, log, name, sessions_api)
+    if args.workload == "bfcl":
+        return await bfcl(client, url, args, log, name)
+    return await conversations(client, url, args, log, name)
