@@ -75,13 +75,36 @@ def report(
     raw: Path,
     wl_path: Path,
 ) -> str:
-    p = workload["params"]
-    # Ratios are against the first configuration of the run (plain vLLM unless --configs says
-    # otherwise, e.g. "pd,pd-kvbranch": upstream P/D against kvbranch P/D).
-    base_name = next(iter(results))
-    base = sums.get(base_name)
+    """The run's Markdown report. Ratios are against the first configuration of the run (plain
+    vLLM unless --configs says otherwise, e.g. "pd,pd-kvbranch": upstream P/D against kvbranch
+    P/D)."""
     lines = [
         *reporting.run_header(f"agent_workload ({args.profile})", info, elapsed),
+        workload_line(args, workload),
+        *reporting.conditions_md(
+            [r["extra"].get("load1", 0.0) for res in results.values() for r in res["records"]],
+            args.reserved_cpus,
+            {n: r.get("omp") for n, r in results.items()},
+        ),
+        f"- Workload file: `{wl_path.relative_to(reporting.ROOT)}`, raw data: "
+        f"`{raw.relative_to(reporting.ROOT)}` (not committed)",
+    ]
+    if png:
+        lines.append(f"- Plot: `{png.name}`")
+    lines.append("")
+    lines += turn_table(sums)
+    lines += config_table(results, sums)
+    lines += jct_table(sums)
+    lines += ratio_lines(args, results, sums)
+    lines += server_lines(results)
+    if len(results) > 1:
+        lines.append(identical_line(results))
+    return "\n".join(lines) + "\n"
+
+
+def workload_line(args: argparse.Namespace, workload: dict) -> str:
+    p = workload["params"]
+    return (
         f"- Workload: {p['sessions']} concurrent sessions x {p['turns']} turns, shared "
         f"system prompt {workload.get('system_tokens_actual', p['system_tokens'])} tokens "
         f"with {p['tools']} tool schemas, "
@@ -94,38 +117,33 @@ def report(
         )
         + f"seed {p['seed']}; device KV {args.kv_cache_gib} GiB "
         f"(~{int(args.kv_cache_gib * 23000)} tokens), host store {args.host_store_gib} GiB, "
-        f"max-model-len {args.max_model_len}; streaming, TTFT at first content token",
-        *reporting.conditions_md(
-            [r["extra"].get("load1", 0.0) for res in results.values() for r in res["records"]],
-            args.reserved_cpus,
-            {n: r.get("omp") for n, r in results.items()},
-        ),
-        f"- Workload file: `{wl_path.relative_to(reporting.ROOT)}`, raw data: "
-        f"`{raw.relative_to(reporting.ROOT)}` (not committed)",
-    ]
-    if png:
-        lines.append(f"- Plot: `{png.name}`")
-    lines.append("")
-    names = list(results)
+        f"max-model-len {args.max_model_len}; streaming, TTFT at first content token"
+    )
+
+
+def turn_table(sums: dict[str, dict]) -> list[str]:
+    """TTFT p50 / p95 per turn index and configuration, with the first configuration's p50
+    over each other's."""
+    names = list(sums)
+    base_name, base = names[0], sums[names[0]]
+    others = names[1:]
     turns = sorted({t for s in sums.values() for t in s["ttft_by_turn"]})
     header = ["turn", "n"] + [f"{n} p50 / p95 s" for n in names]
-    if base and len(names) > 1:
-        header += [f"{base_name}/{n} p50" for n in names if n != base_name]
+    header += [f"{base_name}/{n} p50" for n in others]
     rows = []
     for t in turns:
         row = [t, max(s["ttft_by_turn"].get(t, (0, 0, 0))[2] for s in sums.values())]
         for n in names:
             v = sums[n]["ttft_by_turn"].get(t)
             row.append(f"{v[0]:.2f} / {v[1]:.2f}" if v else "-")
-        if base and len(names) > 1:
-            for n in names:
-                if n == base_name:
-                    continue
-                a, b = base["ttft_by_turn"].get(t), sums[n]["ttft_by_turn"].get(t)
-                row.append(ratio(a[0], b[0]) if a and b else "-")
+        for n in others:
+            a, b = base["ttft_by_turn"].get(t), sums[n]["ttft_by_turn"].get(t)
+            row.append(ratio(a[0], b[0]) if a and b else "-")
         rows.append(row)
-    lines.append("TTFT per turn index (all sessions and branches):\n")
-    lines.append(reporting.md_table(header, rows))
+    return ["TTFT per turn index (all sessions and branches):\n", reporting.md_table(header, rows)]
+
+
+def config_table(results: dict[str, dict], sums: dict[str, dict]) -> list[str]:
     header = [
         "config",
         "TTFT p50 turns>=5 s",
@@ -142,8 +160,8 @@ def report(
         "errors",
     ]
     rows = []
-    for n in names:
-        s, r = sums[n], results[n]
+    for n, r in results.items():
+        s = sums[n]
         tk = s["tokens"]
         rows.append(
             [
@@ -162,49 +180,65 @@ def report(
                 len(r["errors"]),
             ]
         )
-    lines.append(
+    first = next(iter(results.values()))
+    return [
         "Per configuration (prompt tokens by source from the server's accounting; "
         "peak RSS summed over the server's process group via "
-        f"{results[names[0]]['mem_method']}):\n"
-    )
-    lines.append(reporting.md_table(header, rows))
-    jhead = ["session"] + [f"{n} JCT s" for n in names]
-    jrows = [
+        f"{first['mem_method']}):\n",
+        reporting.md_table(header, rows),
+    ]
+
+
+def jct_table(sums: dict[str, dict]) -> list[str]:
+    names = list(sums)
+    header = ["session"] + [f"{n} JCT s" for n in names]
+    rows = [
         [sid] + [sums[n]["jct"].get(sid, float("nan")) for n in names]
         for sid in sums[names[0]]["jct"]
     ]
-    lines.append("Job completion time per session:\n")
-    lines.append(reporting.md_table(jhead, jrows))
-    if base:
-        for n in names:
-            if n == base_name:
-                continue
-            s = sums[n]
-            plain_rss = results[base_name]["peak_rss_bytes"]
-            r_late = base["ttft_p50_late"] / s["ttft_p50_late"] if s["ttft_p50_late"] else 0
-            lines.append(
-                f"- Ratios {base_name}/{n}: TTFT p50 turns>=5 {r_late:.2f}x, TTFT p95 turns>=5 "
-                f"{ratio(base['ttft_p95_late'], s['ttft_p95_late'])}, mean JCT "
-                f"{ratio(base['jct_mean'], s['jct_mean'])}, recomputed prompt tokens "
-                f"{ratio(base['tokens']['recomputed'], s['tokens']['recomputed'])}; "
-                f"{n}/{base_name} output tok/s {ratio(s['out_tps'], base['out_tps'])}, peak "
-                f"RSS {ratio(results[n]['peak_rss_bytes'], plain_rss)}"
-            )
-            if not results[n]["kvbranch"] or results[base_name]["kvbranch"]:
-                continue  # the targets compare a kvbranch configuration with one without
-            lines.append(
-                f"- Target (memory-pressure profile) kvbranch p50 TTFT at turns >= 5 at "
-                f"least 3.3x lower than plain: {'MET' if r_late >= 3.3 else 'NOT MET'} "
-                f"({r_late:.2f}x, profile {args.profile})"
-            )
-            ok, tot = s["recompute_ok"]
-            lines.append(
-                f"- Target recomputed prompt tokens <= new tokens + {common.GLUE_TOKENS} per turn "
-                f"({n}, turns >= 2): {'MET' if ok == tot else 'NOT MET'} ({ok}/{tot} "
-                "requests)"
-            )
-    for n in names:
-        r = results[n]
+    return ["Job completion time per session:\n", reporting.md_table(header, rows)]
+
+
+def ratio_lines(
+    args: argparse.Namespace, results: dict[str, dict], sums: dict[str, dict]
+) -> list[str]:
+    """Each configuration against the first: its ratios, and the targets where it is kvbranch
+    and the first is not."""
+    base_name, *others = list(results)
+    base = sums[base_name]
+    lines = []
+    for n in others:
+        s = sums[n]
+        plain_rss = results[base_name]["peak_rss_bytes"]
+        r_late = base["ttft_p50_late"] / s["ttft_p50_late"] if s["ttft_p50_late"] else 0
+        lines.append(
+            f"- Ratios {base_name}/{n}: TTFT p50 turns>=5 {r_late:.2f}x, TTFT p95 turns>=5 "
+            f"{ratio(base['ttft_p95_late'], s['ttft_p95_late'])}, mean JCT "
+            f"{ratio(base['jct_mean'], s['jct_mean'])}, recomputed prompt tokens "
+            f"{ratio(base['tokens']['recomputed'], s['tokens']['recomputed'])}; "
+            f"{n}/{base_name} output tok/s {ratio(s['out_tps'], base['out_tps'])}, peak "
+            f"RSS {ratio(results[n]['peak_rss_bytes'], plain_rss)}"
+        )
+        if not results[n]["kvbranch"] or results[base_name]["kvbranch"]:
+            continue  # the targets compare a kvbranch configuration with one without
+        lines.append(
+            f"- Target (memory-pressure profile) kvbranch p50 TTFT at turns >= 5 at "
+            f"least 3.3x lower than plain: {'MET' if r_late >= 3.3 else 'NOT MET'} "
+            f"({r_late:.2f}x, profile {args.profile})"
+        )
+        ok, tot = s["recompute_ok"]
+        lines.append(
+            f"- Target recomputed prompt tokens <= new tokens + {common.GLUE_TOKENS} per turn "
+            f"({n}, turns >= 2): {'MET' if ok == tot else 'NOT MET'} ({ok}/{tot} "
+            "requests)"
+        )
+    return lines
+
+
+def server_lines(results: dict[str, dict]) -> list[str]:
+    """Each kvbranch configuration's prefetches, forks and server counters; every errors."""
+    lines = []
+    for n, r in results.items():
         if r["kvbranch"]:
             st = r.get("stats")
             pf = r["prefetches"]
@@ -217,17 +251,18 @@ def report(
             )
         if r["errors"]:
             lines.append(f"- {n} errors: {r['errors'][:5]}")
-    if len(names) > 1:
-        outs = {
-            n: {(x["session"], x["branch"], x["turn"]): x["content"] for x in results[n]["records"]}
-            for n in names
-        }
-        keys = set.intersection(*(set(o) for o in outs.values()))
-        same = sum(1 for k in keys if len({outs[n][k] for n in names}) == 1)
-        lines.append(
-            f"- Greedy outputs identical across configurations: {same}/{len(keys)} requests"
-        )
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def identical_line(results: dict[str, dict]) -> str:
+    """How many requests every configuration answered alike (greedy: all of them)."""
+    outs = {
+        n: {(x["session"], x["branch"], x["turn"]): x["content"] for x in r["records"]}
+        for n, r in results.items()
+    }
+    keys = set.intersection(*(set(o) for o in outs.values()))
+    same = sum(1 for k in keys if len({o[k] for o in outs.values()}) == 1)
+    return f"- Greedy outputs identical across configurations: {same}/{len(keys)} requests"
 
 
 #: Issue 14's target for the memory-pressure profile: plain/kvbranch p50 TTFT at turns >= 5.
