@@ -101,85 +101,32 @@ async def run_config(
         reserved_cpus=args.reserved_cpus,
         env=profiler.env() if profiler else None,
     )
-    base = server.url
     binding = common.omp_binding(server)
-    ref_rng = random.Random(args.seed + 1000)  # reference prompts (same across configs)
+    conv = Conversation(name, server.url, args, f"turn-ttft-{int(time.time())}", log)
     fill_rng = random.Random(args.seed + 2000)  # the other tenant's prompts
-    session = f"turn-ttft-{int(time.time())}"
     turns_out = []
     fillers_out = []
-    traced: list[tuple[str, float, float]] = []
     try:
         async with httpx.AsyncClient() as client:
-            warm = await common.cold_prefill_ttft(client, base, random.Random(args.seed + 3000), 64)
+            warm = await common.cold_prefill_ttft(
+                client, server.url, random.Random(args.seed + 3000), 64
+            )
             log(f"[{name}] warm-up request: {warm.ttft_s:.2f}s")
             messages = [{"role": "system", "content": workload["system"]}]
-            variants = workload["variants"]
-            prev_prompt = 0
             for k, user in enumerate(workload["turns"], start=1):
                 messages.append({"role": "user", "content": user})
-                body = {
-                    "model": common.MODEL_NAME,
-                    "messages": messages,
-                    "max_tokens": args.gen_tokens,
-                    "temperature": 0.0,
-                    **common.session_fields(session, DEFAULT_BRANCH),
-                }
-                res = await common.stream_chat(client, base, body)
-                # New: never seen by the server (the previous reply was: it generated it).
-                new_tokens = res.prompt_tokens - prev_prompt
-                prev_prompt = res.prompt_tokens + res.completion_tokens
-                # The limit with the history's KV already on the device: the same history
-                # (vLLM's own prefix cache holds it right after the turn) with another tool
-                # output of the same length, before anything else can evict it.
-                hot = await common.stream_chat(
-                    client,
-                    base,
-                    {
-                        "model": common.MODEL_NAME,
-                        "messages": [*messages[:-1], {"role": "user", "content": variants[k - 1]}],
-                        "max_tokens": 1,
-                        "temperature": 0.0,
-                    },
-                )
-                messages.append({"role": "assistant", "content": res.content})
-                refs = [
-                    await common.cold_prefill_ttft(client, base, ref_rng, new_tokens)
-                    for _ in range(args.ref_repeats)
-                ]
-                ref = sorted(refs, key=lambda r: r.ttft_s)[len(refs) // 2]  # median
-                traced.append((f"turn {k}", res.sent_perf, res.ttft_s))
-                traced.append((f"same on a device-cached history {k}", hot.sent_perf, hot.ttft_s))
-                traced.append((f"new-token prefill {k}", ref.sent_perf, ref.ttft_s))
-                log(
-                    f"[{name}] turn {k}: TTFT {res.ttft_s:.2f}s prompt {res.prompt_tokens} "
-                    f"new {new_tokens} device {res.device_hit_tokens} host {res.host_hit_tokens} "
-                    f"recomputed {res.recomputed_tokens}; cold prefill of {new_tokens} new "
-                    f"tokens {ref.ttft_s:.2f}s (median of {len(refs)}); on a device-cached "
-                    f"history {hot.ttft_s:.2f}s (recomputed {hot.recomputed_tokens})"
-                )
-                row = res.to_dict()
-                row.update(
-                    turn=k,
-                    new_tokens=new_tokens,
-                    ref_ttft_s=ref.ttft_s,
-                    ref_prompt_tokens=ref.prompt_tokens,
-                    ref_samples_s=[r.ttft_s for r in refs],
-                    hot_ttft_s=hot.ttft_s,
-                    hot_recomputed_tokens=hot.recomputed_tokens,
-                )
-                turns_out.append(row)
+                turns_out.append(await conv.turn(client, messages, workload["variants"][k - 1], k))
                 if k < len(workload["turns"]):
                     for _ in range(args.fillers):
                         f = await common.cold_prefill_ttft(
-                            client, base, fill_rng, args.filler_tokens
+                            client, server.url, fill_rng, args.filler_tokens
                         )
                         fillers_out.append({"after_turn": k, **f.to_dict()})
                     log(
                         f"[{name}]   {args.fillers} filler prompts of {args.filler_tokens} "
                         f"tokens sent (other tenant)"
                     )
-            stats = await common.get_stats(client, base)
+            stats = await common.get_stats(client, server.url)
     finally:
         server.stop()
         log(f"[{name}] server stopped")
@@ -191,8 +138,80 @@ async def run_config(
         "stats": stats,
         "omp": binding,
         # After the stop: the trace's last lines are written at shutdown.
-        "requests": request_breakdown(profiler.folder, traced) if profiler else [],
+        "requests": request_breakdown(profiler.folder, conv.traced) if profiler else [],
     }
+
+
+class Conversation:
+    """The conversation's turns on one server, each with its two references: the cold prefill
+    of its new tokens alone, and the same new tokens on a history vLLM's device cache holds."""
+
+    def __init__(
+        self, name: str, base: str, args: argparse.Namespace, session: str, log: reporting.Progress
+    ) -> None:
+        self.name, self.base, self.args, self.session, self.log = name, base, args, session, log
+        self.ref_rng = random.Random(args.seed + 1000)  # reference prompts (same across configs)
+        self.prev_prompt = 0
+        #: (label, sent, TTFT) of every request, for the step trace's breakdown
+        self.traced: list[tuple[str, float, float]] = []
+
+    async def turn(
+        self, client: httpx.AsyncClient, messages: list[dict], variant: str, k: int
+    ) -> dict:
+        """Turn ``k`` (its user message last in ``messages``; the answer is appended), then its
+        references; the turn's row."""
+        args = self.args
+        body = {
+            "model": common.MODEL_NAME,
+            "messages": messages,
+            "max_tokens": args.gen_tokens,
+            "temperature": 0.0,
+            **common.session_fields(self.session, DEFAULT_BRANCH),
+        }
+        res = await common.stream_chat(client, self.base, body)
+        # New: never seen by the server (the previous reply was: it generated it).
+        new_tokens = res.prompt_tokens - self.prev_prompt
+        self.prev_prompt = res.prompt_tokens + res.completion_tokens
+        # The limit with the history's KV already on the device: the same history (vLLM's own
+        # prefix cache holds it right after the turn) with another tool output of the same
+        # length, before anything else can evict it.
+        hot = await common.stream_chat(
+            client,
+            self.base,
+            {
+                "model": common.MODEL_NAME,
+                "messages": [*messages[:-1], {"role": "user", "content": variant}],
+                "max_tokens": 1,
+                "temperature": 0.0,
+            },
+        )
+        messages.append({"role": "assistant", "content": res.content})
+        refs = [
+            await common.cold_prefill_ttft(client, self.base, self.ref_rng, new_tokens)
+            for _ in range(args.ref_repeats)
+        ]
+        ref = sorted(refs, key=lambda r: r.ttft_s)[len(refs) // 2]  # median
+        self.traced.append((f"turn {k}", res.sent_perf, res.ttft_s))
+        self.traced.append((f"same on a device-cached history {k}", hot.sent_perf, hot.ttft_s))
+        self.traced.append((f"new-token prefill {k}", ref.sent_perf, ref.ttft_s))
+        self.log(
+            f"[{self.name}] turn {k}: TTFT {res.ttft_s:.2f}s prompt {res.prompt_tokens} "
+            f"new {new_tokens} device {res.device_hit_tokens} host {res.host_hit_tokens} "
+            f"recomputed {res.recomputed_tokens}; cold prefill of {new_tokens} new "
+            f"tokens {ref.ttft_s:.2f}s (median of {len(refs)}); on a device-cached "
+            f"history {hot.ttft_s:.2f}s (recomputed {hot.recomputed_tokens})"
+        )
+        row = res.to_dict()
+        row.update(
+            turn=k,
+            new_tokens=new_tokens,
+            ref_ttft_s=ref.ttft_s,
+            ref_prompt_tokens=ref.prompt_tokens,
+            ref_samples_s=[r.ttft_s for r in refs],
+            hot_ttft_s=hot.ttft_s,
+            hot_recomputed_tokens=hot.recomputed_tokens,
+        )
+        return row
 
 
 def plot(results: dict[str, dict], path: Path) -> bool:
@@ -250,6 +269,32 @@ def report(
     if png:
         lines.append(f"- Plot: `{png.name}`")
     lines.append("")
+    lines.append(turn_table(plain, kvb))
+    if plain:
+        lines += plain_references(plain)
+    if kvb:
+        lines += kvbranch_checks(kvb)
+    if plain:
+        lines.append(plain_check(plain))
+    if plain and kvb:
+        lines += comparison_checks(plain, kvb)
+    if kvb and kvb.get("stats"):
+        lines.append(f"- kvbranch server stats at the end: {common.describe_stats(kvb['stats'])}")
+    if kvb and kvb.get("requests"):
+        lines += [
+            "",
+            "Where kvbranch's TTFT went (connector step trace, `--profile-dir`): *before* is the "
+            "API server and the scheduler until the request's prefill step reached the worker, "
+            "*after* is sampling, output processing and the stream to the client.",
+            "",
+            request_table(kvb["requests"]),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def turn_table(plain: dict | None, kvb: dict | None) -> str:
+    """One row per turn: tokens, each configuration's TTFT and where its prompt came from, the
+    references (the new tokens alone, the same on a device-cached history) and the ratios."""
     header = ["turn", "prompt tok", "new tok (not seen before)"]
     if plain:
         header += ["plain TTFT s", "plain recomputed (cached)"]
@@ -261,11 +306,10 @@ def report(
         header += ["same new tok, history on device s (recomputed)", "kvb / that"]
     if plain and kvb:
         header += ["plain / kvb"]
-    rows = []
     ref_src = kvb or plain
-    n = len(ref_src["turns"])
-    for i in range(n):
-        t = ref_src["turns"][i]
+    assert ref_src is not None
+    rows = []
+    for i, t in enumerate(ref_src["turns"]):
         row = [t["turn"], t["prompt_tokens"], t["new_tokens"]]
         if plain:
             p = plain["turns"][i]
@@ -287,92 +331,75 @@ def report(
         if plain and kvb:
             row += [reporting.ratio(plain["turns"][i]["ttft_s"], kvb["turns"][i]["ttft_s"])]
         rows.append(row)
-    lines.append(reporting.md_table(header, rows))
-    if plain:
-        pref = ", ".join(f"{x['ref_ttft_s']:.2f}" for x in plain["turns"])
+    return reporting.md_table(header, rows)
+
+
+def plain_references(plain: dict) -> list[str]:
+    """The references as the plain server measured them."""
+    pref = ", ".join(f"{x['ref_ttft_s']:.2f}" for x in plain["turns"])
+    hot = ", ".join(f"{x['hot_ttft_s']:.2f} ({x['hot_recomputed_tokens']})" for x in plain["turns"])
+    return [
+        f"Cold prefill reference measured on the plain server too (s per turn): {pref}.\n",
+        "The same new tokens on a history vLLM's own device cache holds (another tool "
+        "output of the same length sent right after the turn; recomputed tokens in "
+        f"brackets), plain server: {hot}.\n",
+    ]
+
+
+def kvbranch_checks(kvb: dict) -> list[str]:
+    """kvbranch's targets (TTFT near the new tokens' prefill, recomputed tokens), the limit of
+    any cache, and whether the fillers did evict the conversation."""
+    late = [t for t in kvb["turns"] if t["turn"] >= 3]
+    ok_ttft = [t["ttft_s"] <= TTFT_TARGET * t["ref_ttft_s"] for t in late]
+    ok_rec = [
+        t["recomputed_tokens"] <= t["new_tokens"] + common.GLUE_TOKENS
+        for t in kvb["turns"]
+        if t["turn"] >= 2
+    ]
+    worst = max((t["ttft_s"] / t["ref_ttft_s"] for t in late), default=float("nan"))
+    hot_ratios = [t["ttft_s"] / t["hot_ttft_s"] for t in late]
+    dev = [t["device_hit_tokens"] for t in kvb["turns"][1:]]
+    return [
+        f"- Target 'kvbranch TTFT within {TTFT_TARGET}x of prefilling only the new tokens, "
+        f"turns >= 3': {'MET' if all(ok_ttft) else 'NOT MET'} "
+        f"({sum(ok_ttft)}/{len(ok_ttft)} turns; worst {worst:.2f}x)",
+        f"- Reference: kvbranch TTFT / the same new tokens on a history already on the "
+        f"device (the limit of any cache), turns >= 3: "
+        f"{', '.join(f'{r:.2f}x' for r in hot_ratios)}",
+        f"- Target 'recomputed <= new tokens + {common.GLUE_TOKENS}' (turns >= 2): "
+        f"{'MET' if all(ok_rec) else 'NOT MET'} ({sum(ok_rec)}/{len(ok_rec)})",
+        f"- Eviction check: kvbranch device_hit_tokens at turns >= 2: {dev} "
+        f"(0 means the fillers evicted the conversation from the device cache)",
+    ]
+
+
+def plain_check(plain: dict) -> str:
+    cached = [t["cached_tokens"] for t in plain["turns"][1:]]
+    ttfts = [t["ttft_s"] for t in plain["turns"]]
+    grows = all(b >= a * 0.9 for a, b in zip(ttfts[1:], ttfts[2:], strict=False))
+    return (
+        f"- Plain vLLM cached_tokens at turns >= 2: {cached}; its TTFT "
+        f"{'grows' if grows else 'does not grow monotonically'} with history "
+        f"({ttfts[0]:.2f}s -> {ttfts[-1]:.2f}s)"
+    )
+
+
+def comparison_checks(plain: dict, kvb: dict) -> list[str]:
+    """The answers compared turn by turn, and plain's TTFT over kvbranch's at turns >= 3."""
+    pairs = list(zip(plain["turns"], kvb["turns"], strict=False))
+    same = [p["content"] == q["content"] for p, q in pairs]
+    lines = [
+        f"- Greedy outputs identical between plain vLLM and kvbranch: "
+        f"{'YES' if all(same) else 'NO'} ({sum(same)}/{len(same)} turns equal"
+        + ("" if all(same) else f"; first difference at turn {same.index(False) + 1}")
+        + ")"
+    ]
+    late_ratio = [p["ttft_s"] / q["ttft_s"] for p, q in pairs if p["turn"] >= 3]
+    if late_ratio:
         lines.append(
-            f"Cold prefill reference measured on the plain server too (s per turn): {pref}.\n"
+            f"- plain/kvbranch TTFT at turns >= 3: {', '.join(f'{r:.2f}x' for r in late_ratio)}"
         )
-        hot = ", ".join(
-            f"{x['hot_ttft_s']:.2f} ({x['hot_recomputed_tokens']})" for x in plain["turns"]
-        )
-        lines.append(
-            "The same new tokens on a history vLLM's own device cache holds (another tool "
-            "output of the same length sent right after the turn; recomputed tokens in "
-            f"brackets), plain server: {hot}.\n"
-        )
-    # Checks against the targets.
-    checks = []
-    if kvb:
-        late = [t for t in kvb["turns"] if t["turn"] >= 3]
-        ok_ttft = [t["ttft_s"] <= TTFT_TARGET * t["ref_ttft_s"] for t in late]
-        ok_rec = [
-            t["recomputed_tokens"] <= t["new_tokens"] + common.GLUE_TOKENS
-            for t in kvb["turns"]
-            if t["turn"] >= 2
-        ]
-        worst = max((t["ttft_s"] / t["ref_ttft_s"] for t in late), default=float("nan"))
-        checks.append(
-            f"- Target 'kvbranch TTFT within {TTFT_TARGET}x of prefilling only the new tokens, "
-            f"turns >= 3': {'MET' if all(ok_ttft) else 'NOT MET'} "
-            f"({sum(ok_ttft)}/{len(ok_ttft)} turns; worst {worst:.2f}x)"
-        )
-        hot_ratios = [t["ttft_s"] / t["hot_ttft_s"] for t in late]
-        checks.append(
-            f"- Reference: kvbranch TTFT / the same new tokens on a history already on the "
-            f"device (the limit of any cache), turns >= 3: "
-            f"{', '.join(f'{r:.2f}x' for r in hot_ratios)}"
-        )
-        checks.append(
-            f"- Target 'recomputed <= new tokens + {common.GLUE_TOKENS}' (turns >= 2): "
-            f"{'MET' if all(ok_rec) else 'NOT MET'} ({sum(ok_rec)}/{len(ok_rec)})"
-        )
-        dev = [t["device_hit_tokens"] for t in kvb["turns"][1:]]
-        checks.append(
-            f"- Eviction check: kvbranch device_hit_tokens at turns >= 2: {dev} "
-            f"(0 means the fillers evicted the conversation from the device cache)"
-        )
-    if plain:
-        cached = [t["cached_tokens"] for t in plain["turns"][1:]]
-        ttfts = [t["ttft_s"] for t in plain["turns"]]
-        grows = all(b >= a * 0.9 for a, b in zip(ttfts[1:], ttfts[2:], strict=False))
-        checks.append(
-            f"- Plain vLLM cached_tokens at turns >= 2: {cached}; its TTFT "
-            f"{'grows' if grows else 'does not grow monotonically'} with history "
-            f"({ttfts[0]:.2f}s -> {ttfts[-1]:.2f}s)"
-        )
-    if plain and kvb:
-        same = [
-            p["content"] == q["content"] for p, q in zip(plain["turns"], kvb["turns"], strict=False)
-        ]
-        checks.append(
-            f"- Greedy outputs identical between plain vLLM and kvbranch: "
-            f"{'YES' if all(same) else 'NO'} ({sum(same)}/{len(same)} turns equal"
-            + ("" if all(same) else f"; first difference at turn {same.index(False) + 1}")
-            + ")"
-        )
-        late_ratio = [
-            p["ttft_s"] / q["ttft_s"]
-            for p, q in zip(plain["turns"], kvb["turns"], strict=False)
-            if p["turn"] >= 3
-        ]
-        if late_ratio:
-            checks.append(
-                f"- plain/kvbranch TTFT at turns >= 3: {', '.join(f'{r:.2f}x' for r in late_ratio)}"
-            )
-    if kvb and kvb.get("stats"):
-        checks.append(f"- kvbranch server stats at the end: {common.describe_stats(kvb['stats'])}")
-    lines += checks
-    if kvb and kvb.get("requests"):
-        lines += [
-            "",
-            "Where kvbranch's TTFT went (connector step trace, `--profile-dir`): *before* is the "
-            "API server and the scheduler until the request's prefill step reached the worker, "
-            "*after* is sampling, output processing and the stream to the client.",
-            "",
-            request_table(kvb["requests"]),
-        ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def family_args(family: str | None) -> list[str]:
