@@ -41,6 +41,15 @@ def markdown(
     if plot:
         lines.append(f"- Plot: `{plot}`")
     lines.append("")
+    lines.append(count_table(summaries, identical))
+    lines += capacity_lines(args.trace, summaries)
+    return "\n".join(lines)
+
+
+def count_table(
+    summaries: dict[str, list[StepSummary]], identical: dict[str, dict[int, tuple[int, int]]]
+) -> str:
+    """One row per configuration and agent count."""
     header = [
         "configuration",
         "agents",
@@ -71,37 +80,38 @@ def markdown(
                     f"{same}/{compared}" if compared else "–",
                 ]
             )
-    lines.append(reporting.md_table(header, rows))
+    return reporting.md_table(header, rows)
+
+
+def capacity_lines(trace: str, summaries: dict[str, list[StepSummary]]) -> list[str]:
+    """Each configuration's capacity, and each one's ratio to plain's against the target."""
     caps = {name: capacity(steps) for name, steps in summaries.items()}
-    lines.append(
+    lines = [
         "Capacity (largest count meeting the SLO, every smaller count meeting it too): "
         + ", ".join(
             f"{k} **{'>= ' if lower_bound(summaries[k]) else ''}{v}**" for k, v in caps.items()
         )
         + " (>=: no count failed, raise --agents)"
-    )
-    if "plain" in caps:
-        want = ratio_target(args.trace)
-        for name, cap in caps.items():
-            if name == "plain":
-                continue
-            if caps["plain"] == 0:
-                lines.append(f"- {name}: plain vLLM met the SLO at no count measured (no ratio)")
-                continue
-            got = cap / caps["plain"]
-            met = ratio_verdict(
-                cap,
-                lower_bound(summaries[name]),
-                caps["plain"],
-                lower_bound(summaries["plain"]),
-                want,
-            )
-            verdict = {
-                True: "**met**",
-                False: f"**not met** (short by {want / max(got, 1e-9):.2f}x)",
-                None: "**not decided** (a count that never failed: raise --agents)",
-            }[met]
-            lines.append(
-                f"- {verdict} — {name} carries {got:.2f}x plain's agents (target >= {want:g}x)"
-            )
-    return "\n".join(lines)
+    ]
+    if "plain" not in caps:
+        return lines
+    want = ratio_target(trace)
+    for name, cap in caps.items():
+        if name == "plain":
+            continue
+        if caps["plain"] == 0:
+            lines.append(f"- {name}: plain vLLM met the SLO at no count measured (no ratio)")
+            continue
+        got = cap / caps["plain"]
+        met = ratio_verdict(
+            cap, lower_bound(summaries[name]), caps["plain"], lower_bound(summaries["plain"]), want
+        )
+        verdict = {
+            True: "**met**",
+            False: f"**not met** (short by {want / max(got, 1e-9):.2f}x)",
+            None: "**not decided** (a count that never failed: raise --agents)",
+        }[met]
+        lines.append(
+            f"- {verdict} — {name} carries {got:.2f}x plain's agents (target >= {want:g}x)"
+        )
+    return lines

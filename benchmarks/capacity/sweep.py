@@ -203,61 +203,82 @@ def build_records(
             plots=plots,
         )
     ]
-    caps = {name: capacity(steps) for name, steps in summaries.items()}
     for name, steps in summaries.items():
         for s in steps:
-            at = f"{trace} agents={s.agents}"
-            for metric, value, unit in (
-                ("resumed TTFT p50", s.resumed_p50, "s"),
-                ("resumed TTFT p90", s.resumed_p90, "s"),
-                ("resumed TTFT p99", s.resumed_p99, "s"),
-                ("cold TTFT p50", s.cold_p50, "s"),
-                ("cold TTFT p90", s.cold_p90, "s"),
-                ("cold TTFT p99", s.cold_p99, "s"),
-                ("output throughput", s.output_tps, "tok/s"),
-                ("recomputed prompt tokens", s.recomputed_tokens, "tokens"),
-            ):
-                target, met = "", None
-                if metric == "resumed TTFT p90":
-                    target, met = f"<= {slo_s:.3f} s (the SLO)", s.meets_slo
-                out.append(result(BENCHMARK, name, f"{at} {metric}", value, unit, target, met))
-            same, compared = identical.get(name, {}).get(s.agents, (0, 0))
-            if name != baseline and compared:
-                out.append(
-                    result(
-                        BENCHMARK,
-                        name,
-                        f"{at} answers identical to {baseline}",
-                        same / compared,
-                        "fraction",
-                        "1.0 (token-identical)",
-                        same == compared,
-                        note=f"{same}/{compared} turns",
-                    )
-                )
-        target, met, note = "", None, ""
-        if name != baseline and baseline in caps:
-            want = ratio_target(trace)
-            base = caps[baseline]
-            target = f">= {want:g}x {baseline}'s ({want * base:g} agents)"
-            met = ratio_verdict(
-                caps[name], lower_bound(steps), base, lower_bound(summaries[baseline]), want
-            )
-            note = f"{baseline} carries {base}" + (
-                "" if base > 0 else ": no ratio; start the sweep at fewer agents"
-            )
-        if lower_bound(steps):
-            note = "; ".join(x for x in (note, "no count failed: a lower bound") if x)
+            out += count_records(trace, name, s, slo_s, identical, baseline)
+        out.append(capacity_record(trace, name, summaries, baseline))
+    return out
+
+
+def count_records(
+    trace: str,
+    name: str,
+    s: StepSummary,
+    slo_s: float,
+    identical: dict[str, dict[int, tuple[int, int]]],
+    baseline: str,
+) -> list[Record]:
+    """One configuration at one count: its percentiles, throughput, recomputed tokens (the
+    resumed p90 against the SLO), and its answers against ``baseline``'s."""
+    at = f"{trace} agents={s.agents}"
+    out = []
+    for metric, value, unit in (
+        ("resumed TTFT p50", s.resumed_p50, "s"),
+        ("resumed TTFT p90", s.resumed_p90, "s"),
+        ("resumed TTFT p99", s.resumed_p99, "s"),
+        ("cold TTFT p50", s.cold_p50, "s"),
+        ("cold TTFT p90", s.cold_p90, "s"),
+        ("cold TTFT p99", s.cold_p99, "s"),
+        ("output throughput", s.output_tps, "tok/s"),
+        ("recomputed prompt tokens", s.recomputed_tokens, "tokens"),
+    ):
+        target, met = "", None
+        if metric == "resumed TTFT p90":
+            target, met = f"<= {slo_s:.3f} s (the SLO)", s.meets_slo
+        out.append(result(BENCHMARK, name, f"{at} {metric}", value, unit, target, met))
+    same, compared = identical.get(name, {}).get(s.agents, (0, 0))
+    if name != baseline and compared:
         out.append(
             result(
                 BENCHMARK,
                 name,
-                f"{trace} capacity at the SLO",
-                caps[name],
-                "agents",
-                target,
-                met,
-                note=note,
+                f"{at} answers identical to {baseline}",
+                same / compared,
+                "fraction",
+                "1.0 (token-identical)",
+                same == compared,
+                note=f"{same}/{compared} turns",
             )
         )
     return out
+
+
+def capacity_record(
+    trace: str, name: str, summaries: dict[str, list[StepSummary]], baseline: str
+) -> Record:
+    """A configuration's capacity, with the ratio target against ``baseline``'s where it ran."""
+    steps = summaries[name]
+    caps = {n: capacity(st) for n, st in summaries.items()}
+    target, met, note = "", None, ""
+    if name != baseline and baseline in caps:
+        want = ratio_target(trace)
+        base = caps[baseline]
+        target = f">= {want:g}x {baseline}'s ({want * base:g} agents)"
+        met = ratio_verdict(
+            caps[name], lower_bound(steps), base, lower_bound(summaries[baseline]), want
+        )
+        note = f"{baseline} carries {base}" + (
+            "" if base > 0 else ": no ratio; start the sweep at fewer agents"
+        )
+    if lower_bound(steps):
+        note = "; ".join(x for x in (note, "no count failed: a lower bound") if x)
+    return result(
+        BENCHMARK,
+        name,
+        f"{trace} capacity at the SLO",
+        caps[name],
+        "agents",
+        target,
+        met,
+        note=note,
+    )
