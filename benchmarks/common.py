@@ -175,33 +175,6 @@ def servers_up(specs: dict[str, ServerSpec]) -> Iterator[dict[str, ServerProcess
             server.stop()
 
 
-#: The cluster secret of a benchmark's own cluster (routers sign with it, instances check it).
-CLUSTER_SECRET = "cluster-bench-" + "0" * 50
-
-
-def cluster_instance(role: str, core: str, index: str, args: argparse.Namespace) -> ServerProcess:
-    """A P or D instance of a benchmark's cluster on ``index`` (``--kv-cache-gib``,
-    ``--host-store-gib``, ``--max-model-len`` from ``args``), built the way every P/D fixture of
-    the tests builds one (:func:`tests.integration.helpers.pd_instance`)."""
-    from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
-    from tests.integration.helpers import pd_instance
-
-    sizes = ["--kv-cache-gib", str(args.kv_cache_gib), "--host-store-gib", str(args.host_store_gib)]
-    argv = [*sizes, "--max-model-len", str(args.max_model_len), "--index", index]
-    env = {ENV_CLUSTER_SECRET: CLUSTER_SECRET, "PYTHONHASHSEED": "0"}
-    inst = pd_instance(argv, role, core, name=f"cb-{role}", env=env)
-    inst.ready_timeout = 1200  # shared machines: see start_server
-    return inst
-
-
-def cluster_router(argv: list[str]) -> ServerProcess:
-    """A router of a benchmark's cluster (its index and flags in ``argv``)."""
-    from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
-
-    env = {ENV_CLUSTER_SECRET: CLUSTER_SECRET}
-    return ServerProcess(["--role", "router", *argv], name="cb-router", ready_timeout=120, env=env)
-
-
 def omp_binding(server: ServerProcess) -> str:
     """The engine's OpenMP core binding, from the server log."""
     try:

@@ -43,8 +43,6 @@ LIBRARY = frozenset(
         "registry",
         "report",
         "reporting",
-        "soak_abuse",
-        "soak_report",
         "textgen",
     }
 )

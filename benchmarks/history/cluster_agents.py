@@ -38,6 +38,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import cli, common, reporting  # noqa: E402
+from benchmarks.history import cluster  # noqa: E402
 from benchmarks.pd_turns import conversation_turns  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -80,8 +81,8 @@ async def wait_members(client: httpx.AsyncClient, url: str, n: int, timeout: flo
 async def run_config(name: str, args: argparse.Namespace, log: reporting.Progress) -> dict:
     redis = RedisServer().start() if name == "cluster" else None
     index = redis.url if redis is not None else "memory"
-    prefills = [common.cluster_instance("prefill", "0", index, args) for _ in range(2)]
-    decodes = [common.cluster_instance("decode", "1", index, args) for _ in range(2)]
+    prefills = [cluster.instance("prefill", "0", index, args) for _ in range(2)]
+    decodes = [cluster.instance("decode", "1", index, args) for _ in range(2)]
     routers: list[common.ServerProcess] = []
     turns: list[dict] = []
     failures: list[str] = []
@@ -95,11 +96,11 @@ async def run_config(name: str, args: argparse.Namespace, log: reporting.Progres
         seeds = [a for p in prefills for a in ("--prefill", p.url)]
         seeds += [a for d in decodes for a in ("--decode", d.url)]
         if name == "cluster":
-            routers = [common.cluster_router(["--index", index]) for _ in range(2)]
+            routers = [cluster.router(["--index", index]) for _ in range(2)]
         elif name == "single-router":
-            routers = [common.cluster_router(seeds)]
+            routers = [cluster.router(seeds)]
         else:
-            routers = [common.cluster_router([*seeds, "--router-policy", "round-robin"])]
+            routers = [cluster.router([*seeds, "--router-policy", "round-robin"])]
         for r in routers:
             r.start()
         convs = {

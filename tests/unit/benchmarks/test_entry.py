@@ -41,7 +41,6 @@ def test_the_listing_names_every_module_that_defines_the_interface():
     assert {
         "agent_workload",
         "pd_turns",
-        "soak",
         "turn1_ab",
         "turn_ttft",
     } <= set(found)

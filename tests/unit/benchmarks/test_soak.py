@@ -11,8 +11,8 @@ from collections import Counter
 
 import pytest
 
-from benchmarks import soak_abuse, soak_report
-from benchmarks.soak import normalized, replay_body
+from benchmarks.history import soak_abuse, soak_report
+from benchmarks.history.soak import normalized, replay_body
 from sdk.contract import check_id
 from sdk.contract.wire import has_lone_surrogate
 

@@ -2,9 +2,10 @@
 tenants beside hostile traffic while processes are SIGKILLed, then every answer replayed on plain
 vLLM.
 
-    with_server_slot .venv/bin/python -m benchmarks soak --quick     # 2 min of traffic
-    with_server_slot .venv/bin/python -m benchmarks soak             # 5 min
-    with_server_slot .venv/bin/python -m benchmarks soak --prefills 2 --decodes 2 --minutes 10
+    with_server_slot .venv/bin/python -m benchmarks.history.soak --quick  # 2 min of traffic
+    with_server_slot .venv/bin/python -m benchmarks.history.soak          # 5 min
+    with_server_slot .venv/bin/python -m benchmarks.history.soak --prefills 2 --decodes 2 \
+        --minutes 10
 
 The cluster is the launcher's cluster form, one process each, started here: a Redis (the index),
 ``--prefills`` P (core 0) and ``--decodes`` D (core 1) publishing into it, and two routers
@@ -19,7 +20,7 @@ faulted once:
   tool-call request (a tool result in the history, ``strict`` tools), the session deleted;
   a request to a router that is down is retried once on the other one (a client with two
   endpoints);
-* hostile (:mod:`benchmarks.soak_abuse`): rounds of malformed bodies and headers, floods of
+* hostile (:mod:`benchmarks.history.soak_abuse`): rounds of malformed bodies and headers, floods of
   unauthenticated chats, a batch of idle sockets held open, C past its in-flight share;
 * a fault every ``--fault-every`` seconds, cycling router → Redis → D → P: SIGKILL, restart,
   and the next fault only once both routers list every instance alive again.
@@ -28,9 +29,9 @@ Then the cluster is stopped and plain vLLM (:mod:`tests.vanilla_vllm`: vLLM's ow
 kvbranch code) is started on the same cores, and every served legitimate request's body is
 replayed on it (greedy, same ``max_tokens``, non-streaming): the answers must be identical.
 
-Report (:mod:`benchmarks.soak_report`): per tenant the requests served, 4xx and 5xx by cause,
-failures during a fault of the only instance of a role apart; RSS of every process tree and the
-Redis key count sampled every ``--sample-every`` seconds; every target met or not. Raw data
+Report (:mod:`benchmarks.history.soak_report`): per tenant the requests served, 4xx and 5xx by
+cause, failures during a fault of the only instance of a role apart; RSS of every process tree and
+the Redis key count sampled every ``--sample-every`` seconds; every target met or not. Raw data
 (bodies included): ``benchmarks/out/soak-<time>.json`` (not committed); the plot:
 ``benchmarks/plots/soak[_quick].png``; records in benchmarks/results/ (unless --no-results).
 Everything it started is stopped on exit, Ctrl-C and errors included; all traffic goes to
@@ -53,11 +54,12 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import cli, common, reporting, soak_abuse, soak_report  # noqa: E402
+from benchmarks import cli, common, reporting  # noqa: E402
+from benchmarks.history import cluster, soak_abuse, soak_report  # noqa: E402
+from benchmarks.history.soak_abuse import Outcome  # noqa: E402
 from benchmarks.records import Record  # noqa: E402
-from benchmarks.soak_abuse import Outcome  # noqa: E402
 from benchmarks.textgen import WORDS  # noqa: E402
 from sdk.contract import (  # noqa: E402
     CHAT_COMPLETIONS_PATH,
@@ -113,7 +115,7 @@ class SoakCluster:
         self.procs: dict[str, ServerProcess] = {}
         for role, count, core in (("prefill", args.prefills, "0"), ("decode", args.decodes, "1")):
             for n in range(count):
-                inst = common.cluster_instance(role, core, self.redis.url, args)
+                inst = cluster.instance(role, core, self.redis.url, args)
                 inst.args += key_flags
                 self.procs[f"{role}{n}"] = inst
         for n in range(2):
@@ -123,7 +125,7 @@ class SoakCluster:
                 "--router-tenant-inflight",
                 str(args.tenant_inflight),
             ]
-            self.procs[f"router{n}"] = common.cluster_router([*flags, *key_flags])
+            self.procs[f"router{n}"] = cluster.router([*flags, *key_flags])
         for name, proc in self.procs.items():
             proc.name, proc.api_key = f"soak-{name}", self.keys["A"]
             proc.ready_timeout = max(proc.ready_timeout, 300)
@@ -667,4 +669,4 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))
+    raise SystemExit(cli.run_study(sys.modules[__name__], sys.argv[1:]))
