@@ -57,9 +57,14 @@ def per_turn_median(res: dict[str, Any], turn: int) -> float:
     return p50_ttft(res, turn, turn)
 
 
-def late_turn(args: argparse.Namespace) -> int:
+def last_turn(results: list[dict[str, Any]]) -> int:
+    """The last turn any run reached (BFCL traces count steps: up to two per user turn)."""
+    return max((t["turn"] for r in results for t in r["turns"]), default=1)
+
+
+def late_turn(results: list[dict[str, Any]]) -> int:
     """The first of the last two turns (5 of 6): where a long history is resumed."""
-    return max(2, args.turns - 1)
+    return max(2, last_turn(results) - 1)
 
 
 def answers(results: list[dict[str, Any]]) -> tuple[int, int, dict[str, int]]:
@@ -89,12 +94,12 @@ def shape(args: argparse.Namespace) -> str:
 
 
 # --- report --------------------------------------------------------------------------------------
-def plot(results: list[dict[str, Any]], turns: int, path: Path) -> None:
+def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt = reporting.pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    xs = list(range(1, turns + 1))
+    xs = list(range(1, last_turn(results) + 1))
     for res in results:
         ax.plot(xs, [per_turn_median(res, t) for t in xs], marker="o", label=res["name"])
     ax.set_yscale("log")
@@ -106,9 +111,9 @@ def plot(results: list[dict[str, Any]], turns: int, path: Path) -> None:
 def budget_lines(results: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
     by = {r["config"]: r for r in results}
     names = [r["config"] for r in results]
-    turns = range(1, args.turns + 1)
+    turns = range(1, last_turn(results) + 1)
     rows = [[t, *[f"{per_turn_median(r, t):.2f}" for r in results]] for t in turns]
-    late = late_turn(args)
+    late = late_turn(results)
     summary = [
         ["mean TTFT turns >= 2 (s)", *[f"{mean_ttft(r, 2):.2f}" for r in results]],
         [f"p50 TTFT turns >= {late} (s)", *[f"{p50_ttft(r, late):.2f}" for r in results]],
@@ -147,7 +152,7 @@ def budget_lines(results: list[dict[str, Any]], args: argparse.Namespace) -> lis
             f"{p50_ttft(up, late) / p50_ttft(kvb, late):.2f}x (target >= {LATE_UPSTREAM_TARGET} "
             f"at >= {AMPLE_GIB:g} GiB)."
         )
-    if "pd" in by and "pd-kvbranch" in by and args.turns >= 3:
+    if "pd" in by and "pd-kvbranch" in by and last_turn(results) >= 3:
         ratio = p50_ttft(by["pd"], 3) / p50_ttft(by["pd-kvbranch"], 3)
         lines.append(
             f"- P/D without the pull vs kvbranch P/D, p50 TTFT turns >= 3: {ratio:.2f}x "
@@ -177,14 +182,20 @@ def report(
         + ("interleaved turn by turn" if args.interleave else "one at a time"),
         "agents": f"{args.conversations} forking agents x {args.turns} turns, fork at turn "
         f"{args.fork_turn} into 2 branches, tool pauses around {args.pause_s:g} s",
-        "bfcl": f"{args.conversations} BFCL multi-turn traces x up to {args.turns} steps, "
-        "concurrently, answers not fed back",
+        "bfcl": f"{args.conversations} BFCL multi-turn traces, up to {args.turns} user turns "
+        "(a turn here is a step: after a user turn, after its tool outputs), concurrently, "
+        "answers not fed back",
     }[args.workload]
     lines = [
         *reporting.run_header("pd_turns", info, elapsed),
-        f"- {workload}; system prompt ~{args.system_tokens} tokens, ~{args.new_tokens} new "
-        f"tokens and {args.gen_tokens} generated tokens per turn (synthetic workloads); D's "
-        f"hold {args.pd_hold_ttl_s:g} s; P on core 0, D on core 1, single instances on core 0.",
+        f"- {workload}; "
+        + (
+            f"system prompt ~{args.system_tokens} tokens, ~{args.new_tokens} new tokens per turn; "
+            if args.workload != "bfcl"
+            else ""
+        )
+        + f"{args.gen_tokens} generated tokens per turn; D's hold {args.pd_hold_ttl_s:g} s; P on "
+        "core 0, D on core 1, single instances on core 0.",
         "- Configurations: "
         + "; ".join(f"`{c}` {LABELS[c]}" for c in args.configs if c in LABELS)
         + ".",
@@ -207,7 +218,7 @@ def records_of(
     """Per run: mean TTFT at turns >= 2, p50 at turn 1 and at the late turns, tokens pulled;
     per budget the ratios against upstream P/D and against P/D without the pull."""
     out: list[Record] = []
-    late = late_turn(args)
+    late = late_turn(results)
     for gib in args.kv_cache_gib:
         at = f"{shape(args)}, {gib:g} GiB: "
         by = {r["config"]: r for r in results if r["budget_gib"] == gib}
@@ -247,7 +258,7 @@ def records_of(
                     met=late_ratio >= LATE_UPSTREAM_TARGET if ample else None,
                 )
             )
-        if "pd" in by and "pd-kvbranch" in by and args.turns >= 3:
+        if "pd" in by and "pd-kvbranch" in by and last_turn(results) >= 3:
             ratio = p50_ttft(by["pd"], 3) / p50_ttft(by["pd-kvbranch"], 3)
             out.append(
                 result(

@@ -185,8 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bfcl-max-chars",
         type=int,
-        default=9000,
-        help="bfcl: only traces whose last step is at most this long (fits a small budget)",
+        default=14000,
+        help="bfcl: only traces whose last step is at most this long (about 3.1k tokens: "
+        "fits the max model length 0.15 GiB holds)",
     )
     parser.add_argument(
         "--kv-cache-gib",
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace) -> list[Record]:
     out = reporting.raw_path("pd_turns")
     reporting.write_json(out, {"args": vars(args), "machine": info, "results": results})
     png = reporting.plot_path("pd_turns.png", args.no_results)
-    plot(results, args.turns, png)
+    plot(results, png)
     reporting.publish(report(results, args, info, elapsed), args.no_results)
     log(f"raw data: {out}")
     return records_of(results, args, reporting.plot_ref(png))
