@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.agent_workload import plot_name, split_config
+from benchmarks.agent_sessions import split_config
+from benchmarks.agent_workload import plot_name
 
 
 def test_a_pd_run_does_not_replace_the_single_instance_plot():
