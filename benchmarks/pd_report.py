@@ -20,7 +20,7 @@ NAME = "pd_turns"
 #: turn 1 (nothing to reuse) within 3% of it.
 PD_TARGET = 1.6
 TURN1_TARGET = 1.03
-#: Against upstream P/D (issue 49): turn 1 within 1.1x at every budget, and the late turns
+#: Against upstream P/D: turn 1 within 1.1x at every budget, and the late turns
 #: 1.5x faster where memory is ample (:data:`AMPLE_GIB` and more).
 TURN1_UPSTREAM_TARGET = 1.1
 LATE_UPSTREAM_TARGET = 1.5

@@ -97,7 +97,7 @@ def fitted_max_len(gib: float, max_model_len: int) -> int:
     if per_token is None:
         return max_model_len
     blocks = int(gib * 2**30) // per_token // common.BLOCK_TOKENS
-    # vLLM's own check leaves one block of a budget's whole blocks out (0.15 GiB: 3328 tokens).
+    # vLLM's own check leaves one of a budget's whole blocks out.
     return min(max_model_len, (blocks - 1) * common.BLOCK_TOKENS)
 
 
@@ -186,8 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bfcl-max-chars",
         type=int,
         default=14000,
-        help="bfcl: only traces whose last step is at most this long (about 3.1k tokens: "
-        "fits the max model length 0.15 GiB holds)",
+        help="bfcl: only traces whose last step is at most this long (so that they fit the "
+        "max model length a small budget holds)",
     )
     parser.add_argument(
         "--kv-cache-gib",

@@ -8,7 +8,7 @@ Loaded by the upstream baseline's instances through vLLM's ``kv_connector_module
 * **NIXL's UCX progress thread paced** (``nixl_progress_delay_us``, default 1000 µs between
   polls). vLLM builds its NIXL agent with the progress thread on and NIXL's Python binding
   hard-codes a busy-spin (docs/pd_notes.md pitfall 3): on a core shared with an engine's forward
-  it took half the core, P/D measured 2.2× slower than one instance. With the thread off, a
+  it takes a large share of the core. With the thread off, a
   peer's read over UCX's TCP transport waits for the target's next forward (docs/pd.md, "Where
   a first turn's time goes"). kvbranch's P/D and its no-pull baseline run with the same pacing
   (:func:`server.connector.vllm_compat.nixl_progress_thread`); ``0`` keeps upstream's spinning

@@ -22,9 +22,9 @@ of this CPU host:
   (server/engine/spin.py and idle.py; every instance the kvbranch launcher starts gets both,
   plain vLLM ones included): the message queue's 1 s spin after each step (``--mq-spin-ms``,
   2 ms) and the 1 ms empty steps of an engine that only holds blocks for its peer
-  (``--idle-poll-ms``, 20 ms; a new request ends the wait at once). Both are CPU time on a
-  shared core: with D holding the last conversation's blocks, the next conversation's first
-  P leg took 4.0 s instead of 1.8 s on this 2-core host (docs/pd.md, "The upstream baseline");
+  (``--idle-poll-ms``, 20 ms; a new request ends the wait at once). Both are CPU time taken
+  from a shared core: while D holds the last conversation's blocks, its empty steps slow P's
+  next prefill (docs/pd.md, "The upstream baseline", has the measurement);
 * D's params in the streamed usage chunk (:mod:`benchmarks.upstream_pd.stream_params`).
 
 ``--failure-policy`` is vLLM's ``kv_load_failure_policy`` (vLLM's default ``fail``: a pull

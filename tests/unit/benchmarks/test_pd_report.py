@@ -1,5 +1,5 @@
 """benchmarks/pd_report: answers compared by (conversation, branch, turn) whatever order the
-concurrent workloads finished in, and the ratios against upstream P/D with issue 49's targets
+concurrent workloads finished in, and the ratios against upstream P/D with their targets
 (turn 1 within 1.1x at every budget, the late turns 1.5x faster only where memory is ample)."""
 
 from __future__ import annotations
