@@ -97,7 +97,7 @@ async def agents(
     name: str,
     sessions_api: bool,
 ) -> list[dict[str, Any]]:
-    from benchmarks.agent_workload import Runner, build_workload
+    from benchmarks.agent_sessions import Runner, build_workload
 
     params = {
         "sessions": args.conversations,
