@@ -4,7 +4,12 @@ May import server.common, connector.pd.transfer_auth and vllm_compat; never plug
 The cluster index (the global cache manager): where each conversation's KV lives across
 every instance, shared by every router.
 
-* :mod:`server.index.base` — the one interface (:class:`IndexStore`) and its records;
+* the three roles it plays, one module each, with their records:
+  :mod:`server.index.sessions` (:class:`SessionStore`: holds, turns, homes, placement),
+  :mod:`server.index.membership` (:class:`Membership`: which instances are up) and
+  :mod:`server.index.blocks` (:class:`BlockIndex`: which blocks each instance holds);
+  :mod:`server.index.base` what they share, :mod:`server.index.store` them together
+  (:class:`IndexStore`, and :class:`InstanceIndex`: membership and blocks);
 * :mod:`server.index.memory` — the embedded backend, in the router's process (the default);
 * :mod:`server.index.redis_store` — the Redis backend every router and instance shares
   (``--index redis://…`` or ``unix://…``); its key schema is in docs/index_redis.md;
@@ -15,28 +20,27 @@ every instance, shared by every router.
 
 from __future__ import annotations
 
-from server.index import base
+from server.index.base import IndexUnavailable
+from server.index.blocks import BlockBatch, BlockHits, BlockIndex
+from server.index.membership import InstanceRecord, Membership
 from server.index.memory import MemoryIndexStore
+from server.index.sessions import Hold, Key, SessionStore, TurnStart
+from server.index.store import IndexStore, InstanceIndex
 
-# The interface and its records under the package's name, where callers import them from.
-BlockBatch = base.BlockBatch
-BlockHits = base.BlockHits
-Hold = base.Hold
-IndexStore = base.IndexStore
-IndexUnavailable = base.IndexUnavailable
-InstanceRecord = base.InstanceRecord
-Key = base.Key
-TurnStart = base.TurnStart
-
+# The roles and their records under the package's name, where callers import them from.
 __all__ = [
     "BlockBatch",
     "BlockHits",
+    "BlockIndex",
     "Hold",
     "IndexStore",
     "IndexUnavailable",
+    "InstanceIndex",
     "InstanceRecord",
     "Key",
+    "Membership",
     "MemoryIndexStore",
+    "SessionStore",
     "TurnStart",
     "open_store",
 ]

@@ -13,7 +13,7 @@ is lossy, so the consumer:
   a seq that goes backwards on the stream (the publisher restarted: a new engine process, an
   empty cache), an undecodable batch and ``AllBlocksCleared`` all bump the *generation*:
   every entry published under an older one is invisible to readers at once
-  (:meth:`~server.index.base.IndexStore.block_hits` counts only the instance's current one).
+  (:meth:`~server.index.blocks.BlockIndex.block_hits` counts only the instance's current one).
 
 Events map to tiers by medium: ``"CPU"`` (the connector's host store, and vLLM's own CPU
 offload) is ``"host"``, anything else (vLLM labels its device pool ``"GPU"`` even on the CPU
@@ -33,7 +33,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from server.index.base import Tier
+from server.index.blocks import Tier
 
 logger = logging.getLogger("kvbranch.index.events")
 

@@ -15,8 +15,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from server.index import base
-from server.index.base import BlockBatch, IndexStore, IndexUnavailable
+from server.index.base import IndexUnavailable
+from server.index.blocks import BlockBatch, BlockHits
+from server.index.membership import InstanceRecord
+from server.index.sessions import Hold, Key, TurnStart
+from server.index.store import IndexStore
 
 logger = logging.getLogger("kvbranch.index")
 
@@ -62,13 +65,13 @@ class GuardedStore(IndexStore):
         self._open_until = 0.0
         return result
 
-    async def begin_turn(self, key: base.Key) -> base.TurnStart:
+    async def begin_turn(self, key: Key) -> TurnStart:
         return await self._call(lambda: self.inner.begin_turn(key))
 
-    async def put_hold(self, key: base.Key, hold: base.Hold) -> bool:
+    async def put_hold(self, key: Key, hold: Hold) -> bool:
         return await self._call(lambda: self.inner.put_hold(key, hold))
 
-    async def peek_hold(self, key: base.Key) -> base.Hold | None:
+    async def peek_hold(self, key: Key) -> Hold | None:
         return await self._call(lambda: self.inner.peek_hold(key))
 
     async def set_home(self, tenant: str, session: str, instance_id: str) -> None:
@@ -88,21 +91,21 @@ class GuardedStore(IndexStore):
     async def drop_instance_holds(self, decode_url: str) -> int:
         return await self._call(lambda: self.inner.drop_instance_holds(decode_url))
 
-    async def heartbeat(self, record: base.InstanceRecord, ttl_s: float) -> None:
+    async def heartbeat(self, record: InstanceRecord, ttl_s: float) -> None:
         await self._call(lambda: self.inner.heartbeat(record, ttl_s))
 
     async def deregister(self, instance_id: str) -> None:
         await self._call(lambda: self.inner.deregister(instance_id))
 
-    async def members(self) -> list[base.InstanceRecord]:
+    async def members(self) -> list[InstanceRecord]:
         return await self._call(self.inner.members)
 
     async def apply_blocks(self, batch: BlockBatch) -> None:
         await self._call(lambda: self.inner.apply_blocks(batch))
 
     async def block_hits(
-        self, chain: list[int], members: list[base.InstanceRecord]
-    ) -> dict[str, base.BlockHits]:
+        self, chain: list[int], members: list[InstanceRecord]
+    ) -> dict[str, BlockHits]:
         return await self._call(lambda: self.inner.block_hits(chain, members))
 
     async def sweep(self) -> int:

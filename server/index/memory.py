@@ -1,4 +1,4 @@
-"""The embedded index: the :class:`~server.index.base.IndexStore` in the router's own process.
+"""The embedded index: the :class:`~server.index.store.IndexStore` in the router's own process.
 
 The default (``--index memory``): one router, no service to run. Instances cannot reach it, so
 it holds no membership or block entries unless something in the same process writes them (the
@@ -20,22 +20,20 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Generic, TypeVar
 
-from server.index.base import (
-    DEFAULT_BLOCK_TTL_S,
+from server.index.blocks import DEFAULT_BLOCK_TTL_S, BlockBatch, BlockHits
+from server.index.membership import InstanceRecord
+from server.index.sessions import (
     DEFAULT_MAX_HOLDS,
     DEFAULT_SESSION_TTL_S,
     MAX_SESSION_INSTANCES,
-    BlockBatch,
-    BlockHits,
     Hold,
     HoldCounts,
-    IndexStore,
-    InstanceRecord,
     Key,
     TurnStart,
     chain_of,
     snapshot_row,
 )
+from server.index.store import IndexStore
 
 _V = TypeVar("_V")
 
@@ -105,7 +103,7 @@ class MemoryIndexStore(IndexStore):
         self._blocks: _Expiring[dict[tuple[str, str], int]] = _Expiring(max_blocks)
         self.hold_counts = HoldCounts()
 
-    # --- session level ---------------------------------------------------------------------
+    # --- session level (SessionStore) ------------------------------------------------------
 
     async def begin_turn(self, key: Key) -> TurnStart:
         now = self.clock()
@@ -185,7 +183,7 @@ class MemoryIndexStore(IndexStore):
                 self._holds.pop(k)
             return len(keys)
 
-    # --- instance level --------------------------------------------------------------------
+    # --- instance level (Membership) -------------------------------------------------------
 
     async def heartbeat(self, record: InstanceRecord, ttl_s: float) -> None:
         with self._lock:
@@ -201,7 +199,7 @@ class MemoryIndexStore(IndexStore):
             self._members.sweep(now)
             return [r for _, r in self._members.items.values()]
 
-    # --- block level -----------------------------------------------------------------------
+    # --- block level (BlockIndex) ----------------------------------------------------------
 
     async def apply_blocks(self, batch: BlockBatch) -> None:
         now = self.clock()

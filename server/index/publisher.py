@@ -2,10 +2,11 @@
 plugin of every instance started with a shared ``--index``.
 
 * **heartbeat** every :data:`HEARTBEAT_INTERVAL_S`: the instance's
-  :class:`~server.index.base.InstanceRecord` (identity, URL, role, model, block size, NIXL side
-  channel, block generation, load) with a :data:`~server.index.base.DEFAULT_HEARTBEAT_TTL_S`
-  TTL, sealed with the cluster secret (:mod:`server.index.record_seal`: routers list no record
-  whose seal fails, so a writer of the shared index cannot add an instance);
+  :class:`~server.index.membership.InstanceRecord` (identity, URL, role, model, block size,
+  NIXL side channel, block generation, load) with a
+  :data:`~server.index.membership.DEFAULT_HEARTBEAT_TTL_S` TTL, sealed with the cluster secret
+  (:mod:`server.index.record_seal`: routers list no record whose seal fails, so a writer of the
+  shared index cannot add an instance);
 * **block events**: one :class:`~server.index.events.EventConsumer` per engine's KV event
   publisher (vLLM's ``get_kv_event_sources``), feeding ``publish_blocks`` under this instance's
   identity and generation;
@@ -27,8 +28,10 @@ from typing import Any
 
 from server.connector.pd.transfer_auth import load_cluster_secret
 from server.index import record_seal
-from server.index.base import DEFAULT_HEARTBEAT_TTL_S, IndexStore, InstanceRecord, Role, Tier
+from server.index.blocks import Tier
 from server.index.events import EventConsumer, Generation
+from server.index.membership import DEFAULT_HEARTBEAT_TTL_S, InstanceRecord, Role
+from server.index.store import InstanceIndex
 
 logger = logging.getLogger("kvbranch.index.publisher")
 
@@ -87,7 +90,7 @@ class IndexPublisher:
     # Shape only beside sdk/_stream.py's stream: a constructor that keeps its arguments.
     def __init__(
         self,
-        store: IndexStore,
+        store: InstanceIndex,
         record: Callable[[], InstanceRecord],
         sources: list[Source],
         *,

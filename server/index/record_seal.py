@@ -6,7 +6,7 @@ the index (the heartbeats, :mod:`server.index.publisher`), and whoever can write
 Redis could otherwise add a record naming a URL of their choosing: the router's probe asks only
 for a 200 and JSON, so every turn routed there would hand that URL a tenant's conversation.
 
-So every record carries :attr:`~server.index.base.InstanceRecord.mac`: the HMAC of
+So every record carries :attr:`~server.index.membership.InstanceRecord.mac`: the HMAC of
 :mod:`server.common.cluster_auth` (``"<unix ms>.<hex HMAC-SHA256>"``) over every field of the
 record — identity, URL, role, model, block size, NIXL side channel, generation, load — keyed
 with a key derived from the cluster secret for this one use (so a record's MAC is never a router
@@ -25,7 +25,7 @@ import json
 from dataclasses import replace
 
 from server.common import cluster_auth
-from server.index.base import InstanceRecord
+from server.index.membership import InstanceRecord
 
 #: Derives the record key from the cluster secret (domain separation from the router's proofs).
 _LABEL = b"kvbranch index instance record v1"

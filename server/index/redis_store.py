@@ -1,4 +1,4 @@
-"""The shared index: the :class:`~server.index.base.IndexStore` in a Redis every router and
+"""The shared index: the :class:`~server.index.store.IndexStore` in a Redis every router and
 instance reaches (``--index redis://host:port/db``, ``rediss://…`` or ``unix:///path``).
 
 The key schema, the scripts and the round trips of each operation are in docs/index_redis.md.
@@ -40,27 +40,22 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from server.connector.pd.transfer_auth import load_cluster_secret
-from server.index.base import (
-    DEFAULT_BLOCK_TTL_S,
+from server.index.base import IndexUnavailable
+from server.index.blocks import DEFAULT_BLOCK_TTL_S, TIERS, BlockBatch, BlockHits, Tier
+from server.index.hold_cipher import HoldCipher
+from server.index.membership import InstanceRecord, Role
+from server.index.sessions import (
     DEFAULT_SESSION_TTL_S,
     MAX_SESSION_BRANCHES,
     MAX_SESSION_INSTANCES,
-    TIERS,
-    BlockBatch,
-    BlockHits,
     Hold,
     HoldCounts,
-    IndexStore,
-    IndexUnavailable,
-    InstanceRecord,
     Key,
-    Role,
-    Tier,
     TurnStart,
     chain_of,
     snapshot_row,
 )
-from server.index.hold_cipher import HoldCipher
+from server.index.store import IndexStore
 
 _T = TypeVar("_T")
 
@@ -418,7 +413,7 @@ class RedisIndexStore(IndexStore):
         while len(self._recent) > RECENT_HOLDS:
             self._recent.popitem(last=False)
 
-    # --- session level ---------------------------------------------------------------------
+    # --- session level (SessionStore) ------------------------------------------------------
 
     async def begin_turn(self, key: Key) -> TurnStart:
         """One MULTI: PTTL + GETDEL the hold (atomic, so of two routers exactly one gets it),
@@ -541,7 +536,7 @@ class RedisIndexStore(IndexStore):
         a hold's instance id with the live one, and the hold TTL ends the rest."""
         return 0
 
-    # --- instance level --------------------------------------------------------------------
+    # --- instance level (Membership) -------------------------------------------------------
 
     async def heartbeat(self, record: InstanceRecord, ttl_s: float) -> None:
         """One script: rewrite the instance hash, PEXPIRE it, ZADD its expiry (Redis time)."""
@@ -590,7 +585,7 @@ class RedisIndexStore(IndexStore):
                 out.append(rec)
         return out
 
-    # --- block level -----------------------------------------------------------------------
+    # --- block level (BlockIndex) ----------------------------------------------------------
 
     async def apply_blocks(self, batch: BlockBatch) -> None:
         """One pipeline per batch: HDEL the removed, HSET + PEXPIRE the stored (in that order,

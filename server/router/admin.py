@@ -38,7 +38,7 @@ from sdk.contract import (
 from server.common.errors import error_response
 from server.common.ui_page import UI_DATA_PATH
 from server.connector.core.sessions import new_id
-from server.index import IndexStore, IndexUnavailable
+from server.index import IndexUnavailable, SessionStore
 from server.router import relay
 from server.router.edge import (
     SESSION_ROUTE_HEADERS,
@@ -192,7 +192,7 @@ def with_id(body: bytes, field: str, prefix: str) -> bytes:
 class Admin:
     """Session routes, stats, health and model listing across the pool."""
 
-    def __init__(self, pool: Pool, index: IndexStore, fanout_timeout_s: float = 60.0) -> None:
+    def __init__(self, pool: Pool, index: SessionStore, fanout_timeout_s: float = 60.0) -> None:
         self.pool = pool
         self.index = index
         self.fanout_timeout_s = fanout_timeout_s

@@ -55,14 +55,14 @@ from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.connector.pd.transfer_auth import load_cluster_secret
 from server.index import (
     BlockHits,
-    IndexStore,
     IndexUnavailable,
+    InstanceIndex,
     InstanceRecord,
     Key,
     TurnStart,
     record_seal,
 )
-from server.index.base import DEFAULT_HEARTBEAT_TTL_S
+from server.index.membership import DEFAULT_HEARTBEAT_TTL_S
 from server.router import choice
 
 logger = logging.getLogger("kvbranch.router")
@@ -148,7 +148,7 @@ class Pool:
         api_key: str | None = None,
         on_restart: Callable[[str], object] | None = None,
         secret: bytes | None = None,
-        store: IndexStore | None = None,
+        store: InstanceIndex | None = None,
         policy: str = CACHE_AWARE,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,

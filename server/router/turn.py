@@ -55,7 +55,7 @@ from sdk.contract import (
 from server import dialects
 from server.checks.ids import xargs_of
 from server.common.errors import error_response
-from server.index import Hold, IndexStore, IndexUnavailable, Key, TurnStart
+from server.index import Hold, IndexUnavailable, Key, SessionStore, TurnStart
 from server.router import relay
 from server.router.edge import FORWARD_HEADERS, Refused, read_turn, tenant_of, unavailable
 from server.router.pool import ROUND_ROBIN, Instance, Pool
@@ -109,7 +109,7 @@ def _counter(registry: CollectorRegistry, name: str, doc: str, *labels: str) -> 
 class TurnFlow:
     """Routes completion turns: P then D, a fallback to one instance when the other fails."""
 
-    def __init__(self, pool: Pool, index: IndexStore, registry: CollectorRegistry) -> None:
+    def __init__(self, pool: Pool, index: SessionStore, registry: CollectorRegistry) -> None:
         self.pool = pool
         self.index = index
         #: Filing tasks of streamed answers (kept so they are not garbage-collected mid-way).

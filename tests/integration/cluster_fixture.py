@@ -41,7 +41,7 @@ INSTANCE_ARGS = [*size_args(0.25, 0.1, 2048), "--pd-hold-ttl-s", HOLD_TTL_S]
 CLUSTER = "default"
 #: The tenant of a request without an API key, as routers scope the index.
 TENANT = scope_of(None)
-#: The instances' heartbeat TTL (server.index.base.DEFAULT_HEARTBEAT_TTL_S).
+#: The instances' heartbeat TTL (server.index.membership.DEFAULT_HEARTBEAT_TTL_S).
 HEARTBEAT_TTL_S = 10.0
 
 

@@ -1,5 +1,5 @@
 """The embedded index's own bounds: capped (oldest hold evicted), swept (expired holds counted).
-The behaviour both backends share is in test_contract.py."""
+The behaviour both backends share is in the role suites (test_*_contract.py)."""
 
 from __future__ import annotations
 
