@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.capacity import prefix_ceiling as pc
 from benchmarks.traces import Conversation, Step
-from benchmarks.traces import prefix_ceiling as pc
 
 
 def _reuse(result: pc.Ceiling) -> list[tuple[str, int, int, int]]:
