@@ -6,6 +6,7 @@ temporary folder; the real listing runs the real entry in a subprocess, no serve
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import subprocess
 import sys
@@ -68,6 +69,38 @@ def test_history_studies_are_not_listed_but_each_runs_by_its_module():
         check=True,
     ).stdout
     assert f"python -m benchmarks.history.{_studies()[0]}" in out and "--no-results" in out
+
+
+def _imported(path: Path) -> set[str]:
+    """The ``benchmarks.<name>`` modules a file imports (first component under benchmarks)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[0] != "benchmarks":
+                continue
+            if len(parts) > 1:
+                names.add(parts[1])
+            else:
+                names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "benchmarks" and len(parts) > 1:
+                    names.add(parts[1])
+    return names
+
+
+def test_benchmarks_share_only_the_shared_modules():
+    """No benchmark imports another benchmark's module or a study of history/, and no shared
+    module imports a benchmark: what two of them share lives in a shared module."""
+    found = {e.module_name.split(".")[1] for e in registry.discover().values()}
+    live = [p for p in BENCH.rglob("*.py") if "history" not in p.relative_to(BENCH).parts]
+    for path in live:
+        own = path.relative_to(BENCH).parts[0].removesuffix(".py")
+        others = _imported(path) - {own}
+        assert "history" not in others, path
+        assert not others & found, f"{path} imports {sorted(others & found)}"
 
 
 def test_the_real_entry_lists_them_with_their_descriptions():
