@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from contextlib import suppress
 
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 from vllm.distributed.kv_events import ZmqEventPublisher
 
 from server.connector.vllm_compat import (
@@ -17,10 +21,13 @@ from server.connector.vllm_compat import (
     KVEventBatch,
 )
 from server.index import InstanceRecord, MemoryIndexStore
-from server.index.events import EventConsumer, Generation, hash64, tier_of
-from tests.unit.waiting import until
+from server.index.events import END_SEQ, EventConsumer, Generation, hash64, tier_of
+from tests.unit.waiting import HANG_GUARD_S, until
 
 IID = "inst-1"
+#: How long one probe batch is given to reach the consumer before the next goes out: a retry
+#: cadence, not a bound (probing goes on until the state comes, or the hang guard).
+PROBE_EVERY_S = 0.05
 
 
 def stored(hashes: list[int], medium: str = "GPU") -> BlockStored:
@@ -51,16 +58,73 @@ class Rig:
         self.task: asyncio.Task[None] | None = None
 
     def new_publisher(self) -> ZmqEventPublisher:
+        """A publisher on the rig's sockets, counting seqs from 0 (a new engine process)."""
+        #: Batches the current publisher was given: the next one's seq.
+        self.sent = 0
         return ZmqEventPublisher(
             0, endpoint=self.endpoint, replay_endpoint=self.replay, topic="kvb"
         )
+
+    def publish(self, *events: object) -> int:
+        """Hand one batch to the publisher; its seq."""
+        self.publisher.publish(batch(*events))
+        self.sent += 1
+        return self.sent - 1
+
+    async def send(self, *events: object) -> None:
+        """Publish one batch and wait until the consumer has applied it."""
+        seq = self.publish(*events)
+        await until(lambda: self.consumer.last_seq == seq)
+
+    async def probe(self, reached: Callable[[], bool], most: int = 10**6) -> None:
+        """Publish empty batches until ``reached()``, at most ``most`` of them in this
+        publisher's stream: PUB drops what it sends before the consumer's subscription reaches
+        it (its first connection, or its reconnection to a new publisher), and nothing but a
+        batch that arrives tells when it has."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HANG_GUARD_S
+        while not reached():
+            assert self.sent < most, f"the stream reached the consumer only after seq {most}"
+            assert loop.time() < deadline, "the stream never reached the consumer"
+            self.publish()
+            with suppress(AssertionError):
+                await until(reached, timeout_s=PROBE_EVERY_S)
+
+    async def ring_holds(self, seqs: list[int]) -> None:
+        """Wait until the publisher's replay ring holds ``seqs``: until then the publisher may
+        not have sent them yet."""
+
+        async def poll() -> None:
+            while await self.ring_seqs() != seqs:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(poll(), HANG_GUARD_S)
+
+    async def ring_seqs(self) -> list[int]:
+        """The seqs the publisher's replay ring holds, asked over its own replay socket."""
+        dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay)
+        seqs: list[int] = []
+        try:
+            await dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+            while True:  # ("", topic, seq, payload) per batch, then one with END_SEQ
+                frames = await asyncio.wait_for(dealer.recv_multipart(), HANG_GUARD_S)
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ:
+                    return seqs
+                seqs.append(seq)
+        finally:
+            dealer.close(linger=0)
 
     async def sink(self, gen: int, tier: str, s: list[int], r: list[int]) -> None:
         await self.store.publish_blocks(IID, gen, tier, s, r)  # type: ignore[arg-type]
 
     async def start(self) -> None:
+        """Run the consumer; return once the stream reaches it and every probe is applied."""
         self.task = asyncio.create_task(self.consumer.run())
-        await asyncio.sleep(0.3)  # SUB's subscription reaches PUB (else PUB drops)
+        await self.probe(lambda: self.consumer.last_seq >= 0)
+        await until(lambda: self.consumer.last_seq == self.sent - 1)
 
     async def hits(self, chain: list[int]) -> tuple[int, int]:
         member = InstanceRecord(IID, "http://x", "both", generation=self.consumer.generation.value)
@@ -91,11 +155,9 @@ def test_hash_and_tier_mapping():
 
 async def test_stored_and_removed_reach_the_index(rig):
     await rig.start()
-    rig.publisher.publish(batch(stored([1, 2, 3]), stored([1, 2], medium="CPU")))
-    await until(lambda: rig.consumer.last_seq == 0)
+    await rig.send(stored([1, 2, 3]), stored([1, 2], medium="CPU"))
     assert await rig.hits([1, 2, 3]) == (3, 2)
-    rig.publisher.publish(batch(BlockRemoved(block_hashes=[2], medium="GPU")))
-    await until(lambda: rig.consumer.last_seq == 1)
+    await rig.send(BlockRemoved(block_hashes=[2], medium="GPU"))
     assert await rig.hits([1, 2, 3]) == (1, 2)
     assert rig.consumer.counters.block_size == {"device": 128, "host": 128}
     assert rig.consumer.generation.value == 0
@@ -103,34 +165,30 @@ async def test_stored_and_removed_reach_the_index(rig):
 
 async def test_store_then_remove_in_one_batch_ends_removed(rig):
     await rig.start()
-    rig.publisher.publish(batch(stored([7]), BlockRemoved(block_hashes=[7], medium="GPU")))
-    await until(lambda: rig.consumer.last_seq == 0)
+    await rig.send(stored([7]), BlockRemoved(block_hashes=[7], medium="GPU"))
     assert await rig.hits([7]) == (0, 0)
 
 
 async def test_bytes_hashes_are_low_64_bits(rig):
     await rig.start()
     digest = bytes(range(32))
-    rig.publisher.publish(batch(stored([digest])))  # type: ignore[list-item]
-    await until(lambda: rig.consumer.last_seq == 0)
+    await rig.send(stored([digest]))  # type: ignore[list-item]
     assert await rig.hits([int.from_bytes(digest[-8:], "big")]) == (1, 0)
 
 
 async def test_dropped_messages_are_replayed(rig):
-    # Published before the consumer subscribed: lost on PUB/SUB, kept in the ring.
+    # Sent before the consumer subscribed: lost on PUB/SUB, kept in the ring.
     for h in (11, 12, 13):
-        rig.publisher.publish(batch(stored([h])))
-    await asyncio.sleep(0.2)
-    await rig.start()
-    rig.publisher.publish(batch(stored([14])))
-    await until(lambda: rig.consumer.last_seq == 3)
+        rig.publish(stored([h]))
+    await rig.ring_holds([0, 1, 2])
+    await rig.start()  # the first batch it gets has a gap behind it
+    await rig.send(stored([14]))
     assert rig.consumer.counters.replays == 1
     assert rig.consumer.counters.replayed_batches >= 3
     assert rig.consumer.generation.value == 0  # the replay was complete
     assert await rig.hits([11, 12, 13, 14]) == (4, 0)
     # The stream's own copy of what the replay applied is a duplicate, not a restart.
-    rig.publisher.publish(batch(stored([15])))
-    await until(lambda: rig.consumer.last_seq == 4)
+    await rig.send(stored([15]))
     assert rig.consumer.counters.restarts == 0
     assert await rig.hits([11, 12, 13, 14, 15]) == (5, 0)
 
@@ -140,47 +198,44 @@ async def test_replay_that_times_out_bumps_the_generation(rig):
         rig.endpoint, f"{rig.replay}-nobody", rig.sink, topic="kvb", replay_timeout_s=0.2
     )
     rig.consumer = consumer
-    await rig.start()
-    rig.publisher.publish(batch(stored([1])))
-    await until(lambda: consumer.last_seq == 0)
-    # Seqs 1-4 lost, and nobody answers the replay.
-    await consumer.on_message(5, msgspec.msgpack.encode(batch(stored([2]))))
-    assert consumer.last_seq == 5
-    assert consumer.counters.replay_failures == 1
-    assert consumer.generation.value == 1
+    await rig.start()  # a probe lost on the way in costs a failed replay too: counted from here
+    await rig.send(stored([1]))
+    failures, generation = consumer.counters.replay_failures, consumer.generation.value
+    # Four seqs lost, and nobody answers the replay.
+    lost = consumer.last_seq + 5
+    await consumer.on_message(lost, msgspec.msgpack.encode(batch(stored([2]))))
+    assert consumer.last_seq == lost
+    assert consumer.counters.replay_failures == failures + 1
+    assert consumer.generation.value == generation + 1
     assert await rig.hits([2]) == (1, 0)
 
 
 async def test_restarted_publisher_bumps_the_generation(rig):
     await rig.start()
     for h in (21, 22, 23):
-        rig.publisher.publish(batch(stored([h])))
-    await until(lambda: rig.consumer.last_seq == 2)
+        await rig.send(stored([h]))
     assert await rig.hits([21, 22, 23]) == (3, 0)
+    # The new stream reads as a restart while its seqs are at or below the old one's last: the
+    # old one goes on long enough that the SUB may take the whole hang guard to reconnect.
+    room = int(HANG_GUARD_S / PROBE_EVERY_S)
+    for _ in range(room):
+        rig.publish()
+    await until(lambda: rig.consumer.last_seq == rig.sent - 1)
     rig.publisher.shutdown()
     rig.publisher = rig.new_publisher()  # a new engine process: seq from 0 again
-    await asyncio.sleep(0.5)  # the SUB reconnects
-    for h in (31, 32):  # seqs 0 and 1, both at or below the last one seen
-        rig.publisher.publish(batch(stored([h])))
-        try:
-            await until(lambda: rig.consumer.counters.restarts == 1, timeout_s=1.5)
-            break
-        except AssertionError:
-            continue
+    await rig.probe(lambda: rig.consumer.counters.restarts == 1, most=room)
     assert rig.consumer.counters.restarts == 1
     assert rig.consumer.generation.value == 1
     # Entries of the old generation are invisible; the new ones count.
     assert await rig.hits([21, 22, 23]) == (0, 0)
-    new = 31 if rig.consumer.last_seq == 0 else 32
-    assert await rig.hits([new]) == (1, 0)
+    await rig.send(stored([31]))
+    assert await rig.hits([31]) == (1, 0)
 
 
 async def test_all_blocks_cleared_bumps_the_generation(rig):
     await rig.start()
-    rig.publisher.publish(batch(stored([41, 42])))
-    await until(lambda: rig.consumer.last_seq == 0)
-    rig.publisher.publish(batch(AllBlocksCleared(), stored([43])))
-    await until(lambda: rig.consumer.last_seq == 1)
+    await rig.send(stored([41, 42]))
+    await rig.send(AllBlocksCleared(), stored([43]))
     assert rig.consumer.counters.cleared == 1
     assert rig.consumer.generation.value == 1
     assert await rig.hits([41]) == (0, 0)
@@ -189,7 +244,7 @@ async def test_all_blocks_cleared_bumps_the_generation(rig):
 
 async def test_undecodable_batch_bumps_the_generation(rig):
     await rig.start()
-    await rig.consumer.on_message(0, b"\xc1not msgpack")
+    await rig.consumer.on_message(rig.sent, b"\xc1not msgpack")  # the stream's next seq
     assert rig.consumer.counters.undecodable == 1
     assert rig.consumer.generation.value == 1
 
