@@ -20,7 +20,8 @@ once more without them.
 The session is ``X-Session-ID`` or the body's ``session_id``; the branch ``X-KVBranch-Branch``
 or ``vllm_xargs.kvbranch_branch`` (default ``main``, the parent of every other branch); both
 body fields are removed before vLLM sees the request. ``GET /proxy/stats``: the carry's counts,
-P legs retried. Responses carry ``Server-Timing: prefill;dur=<ms>`` (P's leg).
+P legs retried. Responses carry ``Server-Timing`` as kvbranch's router sends it: ``prefill``
+(P's leg) and, streamed, ``decode`` (D's leg up to its answer's headers), in ms.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class Proxy:
         if p.status_code >= 500 and carried is not None:
             self.retried += 1
             p = await self.client.post(self.prefill + path, json=prefill_leg(body, None))
-        timing = {"Server-Timing": f"prefill;dur={(time.perf_counter() - t0) * 1000:.1f}"}
+        prefill_ms = (time.perf_counter() - t0) * 1000
+        timing = {"Server-Timing": f"prefill;dur={prefill_ms:.1f}"}
         if p.status_code != 200:
             return Response(p.content, p.status_code, media_type="application/json")
         prefilled = p.json()
@@ -116,7 +118,10 @@ class Proxy:
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         leg["stream_options"] = dict(body.get("stream_options") or {}, include_usage=True)
         d_req = self.client.build_request("POST", self.decode + path, json=leg)
+        t1 = time.perf_counter()
         d = await self.client.send(d_req, stream=True)
+        decode_ms = (time.perf_counter() - t1) * 1000
+        timing = {"Server-Timing": f"prefill;dur={prefill_ms:.1f}, decode;dur={decode_ms:.1f}"}
         if d.status_code != 200:
             content = await d.aread()
             await d.aclose()
