@@ -4,11 +4,13 @@ parent's — and the usage chunk that brings them out of D's stream. Pure logic:
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 from benchmarks.upstream_pd.carry import ParamsCarry, prefill_params
 from benchmarks.upstream_pd.proxy import Proxy, conversation_key, prefill_leg
-from benchmarks.upstream_pd.stream_params import with_params
+from benchmarks.upstream_pd.stream_params import with_params, wrap
 
 MAIN = ("s1", "main")
 ALT = ("s1", "alt0")
@@ -127,3 +129,22 @@ def test_ds_stream_gets_its_params_in_the_usage_chunk_only():
     content = 'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
     assert with_params(content, params) == content
     assert with_params(usage, None) == usage
+
+
+def test_the_wrapped_stream_generator_adds_the_last_outputs_params_to_the_usage_chunk():
+    async def stream_generator(self, request, result_generator, request_id):  # vLLM's shape
+        async for _ in result_generator:
+            yield 'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+        yield 'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n'
+        yield "data: [DONE]\n\n"
+
+    async def outputs():
+        yield SimpleNamespace(kv_transfer_params=None)
+        yield (0, SimpleNamespace(kv_transfer_params=d_params([8])))  # text completions' shape
+
+    async def collect():
+        return [p async for p in wrap(stream_generator)(None, None, outputs(), request_id="r")]
+
+    pieces = asyncio.run(collect())
+    assert json.loads(pieces[2][6:])["kv_transfer_params"] == d_params([8])
+    assert "kv_transfer_params" not in pieces[0] and pieces[-1] == "data: [DONE]\n\n"
