@@ -45,6 +45,7 @@ from typing import Any
 
 from benchmarks import common, reporting
 from benchmarks.capacity import sweep
+from benchmarks.capacity.configs import config_env, config_flags, config_spec
 from benchmarks.records import Record
 
 NAME = "capacity"
@@ -78,6 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=32, help="mooncake: per 512 tokens")
     parser.add_argument("--sched-flags", default="--agent-priority --cold-prefill-chunk 256")
     parser.add_argument("--quick", action="store_true", help="a smoke: " + str(QUICK))
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="PASSES",
+        help="an A/B instead of a sweep: every --configs server up at once, PASSES interleaved "
+        "passes at the first --agents count, each against the first (benchmarks.capacity."
+        "interleave)",
+    )
     common.add_server_args(parser, kv_cache_gib=0.4, max_model_len=4096)
     common.add_run_args(parser)
 
@@ -88,27 +98,6 @@ def agent_counts(text: str) -> list[int]:
     if not counts or counts != sorted(set(counts)) or counts[0] < 1:
         raise SystemExit(f"--agents: ascending positive counts, got {text!r}")
     return counts
-
-
-def config_flags(name: str, args: argparse.Namespace) -> tuple[bool, list[str]]:
-    """``(connector on, launcher flags)`` of a configuration's name."""
-    if name == "plain":
-        return False, common.SCHEDULER_OFF_FLAGS
-    if name == "kvbranch":
-        return True, common.SCHEDULER_OFF_FLAGS
-    _, _, flags = name.partition(":")  # kvbranch-sched:<its own flags>
-    return True, (flags or args.sched_flags).split()
-
-
-def config_env(name: str) -> tuple[str, dict[str, str]]:
-    """A configuration with one environment variable of its own, ``config+KEY=VALUE`` (an A/B
-    of one part of the policy in one run, e.g. ``kvbranch-sched+KVBRANCH_PAUSE_COLDS=0``), as
-    ``(config, environment)``."""
-    spec, plus, assignment = name.partition("+")
-    key, equals, value = assignment.partition("=")
-    if plus and not (key and equals):
-        raise SystemExit(f"--configs: {name!r}: expected config+KEY=VALUE")
-    return spec, ({key: value} if plus else {})
 
 
 def load_traces(args: argparse.Namespace, n: int) -> tuple[list[Any], str]:
@@ -165,19 +154,9 @@ async def _config(name: str, args, convs, counts, slo: list[float], log) -> dict
 
     from benchmarks.capacity import replay
 
-    spec, env = config_env(name)
-    connector, flags = config_flags(spec, args)
-    reserved = (
-        None if args.reserved_cpus is not None and args.reserved_cpus < 0 else args.reserved_cpus
-    )
-    server = common.start_server(
-        name,
-        common.server_args(
-            connector, args.kv_cache_gib, args.host_store_gib, args.max_model_len, flags
-        ),
-        reserved_cpus=reserved,
-        env=env,
-    )
+    spec = config_spec(name, args)
+    server = common.start_server(name, spec.args, reserved_cpus=spec.reserved_cpus, env=spec.env)
+    flags = config_flags(config_env(name)[0], args)[1]
     sessions = args.trace == "bfcl"
     out: dict[str, Any] = {"flags": flags, "binding": common.omp_binding(server), "steps": []}
     try:
@@ -239,6 +218,10 @@ def run(args: argparse.Namespace) -> list[Record]:
     if len(convs) < args.alone:
         raise SystemExit(f"the trace gave {len(convs)} conversations, --alone needs {args.alone}")
     log(f"{workload}")
+    if args.interleave:
+        from benchmarks.capacity import interleave
+
+        return interleave.run(args, convs, configs, workload, log)
     info_job = reporting.machine_info_async()
     t0 = time.monotonic()
     slo: list[float] = []

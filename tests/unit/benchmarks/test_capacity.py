@@ -234,3 +234,105 @@ def test_a_configuration_name_gives_the_connector_and_the_scheduling_flags() -> 
     assert capacity.config_flags("kvbranch-sched", args) == (True, sched)
     own = capacity.config_flags("kvbranch-sched:--cold-prefill-chunk 512", args)
     assert own == (True, ["--cold-prefill-chunk", "512"])
+
+
+def _pass(p50: float, tps: float, agents: int = 4) -> StepSummary:
+    return StepSummary(
+        agents, 8, 4, p50, p50 * 2, p50 * 3, 1.0, 2.0, 3.0, 10.0, tps, 1.0, 5, 50, True
+    )
+
+
+def test_interleaved_passes_alternate_their_order() -> None:
+    from benchmarks.capacity import interleave
+
+    assert interleave.pass_order(["a", "b"], 0) == ["a", "b"]
+    assert interleave.pass_order(["a", "b"], 1) == ["b", "a"]
+    assert interleave.pass_order(["a", "b", "c"], 3) == ["c", "b", "a"]
+
+
+def test_interleaved_ratios_are_above_one_where_the_other_is_better() -> None:
+    from benchmarks.capacity import interleave
+
+    passes = [{"off": _pass(2.0, 5.0), "on": _pass(1.0, 4.0)} for _ in range(4)]
+    passes.append({"off": _pass(2.0, 5.0), "on": _pass(float("nan"), 4.0)})  # left out
+    got = interleave.ratios(passes, "off", "on")
+    assert got["resumed_p50"] == [2.0] * 4  # half the TTFT: 2x better
+    assert got["output_tps"] == [0.8] * 5  # 80% of the throughput: worse
+    recs = interleave.build_records("bfcl", 4, passes, {"on": (9, 10)})
+    by_metric = {r.metric: r for r in recs}
+    ttft = by_metric["bfcl agents=4 resumed TTFT p50, interleaved (median of passes)"]
+    assert (ttft.config, ttft.value) == ("off/on", 2.0) and "4 passes" in ttft.note
+    tps = by_metric["bfcl agents=4 output throughput, interleaved (median of passes)"]
+    assert (tps.config, tps.value) == ("on/off", 0.8)
+    same = by_metric["bfcl agents=4 answers identical to off, interleaved"]
+    assert (same.value, same.met) == (0.9, False)
+
+
+def test_interleaved_passes_run_every_server_in_turn_and_compare_answers(monkeypatch) -> None:
+    """The orchestration with the servers and the replay replaced by recorders."""
+    import argparse
+    import asyncio
+    import contextlib
+    import types
+
+    import openai
+
+    from benchmarks import common
+    from benchmarks.capacity import configs, interleave, replay
+
+    class Client:
+        def __init__(self, base_url: str, **_: object) -> None:
+            self.url = base_url
+
+            async def listed() -> object:
+                return types.SimpleNamespace(data=[types.SimpleNamespace(id="m")])
+
+            self.models = types.SimpleNamespace(list=listed)
+
+    @contextlib.contextmanager
+    def servers_up(specs):
+        yield {n: types.SimpleNamespace(url=f"http://{n}") for n in specs}
+
+    order: list[tuple[str, str]] = []
+
+    async def run_agents(oai, model, convs, agents, per_agent, salt, sessions, stagger_s=0.0):
+        order.append((oai.url, salt))
+        answer = "x" if "on" in oai.url and salt == "p1" else "same"
+        turns = [
+            Turn(a, "c", 0, s, 0.5, 1.0, 100, 8, 10, answer) for a in range(agents) for s in (0, 1)
+        ]
+        return turns, 2.0
+
+    monkeypatch.setattr(openai, "AsyncOpenAI", Client)
+    monkeypatch.setattr(common, "servers_up", servers_up)
+    monkeypatch.setattr(replay, "run_agents", run_agents)
+    monkeypatch.setattr(configs, "config_spec", lambda name, args: name)
+    args = argparse.Namespace(agents="3,6", interleave=3, per_agent=1, trace="bfcl", stagger_s=0.0)
+    agents, passes, identical = asyncio.run(interleave.run_passes(args, [], ["off", "on"], print))
+    assert agents == 3 and len(passes) == 3 and list(passes[1]) == ["off", "on"]
+    assert order == [
+        ("http://off/v1", "p0"),
+        ("http://on/v1", "p0"),
+        ("http://on/v1", "p1"),
+        ("http://off/v1", "p1"),
+        ("http://off/v1", "p2"),
+        ("http://on/v1", "p2"),
+    ]
+    assert identical["on"] == (12, 18)  # pass 1's answers differ
+
+
+def test_a_configuration_spec_carries_its_flags_environment_and_reservation() -> None:
+    import argparse
+
+    from benchmarks import capacity, common
+
+    args = argparse.Namespace(
+        sched_flags="--agent-priority",
+        kv_cache_gib=0.4,
+        host_store_gib=2.0,
+        max_model_len=4096,
+        reserved_cpus=-1,
+    )
+    spec = capacity.config_spec("kvbranch-sched+KVBRANCH_BACKFILL=0", args)
+    assert spec.env == {"KVBRANCH_BACKFILL": "0"} and spec.reserved_cpus is None
+    assert spec.args == common.server_args(True, 0.4, 2.0, 4096, ["--agent-priority"])
