@@ -1,5 +1,5 @@
-"""What the cluster soak (:mod:`benchmarks.soak`) found, from its records alone: per tenant the
-requests served, the 4xx and 5xx by cause, the failures that happened while the only instance of
+"""What the cluster soak (:mod:`benchmarks.history.soak`) found, from its records alone: per tenant
+the requests served, the 4xx and 5xx by cause, the failures that happened while the only instance of
 a role was down (reported apart, not counted against the cluster), the answers compared with
 the plain vLLM replay, memory and Redis keys over time, and every target met or not — as a
 Markdown report, records and a plot.
