@@ -1,5 +1,5 @@
-"""The hostile half of the cluster soak (:mod:`benchmarks.soak`, issue 37 item 8): what an
-attacker or a broken client sends to the routers while legitimate tenants are served.
+"""The hostile half of the cluster soak (:mod:`benchmarks.history.soak`, issue 37 item 8):
+what an attacker or a broken client sends to the routers while legitimate tenants are served.
 
 * :func:`abuse_cases` — one request per kind of malformed input the router's edge must refuse
   (lone surrogates, deep JSON, ``"stream": 1``, bad ids, raw bytes in headers, wrong types,
