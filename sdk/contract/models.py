@@ -284,6 +284,11 @@ class StoreStats(BaseModel):
     )
     loaded_tails: int = Field(default=0, description="Stored tails loaded into a new prompt.")
     tail_tokens_loaded: int = Field(default=0, description="Prompt tokens those tail loads served.")
+    saved_states: int = Field(
+        default=0,
+        description="Recurrent states (Mamba, Gated DeltaNet) kept with a block at its end.",
+    )
+    loaded_states: int = Field(default=0, description="Stored states a hit resumed from.")
 
 
 class Stats(BaseModel):

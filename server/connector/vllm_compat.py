@@ -102,6 +102,8 @@ __all__ = [
     "group_block_bytes",
     "install_nixl_side_channel",
     "kv_group_block_sizes",
+    "states_at_boundaries",
+    "cached_state_blocks",
     "kv_group_kinds",
     "kv_group_layers",
     "null_block_id",
@@ -234,6 +236,34 @@ def prefix_reuse_off_reason(vllm_config: Any) -> str | None:
             "cannot continue from a loaded prefix (a GPU backend can)"
         )
     return None
+
+
+def states_at_boundaries(kv_cache_config: Any) -> bool:
+    """Whether vLLM keeps every state group's states at block boundaries and hands them to a
+    connector: its prefix caching's ``align`` mode (``MambaSpec.mamba_cache_mode``)."""
+    if kv_cache_config is None:
+        return False
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    states = [spec for spec in specs if isinstance(spec, MambaSpec)]
+    return bool(states) and all(spec.mamba_cache_mode == "align" for spec in states)
+
+
+def cached_state_blocks(
+    kv_cache_manager: Any, block_hash: bytes, groups: frozenset[int]
+) -> dict[int, int] | None:
+    """The device block of each state group that vLLM's prefix cache keeps under
+    ``block_hash`` — the recurrent state after that block's last token, which ``align`` mode
+    writes at block boundaries (a chunk's end, a prefill checkpoint, decode crossing a block) —
+    or ``None`` where some group keeps none. A block registered this step is written by this
+    step's forward, before the connector's save reads it."""
+    pool = getattr(kv_cache_manager, "block_pool", None)
+    if pool is None or not groups:
+        return None
+    order = sorted(groups)
+    blocks = pool.get_cached_block(block_hash, order)
+    if blocks is None:
+        return None
+    return {g: int(block.block_id) for g, block in zip(order, blocks, strict=True)}
 
 
 def kv_group_block_sizes(kv_cache_config: Any) -> list[int]:

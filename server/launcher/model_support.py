@@ -3,11 +3,12 @@ before vLLM starts.
 
 The connector declares ``SupportsHMA``, so vLLM keeps its hybrid KV cache manager on and every
 model vLLM runs starts with the connector. The host store keeps attention KV (full, sliding
-window, chunked-local: ``server/connector/core/kv_groups.py``); a hybrid attention/SSM model
-(Jamba, Granite 4.0 hybrid, Nemotron-H, Falcon-H1, Qwen3-Next, Qwen3.5, ...) or an
-attention-free one (Mamba) has state layers it does not store yet, so the connector turns its
-host store off for them and the engine serves them as plain vLLM does (its own prefix cache).
-The launcher says so in one line before loading anything, naming the model type.
+window, chunked-local) and, beside it, the recurrent states of a hybrid attention/SSM model
+(Jamba, Granite 4.0 hybrid, Nemotron-H, Falcon-H1, Qwen3-Next, Qwen3.5, ...) at the block
+boundaries where vLLM's prefix caching keeps them (``server/connector/core/kv_groups.py``
+decides, from the groups vLLM builds). An attention-free model (Mamba) has no attention KV, so
+the connector turns its host store off and the engine serves it as plain vLLM does. The
+launcher says in one line, before loading anything, which of the two a model is.
 
 P/D is different: its instances run with the hybrid manager off (its pull addresses one block
 table), which vLLM cannot do for state layers; there such a model is refused in one line, with
@@ -68,16 +69,20 @@ def _what(config: dict[str, Any], kind: str) -> str:
 
 
 def store_note(config: dict[str, Any], traits: Traits) -> str | None:
-    """The line a single instance prints for a model whose state layers the host store does
-    not keep, or ``None``."""
+    """The line a single instance prints for a model with state layers, or ``None``."""
     kind = state_layers(config, traits)
     if kind is None:
         return None
-    layers = "Mamba / linear-attention state" if kind == "hybrid" else "state"
+    if kind == "hybrid":
+        return (
+            f"{_what(config, kind)} model: the kvbranch host store keeps its attention KV and "
+            "its Mamba / linear-attention states at block boundaries, which vLLM keeps only "
+            "with prefix caching on (without it the store stays off; docs/models.md)"
+        )
     return (
-        f"{_what(config, kind)} model: the kvbranch host store does not keep its {layers} "
-        "layers yet, so it stays off and turns reuse vLLM's own prefix cache (sessions, "
-        "branches and the API work; docs/models.md)"
+        f"{_what(config, kind)} model: the kvbranch host store keeps attention KV, so it "
+        "stays off and turns reuse vLLM's own prefix cache (sessions, branches and the API "
+        "work; docs/models.md)"
     )
 
 

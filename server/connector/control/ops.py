@@ -266,6 +266,9 @@ def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> di
             "saved_tails": counters.saved_tails,
             "loaded_tails": counters.loaded_tails,
             "tail_tokens_loaded": counters.tail_tokens_loaded,
+            # Hybrid models (kv_groups.py): recurrent states kept at block ends and resumed.
+            "saved_states": counters.saved_states,
+            "loaded_states": counters.loaded_states,
         },
         "hits_tokens": dict(planner.hits_tokens),
         "requests": planner.requests,

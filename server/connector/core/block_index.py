@@ -77,6 +77,10 @@ class IndexCounters:
     saved_tails: int = 0
     loaded_tails: int = 0
     tail_tokens_loaded: int = 0
+    #: Recurrent states (state groups, ``kv_groups.py``) saved with a block and loaded at a
+    #: hit's end.
+    saved_states: int = 0
+    loaded_states: int = 0
 
 
 class HostBlockIndex:
@@ -98,6 +102,8 @@ class HostBlockIndex:
         self._tails_of: dict[bytes, dict[bytes, None]] = {}
         self._parent_of: dict[int, bytes] = {}
         self._tail_slots: set[int] = set()
+        #: Slots that also hold the recurrent state after their last token (state groups).
+        self._state_slots: set[int] = set()
         self.counters = IndexCounters()
         #: Set by the connector when vLLM's KV events are on (see :class:`StoreEventLog`).
         self.event_log: StoreEventLog | None = None
@@ -124,6 +130,16 @@ class HostBlockIndex:
 
     def slot_of(self, block_hash: bytes) -> int | None:
         return self._slot_of.get(block_hash)
+
+    def has_state(self, slot: int) -> bool:
+        """Whether the slot also holds the recurrent state after its block (state groups)."""
+        return slot in self._state_slots
+
+    def mark_state(self, slot: int) -> None:
+        """The slot's block now comes with its recurrent state (saved this step)."""
+        if slot not in self._state_slots and self._hash_of[slot] is not None:
+            self._state_slots.add(slot)
+            self.counters.saved_states += 1
 
     def match(
         self,
@@ -256,6 +272,7 @@ class HostBlockIndex:
     def _drop(self, slot: int) -> None:
         block_hash = self._hash_of[slot]
         assert block_hash is not None
+        self._state_slots.discard(slot)
         if slot in self._tail_slots:
             self._tail_slots.discard(slot)
         elif self.event_log is not None:
@@ -320,6 +337,7 @@ class HostBlockIndex:
         self._tails_of.clear()
         self._parent_of.clear()
         self._tail_slots.clear()
+        self._state_slots.clear()
         if self.event_log is not None:
             self.event_log.add(("cleared", None))
         return dropped

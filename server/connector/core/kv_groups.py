@@ -17,11 +17,16 @@ K and V:
   allocated and skips the nulls. A hit therefore needs nothing more than the full-attention
   rule: consecutive whole slots.
 
-Groups of another kind — a Mamba or linear-attention state (Mamba2, Gated DeltaNet), whose
-block is a running state rather than per-token KV — are not stored: an engine with one turns
-its host store off and runs as plain vLLM (its own prefix cache), with a warning. Groups of
-different block sizes (vLLM gives SSM groups their own) are refused the same way, since a slot
-is one block position of every group.
+State groups — Mamba and Gated DeltaNet (vLLM's ``MambaSpec``), whose block holds a running
+state rather than per-token KV — are stored too, where vLLM keeps their states at block
+boundaries (its prefix caching's ``align`` mode): a slot then also holds, when it has one, the
+state after the slot's last token, as vLLM hands it to the connector (the boundary-state
+hand-off: the exact block, since an ``align`` table is not positional). A hit may end only at a
+slot holding a state, a resumed turn loads the attention KV of every position and the state of
+the last one, and no token-exact tail is kept (a state exists only at block boundaries). Without
+``align`` (prefix caching off: vLLM keeps no state but the running one) the store stays off, as
+it does for groups of any other kind and for groups of different block sizes, since a slot is
+one block position of every group.
 
 Pure: kinds are strings (``vllm_compat.kv_group_kinds`` reads them from vLLM).
 """
@@ -35,19 +40,36 @@ FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
 CHUNKED_LOCAL = "chunked_local"
 STORED_KINDS = frozenset({FULL_ATTENTION, SLIDING_WINDOW, CHUNKED_LOCAL})
+#: Kinds whose blocks hold a recurrent state (stored at block boundaries only).
+STATE = "mamba"
 
 
-def store_off_reason(kinds: Sequence[str], block_sizes: Sequence[int] = ()) -> str | None:
+def state_groups(kinds: Sequence[str]) -> frozenset[int]:
+    """The indices of the groups that hold a recurrent state rather than per-token KV."""
+    return frozenset(i for i, kind in enumerate(kinds) if kind == STATE)
+
+
+def store_off_reason(
+    kinds: Sequence[str], block_sizes: Sequence[int] = (), *, states_at_boundaries: bool = False
+) -> str | None:
     """Why the host store must stay off for an engine with these KV cache groups, or ``None``
-    when it can be on (every group of a stored kind, one block size)."""
+    when it can be on (every group of a stored kind, one block size). ``states_at_boundaries``:
+    vLLM keeps the state groups' states at block boundaries (``align``) and hands them over."""
     if not kinds:
         return "the model has no KV cache (attention-free)"
-    other = sorted({kind for kind in kinds if kind not in STORED_KINDS})
+    if all(kind == STATE for kind in kinds):
+        return "the model has no attention layers (only recurrent states)"
+    if STATE in kinds and not states_at_boundaries:
+        return (
+            f"its KV cache groups ({', '.join(kinds)}) include recurrent states, which vLLM "
+            "keeps at block boundaries only with prefix caching on (mamba_cache_mode 'align'); "
+            "without it there is no state to resume from"
+        )
+    other = sorted({kind for kind in kinds if kind not in STORED_KINDS and kind != STATE})
     if other:
         return (
-            f"its KV cache groups ({', '.join(kinds)}) include {', '.join(other)}, whose "
-            "blocks hold a running state rather than per-token KV; the host store keeps "
-            "attention KV only"
+            f"its KV cache groups ({', '.join(kinds)}) include {', '.join(other)}, which the "
+            "host store cannot keep"
         )
     if len(set(block_sizes)) > 1:
         return (

@@ -25,11 +25,11 @@ from typing import Any
 from sdk.contract import BRANCH_XARG, OWNER_XARG, PIN_TTL_XARG, PREFETCH_XARG, TAG_XARG  # noqa: F401
 from server.connector.core.block_index import HostBlockIndex
 from server.connector.core.metadata import (
+    SKIPPED,
     DeviceBlock,
     KVBranchMetadata,
     device_block,
     device_blocks,
-    whole,
 )
 from server.connector.core.sessions import DEFAULT_BRANCH, RegistryError, SessionRegistry
 from server.connector.core.tails import TailSpec, finished_tail, identity_of, parent_key
@@ -92,11 +92,28 @@ def _pin_ttl(extra: dict) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
+#: The device blocks that hold the recurrent state after a block, one per state group, as
+#: vLLM's prefix cache has them under the block's hash (``None``: it keeps no state there).
+StateLookup = Callable[[bytes], dict[int, int] | None]
+
+
 class Planner:
-    def __init__(self, index: HostBlockIndex, registry: SessionRegistry, block_size: int) -> None:
+    def __init__(
+        self,
+        index: HostBlockIndex,
+        registry: SessionRegistry,
+        block_size: int,
+        *,
+        state_groups: frozenset[int] = frozenset(),
+        num_groups: int = 1,
+    ) -> None:
         self.index = index
         self.registry = registry
         self.block_size = block_size
+        #: KV cache groups holding a recurrent state (``kv_groups.py``): a slot holds their
+        #: state only where vLLM handed one over; a hit ends at such a slot; no tails.
+        self.state_groups = state_groups
+        self.num_groups = max(num_groups, 1 + max(state_groups, default=-1))
         self.lock = threading.RLock()
         self.plans: dict[str, RequestPlan] = {}
         self.splits: OrderedDict[str, dict] = OrderedDict()
@@ -152,9 +169,14 @@ class Planner:
                 if loadable > 0
                 else []
             )
+            if self.state_groups:
+                # A resumed state exists only where a slot holds one: end the hit there.
+                while slots and not self.index.has_state(slots[-1]):
+                    slots.pop()
             plan.load_slots = slots
             end = start + len(slots)
-            self._match_tail(plan, request, end, limit)
+            if not self.state_groups:
+                self._match_tail(plan, request, end, limit)
             return len(slots) * bs + plan.tail_tokens
 
     def _match_tail(self, plan: RequestPlan, request: Any, block: int, limit: int) -> None:
@@ -196,9 +218,16 @@ class Planner:
             if n_blocks and plan.load_slots:
                 for i in range(n_blocks):
                     slot = plan.load_slots[i]
-                    self.pending_loads.append((slot, device_block(block_ids[start + i])))
+                    block = device_block(block_ids[start + i])
+                    if self.state_groups and i < n_blocks - 1:
+                        # Only the hit's last position brings its state (vLLM gives the
+                        # others the null block, or scratch).
+                        block = self._attention_only(block)
+                    self.pending_loads.append((slot, block))
                     self.index.touch(request.block_hashes[start + i])
                 self.index.counters.loaded_blocks += n_blocks
+                if self.state_groups:
+                    self._load_running_state(request, block_ids, start + n_blocks - 1)
             if tail:
                 # A partial block past the full ones: a prefix of the next stored full block,
                 # or of the tail this planner matched (both exact: KV is causal).
@@ -224,6 +253,45 @@ class Planner:
             plan.tail_slot, plan.tail_tokens = None, 0
             if not plan.recorded:
                 self._record_split(plan)
+
+    def _attention_only(self, block: DeviceBlock) -> DeviceBlock:
+        """``block`` with its state groups skipped."""
+        return tuple(SKIPPED if g in self.state_groups else b for g, b in enumerate(block))
+
+    def _savable(self, block: DeviceBlock) -> bool:
+        """Whether every attention group holds this position (state groups hold a block only
+        where vLLM keeps a state: they come from the boundary hand-off, not from the table)."""
+        return all(b != SKIPPED for g, b in enumerate(block) if g not in self.state_groups)
+
+    def _load_running_state(
+        self, request: Any, block_ids: Sequence[int | DeviceBlock], last: int
+    ) -> None:
+        """Also load the hit's last state into the request's running state block.
+
+        vLLM (``align`` mode) keeps a request's running state in the last state block of its
+        table and, before each step's forward, copies the state it continues from (the block
+        at the hit's end) into it — before any connector load of that step runs (its model
+        runner's Mamba pre-processing comes first). A state loaded only at the hit's end
+        would be read by that copy before it lands; loaded into the running block too, the
+        forward starts from it."""
+        blocks = [device_block(b) for b in block_ids]
+        if last >= len(blocks) or not self._holds_states(blocks[last]):
+            logger.error(
+                "kvbranch: request %s loads a hit whose last position has no state block",
+                request.request_id,
+            )
+            return
+        slot = self.pending_loads[-1][0]
+        running = max(p for p in range(last, len(blocks)) if self._holds_states(blocks[p]))
+        if running != last:
+            states = tuple(
+                b if g in self.state_groups else SKIPPED for g, b in enumerate(blocks[running])
+            )
+            self.pending_loads.append((slot, states))
+        self.index.counters.loaded_states += 1
+
+    def _holds_states(self, block: DeviceBlock) -> bool:
+        return all(g < len(block) and block[g] != SKIPPED for g in self.state_groups)
 
     def note_remote_hit(self, request: Any, num_tokens: int) -> None:
         """A peer connector (NIXL, in P/D) starts pulling ``num_tokens`` prompt tokens for this
@@ -257,7 +325,10 @@ class Planner:
                 self.transfer_params.popitem(last=False)
 
     def build_meta(
-        self, scheduled: dict[str, int], resolve_block_ids: Callable[[str], Any]
+        self,
+        scheduled: dict[str, int],
+        resolve_block_ids: Callable[[str], Any],
+        state_lookup: StateLookup | None = None,
     ) -> KVBranchMetadata:
         """This step's copies for the worker: the loads planned at allocation (before the
         forward), then the saves of blocks that become full and of finished requests' tails
@@ -268,7 +339,9 @@ class Planner:
         for slot, block in loads:
             meta.load_slots.append(slot)
             meta.load_blocks.append(block)
-        saves = self.plan_saves(scheduled, resolve_block_ids, protected=set(meta.load_slots))
+        saves = self.plan_saves(
+            scheduled, resolve_block_ids, protected=set(meta.load_slots), state_lookup=state_lookup
+        )
         tail_saves, meta.finished_saves = self.plan_tail_saves(
             set(meta.load_slots) | {slot for _, slot in saves}
         )
@@ -282,14 +355,19 @@ class Planner:
         scheduled: dict[str, int],
         resolve_block_ids: Callable[[str], Sequence[Sequence[int]]],
         protected: set[int],
+        state_lookup: StateLookup | None = None,
     ) -> list[tuple[DeviceBlock, int]]:
         """(device block, host slot) copies for every block that becomes full this step.
         ``resolve_block_ids``: a request's block table as vLLM keeps it (block ids per KV cache
         group). A position some group no longer holds (a device hit behind a sliding window)
-        is not saved: a slot is whole or absent."""
+        is not saved: a slot is whole or absent. ``protected``: the slots this step's loads
+        read. With state groups, ``state_lookup`` finds the state vLLM keeps after a block
+        (written by this step's forward at the latest, which the save follows): it goes into
+        the block's slot with it, or into the slot of a block stored without one."""
         saves: list[tuple[DeviceBlock, int]] = []
         if self.index.num_slots == 0:
             return saves
+        loading = set(protected)
         # Slots written this step are not evicted for another write in the same step either:
         # two copies into one slot in one batch would race.
         protected = set(protected)
@@ -311,8 +389,14 @@ class Planner:
                 identity = identity_of(request)
                 for k in range(plan.next_save_block, full):
                     block_hash = request.block_hashes[k]
-                    if block_hash in self.index:
+                    states = self._states_at(block_hash, state_lookup)
+                    stored = self.index.slot_of(block_hash)
+                    if stored is not None:
                         self.index.touch(block_hash)
+                        if states is not None and not self.index.has_state(stored):
+                            if stored not in loading:
+                                saves.append((states, stored))
+                                self.index.mark_state(stored)
                         continue
                     if block_ids is None:
                         groups = resolve_block_ids(req_id)
@@ -321,7 +405,7 @@ class Planner:
                         block_ids = device_blocks(groups, self.null_block)
                     if k >= len(block_ids):
                         break
-                    if not whole(block_ids[k]):
+                    if not self._savable(block_ids[k]):
                         continue
                     # Filed under its tail parent too: a later prompt ending inside it loads
                     # the prefix it repeats (tails.py).
@@ -334,10 +418,27 @@ class Planner:
                         block_hash, tokens[k * bs : (k + 1) * bs], protected, parent=parent
                     )
                     if slot is not None:
-                        saves.append((block_ids[k], slot))
+                        block = self._attention_only(block_ids[k])
+                        if states is not None:
+                            block = tuple(
+                                b if b != SKIPPED else state
+                                for b, state in zip(block, states, strict=True)
+                            )
+                            self.index.mark_state(slot)
+                        saves.append((block, slot))
                         protected.add(slot)
                 plan.next_save_block = full
         return saves
+
+    def _states_at(self, block_hash: bytes, lookup: StateLookup | None) -> DeviceBlock | None:
+        """The state groups' device blocks after ``block_hash`` (every other group
+        :data:`SKIPPED`), or ``None`` when vLLM keeps no state there for every state group."""
+        if not self.state_groups or lookup is None:
+            return None
+        found = lookup(block_hash)
+        if not found or found.keys() != self.state_groups:
+            return None
+        return tuple(found.get(g, SKIPPED) for g in range(self.num_groups))
 
     def request_finished(self, request: Any) -> dict | None:
         """:meth:`finish` without block ids (no tail is kept): the prompt-source split."""
@@ -369,7 +470,9 @@ class Planner:
             pulling = plan is not None and plan.remote_state == "loading"
             tail = (
                 finished_tail(request, self.block_size)
-                if self.index.num_slots and not (plan is not None and (plan.stale or pulling))
+                if self.index.num_slots
+                and not self.state_groups
+                and not (plan is not None and (plan.stale or pulling))
                 else None
             )
             session_id = getattr(request, "session_id", None)
@@ -401,7 +504,7 @@ class Planner:
                 if tail is not None and block_ids is not None and tail.block < len(block_ids)
                 else None
             )
-            if tail is not None and tail_block is not None and whole(tail_block):
+            if tail is not None and tail_block is not None and self._savable(tail_block):
                 if tail.key in self.index:
                     self.index.touch(tail.key)  # the same tail is stored: nothing to copy
                 else:

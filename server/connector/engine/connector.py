@@ -28,7 +28,7 @@ from server.common.control_path import default_control_socket
 from server.connector.config import ConnectorConfig
 from server.connector.control.ops import Op
 from server.connector.core.block_index import StoreEvent, StoreEventLog
-from server.connector.core.kv_groups import store_off_reason
+from server.connector.core.kv_groups import state_groups, store_off_reason
 from server.connector.core.metadata import KVBranchMetadata, device_blocks
 from server.connector.core.planner import Planner
 from server.connector.engine.scheduler_side import KVBranchScheduler
@@ -54,6 +54,7 @@ from server.connector.vllm_compat import (
     maybe_convert_block_hash,
     null_block_id,
     prefix_reuse_off_reason,
+    states_at_boundaries,
 )
 
 if TYPE_CHECKING:
@@ -139,8 +140,25 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
             config = config.model_copy(update={"control_socket": path})
         block_size = vllm_config.cache_config.block_size
         kinds = kv_group_kinds(kv_cache_config)
+        group_sizes = set(kv_group_block_sizes(kv_cache_config))
+        if len(group_sizes) == 1:
+            # The groups' own size: vLLM's CPU worker raises a hybrid model's attention block
+            # size to fit its state page after the engine core's config was copied, and the
+            # prompt's block hashes follow the groups.
+            (block_size,) = group_sizes
+            if state_groups(kinds) and block_size != vllm_config.cache_config.block_size:
+                logger.warning(
+                    "kvbranch connector: vLLM's scheduler splits prompts at %d-token blocks "
+                    "while this model's states are kept at %d-token blocks, so few states "
+                    "are kept to resume from (plain vLLM too); pass -- --block-size %d",
+                    vllm_config.cache_config.block_size,
+                    block_size,
+                    block_size,
+                )
         off = store_off_reason(
-            kinds, kv_group_block_sizes(kv_cache_config)
+            kinds,
+            kv_group_block_sizes(kv_cache_config),
+            states_at_boundaries=states_at_boundaries(kv_cache_config),
         ) or prefix_reuse_off_reason(vllm_config)
         enabled = off is None
         if not enabled:
@@ -171,6 +189,8 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
                 enabled=enabled,
                 config=config,
                 engine_index=int(engine or 0),
+                state_groups=state_groups(kinds),
+                num_groups=len(kinds),
             )
             if kv_events_enabled(vllm_config):
                 # Host-store saves and evictions join vLLM's KV event stream (take_events).

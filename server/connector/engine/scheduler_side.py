@@ -19,6 +19,7 @@ from server.connector.core.block_index import HostBlockIndex
 from server.connector.core.metadata import DeviceBlock, KVBranchMetadata
 from server.connector.core.planner import Planner
 from server.connector.core.sessions import SessionRegistry
+from server.connector.vllm_compat import cached_state_blocks
 
 if TYPE_CHECKING:
     from server.connector.vllm_compat import SchedulerOutput
@@ -37,6 +38,8 @@ class KVBranchScheduler:
         enabled: bool,
         config: ConnectorConfig,
         engine_index: int = 0,
+        state_groups: frozenset[int] = frozenset(),
+        num_groups: int = 1,
     ) -> None:
         #: The engine's KV geometry: tokens per block, bytes per block (every layer), and
         #: the host store's slots (one block each).
@@ -63,7 +66,9 @@ class KVBranchScheduler:
             idle_ttl_s=config.session_idle_ttl_s,
             require_owner=config.tenants,
         )
-        self.planner = Planner(index, registry, block_size)
+        self.planner = Planner(
+            index, registry, block_size, state_groups=state_groups, num_groups=num_groups
+        )
         self.control: ControlServer | None = None
         path = config.control_socket
         if path:
@@ -97,7 +102,16 @@ class KVBranchScheduler:
             if block_state is not None
             else self.kv_cache_manager.get_block_ids
         )
-        return self.planner.build_meta(scheduler_output.num_scheduled_tokens, resolve)
+        return self.planner.build_meta(
+            scheduler_output.num_scheduled_tokens,
+            resolve,
+            self.cached_states if self.planner.state_groups else None,
+        )
+
+    def cached_states(self, block_hash: bytes) -> dict[int, int] | None:
+        """Where vLLM's prefix cache keeps the recurrent states after this block (hybrid
+        models: the planner saves them with the block)."""
+        return cached_state_blocks(self.kv_cache_manager, block_hash, self.planner.state_groups)
 
     def request_finished(
         self, request: Any, block_ids: list[DeviceBlock]

@@ -26,8 +26,11 @@ def make_planner(
     ttl_s: float = 60.0,
     clock: Callable[[], float] = lambda: 0.0,
     block_size: int = BS,
+    state_groups: frozenset[int] = frozenset(),
+    num_groups: int = 1,
 ):
-    """(planner, index, registry) over ``index`` (default: a fresh one of ``num_slots``)."""
+    """(planner, index, registry) over ``index`` (default: a fresh one of ``num_slots``);
+    ``state_groups``: the KV cache groups holding recurrent states (a hybrid model)."""
     index = index if index is not None else HostBlockIndex(num_slots)
     registry = SessionRegistry(
         index,
@@ -37,7 +40,10 @@ def make_planner(
         default_ttl_s=ttl_s,
         clock=clock,
     )
-    return Planner(index, registry, block_size), index, registry
+    planner = Planner(
+        index, registry, block_size, state_groups=state_groups, num_groups=num_groups
+    )
+    return planner, index, registry
 
 
 def chained_hashes(tokens: list[int], salt: str | None = None) -> list[bytes]:

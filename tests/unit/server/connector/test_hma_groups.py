@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.connector import vllm_compat
-from server.connector.core.kv_groups import FULL_ATTENTION, store_off_reason
+from server.connector.core.kv_groups import FULL_ATTENTION, state_groups, store_off_reason
 from server.launcher.model_support import check_model, refusal
 from server.launcher.settings import LaunchError
 
@@ -32,14 +32,28 @@ def test_attention_groups_are_stored(kinds):
     assert store_off_reason(kinds, [128] * len(kinds)) is None
 
 
-@pytest.mark.parametrize(
-    "kinds",
-    [["mamba"], ["mixed"], ["Other"], [FULL_ATTENTION, "mamba"], ["mamba", "sliding_window"]],
-)
+@pytest.mark.parametrize("kinds", [["mixed"], ["Other"], [FULL_ATTENTION, "Other"]])
 def test_a_group_of_another_kind_turns_the_store_off(kinds):
-    reason = store_off_reason(kinds, [128] * len(kinds))
+    reason = store_off_reason(kinds, [128] * len(kinds), states_at_boundaries=True)
     assert reason is not None
     assert all(kind in reason for kind in kinds if kind not in ("full_attention", "sliding_window"))
+
+
+@pytest.mark.parametrize(
+    "kinds", [[FULL_ATTENTION, "mamba"], ["mamba", "sliding_window", FULL_ATTENTION]]
+)
+def test_state_groups_are_stored_where_vllm_keeps_states_at_boundaries(kinds):
+    """Mamba / Gated DeltaNet groups beside attention: stored with prefix caching's ``align``
+    mode (the states at block boundaries, handed over); without it there is none to resume."""
+    assert store_off_reason(kinds, [384] * len(kinds), states_at_boundaries=True) is None
+    reason = store_off_reason(kinds, [384] * len(kinds), states_at_boundaries=False)
+    assert reason is not None and "align" in reason
+    assert state_groups(kinds) == {kinds.index("mamba")}
+
+
+def test_only_states_turns_the_store_off():
+    """An attention-free model (Mamba, Mamba 2): no attention KV for the slots to hold."""
+    assert "only recurrent states" in (store_off_reason(["mamba"], states_at_boundaries=True) or "")
 
 
 def test_different_block_sizes_turn_the_store_off():
@@ -165,15 +179,15 @@ def test_unknown_architecture_is_left_to_vllm():
 
 
 def test_check_model_reads_the_folder(tmp_path):
-    """A P/D instance refuses a hybrid model; a single instance serves it with the host store
-    off and says so in one line."""
+    """A P/D instance refuses a hybrid model; a single instance serves it and says in one line
+    what the host store keeps of it."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["JambaForCausalLM"]}))
     with pytest.raises(LaunchError) as e:
         check_model(str(tmp_path), traits, pd=True)
     assert str(e.value).startswith(f"--model {tmp_path}: JambaForCausalLM")
     note = check_model(str(tmp_path), traits)
     assert note is not None and note.startswith("JambaForCausalLM")
-    assert "host store" in note and "stays off" in note
+    assert "host store" in note and "states at block boundaries" in note
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert check_model(str(tmp_path), traits) is None
     assert check_model(str(tmp_path), traits, pd=True) is None
