@@ -86,10 +86,12 @@ def answers(results: list[dict[str, Any]]) -> tuple[int, int, dict[str, int]]:
 
 
 def shape(args: argparse.Namespace) -> str:
-    """The workload in a record's metric: ``interleaved 4x6``, ``agents 4x6``, ``bfcl 4x3``."""
+    """The workload in a record's metric: ``interleaved 4x6``, ``agents 4x6``, ``bfcl 4x3``,
+    ``one at a time 1x6, P's cache reset``."""
     size = f"{args.conversations}x{args.turns}"
     if args.workload == "conversations":
-        return f"{'interleaved' if args.interleave else 'one at a time'} {size}"
+        reset = ", P's cache reset" if getattr(args, "reset_p_cache", False) else ""
+        return f"{'interleaved' if args.interleave else 'one at a time'} {size}{reset}"
     return f"{args.workload} {size}"
 
 
@@ -179,7 +181,12 @@ def report(
 ) -> str:
     workload = {
         "conversations": f"{args.conversations} conversations x {args.turns} turns, "
-        + ("interleaved turn by turn" if args.interleave else "one at a time"),
+        + ("interleaved turn by turn" if args.interleave else "one at a time")
+        + (
+            ", P's device prefix cache emptied before every turn after the first"
+            if getattr(args, "reset_p_cache", False)
+            else ""
+        ),
         "agents": f"{args.conversations} forking agents x {args.turns} turns, fork at turn "
         f"{args.fork_turn} into 2 branches, tool pauses around {args.pause_s:g} s",
         "bfcl": f"{args.conversations} BFCL multi-turn traces, up to {args.turns} user turns "

@@ -19,7 +19,8 @@ budget (``--kv-cache-gib 0.15 1.5``: small, P's own cache cannot keep the conver
                        and ``<config>-poll1``: vLLM's own message-queue spin and idle poll.
 
     .venv/bin/python -m benchmarks pd_turns                               # conversations
-    .venv/bin/python -m benchmarks pd_turns --interleave                  # P's cache gone
+    .venv/bin/python -m benchmarks pd_turns --interleave                  # P's cache short
+    .venv/bin/python -m benchmarks pd_turns --conversations 1 --reset-p-cache  # P's cache gone
     .venv/bin/python -m benchmarks pd_turns --workload agents             # forking agents
     .venv/bin/python -m benchmarks pd_turns --workload bfcl --turns 3     # BFCL traces
     .venv/bin/python -m benchmarks pd_turns --conversations 2 --turns 3 --kv-cache-gib 0.5
@@ -102,14 +103,43 @@ def fitted_max_len(gib: float, max_model_len: int) -> int:
 
 
 class Started:
-    """A configuration's servers: its URL, how to stop it, and tokens P pulled from D so far
-    (``None``: counted from the turns' kvbranch split instead)."""
+    """A configuration's servers: its URL, how to stop it, tokens P pulled from D so far
+    (``None``: counted from the turns' kvbranch split instead) and P's own URL (``None``: ask
+    the router)."""
 
     def __init__(
-        self, url: str, stop: Callable[[], None], pulled: Callable[[], float] | None = None
+        self,
+        url: str,
+        stop: Callable[[], None],
+        pulled: Callable[[], float] | None = None,
+        prefill_url: str | None = None,
     ) -> None:
-        self.url, self.stop, self.pulled = url, stop, pulled
+        self.url, self.stop, self.pulled, self.prefill_url = url, stop, pulled, prefill_url
         self.proxy_stats: Callable[[], dict[str, int]] | None = None
+
+
+#: vLLM's development routes (``/reset_prefix_cache``), on every server of a ``--reset-p-cache``
+#: run; the children of ``--disagg`` inherit the environment.
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+async def prefill_url(client: httpx.AsyncClient, started: Started) -> str:
+    """P's URL: known (upstream, single), or the prefill instance the router lists."""
+    if started.prefill_url is not None:
+        return started.prefill_url
+    health = (await client.get(f"{started.url}/v1/kvbranch/health", timeout=30)).json()
+    return str(next(i["url"] for i in health["instances"] if i["role"] == "prefill"))
+
+
+async def reset_device_cache(client: httpx.AsyncClient, url: str) -> None:
+    """Empty vLLM's device prefix cache at ``url`` (not kvbranch's host store). vLLM refuses
+    while blocks are in use (a prefill leg D has not read yet): retried for up to 30 s."""
+    for _ in range(150):
+        r = await client.post(f"{url}/reset_prefix_cache", timeout=30)
+        if r.status_code == 200 and r.json().get("success", True):
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url}: the device prefix cache could not be reset")
 
 
 def start(name: str, gib: float, max_len: int, args: argparse.Namespace) -> Started:
@@ -121,16 +151,23 @@ def start(name: str, gib: float, max_len: int, args: argparse.Namespace) -> Star
             failure_policy=args.upstream_failure_policy,
             idle_poll_ms=args.upstream_idle_poll_ms,
             name=f"{name}@{gib:g}",
+            env=DEV_MODE if args.reset_p_cache else {},
         ).start()
-        started = Started(up.url, up.stop, lambda: up.prompt_tokens_by_source().get(PULLED, 0.0))
+        started = Started(
+            up.url,
+            up.stop,
+            lambda: up.prompt_tokens_by_source().get(PULLED, 0.0),
+            up.prefill.url,
+        )
         started.proxy_stats = up.proxy_stats
         return started
     flags = list(CONFIGS[name])
     if "--disagg" in flags:
         flags += ["--pd-hold-ttl-s", str(args.pd_hold_ttl_s)]
     server_args = ["--kv-cache-gib", str(gib), "--max-model-len", str(max_len), *flags]
-    server = common.start_server(f"bench-{name}", server_args, reserved_cpus=None)
-    return Started(server.url, server.stop)
+    env = DEV_MODE if args.reset_p_cache else None
+    server = common.start_server(f"bench-{name}", server_args, reserved_cpus=None, env=env)
+    return Started(server.url, server.stop, None, None if "--disagg" in flags else server.url)
 
 
 async def run_config(
@@ -143,7 +180,16 @@ async def run_config(
         before = server.pulled() if server.pulled else 0.0
         async with httpx.AsyncClient(timeout=1800) as client:
             sessions_api = "kvbranch" in name
-            out["turns"] = await run_workload(client, server.url, args, log, name, sessions_api)
+            before_turn = None
+            if args.reset_p_cache:
+                p_url = await prefill_url(client, server)
+
+                async def before_turn() -> None:
+                    await reset_device_cache(client, p_url)
+
+            out["turns"] = await run_workload(
+                client, server.url, args, log, name, sessions_api, before_turn
+            )
         rows = out["turns"]
         pulled = server.pulled() - before if server.pulled else None
         out["pulled_tokens"] = (
@@ -179,6 +225,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="conversations: round-robin turn by turn (with a small budget P's own cache "
         "cannot keep a conversation between its turns, the case the D->P pull is for)",
+    )
+    parser.add_argument(
+        "--reset-p-cache",
+        action="store_true",
+        help="conversations: empty P's device prefix cache before every turn after the first "
+        "(vLLM's dev route; kvbranch's host store is kept)",
     )
     parser.add_argument("--fork-turn", type=int, default=3, help="agents: the turn that forks")
     parser.add_argument("--pause-s", type=float, default=1.0, help="agents, bfcl: tool time")

@@ -5,7 +5,9 @@ the same turn rows (:func:`benchmarks.common.turn_row` plus ``conversation``, ``
 * ``conversations`` — synthetic tool-using conversations (a system prompt, then a tool
   observation of ``--new-tokens`` per turn), the model's answers fed back; one at a time, or
   turn by turn across conversations (``--interleave``: with a small budget P's own cache
-  cannot keep a conversation between its turns, the seed's setting for the D→P pull);
+  cannot keep a conversation between its turns); with ``--reset-p-cache`` P's device prefix
+  cache is emptied before every turn after the first (the setting vLLM's bidirectional mode
+  was proposed for: P has lost the conversation, D still holds it);
 * ``agents`` — the forking agents of :mod:`benchmarks.agent_workload` (concurrent sessions,
   tool pauses, each session forking into 2 branches at ``--fork-turn``), its own runner: the
   kvbranch configurations use the session, fork and prefetch routes as there, the others send
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import dataclasses
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -65,12 +68,17 @@ def _log_row(log: reporting.Progress, name: str, row: dict[str, Any]) -> None:
     )
 
 
+#: Before a turn: empty P's device prefix cache (``--reset-p-cache``), or nothing.
+BeforeTurn = Callable[[], Awaitable[None]] | None
+
+
 async def conversations(
     client: httpx.AsyncClient,
     url: str,
     args: argparse.Namespace,
     log: reporting.Progress,
     name: str,
+    before_turn: BeforeTurn = None,
 ) -> list[dict[str, Any]]:
     convs = {
         c: conversation_turns(args.seed + c, args.turns, args.system_tokens, args.new_tokens)
@@ -82,6 +90,8 @@ async def conversations(
         messages = history[conv]
         messages.append({"role": "user", "content": convs[conv][1][turn - 1]})
         body = common.greedy_turn(messages, args.gen_tokens, f"pd-bench-{conv}")
+        if before_turn is not None and turn > 1:
+            await before_turn()
         res = await common.stream_chat(client, url, body)
         rows.append(common.turn_row(res, conversation=str(conv), branch=DEFAULT_BRANCH, turn=turn))
         _log_row(log, name, rows[-1])
@@ -162,9 +172,10 @@ async def run_workload(
     log: reporting.Progress,
     name: str,
     sessions_api: bool,
+    before_turn: BeforeTurn = None,
 ) -> list[dict[str, Any]]:
     if args.workload == "agents":
         return await agents(client, url, args, log, name, sessions_api)
     if args.workload == "bfcl":
         return await bfcl(client, url, args, log, name)
-    return await conversations(client, url, args, log, name)
+    return await conversations(client, url, args, log, name, before_turn)

@@ -42,6 +42,8 @@ class UpstreamPD:
     cores: tuple[str, str] = ("0", "1")
     ready_timeout: float = 1200.0
     name: str = "pd-upstream"
+    #: Extra environment of P and D (e.g. ``VLLM_SERVER_DEV_MODE=1``).
+    env: dict[str, str] = field(default_factory=dict)
     processes: list[ServerProcess] = field(default_factory=list)
 
     def instance_args(self, role: str, core: str) -> list[str]:
@@ -61,11 +63,13 @@ class UpstreamPD:
                 self.instance_args("prefill", self.cores[0]),
                 name=f"{self.name}-p",
                 ready_timeout=self.ready_timeout,
+                env=self.env,
             )
             self.decode = Instance(
                 self.instance_args("decode", self.cores[1]),
                 name=f"{self.name}-d",
                 ready_timeout=self.ready_timeout,
+                env=self.env,
             )
             self.processes += [self.prefill.launch(), self.decode.launch()]
             self.prefill.wait_ready()
