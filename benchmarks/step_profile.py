@@ -133,7 +133,7 @@ def server_processes(server_pid: int) -> list[tuple[str, int]]:
 
 def sum_samples(metrics_text: str, key_of: Callable[[Any], Hashable | None]) -> dict[Any, float]:
     """The samples of a Prometheus text page summed by ``key_of(sample)`` (None: left out):
-    the one parser behind :func:`scrape_metrics` and ``policy_ab.read_counters``."""
+    the one parser behind :func:`scrape_metrics` and ``history/policy_ab``'s ``read_counters``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[Any, float] = {}
@@ -267,33 +267,6 @@ def step_breakdown(folder: Path) -> dict[str, Any] | None:
     # "between steps" counts the connector's scheduler hooks too (they run in the scheduler).
     out["other_between_steps_s"] = max(out["between_steps_s"] - out["connector_sched_s"], 0.0)
     return out
-
-
-def window_totals(pairs: list[tuple[dict, dict | None]], t0: float, t1: float) -> dict[str, float]:
-    """The engine's work in the steps that began in ``[t0, t1)`` (monotonic seconds): busy
-    seconds (forward and copies), forward of steps with prefill and of decode-only steps, steps,
-    prefill and decode tokens, and idle seconds (gaps over :data:`IDLE_GAP_S` between them).
-    What one pass of a workload cost the engine, comparable between two servers that ran the
-    same pass (``policy_ab.py --step-trace``)."""
-    tot = dict.fromkeys(
-        ("busy_s", "prefill_forward_s", "decode_forward_s", "steps", "prefill_tokens",
-         "decode_tokens", "idle_s"),
-        0.0,
-    )  # fmt: skip
-    for step in step_costs([(w, s) for w, s in pairs if t0 <= w["t"] < t1]):
-        s = step.sched
-        tot["busy_s"] += step.load + step.forward + step.save
-        tot["steps"] += 1
-        if s is not None and s["prefill"]:
-            tot["prefill_forward_s"] += step.forward
-        elif s is not None and s["decode"]:
-            tot["decode_forward_s"] += step.forward
-        if s is not None:
-            tot["prefill_tokens"] += s["prefill"]
-            tot["decode_tokens"] += s["decode"]
-        if step.idle:
-            tot["idle_s"] += step.gap or 0.0
-    return tot
 
 
 def request_breakdown(

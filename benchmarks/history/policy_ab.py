@@ -47,7 +47,7 @@ from benchmarks import bfcl_traces, cli, common, reporting  # noqa: E402
 from benchmarks.history import real_traces  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.reporting import median, percentile  # noqa: E402
-from benchmarks.step_profile import paired_steps, sum_samples, window_totals  # noqa: E402
+from benchmarks.step_profile import paired_steps, step_costs, sum_samples  # noqa: E402
 from server.connector.engine.step_trace import ENV_STEP_TRACE  # noqa: E402
 
 #: name -> launcher flags, both with the connector.
@@ -156,6 +156,34 @@ ENGINE_METRICS = (
     ("prefill tokens computed", "prefill_tokens"),
     ("engine idle s (gaps > 0.25 s)", "idle_s"),
 )
+
+
+def window_totals(pairs: list[tuple[dict, dict | None]], t0: float, t1: float) -> dict[str, float]:
+    """The engine's work in the steps that began in ``[t0, t1)`` (monotonic seconds): busy
+    seconds (forward and copies), forward of steps with prefill and of decode-only steps, steps,
+    prefill and decode tokens, and idle seconds (gaps over ``step_profile.IDLE_GAP_S`` between
+    them).
+    What one pass of a workload cost the engine, comparable between two servers that ran the
+    same pass (``--step-trace``)."""
+    tot = dict.fromkeys(
+        ("busy_s", "prefill_forward_s", "decode_forward_s", "steps", "prefill_tokens",
+         "decode_tokens", "idle_s"),
+        0.0,
+    )  # fmt: skip
+    for step in step_costs([(w, s) for w, s in pairs if t0 <= w["t"] < t1]):
+        s = step.sched
+        tot["busy_s"] += step.load + step.forward + step.save
+        tot["steps"] += 1
+        if s is not None and s["prefill"]:
+            tot["prefill_forward_s"] += step.forward
+        elif s is not None and s["decode"]:
+            tot["decode_forward_s"] += step.forward
+        if s is not None:
+            tot["prefill_tokens"] += s["prefill"]
+            tot["decode_tokens"] += s["decode"]
+        if step.idle:
+            tot["idle_s"] += step.gap or 0.0
+    return tot
 
 
 def add_engine_totals(passes: list[dict], trace_dir: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from benchmarks.history.policy_ab import window_totals
 from benchmarks.pd_turns import turn_order
 from benchmarks.step_profile import (
     markdown,
@@ -13,7 +14,6 @@ from benchmarks.step_profile import (
     request_table,
     step_breakdown,
     sum_samples,
-    window_totals,
 )
 
 
