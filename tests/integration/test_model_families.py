@@ -3,9 +3,11 @@ a tiny model of that shape (:mod:`tests.tiny_models`: weights that make the outp
 context, nothing downloaded), against plain vLLM with its hybrid KV cache manager on.
 
 For each family one kvbranch server and one plain vLLM server (0.25 GiB of device KV each),
-shared by the family's two tests and stopped after them. Three turns over a ~900-token prompt:
-kvbranch's device prefix cache is reset before turns 2 and 3, so every reused token comes from
-the host store, and each turn's greedy tokens and their logprobs must be plain vLLM's.
+shared by the family's two tests and stopped after them. Three turns over a ~900-token prompt,
+then a fork (turn 1's conversation with another second step) and a history that diverges from
+what is stored (turn 3's prompt with one word of the context changed): kvbranch's device prefix
+cache is reset before every request but the first, so every reused token comes from the host
+store, and each answer's greedy tokens and their logprobs must be plain vLLM's.
 
 Completions, not chat: vLLM renders a gpt-oss chat in Harmony's own token ids, which the
 embedded tokenizer (vocabulary 49152) does not have.
@@ -113,35 +115,73 @@ def answer(response: dict) -> list[tuple[str, float, dict[str, float]]]:
     )
 
 
-def turns(server, *, reset_between: bool) -> list[dict]:
+def turns(server, *, reset_between: bool) -> tuple[list[dict], list[str]]:
     """Three agent turns over one long context, each prompt the last one with its answer and
-    the next step appended."""
+    the next step appended; the answers and the prompts."""
     prompt = system_prompt(words=300, seed=41)
-    responses = []
+    responses, prompts = [], []
     for step, note in enumerate(STEPS):
         if reset_between and step:
             reset_device_cache(server)
         prompt += f"\nStep {step}. {note}\n"
+        prompts.append(prompt)
         response = complete(server, prompt)
         responses.append(response)
         prompt += response["choices"][0]["text"]
-    return responses
+    return responses, prompts
 
 
-#: Each family's turns, (kvbranch's, plain vLLM's): run once, checked by two tests.
-_turns: dict[str, tuple[list[dict], list[dict]]] = {}
+#: The fork's second step (the conversation's was ``STEPS[1]``).
+FORK_STEP = "Tool result: the museum is closed today, the park is open until 20:00. What next?"
 
 
-def family_turns(family: str, servers) -> tuple[list[dict], list[dict]]:
+def with_one_word_changed(prompt: str) -> str:
+    """The prompt with the context's word at 60% of the way replaced by another: a history
+    that differs from the stored one after its first blocks."""
+    words = prompt.split(" ")
+    k = len(words) * 3 // 5
+    words[k] = "changed" + words[k]
+    return " ".join(words)
+
+
+def first_difference(server, a: str, b: str) -> int:
+    """The index of the first token where two prompts differ (vLLM's own tokenizer)."""
+    with client(server) as c:
+        ids = [c.post("/tokenize", json={"model": SERVED, "prompt": p}).json() for p in (a, b)]
+    first, second = (answer["tokens"] for answer in ids)
+    return next(i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y)
+
+
+def conversation(server, *, reset_between: bool) -> tuple[list[dict], int]:
+    """:func:`turns`, then the fork and the diverging history; with the token index where the
+    diverging history first differs from the stored one."""
+    responses, prompts = turns(server, reset_between=reset_between)
+    fork = prompts[0] + responses[0]["choices"][0]["text"] + f"\nStep 1. {FORK_STEP}\n"
+    changed = with_one_word_changed(prompts[2])
+    for prompt in (fork, changed):
+        if reset_between:
+            reset_device_cache(server)
+        responses.append(complete(server, prompt))
+    return responses, first_difference(server, prompts[2], changed)
+
+
+#: Each family's requests, (kvbranch's, plain vLLM's), and where the diverging history differs:
+#: run once, checked by two tests.
+_turns: dict[str, tuple[list[dict], list[dict], int]] = {}
+
+
+def family_turns(family: str, servers) -> tuple[list[dict], list[dict], int]:
     if family not in _turns:
         ours, plain = servers
-        _turns[family] = turns(ours, reset_between=True), turns(plain, reset_between=False)
+        mine, diverges = conversation(ours, reset_between=True)
+        reference, _ = conversation(plain, reset_between=False)
+        _turns[family] = mine, reference, diverges
     return _turns[family]
 
 
 def check_answers(family: str, servers) -> None:
-    """Every turn's greedy tokens and logprobs are plain vLLM's."""
-    mine, reference = family_turns(family, servers)
+    """Every answer's greedy tokens and logprobs are plain vLLM's."""
+    mine, reference, _ = family_turns(family, servers)
     for step, (got, want) in enumerate(zip(mine, reference, strict=True)):
         got_answer, want_answer = answer(got), answer(want)
         assert [a[0] for a in got_answer] == [a[0] for a in want_answer], (step, got_answer)
@@ -158,14 +198,17 @@ def check_answers(family: str, servers) -> None:
 
 def check_host_store(family: str, servers) -> None:
     """Turns 2 and 3 took the previous turn's whole blocks from the host store (the device
-    cache had been reset)."""
-    mine, _ = family_turns(family, servers)
+    cache had been reset), the fork its parent's turn 1; the diverging history took nothing
+    past its first changed token."""
+    mine, _, diverges = family_turns(family, servers)
     block = BLOCK_TOKENS.get(family, 128)
-    for step in (1, 2):
+    for step, parent in ((1, 0), (2, 1), (3, 0)):
         usage = mine[step]["kvbranch"]
-        before = mine[step - 1]["usage"]["prompt_tokens"]
+        before = mine[parent]["usage"]["prompt_tokens"]
         assert usage["device_hit_tokens"] == 0, (step, usage)
         assert usage["host_hit_tokens"] >= before // block * block > 0, (step, before, usage)
+    usage = mine[4]["kvbranch"]
+    assert usage["device_hit_tokens"] == 0 and usage["host_hit_tokens"] <= diverges, usage
 
 
 def not_served(family: str) -> pytest.MarkDecorator:
