@@ -10,7 +10,7 @@ deliberate difference from the format: at the end of the stream a last event tha
 no closing blank line is still delivered (servers that close right after the last line lose
 nothing).
 
-Why our own parser and not httpx-sse (``benchmarks/sse_parse.py``, numbers in
+Why our own parser and not httpx-sse (``benchmarks/history/sse_parse.py``, numbers in
 ``benchmarks/RESULTS.md``): measured side by side, this one is the more correct and the faster.
 
 * Correctness: of 16 cases (multi-line data, comments, CRLF/CR/mixed line ends, retry, ids,

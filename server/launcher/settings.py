@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("cache-aware", "round-robin"),
         default="cache-aware",
         help="router: cache-aware (holds, pulls, P by prefill left and load; the default) or "
-        "round-robin (no index at all: the baseline benchmarks/cluster_agents.py measures)",
+        "round-robin (no index at all: the baseline benchmarks/history/cluster_agents.py measured)",
     )
     pd.add_argument(
         "--router-tenant-inflight",

@@ -207,7 +207,7 @@ class TurnFlow:
     ) -> tuple[Instance | None, Hold | None]:
         """D for a turn, and the hold to pull from: the turn's hold when the chosen D is the
         one that holds it (same URL, same instance id), else none. One place for the turn and
-        for the index simulation (benchmarks/index_sim.py), so that both decide alike."""
+        for the index simulation (benchmarks/history/index_sim.py), so that both decide alike."""
         holding = start.hold
         decode = await self.pool.choose_decode(
             holding.decode_url if holding else None,
