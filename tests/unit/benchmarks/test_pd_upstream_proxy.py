@@ -1,6 +1,7 @@
 """The upstream P/D baseline's proxy logic (benchmarks/upstream_pd): D's params carried to the
 conversation's next P turn — one use, dropped 5 s before D's TTL, a fork's first turn takes its
-parent's — and the usage chunk that brings them out of D's stream. Pure logic: no servers."""
+parent's — the usage chunk that brings them out of D's stream, and a P leg that fails with
+D's params sent again without them. No servers: fakes of P and D answer in vLLM's shapes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import httpx
+from starlette.testclient import TestClient
+
 from benchmarks.upstream_pd.carry import ParamsCarry, prefill_params
-from benchmarks.upstream_pd.proxy import Proxy, conversation_key, prefill_leg
+from benchmarks.upstream_pd.proxy import Proxy, build_app, conversation_key, prefill_leg
 from benchmarks.upstream_pd.stream_params import with_params, wrap
 
 MAIN = ("s1", "main")
@@ -148,3 +152,61 @@ def test_the_wrapped_stream_generator_adds_the_last_outputs_params_to_the_usage_
     pieces = asyncio.run(collect())
     assert json.loads(pieces[2][6:])["kv_transfer_params"] == d_params([8])
     assert "kv_transfer_params" not in pieces[0] and pieces[-1] == "data: [DONE]\n\n"
+
+
+def fake_cluster(p_status: list[int]) -> tuple[Proxy, list[dict], list[dict]]:
+    """A proxy whose P answers with ``p_status`` in turn (then 200) and whose D streams one
+    token and a usage chunk with its params (vLLM's shapes; no servers)."""
+    p_calls: list[dict] = []
+    d_calls: list[dict] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.host == "p":
+            p_calls.append(body)
+            status = p_status[len(p_calls) - 1] if len(p_calls) <= len(p_status) else 200
+            usage = {"prompt_tokens": 500, "prompt_tokens_details": {"cached_tokens": 384}}
+            answer = {"choices": [], "usage": usage, "kv_transfer_params": {"from": "p"}}
+            return httpx.Response(status, json=answer if status == 200 else {"error": "x"})
+        d_calls.append(body)
+        usage = {
+            "choices": [],
+            "usage": {"prompt_tokens": 500},
+            "kv_transfer_params": d_params([5]),
+        }
+        events = [{"choices": [{"delta": {"content": "hi"}}]}, usage]
+        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    proxy = Proxy("http://p", "http://d", ttl_s=30)
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    return proxy, p_calls, d_calls
+
+
+def stream_turn(proxy: Proxy, usage: bool = True) -> list[dict]:
+    body = {"messages": [], "stream": True, "session_id": "s1", "max_tokens": 8}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    with TestClient(build_app(proxy)) as client:
+        text = client.post("/v1/chat/completions", json=body).text
+    return [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+
+
+def test_a_streamed_turn_carries_ds_params_to_the_next_prefill():
+    proxy, p_calls, d_calls = fake_cluster([])
+    events = stream_turn(proxy)
+    assert p_calls[0]["kv_transfer_params"]["remote_block_ids"] is None  # nothing to pull yet
+    assert d_calls[0]["kv_transfer_params"] == {"from": "p"} and "session_id" not in d_calls[0]
+    assert "kv_transfer_params" not in events[-1]
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 384  # P's
+    stream_turn(proxy, usage=False)
+    assert p_calls[1]["kv_transfer_params"]["remote_block_ids"] == [[5]]  # D's, one turn later
+
+
+def test_a_prefill_that_fails_with_ds_params_is_sent_again_without_them():
+    proxy, p_calls, _ = fake_cluster([200, 500])
+    stream_turn(proxy)
+    events = stream_turn(proxy, usage=False)  # P fails the pull (vLLM's "fail" policy)
+    assert [c["kv_transfer_params"]["remote_block_ids"] for c in p_calls] == [None, [[5]], None]
+    assert proxy.retried == 1 and events[0]["choices"][0]["delta"]["content"] == "hi"
+    assert all("usage" not in e for e in events)  # the client did not ask for it
