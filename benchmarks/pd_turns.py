@@ -76,6 +76,8 @@ CONFIGS: dict[str, list[str]] = {
     "single-plain": ["--cpu-cores", "0", "--no-connector"],
     # kvbranch P/D with agent-aware scheduling (off by default on P/D instances).
     "pd-kvbranch-sched": ["--disagg", "--agent-priority"],
+    # kvbranch P/D with every turn through P (the D holding a branch never serves it alone).
+    "pd-kvbranch-split": ["--disagg", "--router-policy", "always-split"],
 }
 #: Opt-in: the same with vLLM's own 1 s message-queue busy-wait (the launcher's default is 2 ms,
 #: server/engine/spin.py), for the side-by-side measurement of that default.

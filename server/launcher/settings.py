@@ -252,10 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pd.add_argument(
         "--router-policy",
-        choices=("cache-aware", "round-robin"),
+        choices=("cache-aware", "always-split", "round-robin"),
         default="cache-aware",
-        help="router: cache-aware (holds, pulls, P by prefill left and load; the default) or "
-        "round-robin (no index at all: the baseline benchmarks/history/cluster_agents.py measured)",
+        help="router: cache-aware (holds, pulls, P by prefill left and load; the D holding a "
+        "branch serves its next turn alone while it is less busy than P; the default), "
+        "always-split (cache-aware, every turn through P then D) or round-robin (no index at "
+        "all: the baseline benchmarks/history/cluster_agents.py measured)",
     )
     pd.add_argument(
         "--router-tenant-inflight",

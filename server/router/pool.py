@@ -70,6 +70,9 @@ logger = logging.getLogger("kvbranch.router")
 PROBE_MAX_AGE_S = 1.0
 #: Routing policies: the cache-aware default, and the baseline with no index at all.
 CACHE_AWARE, ROUND_ROBIN = "cache-aware", "round-robin"
+#: Every turn of a held branch through P then D (the pull): ``cache-aware`` without D's local
+#: turns (:meth:`Pool.serves_locally`), for the A/B of ``benchmarks/pd_turns``.
+ALWAYS_SPLIT = "always-split"
 POLICIES = (CACHE_AWARE, ROUND_ROBIN)
 #: An instance the index stopped listing this long ago is forgotten (it may come back: then
 #: it is learnt again).
@@ -411,6 +414,16 @@ class Pool:
             except Exception:  # noqa: BLE001 - a refresh must never end the loop
                 logger.exception("background refresh failed")
             await asyncio.sleep(PROBE_MAX_AGE_S / 2)
+
+    def serves_locally(self, decode: Instance, prefill: Instance | None) -> bool:
+        """Whether the D that holds a branch serves its next turn alone: it has the history
+        (device or host store) and computes only the turn's new tokens, with no P leg and no
+        pull either way. Where the P the turn would take is busier (more requests in flight)
+        than that D: a resumed turn's prefill is short, and waiting behind other turns' prefills
+        on P is most of its time when several agents resume at once (docs/pd.md)."""
+        if self.policy != CACHE_AWARE or prefill is None:
+            return False  # no P at all: the turn's fallback says so (decode-only)
+        return decode.load < prefill.load
 
     def by_instance_id(self, instance_id: str | None) -> Instance | None:
         if instance_id is None:

@@ -65,6 +65,8 @@ logger = logging.getLogger("kvbranch.router")
 _T = TypeVar("_T")
 
 CLAIM_TIMEOUT_S = 5.0
+#: The route of a resumed turn the D holding its branch serves alone (``Pool.serves_locally``).
+LOCAL_ROUTE = "decode-local"
 JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -322,6 +324,10 @@ class _Turn:
         self.turn = start.turn
         decode, pull = await flow.choose_decode(key, start)
         if pull is not None and decode is not None:
+            busy = await self.pool.choose_prefill(key, start, pulled=True)
+            if self.pool.serves_locally(decode, busy):
+                self.timed("route", self._t0)
+                return await self.single(decode, LOCAL_ROUTE, hold=True)
             pull = await flow.claim(decode, pull, self.headers)
         prefill = await self.pool.choose_prefill(key, start, pulled=pull is not None)
         if prefill is None and decode is None:
@@ -449,8 +455,9 @@ class _Turn:
         return await self.final(inst, body, self.key, route, split)
 
     async def single(self, inst: Instance, route: str, hold: bool = False) -> Response:
-        """One instance serves the whole turn (the other one is down); ``hold``: it is a D,
-        which keeps the blocks for the next turn's pull."""
+        """One instance serves the whole turn (the other one is down, or the D holding the
+        branch is the less busy); ``hold``: it is a D, which keeps the blocks for the next
+        turn's pull."""
         body = dict(self.payload)
         if hold and self.key is not None:
             # An empty request for D's connector: hold the blocks for the next turn's pull.

@@ -51,8 +51,11 @@ def _instance(role: str, n: int, core: str, index_url: str, env: dict[str, str])
 
 
 def _router(n: int, index_url: str, env: dict[str, str]) -> ServerProcess:
+    # Every turn through P (the tests check holds and pulls): a D holding a branch would serve a
+    # turn alone whenever P happened to be busier (docs/pd.md, decode-local).
+    policy = ["--router-policy", "always-split"]
     return ServerProcess(
-        ["--role", "router", "--index", index_url, "--pd-hold-ttl-s", HOLD_TTL_S],
+        ["--role", "router", "--index", index_url, *policy, "--pd-hold-ttl-s", HOLD_TTL_S],
         name=f"cluster-router{n}",
         ready_timeout=180,
         env=env,

@@ -38,7 +38,10 @@ class Cluster:
         self.prefill = prefill
         self.decode = decode
         legs = ["--prefill", prefill.url, "--decode", decode.url]
-        args = ["--role", "router", *legs, "--pd-hold-ttl-s", "120"]
+        # Every turn through P (these tests check the pull): the D holding a branch would serve
+        # a turn alone whenever P happened to be busier (docs/pd.md, decode-local).
+        policy = ["--router-policy", "always-split"]
+        args = ["--role", "router", *legs, *policy, "--pd-hold-ttl-s", "120"]
         self.router = ServerProcess(args, name="router", ready_timeout=120)
 
 

@@ -59,6 +59,9 @@ def trust_router(
             decode.url,
             "--pd-hold-ttl-s",
             "900",
+            # every turn through P: the tests check holds and pulls (docs/pd.md, decode-local)
+            "--router-policy",
+            "always-split",
             "--header-timeout-s",
             str(ROUTER_HEADER_TIMEOUT_S),
             *KEYS,

@@ -186,6 +186,31 @@ def test_the_next_turn_claims_ds_hold_and_p_pulls_it():
     )
 
 
+def test_the_d_holding_a_branch_serves_its_turn_alone_while_p_is_busier():
+    """A resumed turn goes to the D that holds its branch, alone (no P leg, no claim, no pull),
+    when that D has fewer requests in flight than the P the turn would take; D holds the new
+    turn for the next. Not with ``always-split``; a new branch always through P."""
+    fakes = PD()
+    router = make_router(fakes)
+    _turn(router)  # a new branch: P then D
+    router.pool.prefills[0].inflight = 1  # another turn's prefill leg on P
+    r = _turn(router)
+    assert r.status_code == 200 and r.headers[ROUTE] == "decode-local"
+    assert fakes.claims == [] and len(fakes.bodies(P)) == 1
+    d_body = fakes.bodies(D)[1]
+    assert d_body[TRANSFER_PARAMS_FIELD] == {"do_remote_prefill": False}
+    held = peek(router, KEY)
+    assert held is not None and held.decode_url == D
+    # D as busy as P: the turn is split again (P pulls D's hold)
+    router.pool.decodes[0].inflight = 1
+    assert _turn(router).headers[ROUTE] == "pd+pull"
+    # always-split: every turn through P
+    split = make_router(PD(), policy="always-split")
+    _turn(split)
+    split.pool.prefills[0].inflight = 1
+    assert _turn(split).headers[ROUTE] == "pd+pull"
+
+
 def test_a_hold_d_released_is_not_pulled():
     fakes = PD()
     router = make_router(fakes)
