@@ -166,7 +166,6 @@ async def test_real_vllm_publisher_end_to_end(tmp_path):
     pub = IndexPublisher(store, record, [(endpoint, replay, "kvbranch")], interval_s=0.05)
     task = asyncio.create_task(pub.run())
     try:
-        await asyncio.sleep(0.3)
         event = BlockStored(
             block_hashes=[101, 102],
             parent_block_hash=None,
@@ -176,8 +175,13 @@ async def test_real_vllm_publisher_end_to_end(tmp_path):
             medium="CPU",
             lora_name=None,
         )
-        vllm_pub.publish(KVEventBatch(ts=time.time(), events=[event]))
-        await until(lambda: pub.batches_applied == 1)
+        # ZMQ drops what is published before the subscriber has joined: publish until the
+        # publisher applied one (waits on its state, not on a guess of the join time)
+        for _ in range(600):  # the hang guard: 30 s
+            vllm_pub.publish(KVEventBatch(ts=time.time(), events=[event]))
+            await asyncio.sleep(0.05)
+            if pub.batches_applied:
+                break
         await until(lambda: pub.heartbeats_sent >= 1)
         assert await hits(store, [101, 102]) == (0, 2)
     finally:

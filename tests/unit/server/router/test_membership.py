@@ -48,12 +48,14 @@ def _record(url: str, role: str, load: int = 0) -> InstanceRecord:
 
 def test_instances_come_from_heartbeats_and_leave_when_their_record_expires():
     async def go() -> None:
-        store, pool = _indexed_pool()
+        now = [0.0]
+        store = MemoryIndexStore(hold_ttl_s=10, clock=lambda: now[0])
+        pool = Pool([], [], client=_client(), store=store)
         await store.heartbeat(_record(P1, "prefill"), ttl_s=0.2)
         await store.heartbeat(_record(D1, "decode"), ttl_s=60)
         assert [i.url for i in await pool.live(pool.prefills)] == [P1]
         assert [i.url for i in await pool.live(pool.decodes)] == [D1]
-        await asyncio.sleep(0.3)  # P1's heartbeat lapsed; its health check still answers
+        now[0] += 0.3  # P1's heartbeat lapsed (the index's clock); its health check still answers
         await pool.refresh_members(max_age=0)
         assert await pool.live(pool.prefills) == []
         await store.heartbeat(_record(P1, "prefill"), ttl_s=60)  # back
