@@ -40,9 +40,7 @@ def make_planner(
         default_ttl_s=ttl_s,
         clock=clock,
     )
-    planner = Planner(
-        index, registry, block_size, state_groups=state_groups, num_groups=num_groups
-    )
+    planner = Planner(index, registry, block_size, state_groups=state_groups, num_groups=num_groups)
     return planner, index, registry
 
 
