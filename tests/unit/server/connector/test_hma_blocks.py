@@ -9,6 +9,7 @@ import torch
 from server.connector.core.metadata import SKIPPED, device_block, device_blocks, whole
 from server.connector.engine.host_pool import HostKVPool, group_caches
 from tests.unit.server.connector.test_planner import make_planner, make_request
+from tests.unit.server.connector.vllm_manager import BS, positions_after_external_hit
 
 NUM_BLOCKS, NUM_SLOTS = 8, 4
 
@@ -86,54 +87,16 @@ def test_vllms_own_manager_pads_a_sliding_group_with_the_null_block():
     for a request whose first 8 blocks come from the connector, the sliding group gets blocks
     only for the window before the hit's end (positions 6 and 7) and the null block before it,
     so a load copies that group's KV into those two positions and skips the rest."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
-    from vllm.v1.request import Request
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from server.connector import vllm_compat
-
-    bs = 16
+    bs = BS
     shape = {"block_size": bs, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
-    config = KVCacheConfig(
-        num_blocks=64,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
-            KVCacheGroupSpec(["swa"], SlidingWindowSpec(**shape, sliding_window=2 * bs)),
-        ],
+    positions = positions_after_external_hit(
+        [
+            ("full", FullAttentionSpec(**shape)),
+            ("swa", SlidingWindowSpec(**shape, sliding_window=2 * bs)),
+        ]
     )
-    init_none_hash(sha256)
-    manager = KVCacheManager(
-        config, max_model_len=1024, scheduler_block_size=bs, hash_block_size=bs
-    )
-    prompt = 10 * bs + 3
-    request = Request(
-        "r",
-        prompt_token_ids=list(range(prompt)),
-        sampling_params=SamplingParams(max_tokens=4),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(bs, sha256),
-    )
-    computed, hit, _ = manager.get_computed_blocks(request)
-    assert hit == 0
-    external = 8 * bs
-    assert manager.allocate_slots(
-        request,
-        prompt - external,
-        num_new_computed_tokens=hit,
-        new_computed_blocks=computed,
-        num_external_computed_tokens=external,
-    )
-    null = vllm_compat.null_block_id(manager)
-    positions = device_blocks(manager.get_blocks("r").get_block_ids(), null)
     loaded = positions[:8]
     assert all(full != SKIPPED for full, _ in loaded)
     assert [swa == SKIPPED for _, swa in loaded] == [True] * 6 + [False] * 2

@@ -10,6 +10,8 @@ from server.connector.core.metadata import SKIPPED
 from server.connector.core.planner import Planner
 from tests.unit.server.connector.fakes import BS, make_planner
 from tests.unit.server.connector.test_planner import make_request
+from tests.unit.server.connector.vllm_manager import BS as VLLM_BS
+from tests.unit.server.connector.vllm_manager import positions_after_external_hit
 
 STATES = frozenset({0})
 
@@ -138,58 +140,29 @@ def test_vllms_align_manager_gives_a_loaded_hit_its_end_and_running_state_blocks
     blocks are computed now, the state group holds a block at the hit's last position and at
     the running position only, the null block elsewhere."""
     import torch
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
         MambaSpec,
     )
-    from vllm.v1.request import Request
 
     from server.connector import vllm_compat
-    from server.connector.core.metadata import device_blocks
 
-    bs = 16
     mamba = MambaSpec(
-        block_size=bs,
+        block_size=VLLM_BS,
         shapes=((4,), (8,)),
         dtypes=(torch.float32, torch.float32),
         mamba_cache_mode="align",
     )
-    full = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    full = FullAttentionSpec(block_size=VLLM_BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    groups = [("m", mamba), ("full", full)]
     config = KVCacheConfig(
         num_blocks=64,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["m"], mamba), KVCacheGroupSpec(["full"], full)],
+        kv_cache_groups=[KVCacheGroupSpec([name], spec) for name, spec in groups],
     )
     assert vllm_compat.states_at_boundaries(config)
-    init_none_hash(sha256)
-    manager = KVCacheManager(
-        config, max_model_len=1024, scheduler_block_size=bs, hash_block_size=bs
-    )
-    prompt = 10 * bs + 3
-    request = Request(
-        "r",
-        prompt_token_ids=list(range(prompt)),
-        sampling_params=SamplingParams(max_tokens=4),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(bs, sha256),
-    )
-    computed, hit, _ = manager.get_computed_blocks(request)
-    assert hit == 0
-    external = 8 * bs
-    assert manager.allocate_slots(
-        request,
-        prompt - external,
-        num_new_computed_tokens=hit,
-        new_computed_blocks=computed,
-        num_external_computed_tokens=external,
-    )
-    null = vllm_compat.null_block_id(manager)
-    positions = device_blocks(manager.get_blocks("r").get_block_ids(), null)
+    positions = positions_after_external_hit(groups)
     assert all(attention != SKIPPED for _, attention in positions)
     assert [p for p, (state, _) in enumerate(positions) if state != SKIPPED] == [7, 10]
