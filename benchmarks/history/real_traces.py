@@ -47,6 +47,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import bfcl_traces, cli, common, reporting  # noqa: E402
+from benchmarks.capacity.configs import config_flags  # noqa: E402
 from benchmarks.openai_stream import read_stream  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.reporting import median, percentile  # noqa: E402
@@ -114,15 +115,6 @@ async def run_pass(oai, model, convs, concurrency, salt, args) -> tuple[list[dic
     t0 = time.perf_counter()
     await asyncio.gather(*(one(c) for c in convs))
     return records, time.perf_counter() - t0
-
-
-def config_flags(name: str, args: argparse.Namespace) -> tuple[bool, list[str]]:
-    if name == "plain":
-        return False, common.SCHEDULER_OFF_FLAGS
-    if name == "kvbranch":
-        return True, common.SCHEDULER_OFF_FLAGS
-    _, _, flags = name.partition(":")  # kvbranch-sched:<its own flags>
-    return True, (flags or args.sched_flags).split()
 
 
 async def run_config(name: str, args, convs: list[dict], log, alone: bool) -> dict:
