@@ -20,8 +20,9 @@ K and V:
 State groups — Mamba and Gated DeltaNet (vLLM's ``MambaSpec``), whose block holds a running
 state rather than per-token KV — are stored too, where vLLM keeps their states at block
 boundaries (its prefix caching's ``align`` mode): a slot then also holds, when it has one, the
-state after the slot's last token, as vLLM hands it to the connector (the boundary-state
-hand-off: the exact block, since an ``align`` table is not positional). A hit may end only at a
+state after the slot's last token, from the block vLLM's prefix cache keeps under the block's
+hash (an ``align`` table is not positional: its state blocks cannot be read by position). A hit
+may end only at a
 slot holding a state, a resumed turn loads the attention KV of every position and the state of
 the last one, and no token-exact tail is kept (a state exists only at block boundaries). Without
 ``align`` (prefix caching off: vLLM keeps no state but the running one) the store stays off, as

@@ -111,7 +111,7 @@ class Planner:
         self.registry = registry
         self.block_size = block_size
         #: KV cache groups holding a recurrent state (``kv_groups.py``): a slot holds their
-        #: state only where vLLM handed one over; a hit ends at such a slot; no tails.
+        #: state only where vLLM's prefix cache keeps one; a hit ends at such a slot; no tails.
         self.state_groups = state_groups
         self.num_groups = max(num_groups, 1 + max(state_groups, default=-1))
         self.lock = threading.RLock()
@@ -258,9 +258,13 @@ class Planner:
         """``block`` with its state groups skipped."""
         return tuple(SKIPPED if g in self.state_groups else b for g, b in enumerate(block))
 
+    def _states_only(self, block: DeviceBlock) -> DeviceBlock:
+        """``block`` with every group but its state groups skipped."""
+        return tuple(b if g in self.state_groups else SKIPPED for g, b in enumerate(block))
+
     def _savable(self, block: DeviceBlock) -> bool:
         """Whether every attention group holds this position (state groups hold a block only
-        where vLLM keeps a state: they come from the boundary hand-off, not from the table)."""
+        where vLLM keeps a state: found under the block's hash, not in the table)."""
         return all(b != SKIPPED for g, b in enumerate(block) if g not in self.state_groups)
 
     def _load_running_state(
@@ -284,10 +288,7 @@ class Planner:
         slot = self.pending_loads[-1][0]
         running = max(p for p in range(last, len(blocks)) if self._holds_states(blocks[p]))
         if running != last:
-            states = tuple(
-                b if g in self.state_groups else SKIPPED for g, b in enumerate(blocks[running])
-            )
-            self.pending_loads.append((slot, states))
+            self.pending_loads.append((slot, self._states_only(blocks[running])))
         self.index.counters.loaded_states += 1
 
     def _holds_states(self, block: DeviceBlock) -> bool:

@@ -140,13 +140,15 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
             config = config.model_copy(update={"control_socket": path})
         block_size = vllm_config.cache_config.block_size
         kinds = kv_group_kinds(kv_cache_config)
-        group_sizes = set(kv_group_block_sizes(kv_cache_config))
+        states = state_groups(kinds)
+        sizes = kv_group_block_sizes(kv_cache_config)
+        group_sizes = set(sizes)
         if len(group_sizes) == 1:
             # The groups' own size: vLLM's CPU worker raises a hybrid model's attention block
             # size to fit its state page after the engine core's config was copied, and the
             # prompt's block hashes follow the groups.
             (block_size,) = group_sizes
-            if state_groups(kinds) and block_size != vllm_config.cache_config.block_size:
+            if states and block_size != vllm_config.cache_config.block_size:
                 logger.warning(
                     "kvbranch connector: vLLM's scheduler splits prompts at %d-token blocks "
                     "while this model's states are kept at %d-token blocks, so few states "
@@ -156,9 +158,7 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
                     block_size,
                 )
         off = store_off_reason(
-            kinds,
-            kv_group_block_sizes(kv_cache_config),
-            states_at_boundaries=states_at_boundaries(kv_cache_config),
+            kinds, sizes, states_at_boundaries=states_at_boundaries(kv_cache_config)
         ) or prefix_reuse_off_reason(vllm_config)
         enabled = off is None
         if not enabled:
@@ -189,7 +189,7 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
                 enabled=enabled,
                 config=config,
                 engine_index=int(engine or 0),
-                state_groups=state_groups(kinds),
+                state_groups=states,
                 num_groups=len(kinds),
             )
             if kv_events_enabled(vllm_config):
