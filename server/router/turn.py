@@ -323,13 +323,15 @@ class _Turn:
         start = await flow.begin(key)
         self.turn = start.turn
         decode, pull = await flow.choose_decode(key, start)
+        prefill: Instance | None = None
         if pull is not None and decode is not None:
-            busy = await self.pool.choose_prefill(key, start, pulled=True)
-            if self.pool.serves_locally(decode, busy):
+            prefill = await self.pool.choose_prefill(key, start, pulled=True)
+            if self.pool.serves_locally(decode, prefill):
                 self.timed("route", self._t0)
                 return await self.single(decode, LOCAL_ROUTE, hold=True)
             pull = await flow.claim(decode, pull, self.headers)
-        prefill = await self.pool.choose_prefill(key, start, pulled=pull is not None)
+        if pull is None:  # no hold, or D refused the claim: P chosen by what it has cached
+            prefill = await self.pool.choose_prefill(key, start, pulled=False)
         if prefill is None and decode is None:
             return unavailable("no prefill or decode instance is reachable")
         if decode is None:
