@@ -251,6 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="router: a decode instance's URL (repeat for several)",
     )
     pd.add_argument(
+        "--replica",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="router: an aggregated replica's URL (an instance started with --role single "
+        "--index URL; repeat for several): the router sends each turn to one replica, the "
+        "one holding the session where it can (docs/cluster.md)",
+    )
+    pd.add_argument(
         "--router-policy",
         choices=("cache-aware", "always-split", "round-robin"),
         default="cache-aware",
@@ -343,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
         "token ids and vLLM's socket has no authentication (docs/kv_events.md)",
     )
     cluster.add_argument(
+        "--no-peer-pull",
+        action="store_true",
+        help="instance (--role single with a shared --index): never pull a session's KV from "
+        "the peer that holds it, recompute instead; the instance still files its own holds "
+        "for peers (docs/cluster.md, aggregated replicas)",
+    )
+    cluster.add_argument(
         "--advertise-url",
         default=None,
         metavar="URL",
@@ -377,6 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="--cluster: decode instances (default %(default)s)",
+    )
+    one.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="--cluster: N aggregated replicas (each prefills and decodes; a turn pulls its "
+        "history from the replica that holds it) instead of --prefills/--decodes",
     )
     one.add_argument(
         "--routers",
