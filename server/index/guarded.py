@@ -74,6 +74,9 @@ class GuardedStore(IndexStore):
     async def peek_hold(self, key: Key) -> Hold | None:
         return await self._call(lambda: self.inner.peek_hold(key))
 
+    async def peek_home(self, tenant: str, session: str) -> str | None:
+        return await self._call(lambda: self.inner.peek_home(tenant, session))
+
     async def set_home(self, tenant: str, session: str, instance_id: str) -> None:
         await self._call(lambda: self.inner.set_home(tenant, session, instance_id))
 

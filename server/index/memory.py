@@ -146,6 +146,10 @@ class MemoryIndexStore(IndexStore):
             item[1].expires_in_s = item[0] - now
             return item[1]
 
+    async def peek_home(self, tenant: str, session: str) -> str | None:
+        with self._lock:
+            return self._homes.get((tenant, session), self.clock())
+
     async def set_home(self, tenant: str, session: str, instance_id: str) -> None:
         with self._lock:
             self._homes.set((tenant, session), instance_id, self.clock() + self.session_ttl_s)

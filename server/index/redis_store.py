@@ -487,6 +487,12 @@ class RedisIndexStore(IndexStore):
             return None
         return decode_hold(raw, ttl_ms, self.cipher, self.keys.hold(ss, sb))
 
+    async def peek_home(self, tenant: str, session: str) -> str | None:
+        """HGET of the session hash's home: no turn numbered, no hold taken."""
+        name = self.keys.session(digest(tenant, session))
+        home = await self._call(self._r.hget(name, _HOME), "peek_home")
+        return home.decode(errors="replace") if isinstance(home, bytes) else None
+
     async def set_home(self, tenant: str, session: str, instance_id: str) -> None:
         """HSET + PEXPIRE in one MULTI (it refreshes the placement's TTL too: same hash)."""
         name = self.keys.session(digest(tenant, session))

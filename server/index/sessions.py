@@ -129,6 +129,12 @@ class SessionStore(IndexBackend):
         """The live hold of ``key`` without taking it (stats and tests)."""
 
     @abc.abstractmethod
+    async def peek_home(self, tenant: str, session: str) -> str | None:
+        """The session's home instance id without starting a turn (:meth:`begin_turn` numbers
+        the turn and takes the hold): a router in front of aggregated replicas reads where a
+        session lives and leaves the hold for the replica that serves the turn to take."""
+
+    @abc.abstractmethod
     async def set_home(self, tenant: str, session: str, instance_id: str) -> None:
         """Record the session's home prefill instance (where its turns go while it is up)."""
 

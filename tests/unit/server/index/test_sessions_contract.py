@@ -98,6 +98,19 @@ async def test_home(store: SessionStore) -> None:
     assert (await store.begin_turn(("tenant-b", "sess:1", "main"))).home is None
 
 
+async def test_peek_home_reads_the_home_and_starts_no_turn(store: SessionStore) -> None:
+    assert await store.peek_home("tenant-a", "sess:1") is None
+    await store.set_home("tenant-a", "sess:1", "r-2")
+    assert await store.put_hold(KEY, hold(1))
+    assert await store.peek_home("tenant-a", "sess:1") == "r-2"
+    assert await store.peek_home("tenant-b", "sess:1") is None
+    assert await store.peek_hold(KEY) is not None  # the hold is left for the replica to take
+    start = await store.begin_turn(KEY)
+    assert start.turn == 1 and start.home == "r-2"  # no turn was numbered by the peek
+    await store.drop_session("tenant-a", "sess:1")
+    assert await store.peek_home("tenant-a", "sess:1") is None
+
+
 async def test_session_placement_is_capped(store: SessionStore) -> None:
     assert await store.session_instances("tenant-a", "sess:1") == set()
     await store.set_home("tenant-a", "sess:1", "home-is-not-an-instance-entry")
