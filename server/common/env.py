@@ -20,6 +20,9 @@ ENV_INDEX_URL = "KVBRANCH_INDEX_URL"
 ENV_CLUSTER_NAME = "KVBRANCH_CLUSTER_NAME"
 #: The URL routers reach this instance at (``--advertise-url``), as its heartbeat says.
 ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
+#: ``1``: an aggregated replica (``--role single`` with a shared index): the plugin takes each
+#: session turn's hold from the index, pulls from the peer holding it, and files the new hold.
+ENV_PEER_PULL = "KVBRANCH_PEER_PULL"
 #: Agent-aware priority's aging in seconds (``--agent-priority``; unset: the policy is off).
 ENV_PRIORITY_AGING_S = "KVBRANCH_PRIORITY_AGING_S"
 #: ``0``: the warm-first scheduler does not backfill (server/engine/scheduler.py; for A/B runs).

@@ -142,6 +142,11 @@ class NixlChildConfig(_ExtraConfig):
     #: as long as an engine step takes less than that. (A read of one conversation's KV takes
     #: milliseconds on loopback, well under a second over a network.)
     pull_timeout_s: float = Field(default=CLAIM_MARGIN_S, gt=0)
+    #: An aggregated replica (``--role single`` with a shared index), not a P or a D: a turn
+    #: that pulled its history from a peer decodes here and is held afterwards as D's turns are
+    #: (for the next turn's pull by whichever replica gets it), where upstream would hold it for
+    #: a D's read of the prompt as it does P's prefill legs.
+    aggregated: bool = False
 
     @classmethod
     def _owner(cls) -> str:

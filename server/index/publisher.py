@@ -247,8 +247,11 @@ class IndexPublisher:
 
 
 def nixl_side_channel(role: str) -> str:
-    """P/D: the NIXL side channel (host:port) the launcher gave vLLM; "" otherwise."""
-    if role not in ("prefill", "decode"):
+    """P/D and aggregated replicas: the NIXL side channel (host:port) the launcher gave vLLM;
+    "" otherwise."""
+    from server.common.env import ENV_PEER_PULL
+
+    if role not in ("prefill", "decode") and os.environ.get(ENV_PEER_PULL) != "1":
         return ""
     host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "")
     port = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "")

@@ -38,6 +38,7 @@ from server.common.env import (
     ENV_CONTROL_SOCKET,
     ENV_INDEX_URL,
     ENV_MODEL_NAME,
+    ENV_PEER_PULL,
     ENV_PRIORITY_AGING_S,
     ENV_ROLE,
 )
@@ -54,7 +55,7 @@ from server.launcher.model_parsers import (
     parser_argv,
     parsers_for,
 )
-from server.launcher.model_support import hub_snapshot, read_config
+from server.launcher.model_support import hub_snapshot, read_config, several_kv_groups
 from server.launcher.phases import (
     Phases,
     PhaseTracker,
@@ -77,6 +78,7 @@ from server.launcher.settings import (
     api_keys,
     build_parser,
     index_enabled,
+    peer_replica,
 )
 
 #: When the launcher started (``python -m server`` imports this module first): phase times count
@@ -202,6 +204,15 @@ def plan_launch(
             raise LaunchError(f"--model {model_path}: {refusal}")
         if dtype_why and not has_flag(passthrough, "--dtype"):
             notes.append(dtype_why)
+    replica = peer_replica(args)
+    groups = several_kv_groups(config) if replica else None
+    if groups:
+        notes.append(
+            f"peer pulls off: the model has {groups} (several KV cache groups; a pull addresses "
+            "one block table). This replica recomputes what it has not seen itself "
+            "(docs/models.md)"
+        )
+        replica = False
     if "--max-model-len" not in passthrough:
         check_kv_fits(model_path, args.kv_cache_gib, args.max_model_len, cuda, dtype)
     parsers = parsers_for(config, chat_template(folder) if folder and config else None)
@@ -272,8 +283,8 @@ def plan_launch(
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
-        if args.role in PD_ROLES:
-            kv_transfer_config = pd_transfer_config(args, kv_transfer_config)
+        if args.role in PD_ROLES or replica:
+            kv_transfer_config = pd_transfer_config(args, kv_transfer_config, aggregated=replica)
             # vLLM checks hybrid-KV support by the class name "MultiConnector"; ours is a
             # subclass, and the kvbranch connector has one KV cache group anyway.
             argv += ["--disable-hybrid-kv-cache-manager"]
@@ -328,8 +339,10 @@ def plan_launch(
         reserved = reserved_cpu_cores(passthrough)
         if reserved is not None:
             env[ENV_RESERVED_CPUS] = reserved
-    if args.role in PD_ROLES:
+    if args.role in PD_ROLES or replica:
         env.update(pd_environment(args))
+    if replica:
+        env[ENV_PEER_PULL] = "1"
     if keys:
         env[ENV_API_KEYS] = ",".join(keys)
     return LaunchPlan(
@@ -455,9 +468,12 @@ def kv_events_config(folder: str, port: int) -> dict:
     }
 
 
-def pd_transfer_config(args: argparse.Namespace, kvbranch: dict | None) -> dict:
+def pd_transfer_config(
+    args: argparse.Namespace, kvbranch: dict | None, *, aggregated: bool = False
+) -> dict:
     """NIXL (upstream transport, bidirectional mode) composed with the kvbranch connector;
-    the NIXL connector alone with ``--no-connector`` (the plain P/D baseline)."""
+    the NIXL connector alone with ``--no-connector`` (the plain P/D baseline). ``aggregated``:
+    an aggregated replica's (pulls from its peers, holds its turns for them)."""
     nixl_extra = NixlChildConfig(
         decoder_kv_blocks_ttl=int(args.pd_hold_ttl_s),
         # Ours, for both: a peer's read is served during a forward (docs/pd.md).
@@ -466,6 +482,7 @@ def pd_transfer_config(args: argparse.Namespace, kvbranch: dict | None) -> dict:
         bidirectional_kv_xfer=not args.no_bidirectional,
         # A pull of one block took 1.5-6 ms here; recomputing even 30 tokens costs more.
         kv_recompute_threshold=0,
+        aggregated=aggregated,
     ).to_extra()
     nixl = {
         "kv_connector": NIXL_CONNECTOR_CLASS,
@@ -539,7 +556,8 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     from server.launcher.model_support import check_model, parser_misfit
 
     if plan.control_socket:  # with the connector: what of the model the host store keeps
-        note = check_model(plan.model_path, pd=plan.env.get(ENV_ROLE) in PD_ROLES)
+        pd = plan.env.get(ENV_ROLE) in PD_ROLES or plan.env.get(ENV_PEER_PULL) == "1"
+        note = check_model(plan.model_path, pd=pd)
         if note:
             phases.say(note)
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm"))

@@ -92,10 +92,32 @@ def refusal(config: dict[str, Any], traits: Traits) -> str | None:
     if kind is None:
         return None
     return (
-        f"{_what(config, kind)} model: kvbranch P/D runs vLLM with its hybrid KV cache "
-        "manager off, which state layers need (docs/models.md). Serve it as a single "
-        "instance (python -m server without --disagg/--role), or run P/D with --no-connector"
+        f"{_what(config, kind)} model: kvbranch P/D and peer pulls run vLLM with its hybrid "
+        "KV cache manager off, which state layers need (docs/models.md). Serve it as a single "
+        "instance (python -m server without --disagg/--role; with a shared --index add "
+        "--no-peer-pull), or run P/D with --no-connector"
     )
+
+
+def several_kv_groups(config: dict[str, Any] | None) -> str | None:
+    """What in a ``config.json`` gives vLLM more than one KV cache group (sliding-window,
+    linear-attention or state layers beside full attention), or ``None``. Read from the config
+    alone, before vLLM is imported: peer pulls between aggregated replicas address one block
+    table per request, so the launcher leaves them off for such a model (vLLM's registry, read
+    later by :func:`check_model`, catches a hybrid model this misses)."""
+    if config is None:
+        return None
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list):
+        other = sorted({str(t) for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+        if other:
+            return f"{', '.join(other)} layers beside full attention"
+    if config.get("sliding_window") and config.get("use_sliding_window") is not False:
+        return "sliding-window attention"
+    for key in ("hybrid_override_pattern", "layers_block_type", "attn_layer_indices"):
+        if config.get(key):
+            return f"state layers ({key})"
+    return None
 
 
 def vllm_traits(architectures: list[str]) -> tuple[bool, bool] | None:

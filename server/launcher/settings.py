@@ -354,9 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--no-peer-pull",
         action="store_true",
-        help="instance (--role single with a shared --index): never pull a session's KV from "
-        "the peer that holds it, recompute instead; the instance still files its own holds "
-        "for peers (docs/cluster.md, aggregated replicas)",
+        help="instance (--role single with a shared --index): take no part in peer pulls — "
+        "neither pull a session's KV from the replica that holds it nor hold this one's turns "
+        "for the others (then every replica recomputes what it has not seen itself; "
+        "docs/cluster.md, aggregated replicas)",
     )
     cluster.add_argument(
         "--advertise-url",
@@ -479,6 +480,17 @@ def advertise_url(args: argparse.Namespace) -> str:
 def index_enabled(args: argparse.Namespace) -> bool:
     """An index other than the embedded one: instances publish into it."""
     return (getattr(args, "index", None) or "memory") != "memory"
+
+
+def peer_replica(args: argparse.Namespace) -> bool:
+    """An aggregated replica that pulls from its peers and holds its turns for them: a single
+    instance with the connector and a shared index, unless ``--no-peer-pull``."""
+    return (
+        getattr(args, "role", "single") == "single"
+        and index_enabled(args)
+        and not getattr(args, "no_connector", False)
+        and not getattr(args, "no_peer_pull", False)
+    )
 
 
 def passthrough_api_keys(passthrough: list[str]) -> list[str] | None:

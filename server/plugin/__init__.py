@@ -60,6 +60,7 @@ class KVBranchPlugin:
         if path:
             register_collector(path)
         from server.index.publisher import start as start_index_publisher
+        from server.plugin.peer_pull import start as start_peer_pulls
 
         # With a shared --index: heartbeats and this instance's KV block events (a task).
         state.kvbranch.index_publisher = start_index_publisher(state.kvbranch, engine_client, args)
@@ -67,6 +68,11 @@ class KVBranchPlugin:
             from server.plugin.metrics import register_index_collector
 
             register_index_collector(state.kvbranch.index_publisher)
+            state.kvbranch.peer_pulls = start_peer_pulls(state.kvbranch)
+            if state.kvbranch.peer_pulls is not None:
+                from server.plugin.metrics import register_peer_pull_collector
+
+                register_peer_pull_collector(state.kvbranch.peer_pulls)
         logger.info("kvbranch routes ready (connector control: %s)", path or "none")
 
 

@@ -267,3 +267,51 @@ class IndexPublisherCollector:
 
 def register_index_collector(publisher: Any) -> None:
     REGISTRY.register(IndexPublisherCollector(publisher))
+
+
+class PeerPullCollector:
+    """An aggregated replica's session turns (:mod:`server.plugin.peer_pull`): where each
+    turn's history came from, claims on peers, holds filed. Read at scrape time."""
+
+    def __init__(self, pulls: Any) -> None:
+        self.pulls = pulls
+
+    def collect(self):
+        c = self.pulls.counters()
+        turns = CounterMetricFamily(
+            "kvbranch_peer_turns",
+            "Session turns on this replica by where their history was to come from: pulled from "
+            "the peer holding the branch, this instance's own hold, none (new branch, too few "
+            "tokens, peer not listed, claim refused, index unreachable)",
+            labels=["source"],
+        )
+        turns.add_metric(["peer"], c["pulls_claimed"])
+        turns.add_metric(["own_hold"], c["own_holds"])
+        turns.add_metric(["too_small"], c["too_small"])
+        turns.add_metric(["peer_unknown"], c["peers_unknown"])
+        turns.add_metric(["claim_refused"], c["claims_refused"])
+        yield turns
+        tokens = CounterMetricFamily(
+            "kvbranch_peer_pull_offered_tokens",
+            "Tokens the peers held for turns this replica claimed (what it pulls is the verified "
+            "prefix of these: kvbranch_hits_tokens{source=remote})",
+        )
+        tokens.add_metric([], c["pulled_hold_tokens"])
+        yield tokens
+        filed = CounterMetricFamily(
+            "kvbranch_peer_holds_filed", "This replica's holds filed in the index for next turns"
+        )
+        filed.add_metric([], c["holds_filed"])
+        yield filed
+        errors = CounterMetricFamily(
+            "kvbranch_peer_index_errors",
+            "Index calls of session turns that failed (the turn recomputed)",
+            labels=["op"],
+        )
+        for op, n in sorted(c["index_errors"].items()):
+            errors.add_metric([op], n)
+        yield errors
+
+
+def register_peer_pull_collector(pulls: Any) -> None:
+    REGISTRY.register(PeerPullCollector(pulls))

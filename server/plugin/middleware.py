@@ -34,6 +34,7 @@ from sdk.contract import (
     BRANCH_XARG,
     CACHE_SALT_FIELD,
     COMPLETION_PATHS,
+    DEFAULT_BRANCH,
     EXTRA_ARGS_FIELD,
     GENERATE_PATHS,
     INTERNAL_XARGS,
@@ -52,8 +53,10 @@ from sdk.contract import (
 from server import dialects
 from server.checks.ids import xargs_of
 from server.common.sse import EVENT_END, EventSplitter, encode_event, json_event
+from server.common.tenants import scope_of
 from server.connector.control.models import Split
 from server.plugin.engine_tokens import VllmEngine
+from server.plugin.peer_pull import PEER_PULL_PATHS, PeerPulls, PeerTurn
 from server.plugin.priority import policy_from_env
 from server.plugin.request import header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenant_salt
@@ -76,12 +79,15 @@ _NO_XARGS_PATHS = NO_XARGS_PATHS  # nothing to strip there
 _USAGE_MARKER = f'"{USAGE_FIELD}"'.encode()
 
 
-def attach_split(target: dict, split: dict) -> None:
+def attach_split(target: dict, split: dict, *, keep_params: bool = True) -> None:
     """Put ``split`` into a response body or usage chunk; transfer params it carries (P/D)
-    go where a non-streaming response has them, unless vLLM already put them there."""
+    go where a non-streaming response has them, unless vLLM already put them there.
+    ``keep_params=False`` (an aggregated replica's turn, which files them itself): none stay."""
     split = dict(split)
     params = split.pop(TRANSFER_PARAMS_FIELD, None)
-    if params is not None and target.get(TRANSFER_PARAMS_FIELD) is None:
+    if not keep_params:
+        target.pop(TRANSFER_PARAMS_FIELD, None)
+    elif params is not None and target.get(TRANSFER_PARAMS_FIELD) is None:
         target[TRANSFER_PARAMS_FIELD] = params
     target[RESPONSE_FIELD] = split
 
@@ -123,14 +129,14 @@ def rewrite_request(
     return payload
 
 
-def add_split_to_event(event: bytes, split: dict | None) -> bytes:
+def add_split_to_event(event: bytes, split: dict | None, *, keep_params: bool = True) -> bytes:
     """Put ``split`` into an SSE ``data:`` event that carries a non-null ``usage``."""
     if split is None:
         return event
     chunk = json_event(event, _USAGE_MARKER)
     if chunk is None or not chunk.get(USAGE_FIELD):
         return event
-    attach_split(chunk, split)
+    attach_split(chunk, split, keep_params=keep_params)
     return encode_event(chunk)
 
 
@@ -167,6 +173,7 @@ class KVBranchMiddleware:
             usage_rewrite = dialects.apply(payload, path, header(scope, SESSION_HEADER)).usage
             if self.priority is not None:
                 self.priority.assign(payload, path, owner)
+            peer_turn = await _begin_peer_turn(scope, payload, path)
             body = request_body.data = json.dumps(payload).encode()
             if path in _NO_XARGS_PATHS:
                 tag = ""  # it could not be carried: no split to look up
@@ -175,12 +182,38 @@ class KVBranchMiddleware:
             scope = dict(scope, headers=headers)
         else:
             tag = ""
+            peer_turn = None
 
         state = _ResponseRewriter(scope, send, tag)
         state.usage_rewrite = usage_rewrite
+        state.peer_turn = peer_turn if tag else None
         if tag:  # the agent page's turn log (turn_log.py) takes the split from this one lookup
             scope[SPLIT_SCOPE_KEY] = state.fetch_split
         await self.app(scope, receive, state.send)
+
+
+def _peer_pulls(scope: dict) -> PeerPulls | None:
+    app = scope.get("app")
+    kvb = getattr(getattr(app, "state", None), "kvbranch", None)
+    peers = getattr(kvb, "peer_pulls", None)
+    return peers if isinstance(peers, PeerPulls) else None
+
+
+async def _begin_peer_turn(scope: dict, payload: dict, path: str) -> PeerTurn | None:
+    """An aggregated replica's session turn: its branch's hold taken from the index and, when
+    a peer holds the branch, the claimed pull put in the request (:mod:`server.plugin.
+    peer_pull`); None elsewhere. After the guard, which refused any client transfer params."""
+    peers = _peer_pulls(scope)
+    if peers is None or path not in PEER_PULL_PATHS:
+        return None
+    session = dialects.session_of(payload, path, header(scope, SESSION_HEADER))
+    if session is None:
+        return None
+    xargs = xargs_of(payload, path)
+    branch = xargs.get(BRANCH_XARG) if isinstance(xargs, dict) else None
+    authorization = header(scope, "authorization")
+    key = (scope_of(authorization), session, str(branch or DEFAULT_BRANCH))
+    return await peers.begin(payload, key, authorization)
 
 
 class _ResponseRewriter:
@@ -188,6 +221,9 @@ class _ResponseRewriter:
         self._send = send
         self._tag = tag
         self.usage_rewrite: dialects.UsageRewrite | None = None  # a dialect's, per request
+        #: An aggregated replica's session turn: its handle is filed, never shown to the client.
+        self.peer_turn: PeerTurn | None = None
+        self._filed = False
         self._start: dict | None = None
         self._mode = "pass"
         self._buffer = b""  # a JSON body until it is whole
@@ -238,7 +274,9 @@ class _ResponseRewriter:
         events = []
         for event in self._events.feed(message.get("body", b"")):
             if _USAGE_MARKER in event:
-                event = add_split_to_event(event, await self.fetch_split())
+                event = add_split_to_event(
+                    event, await self.fetch_split(), keep_params=self.peer_turn is None
+                )
                 if self.usage_rewrite is not None:
                     event = await self.usage_rewrite.rewrite_event(
                         event, await self.fetch_split(), self._engine
@@ -247,7 +285,22 @@ class _ResponseRewriter:
         out = b"".join(event + EVENT_END for event in events)
         if not more:
             out += self._events.rest()
+            if self.peer_turn is not None:
+                await self._file_peer_turn()
         await self._send({"type": "http.response.body", "body": out, "more_body": more})
+
+    async def _file_peer_turn(self) -> None:
+        """File the replica's handle for the branch's next turn, before the client has the
+        answer's end (so its next turn, wherever it lands, finds it)."""
+        if self._filed or self.peer_turn is None:
+            return
+        self._filed = True
+        split = await self.fetch_split()
+        params = split.get(TRANSFER_PARAMS_FIELD) if isinstance(split, dict) else None
+        kvb = getattr(self._app_state, "kvbranch", None)
+        pulls = getattr(kvb, "peer_pulls", None)
+        if isinstance(pulls, PeerPulls):
+            await pulls.file(self.peer_turn, params)
 
     async def _flush_json(self) -> None:
         body = self._buffer
@@ -257,6 +310,10 @@ class _ResponseRewriter:
                 split = await self.fetch_split()
                 if split is not None:
                     attach_split(payload, split)
+                    body = json.dumps(payload).encode()
+                if self.peer_turn is not None:
+                    await self._file_peer_turn()
+                    payload.pop(TRANSFER_PARAMS_FIELD, None)
                     body = json.dumps(payload).encode()
                 if self.usage_rewrite is not None and await self.usage_rewrite.rewrite(
                     payload, split, self._engine

@@ -38,6 +38,8 @@ class PluginState:
         self._tasks: set[asyncio.Task[None]] = set()
         #: The cluster-index publisher (``server/index/publisher.py``) with a shared --index.
         self.index_publisher: Any = None
+        #: An aggregated replica's peer pulls (``server/plugin/peer_pull.py``), or None.
+        self.peer_pulls: Any = None
 
     def start_prefetch(self, tokens: list[int], cache_salt: str | None) -> None:
         task = asyncio.create_task(self._prefetch(tokens, cache_salt))

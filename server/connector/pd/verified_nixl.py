@@ -191,6 +191,7 @@ class VerifiedNixlConnector(NixlConnector):
         self.holds = HoldRegistry(config.claim_ttl_s)
         self.hold_ttl_s = float(config.decoder_kv_blocks_ttl)
         self.pull_timeout_s = config.pull_timeout_s
+        self.aggregated = config.aggregated
         self.declined: dict[str, int] = {}
         self._init_tracking()
 
@@ -515,6 +516,7 @@ class VerifiedNixlConnector(NixlConnector):
             self._hook_failed(request, hook)
 
         def finish() -> tuple[bool, Any]:
+            self._finish_as_replica(request)
             with self._hold_only_for_sessions(request):
                 return upstream()
 
@@ -529,6 +531,15 @@ class VerifiedNixlConnector(NixlConnector):
             entry = self._seen.get(id(request))
             if entry is not None and entry.request is request:
                 del self._seen[id(request)]
+
+    def _finish_as_replica(self, request: Request) -> None:
+        """An aggregated replica's turn ends as D's turns do, whichever way its history came:
+        upstream reads ``do_remote_decode`` (set for the pull) as "a P's prefill leg" and would
+        hold the blocks for a D's read of the prompt, with P's lease and a handle for D. Its
+        read is done by now (one per request), so the flag has no other use left."""
+        params = request.kv_transfer_params
+        if self.aggregated and isinstance(params, dict) and params.get("do_remote_decode"):
+            params["do_remote_decode"] = False
 
     @contextlib.contextmanager
     def _hold_only_for_sessions(self, request: Request) -> Iterator[None]:

@@ -1,0 +1,253 @@
+"""Aggregated replicas: a session's turn pulls its history from the replica that holds it.
+
+An instance started with ``--role single --index URL`` (docs/cluster.md, "Aggregated
+replicas") runs the P/D connector stack as both sides at once. Behind any balancer — a
+Kubernetes Service, llm-d's scheduler, our router — each session turn it receives goes through
+:class:`PeerPulls`:
+
+1. **begin** (before vLLM reads the request): take the branch's hold from the index
+   (:meth:`~server.index.sessions.SessionStore.begin_turn`, atomic and single-use across the
+   cluster). When another member holds the branch, claim that hold on it (``HOLD_CLAIM_PATH``,
+   signed with the cluster secret, as the P/D router claims D's) and hand the claimed handle to
+   this instance's connector, which checks it like every P/D handle (seal, claim, identity,
+   token prefix, chained block hashes) and pulls only the verified prefix over NIXL. The peer is
+   found by the hold's instance id among the **sealed** member records, and its NIXL side
+   channel must be the one the handle (sealed by the peer) names: nothing a client sends
+   chooses whether a pull happens or where it goes.
+2. **file** (when the answer is complete): this instance's own sealed handle for the turn it
+   just served (the connector holds the blocks as a D does) goes into the index for the
+   branch's next turn, wherever that lands; the client never sees it.
+
+Anything that fails — the index, the peer, the claim, the pull itself — costs a recompute,
+never the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from sdk.contract import (
+    CLAIM_FIELD,
+    COMPLETION_PATHS,
+    HOLD_CLAIM_PATH,
+    REMOTE_BLOCK_IDS,
+    HoldClaimRequest,
+    HoldClaimResult,
+)
+from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
+from server.index import Hold, InstanceRecord, Key, record_seal
+
+logger = logging.getLogger("kvbranch.peer_pull")
+
+#: What a session turn that pulls nothing carries: no peer named, yet the connector holds the
+#: turn's blocks when it ends (a D's turn in upstream's bidirectional mode).
+LOCAL_PARAMS: dict[str, Any] = {"do_remote_decode": False, "do_remote_prefill": False}
+#: The routes whose requests carry transfer params in vLLM 0.32 (chat, completions, Anthropic).
+PEER_PULL_PATHS = (*COMPLETION_PATHS, "/v1/messages")
+#: One index call may take this long; past it the turn goes on without the index.
+INDEX_TIMEOUT_S = 1.0
+CLAIM_TIMEOUT_S = 2.0
+#: How long a read of the member list is reused (heartbeats come every 2 s).
+MEMBERS_TTL_S = 1.0
+#: Fewer held tokens than this are recomputed rather than pulled: a claim and a handshake cost
+#: more than one block's prefill.
+MIN_PULL_TOKENS = 32
+
+
+@dataclass
+class PeerTurn:
+    """One session turn on this replica: its index key and turn number, and where its history
+    was to come from (``local``: this instance's own caches; ``peer``: a claimed pull)."""
+
+    key: Key
+    turn: int
+    source: str = "local"
+
+
+@dataclass
+class PeerCounts:
+    """What this replica did, for ``/metrics``."""
+
+    turns: int = 0
+    pulls_claimed: int = 0
+    pulled_hold_tokens: int = 0
+    claims_refused: int = 0
+    peers_unknown: int = 0
+    too_small: int = 0
+    own_holds: int = 0
+    holds_filed: int = 0
+    index_errors: dict[str, int] = field(default_factory=dict)
+
+
+class PeerPulls:
+    """The replica's side of the index for session turns: begin (take, claim) and file."""
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        instance_id: str,
+        url: str,
+        secret: bytes,
+        client: httpx.AsyncClient | None = None,
+        min_tokens: int = MIN_PULL_TOKENS,
+        clock: Any = time.monotonic,
+    ) -> None:
+        #: The shared index (a SessionStore and a Membership: the publisher's store).
+        self.store = store
+        self.instance_id = instance_id
+        self.url = url
+        self.secret = secret
+        self.client = client or httpx.AsyncClient(timeout=CLAIM_TIMEOUT_S)
+        self.min_tokens = min_tokens
+        self.clock = clock
+        self.counts = PeerCounts()
+        self._members: tuple[float, list[InstanceRecord]] = (float("-inf"), [])
+        self._filing: set[asyncio.Task[None]] = set()
+
+    def _index_error(self, op: str, exc: BaseException) -> None:
+        self.counts.index_errors[op] = self.counts.index_errors.get(op, 0) + 1
+        logger.info("kvbranch peer pulls: index %s failed (%s): recomputing", op, exc)
+
+    async def begin(self, payload: dict[str, Any], key: Key, authorization: str | None) -> PeerTurn:
+        """Take the branch's hold and set the request's transfer params: a claimed handle of
+        the peer that holds the branch, else :data:`LOCAL_PARAMS`. Never raises."""
+        self.counts.turns += 1
+        payload["kv_transfer_params"] = dict(LOCAL_PARAMS)
+        try:
+            start = await asyncio.wait_for(self.store.begin_turn(key), INDEX_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the index is advisory
+            self._index_error("begin_turn", exc)
+            return PeerTurn(key, 0)
+        turn = PeerTurn(key, start.turn)
+        hold: Hold | None = start.hold
+        if hold is None:
+            return turn
+        if hold.instance_id == self.instance_id:
+            self.counts.own_holds += 1  # its blocks are in this instance's own caches
+            return turn
+        if hold.num_tokens < self.min_tokens:
+            self.counts.too_small += 1
+            return turn
+        claimed = await self._claim(hold, authorization)
+        if claimed is not None:
+            payload["kv_transfer_params"] = dict(
+                claimed, do_remote_decode=True, do_remote_prefill=False
+            )
+            self.counts.pulls_claimed += 1
+            self.counts.pulled_hold_tokens += hold.num_tokens
+            turn.source = "peer"
+        return turn
+
+    async def members(self) -> list[InstanceRecord]:
+        """The live members whose record's seal holds (reused for :data:`MEMBERS_TTL_S`)."""
+        at, records = self._members
+        if self.clock() - at < MEMBERS_TTL_S:
+            return records
+        listed = await asyncio.wait_for(self.store.members(), INDEX_TIMEOUT_S)
+        records = [r for r in listed if record_seal.verify(r, self.secret)]
+        self._members = (self.clock(), records)
+        return records
+
+    async def peer_of(self, hold: Hold) -> InstanceRecord | None:
+        """The live, sealed member that issued ``hold``, when the NIXL side channel its sealed
+        record names is the one the hold's handle names; None otherwise."""
+        try:
+            records = await self.members()
+        except Exception as exc:  # noqa: BLE001
+            self._index_error("members", exc)
+            return None
+        params = hold.params
+        channel = f"{params.get('remote_host')}:{params.get('remote_port')}"
+        for record in records:
+            if record.instance_id == hold.instance_id and record.nixl and record.nixl == channel:
+                return record
+        return None
+
+    async def _claim(self, hold: Hold, authorization: str | None) -> dict[str, Any] | None:
+        """The peer's claim of its hold, added to the handle; None when there is no such live
+        peer or it no longer holds the blocks (then this turn recomputes)."""
+        peer = await self.peer_of(hold)
+        if peer is None:
+            self.counts.peers_unknown += 1
+            return None
+        content = json.dumps(HoldClaimRequest(handle=hold.params).model_dump()).encode()
+        headers = {
+            "content-type": "application/json",
+            ROUTER_PROOF_HEADER: sign(self.secret, "POST", HOLD_CLAIM_PATH, content),
+        }
+        if authorization:
+            headers["authorization"] = authorization  # the replicas share their API keys
+        try:
+            r = await self.client.post(
+                peer.url.rstrip("/") + HOLD_CLAIM_PATH,
+                content=content,
+                headers=headers,
+                timeout=CLAIM_TIMEOUT_S,
+            )
+            claim = r.json().get(CLAIM_FIELD) if r.status_code == 200 else None
+            if claim is not None:
+                HoldClaimResult.model_validate({CLAIM_FIELD: claim})
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            logger.info("kvbranch peer pulls: claim on %s failed (%s)", peer.url, exc)
+            claim = None
+        if not isinstance(claim, dict):
+            self.counts.claims_refused += 1
+            return None
+        return dict(hold.params, **{CLAIM_FIELD: claim})
+
+    async def file(self, turn: PeerTurn, params: Any) -> None:
+        """File this instance's handle for the branch's next turn (and record that the session
+        lives here, for session routes). Never raises."""
+        if not isinstance(params, dict) or not params.get(REMOTE_BLOCK_IDS):
+            return
+        hold = Hold(self.url, self.instance_id, dict(params), turn=turn.turn)
+        try:
+            if await asyncio.wait_for(self.store.put_hold(turn.key, hold), INDEX_TIMEOUT_S):
+                self.counts.holds_filed += 1
+            await asyncio.wait_for(
+                self.store.add_session_instances(turn.key[0], turn.key[1], [self.instance_id]),
+                INDEX_TIMEOUT_S,
+            )
+        except Exception as exc:  # noqa: BLE001
+            self._index_error("put_hold", exc)
+
+    def counters(self) -> dict[str, Any]:
+        c = self.counts
+        return {
+            "turns": c.turns,
+            "pulls_claimed": c.pulls_claimed,
+            "pulled_hold_tokens": c.pulled_hold_tokens,
+            "claims_refused": c.claims_refused,
+            "peers_unknown": c.peers_unknown,
+            "too_small": c.too_small,
+            "own_holds": c.own_holds,
+            "holds_filed": c.holds_filed,
+            "index_errors": dict(c.index_errors),
+        }
+
+
+def start(state: Any) -> PeerPulls | None:
+    """An aggregated replica's peer pulls, over the index its publisher opened; None when the
+    launcher did not make this instance one (``KVBRANCH_PEER_PULL``) or no index is open."""
+    from server.common.env import ENV_PEER_PULL
+
+    publisher = getattr(state, "index_publisher", None)
+    if os.environ.get(ENV_PEER_PULL) != "1" or publisher is None:
+        return None
+    pulls = PeerPulls(
+        publisher.store,
+        instance_id=state.instance_id,
+        url=publisher.record().url,
+        secret=publisher.secret,
+    )
+    logger.info("kvbranch peer pulls on: session turns pull from the replica holding them")
+    return pulls

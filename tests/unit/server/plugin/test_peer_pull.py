@@ -1,0 +1,159 @@
+"""An aggregated replica's session turn (server/plugin/peer_pull.py): which hold it claims, on
+whom, and what its request carries. The index is the real embedded backend; the peer's claim
+route is an httpx mock transport (pure logic: the real claim runs in
+tests/integration/test_replicas.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+
+import httpx
+import pytest
+
+from sdk.contract import CLAIM_FIELD, HOLD_CLAIM_PATH
+from server.common.cluster_auth import ROUTER_PROOF_HEADER, verify
+from server.index import Hold, InstanceRecord, MemoryIndexStore, record_seal
+from server.plugin.peer_pull import LOCAL_PARAMS, PeerPulls
+
+SECRET = secrets.token_bytes(32)
+KEY = ("tenant", "s1", "main")
+PEER = "peer-instance"
+CHANNEL = ("10.0.0.7", 5601)
+
+
+def handle(tokens: int = 600, host: str = CHANNEL[0], port: int = CHANNEL[1]) -> dict:
+    return {
+        "do_remote_decode": True,
+        "remote_block_ids": [[3, 4, 5, 6, 7]],
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": tokens,
+        "kvbranch_mac": "m",
+    }
+
+
+def peer_record(nixl: str = f"{CHANNEL[0]}:{CHANNEL[1]}", secret: bytes = SECRET):
+    record = InstanceRecord(PEER, "http://10.0.0.7:8000", "both", nixl=nixl)
+    return record_seal.seal(record, secret)
+
+
+class Peer:
+    """The peer's claim route: answers ``status`` and records what it was sent."""
+
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.calls: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls.append(request)
+        if self.status != 200:
+            return httpx.Response(self.status, json={"error": {"message": "gone"}})
+        claim = {"handle": "m", "until": 1e12, "until_perf": 1e9, "mac": "c"}
+        return httpx.Response(200, json={CLAIM_FIELD: claim})
+
+
+def pulls(store, peer: Peer) -> PeerPulls:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(peer))
+    return PeerPulls(store, instance_id="me", url="http://me:8000", secret=SECRET, client=client)
+
+
+async def _store(*records: InstanceRecord, hold: Hold | None = None) -> MemoryIndexStore:
+    store = MemoryIndexStore(hold_ttl_s=60)
+    for record in records:
+        await store.heartbeat(record, 30)
+    if hold is not None:
+        assert await store.put_hold(KEY, hold)
+    return store
+
+
+def begin(store, peer: Peer, authorization: str | None = "Bearer k") -> tuple[dict, str]:
+    payload: dict = {}
+    turn = asyncio.run(pulls(store, peer).begin(payload, KEY, authorization))
+    return payload["kv_transfer_params"], turn.source
+
+
+def test_a_branch_another_replica_holds_is_claimed_there_and_pulled():
+    store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle())))
+    peer = Peer()
+    params, source = begin(store, peer)
+    assert source == "peer"
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+    assert params[CLAIM_FIELD]["mac"] == "c"
+    assert params["remote_block_ids"] == [[3, 4, 5, 6, 7]]
+    (call,) = peer.calls
+    assert str(call.url) == "http://10.0.0.7:8000" + HOLD_CLAIM_PATH
+    assert json.loads(call.content)["handle"]["remote_num_tokens"] == 600
+    assert verify(SECRET, call.headers[ROUTER_PROOF_HEADER], "POST", HOLD_CLAIM_PATH, call.content)
+    assert call.headers["authorization"] == "Bearer k"
+
+
+def test_the_hold_is_taken_once_a_second_turn_finds_none():
+    store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle())))
+    begin(store, Peer())
+    params, source = begin(store, Peer())
+    assert (params, source) == (LOCAL_PARAMS, "local")
+
+
+@pytest.mark.parametrize(
+    ("records", "hold", "why"),
+    [
+        ([peer_record()], Hold("u", "me", handle()), "its own hold: its own caches have it"),
+        ([], Hold("u", PEER, handle()), "the holder is not a live member"),
+        ([peer_record(secret=b"x" * 32)], Hold("u", PEER, handle()), "the record's seal fails"),
+        ([peer_record()], Hold("u", PEER, handle(host="10.9.9.9")), "another NIXL channel"),
+        ([peer_record()], Hold("u", PEER, handle(tokens=16)), "too few tokens to pay a claim"),
+    ],
+)
+def test_no_claim_and_no_peer_named_when(records, hold, why):
+    store = asyncio.run(_store(*records, hold=hold))
+    peer = Peer()
+    params, source = begin(store, peer)
+    assert (params, source) == (LOCAL_PARAMS, "local"), why
+    assert peer.calls == [], why
+
+
+def test_a_refused_claim_recomputes():
+    store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle())))
+    peer = Peer(status=410)
+    puller = pulls(store, peer)
+    payload: dict = {}
+    turn = asyncio.run(puller.begin(payload, KEY, None))
+    assert payload["kv_transfer_params"] == LOCAL_PARAMS and turn.source == "local"
+    assert puller.counts.claims_refused == 1
+    assert "authorization" not in peer.calls[0].headers
+
+
+class DownIndex:
+    async def begin_turn(self, key):
+        raise ConnectionError("index down")
+
+    async def put_hold(self, key, hold):
+        raise ConnectionError("index down")
+
+
+def test_an_unreachable_index_costs_the_pull_never_the_turn():
+    puller = pulls(DownIndex(), Peer())
+    payload: dict = {}
+    turn = asyncio.run(puller.begin(payload, KEY, None))
+    assert payload["kv_transfer_params"] == LOCAL_PARAMS
+    asyncio.run(puller.file(turn, handle()))
+    assert puller.counts.index_errors == {"begin_turn": 1, "put_hold": 1}
+
+
+def test_a_finished_turn_files_this_replicas_hold_for_the_next_turn():
+    store = asyncio.run(_store())
+    puller = pulls(store, Peer())
+
+    async def turn_and_file():
+        turn = await puller.begin({}, KEY, None)
+        await puller.file(turn, handle())
+        await puller.file(turn, {"do_remote_decode": True})  # no blocks: nothing to file
+        return await store.peek_hold(KEY), await store.session_instances("tenant", "s1")
+
+    hold, placed = asyncio.run(turn_and_file())
+    assert hold is not None and hold.instance_id == "me" and hold.decode_url == "http://me:8000"
+    assert hold.params["remote_block_ids"] == [[3, 4, 5, 6, 7]]
+    assert placed == {"me"}
+    assert puller.counts.holds_filed == 1
