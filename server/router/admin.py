@@ -5,7 +5,9 @@ own pins and host store). With the embedded index that is every instance. With a
 (instances heartbeat there) it is the instances the index records for the session — its home P
 and the instances its turns ran on — and a new session is created on the P its first turn will
 go to (instances a later turn reaches create it lazily): a create or pin costs a few requests,
-not one per instance in the cluster. Reads go to a prefill instance that has it; ``stats`` adds
+not one per instance in the cluster. In front of aggregated replicas the replicas take the
+prefill instances' part (:attr:`server.router.pool.Pool.front`). Reads go to a prefill instance
+that has it; ``stats`` adds
 the cluster index. A fan-out never answers with just the first instance's reply: all must
 agree, or the client gets 502 with each instance's status, and a retry with the same id
 converges (an instance that already has the session counts as created, one that no longer has it
@@ -197,6 +199,14 @@ class Admin:
         self.index = index
         self.fanout_timeout_s = fanout_timeout_s
 
+    async def front(self) -> tuple[list[Instance], str]:
+        """The live instances a session's reads and creates go to, and what to call them: the
+        prefill instances, or the replicas in aggregated mode (membership read first: which
+        mode the router is in depends on it)."""
+        await self.pool.refresh_members()
+        noun = "replica" if self.pool.aggregated else "prefill instance"
+        return await self.pool.live(self.pool.front), noun
+
     async def forward(
         self,
         request: Request,
@@ -234,9 +244,9 @@ class Admin:
             body = await read_session_body(request)
         except Refused as refused:
             return refused.response
-        prefills = await self.pool.live(self.pool.prefills)
+        prefills, noun = await self.front()
         if not prefills:
-            return unavailable("no prefill instance is reachable")
+            return unavailable(f"no {noun} is reachable")
         tenant = tenant_of(request)
         full = f"{API_PREFIX}/{path}"
         if request.method == "POST" and (path == "sessions" or path.endswith("/branches")):
@@ -250,7 +260,7 @@ class Admin:
         if path.endswith("/prefetch") or request.method == "GET":
             if path.endswith("/prefetch"):  # warms the session's own prefill instance
                 parts = path.split("/")
-                chosen = await self.pool.choose_prefill(
+                chosen = await self.pool.choose_front(
                     (tenant, parts[1], parts[3]) if len(parts) > 3 else None
                 )
                 targets = [chosen or prefills[0]]
@@ -258,7 +268,7 @@ class Admin:
                 live_placed = [i for i in prefills if placed is None or i in placed]
                 targets = live_placed + [i for i in prefills if i not in live_placed]
             return await self.first_answer(
-                request, targets, full, body or None, "no prefill instance answered"
+                request, targets, full, body or None, f"no {noun} answered"
             )
         # A change: every instance that has the session, the ones seen down included — the
         # answer must say which instance missed it, and a retry must reach it.
@@ -293,7 +303,7 @@ class Admin:
                     return None  # the instances answer with their own 400
                 if not isinstance(session, str):
                     return None
-                home = await self.pool.choose_prefill((tenant, session, "main"))
+                home = await self.pool.choose_front((tenant, session, "main"))
                 if home is None or home.instance_id is None:
                     return None
                 await self.index.set_home(tenant, session, home.instance_id)
@@ -306,9 +316,9 @@ class Admin:
         return placed or None
 
     async def stats(self, request: Request) -> Response:
-        prefills = await self.pool.live(self.pool.prefills)
+        prefills, noun = await self.front()
         if not prefills:
-            return unavailable("no prefill instance is reachable")
+            return unavailable(f"no {noun} is reachable")
         r = await self.forward(request, prefills[0], STATS_PATH, None)
         if r.status_code != 200:
             return relay.passthrough(r)
@@ -331,9 +341,9 @@ class Admin:
         last turns of their branches from every live instance (a P/D turn is recorded where
         it ran), each naming the instance's role. The key goes to the instances as the
         client sent it: each answers for that key's tenant only."""
-        prefills = await self.pool.live(self.pool.prefills)
+        prefills, noun = await self.front()
         if not prefills:
-            return unavailable("no prefill instance is reachable")
+            return unavailable(f"no {noun} is reachable")
         others = [i for i in await self.pool.live(self.pool.decodes) if i not in prefills]
         answers = await asyncio.gather(
             *(self._fan_one(request, inst, UI_DATA_PATH, None) for inst in prefills + others)
@@ -371,10 +381,10 @@ class Admin:
         pool = self.pool
         await pool.refresh_members()
         await pool.probe_all()
-        ok = pool.routable(pool.prefills) and pool.routable(pool.decodes)
+        ok = pool.routable(pool.front) and (pool.aggregated or pool.routable(pool.decodes))
         # A live prefill instance's health as the probe just read it (no request of its own:
         # a /health flood costs the instances at most the probes' one per instance per second).
-        body = next((dict(i.health) for i in pool.prefills if i.alive and i.health), {})
+        body = next((dict(i.health) for i in pool.front if i.alive and i.health), {})
         view = {
             "status": "ok" if ok else "degraded",
             "role": "router",
@@ -393,6 +403,7 @@ class Admin:
 
     async def passthrough_get(self, request: Request, path: str) -> Response:
         live = await self.pool.live(self.pool.prefills) + await self.pool.live(self.pool.decodes)
+        live += await self.pool.live(self.pool.replicas)
         return await self.first_answer(request, live, path, None, "no instance is reachable")
 
     async def first_answer(

@@ -1,10 +1,13 @@
-"""The P/D router: OpenAI-compatible to clients, prefill on P and decode on D behind it.
+"""The router: OpenAI-compatible to clients, prefill on P and decode on D behind it — or, in
+front of aggregated replicas, each turn on the replica that holds its session.
 
 This module only assembles the parts, each in its own module:
 
 * :mod:`server.router.pool` — the instances, their health, which one a turn goes to;
 * :mod:`server.router.turn` — a completion turn: claim D's hold, prefill (and pull) on P,
   decode on D, fall back to one instance when the other fails;
+* :mod:`server.router.replica_turn` — a completion turn on one aggregated replica (the router
+  knows replicas and no P or D): chosen by :mod:`server.router.replicas`, relayed unchanged;
 * :mod:`server.router.relay` — the answer back to the client, D's transfer params filed;
 * :mod:`server.router.admin` — session routes fanned out to every instance, stats, health;
 * :mod:`server.router.edge` — bounded request bodies, 503 replies, the request's tenant;
@@ -43,6 +46,7 @@ from server.router.admin import Admin
 from server.router.edge import Edge, EdgeState
 from server.router.limits import TENANT_INFLIGHT
 from server.router.pool import CACHE_AWARE, PROBE_MAX_CONNECTIONS, PROBE_TIMEOUT_S, Pool
+from server.router.replica_turn import ReplicaFlow
 from server.router.turn import TurnFlow
 
 logger = logging.getLogger("kvbranch.router")
@@ -76,6 +80,7 @@ class Router:
         policy: str = CACHE_AWARE,
         api_keys: Sequence[str] = (),
         tenant_inflight: int = TENANT_INFLIGHT,
+        replica_urls: Sequence[str] = (),
     ) -> None:
         #: The cluster's API keys (digests only): the edge refuses a request without one of
         #: them (401) before any route runs; none configured, every request is let through.
@@ -113,10 +118,18 @@ class Router:
             store=index,
             policy=policy,
             registry=self.registry,
+            replica_urls=replica_urls,
         )
         self._tasks: set[asyncio.Task[int]] = set()
         self.edge = EdgeState(keys, self.registry, tenant_inflight=tenant_inflight)
         self.turn_flow = TurnFlow(self.pool, self.index, self.registry)
+        self.replica_flow = ReplicaFlow(
+            self.pool,
+            self.index,
+            turns=self.turn_flow.turns,
+            retries=self.turn_flow.retries,
+            index_errors=self.turn_flow.index_errors,
+        )
         self.admin = Admin(self.pool, self.index, fanout_timeout_s)
 
     def _drop_holds_of(self, decode_url: str) -> None:
@@ -128,6 +141,15 @@ class Router:
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def completion(self, request: Request) -> Response:
+        """A completion turn: on one replica when the router serves replicas (membership read
+        first: a router that knows its instances only from the index learns them there), else
+        through P and D."""
+        await self.pool.refresh_members()
+        if self.pool.aggregated:
+            return await self.replica_flow.completion(request)
+        return await self.turn_flow.completion(request)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -175,7 +197,7 @@ def build_app(router: Router) -> FastAPI:
     admin = router.admin
 
     for path in COMPLETION_PATHS:
-        app.add_api_route(path, router.turn_flow.completion, methods=["POST"])
+        app.add_api_route(path, router.completion, methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:

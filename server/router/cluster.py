@@ -1,7 +1,9 @@
 """``--cluster``: a whole kvbranch cluster on one machine — a Redis for the cluster index, N
-prefill and M decode instances, and K stateless routers that share that index (docs/cluster.md).
+prefill and M decode instances (or N aggregated replicas), and K stateless routers that share
+that index (docs/cluster.md).
 
 ``python -m server --cluster [--prefills 1] [--decodes 1] [--routers 2] [--index URL]``
+``python -m server --cluster --replicas N [--routers 2] [--index URL]``
 
 * **Redis**: without ``--index`` a private ``redis-server`` on a unix socket in the run
   directory (no TCP port, nothing persisted, memory capped with ``volatile-lru``: every index
@@ -12,10 +14,15 @@ prefill and M decode instances, and K stateless routers that share that index (d
   for ``--disagg``) and everything after ``--``. On CPU the cores are split as ``--disagg``
   splits them: the prefill instances share the first half, the decode instances the second
   (:func:`share_cores`; with 2 cores every P computes on core 0 and every D on core 1).
+* **Replicas** (``--replicas N``, instead of ``--prefills``/``--decodes``): N aggregated
+  instances, ``--role single --index URL --nixl-port <free>``, each prefilling and decoding; a
+  turn whose history another replica holds is pulled from it. On CPU they divide all the cores
+  (:func:`replica_cores`: one each on 2 cores with 2 replicas, shared when they outnumber them).
 * **Routers**: on ``--port``, ``--port + 1``, …, each with ``--index`` and the instances as seeds
-  (so they serve from the first request; an instance started elsewhere with the same
-  ``--index`` joins through its heartbeat). Any of them serves any turn: holds, turn order,
-  homes and placement live in the index, so a session's next turn can go to another router.
+  (``--prefill``/``--decode``, or ``--replica``: so they serve from the first request; an
+  instance started elsewhere with the same ``--index`` joins through its heartbeat). Any of
+  them serves any turn: holds, turn order, homes and placement live in the index, so a
+  session's next turn can go to another router.
 
 One cluster secret (``KVBRANCH_CLUSTER_SECRET``, made when unset) for every child, and the
 launcher's own ``PYTHONHASHSEED`` (block hashes must agree across instances), or none, for all.
@@ -37,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,8 +65,8 @@ REDIS_MAXMEMORY = "256mb"
 #: launcher sets --index itself; each instance advertises its own URL).
 _LAUNCHER_FLAGS = {**_CLUSTER_FLAGS, "--index": 1, "--advertise-url": 1}
 #: Flags a router child keeps from the user's (the rest describe an instance). Every flag whose
-#: help says "router:" is here, except --prefill/--decode, which the launcher sets itself
-#: (tests/unit/server/router/test_cluster_launch.py keeps that true).
+#: help says "router:" is here, except --prefill/--decode/--replica, which the launcher sets
+#: itself (tests/unit/server/router/test_cluster_launch.py keeps that true).
 _ROUTER_FLAGS = {
     "--host": 1,
     "--api-key": 1,
@@ -71,6 +79,9 @@ _ROUTER_FLAGS = {
     "--header-timeout-s": 1,
 }
 _REDIS_START_S = 10.0
+#: A child spec's role for an aggregated replica (launched as ``--role single``; its routers
+#: get it as ``--replica URL``).
+REPLICA = "replica"
 
 
 @dataclass
@@ -90,8 +101,20 @@ class ChildSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse what --cluster cannot honour, each with what to do instead."""
+#: The flags that size a prefill/decode cluster, which --replicas replaces.
+_PD_COUNTS = ("--prefills", "--decodes")
+
+
+def check_args(args: argparse.Namespace, given: Sequence[str] = ()) -> None:
+    """Refuse what --cluster cannot honour, each with what to do instead (``given``: the
+    user's own flags, to tell a count given from its default)."""
+    if args.replicas is not None:
+        named = [f for f in _PD_COUNTS if any(a.split("=", 1)[0] == f for a in given)]
+        if named:
+            raise LaunchError(
+                f"--cluster --replicas starts aggregated replicas: drop {'/'.join(named)} "
+                "(they size a prefill/decode cluster)"
+            )
     if args.disagg:
         raise LaunchError("--cluster and --disagg are two different launches: give one of them")
     if args.role != "single":
@@ -99,10 +122,11 @@ def check_args(args: argparse.Namespace) -> None:
             f"--cluster starts every role itself: drop --role {args.role} (to run one role "
             "on its own, use --role without --cluster)"
         )
-    if args.prefill or args.decode:
+    if args.prefill or args.decode or args.replica:
         raise LaunchError(
-            "--cluster starts its own instances: drop --prefill/--decode (to add an instance "
-            "started elsewhere, give it the same --index: it joins through its heartbeat)"
+            "--cluster starts its own instances: drop --prefill/--decode/--replica (to add an "
+            "instance started elsewhere, give it the same --index: it joins through its "
+            "heartbeat)"
         )
     if args.advertise_url:
         raise LaunchError("--cluster: each instance advertises its own URL; drop --advertise-url")
@@ -144,6 +168,12 @@ def share_cores(ncpu: int, prefills: int, decodes: int) -> list[str]:
     return _share(list(range(half)), prefills) + _share(list(range(half, ncpu)), decodes)
 
 
+def replica_cores(ncpu: int, replicas: int) -> list[str]:
+    """``--cpu-cores`` for each replica: all the cores divided among them (contiguous slices,
+    one core each where there are enough; shared round the cores when they outnumber them)."""
+    return _share(list(range(ncpu)), replicas)
+
+
 def plan_instances(
     args: argparse.Namespace,
     ours: list[str],
@@ -159,13 +189,17 @@ def plan_instances(
 
         port_of = free_port
     base = strip_flags(instance_argv(ours), _LAUNCHER_FLAGS)
-    roles = ["prefill"] * args.prefills + ["decode"] * args.decodes
+    if args.replicas is not None:
+        roles = [REPLICA] * args.replicas
+    else:
+        roles = ["prefill"] * args.prefills + ["decode"] * args.decodes
     specs: list[ChildSpec] = []
-    counts = {"prefill": 0, "decode": 0}
+    counts = {"prefill": 0, "decode": 0, REPLICA: 0}
     for i, role in enumerate(roles):
         counts[role] += 1
         port, nixl = port_of(), port_of()
-        argv = [*base, "--role", role, "--index", index_url, "--nixl-port", str(nixl)]
+        launched_as = "single" if role == REPLICA else role
+        argv = [*base, "--role", launched_as, "--index", index_url, "--nixl-port", str(nixl)]
         core = cores[i] if cores else None
         if core is not None:
             argv += ["--cpu-cores", core]
@@ -178,7 +212,8 @@ def plan_instances(
 def plan_routers(
     args: argparse.Namespace, ours: list[str], index_url: str, instances: list[ChildSpec]
 ) -> list[ChildSpec]:
-    """Routers on --port, --port+1, ...: --role router, the index, and the instances as seeds."""
+    """Routers on --port, --port+1, ...: --role router, the index, and the instances as seeds
+    (``--prefill``/``--decode`` URLs, or ``--replica`` URLs)."""
     base = keep_flags(ours, _ROUTER_FLAGS)
     seeds: list[str] = []
     for inst in instances:
@@ -342,13 +377,17 @@ def run_cluster(args: argparse.Namespace, ours: list[str], passthrough: list[str
     from server.launcher.process import TEARDOWN_S, ServerProcess
 
     phases = Phases()
-    check_args(args)
+    check_args(args, ours)
     index_url = args.index if args.index != "memory" else None
     if index_url is None:
         find_redis()  # before anything starts: one line when it is missing
     cores = None
     if not _cuda():
-        cores = share_cores(len(os.sched_getaffinity(0)), args.prefills, args.decodes)
+        ncpu = len(os.sched_getaffinity(0))
+        if args.replicas is not None:
+            cores = replica_cores(ncpu, args.replicas)
+        else:
+            cores = share_cores(ncpu, args.prefills, args.decodes)
     # The routers' ports stay ours while the instances load (their NIXL/UCX transports open
     # listeners on ephemeral ports; see bind_listener); released just before the routers start.
     held = [bind_listener(args.host, args.port + i) for i in range(args.routers)]

@@ -32,6 +32,7 @@ _CLUSTER_FLAGS = {
     "--cluster": 0,
     "--prefills": 1,
     "--decodes": 1,
+    "--replicas": 1,
     "--routers": 1,
     "--port": 1,
     "--role": 1,
@@ -39,6 +40,7 @@ _CLUSTER_FLAGS = {
     "--nixl-port": 1,
     "--prefill": 1,
     "--decode": 1,
+    "--replica": 1,
 }
 
 
@@ -77,11 +79,8 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
 
     index_url = getattr(args, "index", None) or "memory"
     shared = index_url != "memory"
-    if not shared and (not args.prefill or not args.decode):
-        raise LaunchError(
-            "--role router needs at least one --prefill URL and one --decode URL "
-            "(or --index redis://... to find its instances in the cluster index)"
-        )
+    replicas = getattr(args, "replica", None) or []
+    check_router_urls(args.prefill or [], args.decode or [], replicas, shared)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -95,10 +94,16 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
         tenant_inflight=getattr(args, "router_tenant_inflight", None) or TENANT_INFLIGHT,
         index=store,
         policy=getattr(args, "router_policy", "cache-aware"),
+        replica_urls=replicas,
+    )
+    instances = (
+        f"replica={replicas}"
+        if replicas
+        else f"prefill={args.prefill or 'from the index'} decode={args.decode or 'from the index'}"
     )
     print(
         f"[kvbranch] router on http://{args.host}:{args.port} index={redact(index_url)} "
-        f"prefill={args.prefill or 'from the index'} decode={args.decode or 'from the index'}",
+        f"{instances}",
         file=sys.stderr,
         flush=True,
     )
@@ -117,6 +122,23 @@ def run_router(args: argparse.Namespace, sock: socket.socket | None = None) -> N
     server.run(sockets=[sock] if sock is not None else None)
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the app did not start (e.g. the port is taken)
+
+
+def check_router_urls(
+    prefills: list[str], decodes: list[str], replicas: list[str], shared: bool
+) -> None:
+    """The router's seeds describe one topology: replicas (each serves a whole turn), or
+    prefill and decode instances; without a shared index they are all it knows."""
+    if replicas and (prefills or decodes):
+        raise LaunchError(
+            "--role router: give --replica URLs (aggregated replicas) or --prefill/--decode "
+            "URLs (a P/D cluster), not both"
+        )
+    if not shared and not replicas and (not prefills or not decodes):
+        raise LaunchError(
+            "--role router needs at least one --prefill URL and one --decode URL, or "
+            "--replica URLs (or --index redis://... to find its instances in the cluster index)"
+        )
 
 
 def router_protocol(args: argparse.Namespace) -> type[HeaderDeadlineProtocol]:

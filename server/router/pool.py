@@ -28,6 +28,10 @@ turn is aimed at it, whatever this router last saw — except for one heartbeat 
 index was unreachable or lost its records, while the instances re-register
 (:meth:`Pool.refresh_members`).
 
+Aggregated replicas (``--replica``, or index records of role "both") are a third group: while
+the router knows replicas and no prefill or decode instance, each turn goes to one replica
+(:mod:`server.router.replicas` chooses it, :mod:`server.router.replica_turn` relays it).
+
 Choice (:mod:`server.router.choice` scores it): a decode instance is the one that holds the
 branch's KV when it is up, else the least busy. A prefill instance is the cheapest: the prefill
 left to do given what each P holds (a claimable hold makes every P equally cheap: the pull brings
@@ -43,7 +47,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +68,7 @@ from server.index import (
 )
 from server.index.membership import DEFAULT_HEARTBEAT_TTL_S
 from server.router import choice
+from server.router.replicas import ReplicaChoice, choose_replica
 
 logger = logging.getLogger("kvbranch.router")
 
@@ -74,6 +79,10 @@ CACHE_AWARE, ROUND_ROBIN = "cache-aware", "round-robin"
 #: turns (:meth:`Pool.serves_locally`), for the A/B of ``benchmarks/pd_turns``.
 ALWAYS_SPLIT = "always-split"
 POLICIES = (CACHE_AWARE, ROUND_ROBIN)
+#: The role of an aggregated replica, as its record in the index names it.
+REPLICA = "both"
+#: The pool's list for each role an index record may have.
+_GROUP_OF = {"prefill": "prefills", "decode": "decodes", REPLICA: "replicas"}
 #: An instance the index stopped listing this long ago is forgotten (it may come back: then
 #: it is learnt again).
 FORGET_UNLISTED_S = 60.0
@@ -147,6 +156,7 @@ class Pool:
         decode_urls: list[str],
         *,
         client: httpx.AsyncClient,
+        replica_urls: Sequence[str] = (),
         probe_client: httpx.AsyncClient | None = None,
         api_key: str | None = None,
         on_restart: Callable[[str], object] | None = None,
@@ -156,12 +166,17 @@ class Pool:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if store is None and (not prefill_urls or not decode_urls):
-            raise ValueError("a router needs at least one prefill and one decode instance")
+        if store is None and not replica_urls and (not prefill_urls or not decode_urls):
+            raise ValueError(
+                "a router needs at least one prefill and one decode instance, or replicas"
+            )
         #: The router clock every age and deadline here is read from (a test moves its own).
         self.clock = clock
         self.prefills = [Instance(u.rstrip("/"), "prefill") for u in prefill_urls]
         self.decodes = [Instance(u.rstrip("/"), "decode") for u in decode_urls]
+        #: Aggregated replicas (``--replica``, or records of role "both" in the index): each
+        #: serves a whole turn (:mod:`server.router.replica_turn`).
+        self.replicas = [Instance(u.rstrip("/"), REPLICA) for u in replica_urls]
         self.client = client
         #: Health probes' own client (its own connections); the turns' client when not given
         #: (tests with one fake transport). The router gives it one of its own.
@@ -196,7 +211,22 @@ class Pool:
 
     @property
     def all(self) -> list[Instance]:
-        return self.prefills + self.decodes
+        return self.prefills + self.decodes + self.replicas
+
+    @property
+    def aggregated(self) -> bool:
+        """Turns go to one replica each: the router knows replicas and no prefill or decode
+        instance. One index serves one topology (``--cluster-name`` keeps two apart); a P or D
+        listed beside replicas keeps the router in P/D mode, as it always was."""
+        return any(i.eligible for i in self.replicas) and not any(
+            i.eligible for i in self.prefills + self.decodes
+        )
+
+    @property
+    def front(self) -> list[Instance]:
+        """The instances a session's reads, creates and health go to: the prefill instances,
+        or the replicas in aggregated mode."""
+        return self.replicas if self.aggregated else self.prefills
 
     def infos(self) -> list[dict[str, Any]]:
         return [i.info() for i in self.all]
@@ -345,7 +375,7 @@ class Pool:
         # the router answering 503 until every instance has re-registered); one that died
         # meanwhile fails its probe anyway.
         keep = now - max(self._failed_read_at, self._lost_after) < DEFAULT_HEARTBEAT_TTL_S
-        by_url = {r.url.rstrip("/"): r for r in records if r.role in ("prefill", "decode")}
+        by_url = {r.url.rstrip("/"): r for r in records if r.role in _GROUP_OF}
         for inst in self.all:
             rec = by_url.pop(inst.url, None)
             if rec is None and keep:
@@ -359,7 +389,7 @@ class Pool:
                     inst.unlisted_since = now
         # Forget instances the index stopped listing long ago (a fleet whose instances come
         # and go at new URLs would otherwise grow these lists forever).
-        for group in (self.prefills, self.decodes):
+        for group in (self.prefills, self.decodes, self.replicas):
             group[:] = [
                 i
                 for i in group
@@ -370,7 +400,7 @@ class Pool:
             ]
         for url, rec in by_url.items():
             inst = Instance(url, rec.role, seed=False, record=rec)
-            (self.prefills if rec.role == "prefill" else self.decodes).append(inst)
+            getattr(self, _GROUP_OF[rec.role]).append(inst)
             logger.info("%s %s joined (instance %s)", rec.role, url, rec.instance_id)
 
     @staticmethod
@@ -429,6 +459,33 @@ class Pool:
         if instance_id is None:
             return None
         return next((i for i in self.all if i.instance_id == instance_id), None)
+
+    async def choose_replica(
+        self,
+        key: Key | None,
+        *,
+        holder: str | None = None,
+        home: str | None = None,
+        skip: Collection[str] = (),
+    ) -> ReplicaChoice[Instance] | None:
+        """The replica for a turn (:mod:`server.router.replicas`): the holder or the home while
+        live and not overloaded, else rendezvous; None when no replica is live (but the ones
+        at the URLs in ``skip``: this turn could not connect to them)."""
+        live = [i for i in await self.live(self.replicas) if i.url not in skip]
+        if not live:
+            return None
+        if self.policy == ROUND_ROBIN:  # the baseline front: replicas in turn, no affinity
+            self._turns_routed += 1
+            return ReplicaChoice(live[self._turns_routed % len(live)], moved=False)
+        return choose_replica(live, key, holder=holder, home=home)
+
+    async def choose_front(self, key: Key | None) -> Instance | None:
+        """Where a session's first request goes (a create, a prefetch): its P, or in aggregated
+        mode its replica."""
+        if not self.aggregated:
+            return await self.choose_prefill(key)
+        chosen = await self.choose_replica(key)
+        return chosen.replica if chosen is not None else None
 
     async def choose_prefill(
         self, key: Key | None, start: TurnStart | None = None, *, pulled: bool = False

@@ -18,6 +18,7 @@ from server.router.cluster import (
     keep_flags,
     plan_instances,
     plan_routers,
+    replica_cores,
     share_cores,
     strip_flags,
 )
@@ -31,7 +32,7 @@ def parse(argv: list[str]):
 
 def plan(argv: list[str], passthrough: list[str] = (), cores=None, index: str = INDEX):
     args = parse(argv)
-    check_args(args)
+    check_args(args, argv)
     ports = itertools.count(9000)
     instances = plan_instances(args, argv, list(passthrough), index, cores, lambda: next(ports))
     return args, instances, plan_routers(args, argv, index, instances)
@@ -68,13 +69,18 @@ def test_help_lists_the_cluster_flags():
         (["--disagg"], "--disagg"),
         (["--role", "prefill"], "drop --role prefill"),
         (["--prefill", "http://x:1"], "drop --prefill/--decode"),
+        (["--replica", "http://x:1"], "drop --prefill/--decode/--replica"),
+        (["--replicas", "2", "--prefills", "1"], "--replicas .*drop --prefills"),
+        (["--replicas=2", "--decodes=2"], "--replicas .*drop --decodes"),
+        (["--replicas", "2", "--prefills", "2", "--decodes", "1"], "drop --prefills/--decodes"),
         (["--advertise-url", "http://x:1"], "drop --advertise-url"),
         (["--port", "65535", "--routers", "2"], "65535"),
     ],
 )
 def test_what_cluster_cannot_honour_is_one_line(extra, says):
-    with pytest.raises(LaunchError, match=says.replace("+", r"\+")):
-        check_args(parse(["--cluster", *extra]))
+    with pytest.raises(LaunchError, match=says.replace("+", r"\+")) as caught:
+        check_args(parse(["--cluster", *extra]), ["--cluster", *extra])
+    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -186,7 +192,7 @@ def test_every_router_flag_reaches_the_routers():
         for flag in action.option_strings
     }
     assert {"--router-policy", "--router-tenant-inflight"} <= router_flags
-    assert router_flags - {"--prefill", "--decode"} <= set(cluster._ROUTER_FLAGS)
+    assert router_flags - {"--prefill", "--decode", "--replica"} <= set(cluster._ROUTER_FLAGS)
 
 
 def test_user_flags_with_equals_are_kept_or_dropped_whole():
@@ -251,3 +257,77 @@ def test_main_dispatches_cluster(monkeypatch):
     )
     assert cli.main(["--cluster", "--routers", "3", "--", "--seed", "1"]) == 0
     assert seen == {"ours": ["--cluster", "--routers", "3"], "rest": ["--seed", "1"]}
+
+
+@pytest.mark.parametrize(
+    ("ncpu", "replicas", "expected"),
+    [
+        (2, 2, ["0", "1"]),  # one core each
+        (2, 3, ["0", "1", "0"]),  # more replicas than cores: shared round the cores
+        (4, 2, ["0-1", "2-3"]),
+        (5, 2, ["0-2", "3-4"]),
+        (2, 1, ["0-1"]),
+    ],
+)
+def test_replicas_divide_all_the_cores(ncpu, replicas, expected):
+    assert replica_cores(ncpu, replicas) == expected
+
+
+def test_replicas_are_single_instances_on_the_index_each_with_its_ports():
+    argv = ["--cluster", "--replicas", "3", "--index", INDEX, "--kv-cache-gib", "0.25"]
+    argv += ["--no-peer-pull", "--routers", "2", "--port", "8700"]
+    _, instances, routers = plan(argv, ["--seed", "1"], cores=["0", "1", "0"])
+    assert [i.name for i in instances] == ["replica1", "replica2", "replica3"]
+    nixl, ports = set(), set()
+    for inst in instances:
+        ours = inst.argv[: inst.argv.index("--")]
+        assert not (LEAKS | {"--replicas", "--replica"}) & {a.split("=", 1)[0] for a in ours}
+        assert value(ours, "--role") == "single" and ours.count("--role") == 1
+        assert value(ours, "--index") == INDEX and value(ours, "--cpu-cores") == inst.cores
+        assert value(ours, "--kv-cache-gib") == "0.25" and "--no-peer-pull" in ours
+        nixl.add(value(ours, "--nixl-port"))
+        ports.add(inst.port)
+    assert len(nixl) == 3 and len(ports) == 3 and not nixl & {str(p) for p in ports}
+    for router in routers:
+        seeds = [router.argv[i + 1] for i, a in enumerate(router.argv) if a == "--replica"]
+        assert seeds == [i.url for i in instances]
+        assert "--prefill" not in router.argv and "--decode" not in router.argv
+        child = parse([*router.argv, "--port", str(router.port)])
+        assert child.role == "router" and child.replica == seeds and child.index == INDEX
+    assert [r.port for r in routers] == [8700, 8701]
+
+
+def test_the_default_cluster_is_still_prefill_and_decode():
+    _, instances, routers = plan(["--cluster"])
+    assert [i.role for i in instances] == ["prefill", "decode"]
+    assert "--replica" not in routers[0].argv
+
+
+@pytest.mark.parametrize(
+    ("prefills", "decodes", "replicas", "shared", "says"),
+    [
+        (["http://p:1"], [], ["http://r:1"], True, "not both"),
+        ([], ["http://d:1"], ["http://r:1"], False, "not both"),
+        (["http://p:1"], [], [], False, "--replica URLs"),
+    ],
+)
+def test_router_seeds_name_one_topology(prefills, decodes, replicas, shared, says):
+    from server.router.launch import check_router_urls
+
+    with pytest.raises(LaunchError, match=says) as caught:
+        check_router_urls(prefills, decodes, replicas, shared)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("prefills", "decodes", "replicas", "shared"),
+    [
+        ([], [], ["http://r:1"], False),  # replicas alone, even without a shared index
+        (["http://p:1"], ["http://d:1"], [], False),
+        ([], [], [], True),  # everything from the index
+    ],
+)
+def test_router_seeds_that_serve(prefills, decodes, replicas, shared):
+    from server.router.launch import check_router_urls
+
+    check_router_urls(prefills, decodes, replicas, shared)

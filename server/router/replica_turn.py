@@ -1,0 +1,217 @@
+"""A completion turn on aggregated replicas: one replica serves it, the router only chooses.
+
+Each replica (``--role single --index URL``) prefills and decodes, files its branch's hold in
+the index after every turn, and takes that hold itself when a turn arrives, pulling the history
+from the peer that holds it (docs/cluster.md). So the router in front of replicas takes nothing:
+it reads the hold (:meth:`~server.index.SessionStore.peek_hold`, which leaves it for the replica)
+and the session's home (:meth:`~server.index.SessionStore.peek_home`), chooses the replica
+(:mod:`server.router.replicas`), and relays the request as the client sent it — the edge's checks
+and forwarded headers as for P/D (:mod:`server.router.edge`), no claim, no turn begun, no
+transfer params (a client's are refused with 400, as the P/D turn refuses them). Transfer params
+in an answer are the cluster's, never the client's: they are taken out as the P/D relay does.
+
+What the router does write is where the session went: its home (when it changed) and the
+replicas that have it, so its next turn finds it while the hold is taken or gone, and session
+routes reach every replica that has its branches and pins (:mod:`server.router.admin`).
+
+Faults: a replica that cannot be connected to (nothing was sent) is marked down and the turn
+goes to the next choice; one that fails after the request may have run answers 503 (a turn is
+never sent twice). Every answer's status counts toward ejection (:mod:`server.router.pool`).
+``X-KVBranch-Route`` says ``replica`` when the turn went where the session's KV is (the holder,
+else its home, or a new session's first replica) and ``replica-moved`` when it went elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import Counter
+
+from sdk.contract import ROUTE_HEADER, TRANSFER_PARAMS_FIELD
+from server.common.errors import error_response
+from server.index import IndexUnavailable, Key, SessionStore
+from server.router import relay
+from server.router.edge import FORWARD_HEADERS, Refused, read_turn, unavailable
+from server.router.pool import ROUND_ROBIN, Instance, Pool
+from server.router.turn import turn_key
+
+logger = logging.getLogger("kvbranch.router")
+
+#: Routes of a turn a replica served (``X-KVBranch-Route``).
+STAYED, MOVED = "replica", "replica-moved"
+#: Most (tenant, session, instance) placements this router remembers having written.
+MAX_PLACED = 100_000
+
+
+class _NotSent(Exception):
+    """The replica could not be connected to: nothing was sent, another may take the turn."""
+
+
+def _ignore(_: Any) -> None:
+    """A replica's answer carries no params for the router to file: it files its own hold."""
+
+
+class ReplicaFlow:
+    """Routes completion turns to aggregated replicas. Counters are the P/D turn's own (one
+    registry, one set of names): ``turns`` by route, ``retries`` by role, ``index_errors``."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        index: SessionStore,
+        *,
+        turns: Counter,
+        retries: Counter,
+        index_errors: Counter,
+    ) -> None:
+        self.pool = pool
+        self.index = index
+        self.turns = turns
+        self.retries = retries
+        self.index_errors = index_errors
+        #: (tenant, session, instance id) this router already recorded as having the session.
+        self._placed: dict[tuple[str, str, str], None] = {}
+        self._writes: set[asyncio.Task[None]] = set()
+
+    async def completion(self, request: Request) -> Response:
+        try:
+            payload = await read_turn(request)
+        except Refused as refused:
+            return refused.response
+        if TRANSFER_PARAMS_FIELD in payload:
+            return error_response(400, "kv_transfer_params is set by the cluster; remove it")
+        key = turn_key(payload, request)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+        holder, home = await self.where(key)
+        content = json.dumps(payload).encode()
+        stream = payload.get("stream") is True
+        tried: set[str] = set()
+        while True:  # each pass leaves one more replica out: it ends
+            chosen = await self.pool.choose_replica(key, holder=holder, home=home, skip=tried)
+            if chosen is None:
+                return unavailable("no replica is reachable")
+            inst = chosen.replica
+            route = MOVED if chosen.moved else STAYED
+            try:
+                answer = await self.send(inst, request.url.path, content, headers, stream, route)
+            except _NotSent as exc:
+                tried.add(inst.url)
+                self.retries.labels(inst.role).inc()
+                logger.warning("replica %s unreachable (%s): choosing another", inst.url, exc)
+                continue
+            self.place_soon(key, home, inst)
+            return answer
+
+    async def where(self, key: Key | None) -> tuple[str | None, str | None]:
+        """The instance ids of the branch's holder and of the session's home, read without
+        taking anything; (None, None) without a session or with the index unreachable."""
+        if key is None or self.pool.policy == ROUND_ROBIN:
+            return None, None
+        try:
+            hold, home = await asyncio.gather(
+                self.index.peek_hold(key), self.index.peek_home(key[0], key[1])
+            )
+        except IndexUnavailable:
+            self.index_errors.labels("peek").inc()
+            return None, None
+        return (hold.instance_id if hold is not None else None), home
+
+    async def send(
+        self,
+        inst: Instance,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        route: str,
+    ) -> Response:
+        """The turn on ``inst``, its answer relayed; :class:`_NotSent` when no connection
+        was made."""
+        client = self.pool.client
+        out_headers = {ROUTE_HEADER: route}
+        inst.inflight += 1
+        inst.requests += 1
+        try:
+            req = client.build_request(
+                "POST",
+                inst.url + path,
+                content=content,
+                headers={**headers, "content-type": "application/json"},
+            )
+            resp = await client.send(req, stream=stream)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            inst.inflight -= 1
+            self.pool.failed(inst, reachable=False)
+            raise _NotSent(f"{type(exc).__name__}: {exc}") from None
+        except httpx.HTTPError as exc:
+            inst.inflight -= 1
+            self.pool.failed(inst, reachable=False)
+            return unavailable(f"the replica failed mid-turn: {type(exc).__name__}")
+        except BaseException:  # the client left while the replica had not answered yet
+            inst.inflight -= 1
+            raise
+        if resp.status_code >= 500:
+            self.pool.failed(inst)
+        else:
+            self.pool.succeeded(inst)
+        self.turns.labels(route).inc()
+        if not stream or resp.status_code != 200:
+            if stream:
+                await resp.aread()
+                await resp.aclose()
+            inst.inflight -= 1
+            return self.answer(resp, out_headers)
+
+        def done() -> None:
+            inst.inflight -= 1
+
+        # want_usage: the client gets every chunk the replica sent (the router asked for none)
+        return relay.relay_stream(resp, _ignore, None, True, done, out_headers)
+
+    @staticmethod
+    def answer(resp: httpx.Response, out_headers: dict[str, str]) -> Response:
+        """A whole answer: 5xx as 503 (the turn may have run: it is not sent again), the
+        client's own error as the replica said it, a completion without transfer params."""
+        if resp.status_code >= 500:
+            return unavailable(f"the replica failed mid-turn: HTTP {resp.status_code}")
+        if resp.status_code != 200:
+            return relay.passthrough(resp, out_headers)
+        try:
+            data = resp.json()
+        except ValueError:
+            return relay.passthrough(resp, out_headers)
+        if not isinstance(data, dict):
+            return relay.passthrough(resp, out_headers)
+        return JSONResponse(relay.rewrite_json(data, _ignore, None), headers=out_headers)
+
+    def place_soon(self, key: Key | None, home: str | None, inst: Instance) -> None:
+        """:meth:`place` as a task: the turn need not wait for the index's write."""
+        if key is None or inst.instance_id is None or self.pool.policy == ROUND_ROBIN:
+            return
+        if inst.instance_id == home and (key[0], key[1], inst.instance_id) in self._placed:
+            return
+        task = asyncio.get_running_loop().create_task(self.place(key, home, inst.instance_id))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def place(self, key: Key, home: str | None, iid: str) -> None:
+        """Record that the session now lives on ``iid``: its home when it changed, and among
+        the replicas that have the session."""
+        tenant, session = key[0], key[1]
+        try:
+            if iid != home:
+                await self.index.set_home(tenant, session, iid)
+            if (tenant, session, iid) not in self._placed:
+                await self.index.add_session_instances(tenant, session, [iid])
+        except IndexUnavailable:
+            self.index_errors.labels("place").inc()
+            return
+        self._placed[(tenant, session, iid)] = None
+        while len(self._placed) > MAX_PLACED:  # bounded: the oldest are written again if needed
+            del self._placed[next(iter(self._placed))]
