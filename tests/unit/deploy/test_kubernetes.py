@@ -11,16 +11,21 @@ Then the rendered objects are read against the code, not against a list kept by 
   (:func:`server.launcher.settings.build_parser`), after Kubernetes' ``$(VAR)`` expansion, each
   variable defined in the container; the image's ENTRYPOINT is ``python -m server``;
 * ports: ``--port`` is the container port the probes and Services reach, ``--nixl-port`` (or
-  the launcher's default, port + 10000) a container port of P and D, ``--index`` names a
+  the launcher's default, port + 10000) a container port of P, D and aggregated replicas
+  (instances that pull from their peers: :func:`server.launcher.settings.peer_replica`),
+  each bound to its pod's address, ``--index`` names a
   rendered Redis Service port, ``--advertise-url`` the HTTP port; P, D and routers of one
-  cluster agree on the index and the cluster name, P and D on the model and block size;
+  cluster agree on the index and the cluster name, P and D on the model and block size; every
+  pod of an index has the cluster secret (from one Secret key) and the same ``PYTHONHASHSEED``;
 * every environment variable is one the code reads (its name is a string in ``server/``), one
   Python reads (``PYTHONHASHSEED``), or one the args expand;
 * probes use routes open without an API key: the router's public paths (its edge's
   ``PUBLIC_PATHS``, routes of its real app), vLLM's ``/health`` on instances;
-* the NetworkPolicies keep Redis, the NIXL side channel and any KV-event port the launcher
-  would call exposed (:func:`server.index.event_sockets.exposed_endpoints`) to the pods that
-  need them; the routers have a PodDisruptionBudget; GPU requests where the overlay says GPU;
+* the NetworkPolicies keep Redis (its index's pods), the NIXL side channel (the peers that
+  pull) and any KV-event port the launcher would call exposed
+  (:func:`server.index.event_sockets.exposed_endpoints`) to the pods that need them, and let a
+  replica's peers reach its HTTP port (hold claims); the routers have a PodDisruptionBudget;
+  GPU requests where the overlay says GPU;
 * the secret files are git- and docker-ignored and never committed.
 """
 
@@ -36,9 +41,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
 from server.index.event_sockets import exposed_endpoints
 from server.launcher.cli import pd_environment, split_passthrough
-from server.launcher.settings import advertise_url, build_parser
+from server.launcher.settings import advertise_url, build_parser, peer_replica
 from tests.kube_manifests import (
     DUMMY_SECRET,
     KUBE,
@@ -62,6 +68,7 @@ VLLM_KEYED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 #: Variables read by something other than our code, and by what.
 READ_ELSEWHERE = {"PYTHONHASHSEED": "Python itself: vLLM's block-hash seed (docs/kv_events.md)"}
 INSTANCE_ROLES = ("single", "prefill", "decode")
+PD_ROLES = ("prefill", "decode")
 #: What ``$(POD_IP)`` (the downward API's status.podIP) stands for here.
 POD_IP = "10.1.2.3"
 #: Pods a NetworkPolicy is also tried against: every kvbranch role (an overlay may lack some)
@@ -91,6 +98,11 @@ def _parse(c: Obj) -> tuple[argparse.Namespace, list[str]]:
         return build_parser().parse_args(ours), passthrough
     except SystemExit:
         pytest.fail(f"container {c['name']}: the launcher refuses its args {ours}")
+
+
+def _pulls(args: argparse.Namespace) -> bool:
+    """An instance with a NIXL side channel: P, D, or an aggregated replica."""
+    return args.role in PD_ROLES or peer_replica(args)
 
 
 def _port(c: Obj, name: str) -> int | None:
@@ -129,7 +141,7 @@ def _gib(quantity: str) -> float:
 
 
 def test_the_overlays_are_there() -> None:
-    assert {"single", "cluster"} <= set(OVERLAYS)
+    assert {"single", "cluster", "aggregated", "llm-d"} <= set(OVERLAYS)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -187,7 +199,7 @@ def test_ports_are_the_ones_the_flags_open(rendered: dict[str, list[Obj]], overl
             probe = c.get(kind)
             if probe and "httpGet" in probe:
                 assert probe["httpGet"]["port"] in ("http", args.port), f"{name} {kind}"
-        if args.role in ("prefill", "decode"):
+        if _pulls(args):
             # What the launcher gives vLLM's NIXL connector, and what the heartbeat publishes:
             # the pod's own address (a wildcard would be advertised as 127.0.0.1) and ports.
             side = pd_environment(args)
@@ -250,6 +262,27 @@ def test_env_is_what_the_code_reads(rendered: dict[str, list[Obj]], overlay: str
                 f"{dep['metadata']['name']}: {name} is read by nothing (not in server/, "
                 "not expanded in the args)"
             )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_cluster_shares_one_secret_and_one_hash_seed(
+    rendered: dict[str, list[Obj]], overlay: str
+) -> None:
+    """Sealed heartbeats, holds and transfer handles verify only under one secret, and the
+    index's block hashes match only under one seed (docs/cluster.md)."""
+    secrets, seeds = set(), set()
+    for dep, c in ours(rendered[overlay]):
+        args = _parse(c)[0]
+        if args.index == "memory":
+            continue
+        env = {e["name"]: e for e in c.get("env", [])}
+        name = dep["metadata"]["name"]
+        assert ENV_CLUSTER_SECRET in env, f"{name}: shares an index without the cluster secret"
+        ref = env[ENV_CLUSTER_SECRET]["valueFrom"]["secretKeyRef"]
+        secrets.add((ref["name"], ref["key"]))
+        seeds.add(env.get("PYTHONHASHSEED", {}).get("value"))
+    assert len(secrets) <= 1, f"{overlay}: cluster secrets {secrets}"
+    assert len(seeds) <= 1, f"{overlay}: PYTHONHASHSEED {seeds}"
 
 
 # --- probes, availability, resources ------------------------------------------------------
@@ -349,6 +382,14 @@ def _admitted(objs: list[Obj], dep: Obj, port: int) -> list[Obj | None]:
     return out
 
 
+def _reaches(objs: list[Obj], dep: Obj, port: int, labels: dict[str, str]) -> bool:
+    """Whether a pod labelled ``labels`` may reach ``port`` of ``dep``'s pods."""
+    return any(
+        peer is None or ("podSelector" in peer and _matches(peer["podSelector"], labels))
+        for peer in _admitted(objs, dep, port)
+    )
+
+
 def _only_from(objs: list[Obj], dep: Obj, port: int, roles: set[str]) -> None:
     """The peers admitted to ``port`` are exactly the kvbranch pods of ``roles`` (each one a
     pod selector; pods outside the render, such as llm-d's scheduler, may match too)."""
@@ -375,17 +416,28 @@ def test_network_policies_guard_redis_nixl_and_kv_events(
     rendered: dict[str, list[Obj]], overlay: str
 ) -> None:
     objs = rendered[overlay]
+    parsed = [(dep, c, *_parse(c)) for dep, c in ours(objs)]
+    # The index's clients: every kvbranch pod given a Redis --index; the pull peers: every
+    # instance with a NIXL side channel.
+    clients = {component(d) for d, _, a, _ in parsed if urlsplit(a.index).scheme == "redis"}
+    peers = {component(d) for d, _, a, _ in parsed if _pulls(a)}
     for dep in workloads(objs):
         if component(dep) == "redis":
             port = _port(_containers(dep)[0], "redis")
             assert port is not None
-            _only_from(objs, dep, port, {"prefill", "decode", "router"})
-    for dep, c in ours(objs):
-        args, passthrough = _parse(c)
-        if args.role in ("prefill", "decode"):
-            nixl = int(pd_environment(args)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
-            _only_from(objs, dep, nixl, {"prefill", "decode"})
+            _only_from(objs, dep, port, clients)
+    for dep, _, args, passthrough in parsed:
+        labels = _pod_labels(dep)
+        if args.role in PD_ROLES:
             _only_from(objs, dep, args.port, {"router"})
+        if _pulls(args):
+            nixl = int(pd_environment(args)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+            _only_from(objs, dep, nixl, peers)
+        if peer_replica(args):
+            # A replica claims a peer's hold on the peer's HTTP port before it pulls.
+            assert _reaches(objs, dep, args.port, labels), (
+                f"{dep['metadata']['name']}: peers cannot claim holds on port {args.port}"
+            )
         for endpoint in exposed_endpoints(passthrough):
             # Only pods outside the render (the scheduler's) may read the event stream.
             _only_from(objs, dep, int(endpoint.rsplit(":", 1)[1]), set())
