@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import cli, common, reporting  # noqa: E402
 from benchmarks.pd_report import UPSTREAM, plot, records_of, report  # noqa: E402
 from benchmarks.pd_workloads import (  # noqa: E402
-    WORKLOADS,
+    add_workload_arguments,
     conversation_turns,
     run_workload,
     turn_order,
@@ -213,35 +213,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CONFIG",
         help="in this order (default: %(default)s; all: %(choices)s)",
     )
-    parser.add_argument("--workload", choices=WORKLOADS, default="conversations")
-    reporting.add_int_args(parser, {"--conversations": 4, "--turns": 6, "--system-tokens": 500})
-    parser.add_argument(
-        "--new-tokens",
-        type=int,
-        default=180,
-        help="tool observation tokens added per turn (default %(default)s)",
-    )
-    parser.add_argument("--gen-tokens", type=int, default=32)
-    parser.add_argument(
-        "--interleave",
-        action="store_true",
-        help="conversations: round-robin turn by turn (with a small budget P's own cache "
-        "cannot keep a conversation between its turns, the case the D->P pull is for)",
-    )
+    add_workload_arguments(parser)
     parser.add_argument(
         "--reset-p-cache",
         action="store_true",
         help="conversations: empty P's device prefix cache before every turn after the first "
         "(vLLM's dev route; kvbranch's host store is kept)",
-    )
-    parser.add_argument("--fork-turn", type=int, default=3, help="agents: the turn that forks")
-    parser.add_argument("--pause-s", type=float, default=1.0, help="agents, bfcl: tool time")
-    parser.add_argument(
-        "--bfcl-max-chars",
-        type=int,
-        default=14000,
-        help="bfcl: only traces whose last step is at most this long (so that they fit the "
-        "max model length a small budget holds)",
     )
     parser.add_argument(
         "--kv-cache-gib",

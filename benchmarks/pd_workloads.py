@@ -37,6 +37,34 @@ from sdk.contract import DEFAULT_BRANCH
 WORKLOADS = ("conversations", "agents", "bfcl")
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "conversations") -> None:
+    """The options of the workloads, for every benchmark that runs them."""
+    parser.add_argument("--workload", choices=WORKLOADS, default=default)
+    reporting.add_int_args(parser, {"--conversations": 4, "--turns": 6, "--system-tokens": 500})
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=180,
+        help="tool observation tokens added per turn (default %(default)s)",
+    )
+    parser.add_argument("--gen-tokens", type=int, default=32)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="conversations: round-robin turn by turn (so that a small cache cannot keep a "
+        "conversation between its turns: on P/D, the case the D->P pull is for)",
+    )
+    parser.add_argument("--fork-turn", type=int, default=3, help="agents: the turn that forks")
+    parser.add_argument("--pause-s", type=float, default=1.0, help="agents, bfcl: tool time")
+    parser.add_argument(
+        "--bfcl-max-chars",
+        type=int,
+        default=14000,
+        help="bfcl: only traces whose last step is at most this long (so that they fit the "
+        "max model length a small budget holds)",
+    )
+
+
 def conversation_turns(
     seed: int, turns: int, system_tokens: int, new_tokens: int
 ) -> tuple[str, list[str]]:

@@ -1,0 +1,239 @@
+"""Aggregated replicas of one model behind a front, kvbranch against plain vLLM: does a session's
+KV follow it when its turns land on other replicas? (docs/cluster.md, aggregated replicas)
+
+* ``kvbranch`` — N ``python -m server --role single --index <a Redis started here>``
+  replicas sharing one cluster secret: a turn whose history another replica holds pulls it
+  over NIXL instead of recomputing it;
+* ``vllm`` — N plain vLLM servers (:mod:`tests.vanilla_vllm`: no kvbranch code at all).
+
+Replica i computes on core i (modulo the cores). The fronts, the same for both:
+
+* ``round-robin`` — each request of a branch goes to the replica after the one its previous
+  request went to (with 2 replicas every turn moves: what an even spread does to a session at
+  worst; a session starts on a replica chosen by a hash of its id);
+* ``affinity`` — a hash of the session id picks the replica (its branches go with it);
+* ``router`` — kvbranch's router (``--role router --index ... --replica URL ...``).
+
+The two hashing fronts live in the benchmark's own HTTP client (a transport that readdresses
+each request), so they add no hop. Every (front, config) gets fresh servers, one set at a time;
+the workloads are pd_turns' (:mod:`benchmarks.pd_workloads`, agents by default), sent with the
+session and branch in the body only. Measured: p50 TTFT of turns after the first, prompt tokens
+reused (kvbranch's split; vLLM's ``cached_tokens``) as a share of what one instance with an
+unbounded cache could reuse (each turn's previous turn, prompt and answer), and whether every
+answer is the same in every run.
+
+    .venv/bin/python -m benchmarks replicas --replicas 2 --front round-robin affinity router
+    .venv/bin/python -m benchmarks replicas --conversations 1 --turns 2 --no-results  # a smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import cli, common, reporting  # noqa: E402
+from benchmarks.pd_report import answers, p50_ttft, shape  # noqa: E402
+from benchmarks.pd_workloads import add_workload_arguments, run_workload  # noqa: E402
+from benchmarks.records import Record, result  # noqa: E402
+from sdk.contract import BRANCH_XARG, DEFAULT_BRANCH  # noqa: E402
+from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET  # noqa: E402
+from server.launcher.process import ServerProcess, free_port  # noqa: E402
+
+NAME = "replicas"
+DESCRIPTION = (
+    "aggregated replicas behind round robin, session affinity or our router: kvbranch replicas "
+    "that pull a session's KV from each other vs plain vLLM replicas"
+)
+FRONTS = ("round-robin", "affinity", "router")
+CONFIGS = ("kvbranch", "vllm")
+TTFT_TARGET = 3.0  # vLLM's p50 TTFT of turns after the first over kvbranch's, behind one front
+REUSE_TARGET = 95.0  # kvbranch's reuse, % of an unbounded cache's
+SECRET = "replicas-bench-" + "0" * 50
+
+
+class VanillaVLLM(ServerProcess):
+    module = "tests.vanilla_vllm"
+
+
+def pick(front: str, replicas: int, session: str, branch: str, sent: Counter[Any]) -> int:
+    """The replica a request of ``session``/``branch`` goes to (``sent``: requests per branch
+    so far, updated)."""
+    start = int.from_bytes(hashlib.sha256(session.encode()).digest()[:8], "big")
+    if front == "affinity":
+        return start % replicas
+    sent[(session, branch)] += 1
+    return (start + sent[(session, branch)] - 1) % replicas
+
+
+class Front(httpx.AsyncBaseTransport):
+    """A balancer in the client: each request readdressed to the replica :func:`pick` says."""
+
+    def __init__(self, front: str, urls: list[str]) -> None:
+        self.front, self.urls = front, [httpx.URL(u) for u in urls]
+        self.sent: Counter[Any] = Counter()
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        branch = (body.get(common.XARGS_FIELD) or {}).get(BRANCH_XARG, DEFAULT_BRANCH)
+        session = str(body.get(common.SESSION_FIELD, ""))
+        to = self.urls[pick(self.front, len(self.urls), session, branch, self.sent)]
+        request.url = request.url.copy_with(scheme=to.scheme, host=to.host, port=to.port)
+        request.headers["host"] = to.netloc.decode()
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def replica(config: str, i: int, index: str, args: argparse.Namespace) -> ServerProcess:
+    core = str(i % (os.cpu_count() or 1))
+    sizes = ["--kv-cache-gib", str(args.kv_cache_gib), "--max-model-len", str(args.max_model_len)]
+    name = f"replicas-{config}-{i}"
+    if config == "vllm":
+        env = {"VLLM_CPU_OMP_THREADS_BIND": core}
+        return VanillaVLLM([*sizes, "--no-connector"], name=name, env=env, ready_timeout=1200)
+    argv = [*sizes, "--host-store-gib", str(args.host_store_gib), "--index", index]
+    argv += ["--cpu-cores", core, "--nixl-port", str(free_port())]
+    env = {ENV_CLUSTER_SECRET: SECRET, "PYTHONHASHSEED": "0"}
+    return ServerProcess(argv, name=name, env=env, ready_timeout=1200)
+
+
+async def run_set(
+    front: str, config: str, args: argparse.Namespace, log: reporting.Progress
+) -> dict[str, Any]:
+    """Fresh replicas (and router) for one (front, config), the workload through the front."""
+    from tests.redis_server import RedisServer
+
+    out: dict[str, Any] = {"name": f"{config}@{front}", "front": front, "config": config}
+    redis = RedisServer().start()
+    procs = [replica(config, i, redis.url, args) for i in range(args.replicas)]
+    try:
+        for p in procs:
+            p.launch()
+        for p in procs:
+            p.wait_ready()
+        urls = [p.url for p in procs]
+        transport = None if front == "router" else Front(front, urls)
+        if front == "router":
+            seeds = [a for u in urls for a in ("--replica", u)]
+            env = {ENV_CLUSTER_SECRET: SECRET}
+            procs.append(ServerProcess(["--role", "router", "--index", redis.url, *seeds], env=env))
+            procs[-1].start()
+            urls = [procs[-1].url]
+        log(f"[{out['name']}] ready; logs: {', '.join(str(p.log_path) for p in procs)}")
+        async with httpx.AsyncClient(timeout=1800, transport=transport) as client:
+            out["turns"] = await run_workload(client, urls[0], args, log, out["name"], False)
+    except Exception as exc:  # noqa: BLE001 - the other sets still run; the report says why
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"[{out['name']}] failed: {out['error']}")
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        redis.close()
+    return out
+
+
+def reuse(turns: list[dict[str, Any]], fed_back: bool) -> tuple[int, int]:
+    """(prompt tokens reused, what one instance with an unbounded cache could reuse) over the
+    turns after the first: a turn's previous turn on its branch (a fork's first turn: its
+    parent's), prompt and (``fed_back``) answer, at most all but one prompt token."""
+    by = {(t["conversation"], t["branch"], t["turn"]): t for t in turns}
+    got = ceiling = 0
+    for (conv, branch, turn), t in by.items():
+        prev = by.get((conv, branch, turn - 1)) or by.get((conv, DEFAULT_BRANCH, turn - 1))
+        if turn > 1 and prev is not None:
+            seen = prev["prompt_tokens"] + (prev["completion_tokens"] if fed_back else 0)
+            ceiling += min(seen, t["prompt_tokens"] - 1)
+            got += t["prompt_tokens"] - t["recomputed_tokens"]
+    return got, ceiling
+
+
+def summary(res: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+    got, ceiling = reuse(res["turns"], args.workload != "bfcl")
+    return {
+        "first": p50_ttft(res, 1, 1),
+        "late": p50_ttft(res, 2),
+        "reuse": 100.0 * got / ceiling if ceiling else float("nan"),
+        "pulled": float(sum(t["remote_hit_tokens"] for t in res["turns"])),
+    }
+
+
+def records_of(results: list[dict[str, Any]], args: argparse.Namespace) -> list[Record]:
+    done = [r for r in results if "turns" in r]
+    sums = {r["name"]: summary(r, args) for r in done}
+    note = f"{args.replicas} replicas, {shape(args)}, {args.kv_cache_gib:g} GiB KV each"
+    out = []
+    for r in done:
+        s, kv = sums[r["name"]], r["config"] == "kvbranch"
+        met = s["reuse"] >= REUSE_TARGET if kv else None
+        out.append(result(NAME, r["name"], "p50 TTFT turns >= 2", s["late"], "s", note=note))
+        target = f">= {REUSE_TARGET:g}%" if kv else ""
+        metric = "prompt tokens reused, % of unbounded cache"
+        out.append(result(NAME, r["name"], metric, s["reuse"], "%", target, met, note=note))
+        plain = sums.get(f"vllm@{r['front']}")
+        if kv and plain:
+            x = plain["late"] / s["late"]
+            config, target = f"kvbranch/vllm@{r['front']}", f">= {TTFT_TARGET:g}x"
+            metric = "p50 TTFT turns >= 2 ratio"
+            out.append(result(NAME, config, metric, x, "x", target, x >= TTFT_TARGET, note=note))
+    if len(done) > 1:
+        same, total, _ = answers(done)
+        pct = 100.0 * same / total
+        out.append(result(NAME, "all", "answers identical", pct, "%", "100%", same == total))
+    return out
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace, info: Any, s: float) -> str:
+    rows = []
+    for r in results:
+        if "turns" not in r:
+            rows.append([r["front"], r["config"], r["error"][:80], "", "", ""])
+            continue
+        m = summary(r, args)
+        rows.append([r["front"], r["config"], *(f"{m[k]:.3g}" for k in m)])
+    head = ["front", "config", "p50 TTFT turn 1 (s)", "p50 TTFT turns >= 2 (s)"]
+    head += ["reused, % of unbounded cache", "tokens pulled"]
+    done = [r for r in results if "turns" in r]
+    same, total, _ = answers(done) if done else (0, 0, {})
+    lines = reporting.run_header(f"Aggregated replicas: {shape(args)}", info, s)
+    lines += [reporting.md_table(head, rows), f"Answers identical in every run: {same}/{total}."]
+    return "\n\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--front", nargs="+", default=list(FRONTS), choices=FRONTS)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), help="kvbranch,vllm")
+    add_workload_arguments(parser, default="agents")
+    common.add_server_args(parser, kv_cache_gib=0.4, max_model_len=4096, host_store_gib=2.0)
+    common.add_run_args(parser, seed=7, reserved_cpus=False)
+
+
+def run(args: argparse.Namespace) -> list[Record]:
+    args.configs = [c for group in args.configs for c in group.split(",")]
+    if set(args.configs) - set(CONFIGS):
+        raise SystemExit(f"--configs: one of {CONFIGS}, not {args.configs}")
+    log = reporting.Progress()
+    info = reporting.machine_info_async()
+    results = [asyncio.run(run_set(f, c, args, log)) for f in args.front for c in args.configs]
+    raw = reporting.raw_path(NAME)
+    reporting.write_json(raw, {"args": vars(args), "results": results})
+    reporting.publish(report(results, args, info.result(), log.elapsed()), args.no_results)
+    log(f"raw data: {raw}")
+    return records_of(results, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli.main([NAME, *sys.argv[1:]]))

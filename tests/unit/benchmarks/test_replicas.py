@@ -1,0 +1,98 @@
+"""benchmarks/replicas: the fronts place requests as they say (affinity keeps a session on one
+replica, round robin moves every turn of a branch with 2 replicas), the in-client balancer
+readdresses each request to its replica, and the reuse ceiling is each turn's previous turn
+(a fork's first turn: its parent's)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections import Counter
+
+import httpx
+
+from benchmarks.replicas import Front, pick, records_of, reuse
+from sdk.contract import DEFAULT_BRANCH
+
+
+def test_affinity_keeps_a_session_and_its_branches_on_one_replica() -> None:
+    sent: Counter = Counter()
+    for n in (2, 3):
+        for sid in ("agent-s0", "agent-s1", "agent-s2"):
+            places = {pick("affinity", n, sid, b, sent) for b in ("main", "alt0") for _ in range(4)}
+            assert len(places) == 1
+    assert len({pick("affinity", 3, f"s{i}", "main", sent) for i in range(30)}) == 3
+
+
+def test_round_robin_moves_every_turn_of_a_branch() -> None:
+    sent: Counter = Counter()
+    turns = [pick("round-robin", 2, "agent-s0", "main", sent) for _ in range(6)]
+    assert all(a != b for a, b in zip(turns, turns[1:], strict=False))
+    three = [pick("round-robin", 3, "agent-s0", "alt0", sent) for _ in range(6)]
+    assert three[:3] == three[3:] and len(set(three)) == 3
+
+
+def test_the_front_readdresses_each_request_to_its_replica() -> None:
+    seen: list[str] = []
+
+    def replica(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.url.host}:{request.url.port} {request.headers['host']}")
+        return httpx.Response(200, json={})
+
+    async def send() -> None:
+        front = Front("round-robin", ["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
+        front.inner = httpx.MockTransport(replica)  # type: ignore[assignment]
+        async with httpx.AsyncClient(transport=front) as client:
+            for _ in range(4):
+                body = {"session_id": "s", "messages": []}
+                await client.post("http://front.invalid/v1/chat/completions", json=body)
+
+    asyncio.run(send())
+    ports = [s.split()[0] for s in seen]
+    assert ports[0] != ports[1] and ports[:2] == ports[2:], seen
+    assert all(s.split()[0] == s.split()[1] for s in seen), "Host follows the replica"
+
+
+def row(branch: str, turn: int, prompt: int, done: int, recomputed: int, ttft: float) -> dict:
+    return {
+        "conversation": "s0",
+        "branch": branch,
+        "turn": turn,
+        "prompt_tokens": prompt,
+        "completion_tokens": done,
+        "recomputed_tokens": recomputed,
+        "remote_hit_tokens": 0,
+        "ttft_s": ttft,
+        "content": f"{branch} {turn}",
+    }
+
+
+TURNS = [
+    row(DEFAULT_BRANCH, 1, 500, 30, 500, 2.0),
+    row(DEFAULT_BRANCH, 2, 720, 30, 190, 0.5),  # could reuse 530
+    row("alt0", 3, 960, 30, 900, 1.5),  # a fork's first turn: its parent's turn 2, 750
+]
+
+
+def test_the_ceiling_is_the_previous_turn_prompt_and_answer() -> None:
+    assert reuse(TURNS, fed_back=True) == (530 + 60, 530 + 750)
+    assert reuse(TURNS, fed_back=False) == (530 + 60, 500 + 720)
+
+
+def test_records_compare_kvbranch_with_vllm_behind_the_same_front() -> None:
+    args = argparse.Namespace(
+        replicas=2, workload="agents", conversations=1, turns=3, kv_cache_gib=0.4
+    )
+    slow = [dict(t, ttft_s=t["ttft_s"] * 4) for t in TURNS]
+    results = [
+        {"name": "kvbranch@affinity", "front": "affinity", "config": "kvbranch", "turns": TURNS},
+        {"name": "vllm@affinity", "front": "affinity", "config": "vllm", "turns": slow},
+        {"name": "vllm@router", "front": "router", "config": "vllm", "error": "no router"},
+    ]
+    recs = {(r.config, r.metric): r for r in records_of(results, args)}
+    ratio = recs[("kvbranch/vllm@affinity", "p50 TTFT turns >= 2 ratio")]
+    assert ratio.value == 4.0 and ratio.met
+    reused = recs[("kvbranch@affinity", "prompt tokens reused, % of unbounded cache")]
+    assert round(reused.value) == round(100 * 590 / 1280) and reused.met is False
+    assert recs[("all", "answers identical")].value == 100.0
+    assert not any(c.endswith("@router") for c, _ in recs)
