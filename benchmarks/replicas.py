@@ -1,26 +1,11 @@
 """Aggregated replicas of one model behind a front, kvbranch against plain vLLM: does a session's
-KV follow it when its turns land on other replicas? (docs/cluster.md, aggregated replicas)
-
-* ``kvbranch`` — N ``python -m server --role single --index <a Redis started here>``
-  replicas sharing one cluster secret: a turn whose history another replica holds pulls it
-  over NIXL instead of recomputing it;
-* ``vllm`` — N plain vLLM servers (:mod:`tests.vanilla_vllm`: no kvbranch code at all).
-
-Replica i computes on core i (modulo the cores). The fronts, the same for both:
-
-* ``round-robin`` — each request of a branch goes to the replica after the one its previous
-  request went to (with 2 replicas every turn moves: what an even spread does to a session at
-  worst; a session starts on a replica chosen by a hash of its id);
-* ``affinity`` — a hash of the session id picks the replica (its branches go with it);
-* ``router`` — kvbranch's router (``--role router --index ... --replica URL ...``).
-
-The two hashing fronts live in the benchmark's own HTTP client (a transport that readdresses
-each request), so they add no hop. Every (front, config) gets fresh servers, one set at a time;
-the workloads are pd_turns' (:mod:`benchmarks.pd_workloads`, agents by default), sent with the
-session and branch in the body only. Measured: p50 TTFT of turns after the first, prompt tokens
-reused (kvbranch's split; vLLM's ``cached_tokens``) as a share of what one instance with an
-unbounded cache could reuse (each turn's previous turn, prompt and answer), and whether every
-answer is the same in every run.
+KV follow it when its turns land on other replicas? (docs/cluster.md; benchmarks/README.md says
+what each front and config is.) ``kvbranch``: N ``python -m server --role single --index``
+replicas on a Redis started here, one cluster secret; ``vllm``: N :mod:`tests.vanilla_vllm`.
+Replica i on core i; fresh servers for every (front, config), one set at a time. The hashing
+fronts live in the client (a transport readdressing each request: no extra hop); ``router`` is
+ours. The workloads are pd_turns' (:mod:`benchmarks.pd_workloads`, session and branch in the
+body only).
 
     .venv/bin/python -m benchmarks replicas --replicas 2 --front round-robin affinity router
     .venv/bin/python -m benchmarks replicas --conversations 1 --turns 2 --no-results  # a smoke
@@ -67,8 +52,9 @@ class VanillaVLLM(ServerProcess):
 
 
 def pick(front: str, replicas: int, session: str, branch: str, sent: Counter[Any]) -> int:
-    """The replica a request of ``session``/``branch`` goes to (``sent``: requests per branch
-    so far, updated)."""
+    """The replica a request of ``session``/``branch`` goes to. ``affinity``: by a hash of the
+    session id; ``round-robin``: the one after its branch's previous request's (with 2, every
+    turn moves: an even spread at its worst for a session). ``sent``: requests per branch."""
     start = int.from_bytes(hashlib.sha256(session.encode()).digest()[:8], "big")
     if front == "affinity":
         return start % replicas
