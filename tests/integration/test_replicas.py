@@ -15,12 +15,13 @@ import secrets
 import time
 
 import httpx
-import pytest
 
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
 from server.index.hold_cipher import HoldCipher
 from server.index.redis_store import RedisKeys, decode_hold, digest, encode_hold
-from tests.integration.cluster_fixture import TENANT
+from server.launcher.process import free_port
+from tests import prestart
+from tests.integration.cluster_fixture import TENANT, sigkill
 from tests.integration.helpers import chat_body, client, size_args, system_prompt
 from tests.prestart import BIND_ENV
 from tests.redis_server import RedisServer
@@ -35,10 +36,13 @@ MAX_TOKENS = 12
 
 
 class Replicas:
-    """Redis and two replicas sharing it, the cluster secret and one PYTHONHASHSEED."""
+    """Redis and two replicas sharing it, the cluster secret and one PYTHONHASHSEED: one
+    process for :mod:`tests.prestart` (launched ahead of the module, two engines)."""
+
+    engines = 2  # what tests.prestart counts against the memory budget
 
     def __init__(self) -> None:
-        self.redis = RedisServer().start()
+        self.redis = RedisServer()
         env = {ENV_CLUSTER_SECRET: SECRET, "PYTHONHASHSEED": "0"}
         cores = os.environ.get(BIND_ENV)
         self.replicas = [
@@ -50,7 +54,7 @@ class Replicas:
                     "--cpu-cores",
                     cores or core,
                     "--nixl-port",
-                    str(_free_port()),
+                    str(free_port()),
                 ],
                 name=f"replica-{core}",
                 ready_timeout=900,
@@ -59,30 +63,23 @@ class Replicas:
             for core in ("0", "1")
         ]
 
+    def launch(self) -> None:
+        self.redis.start()
+        for server in self.replicas:
+            server.launch()
+
+    def wait_ready(self) -> None:
+        for server in self.replicas:
+            server.wait_ready()
+        _wait_listed(self, len(self.replicas))
+
     def stop(self) -> None:
         for server in self.replicas:
             server.stop()
         self.redis.stop()
 
 
-def _free_port() -> int:
-    from server.launcher.process import free_port
-
-    return free_port()
-
-
-@pytest.fixture(scope="module")
-def replicas():
-    cluster = Replicas()
-    try:
-        for server in cluster.replicas:
-            server.launch()
-        for server in cluster.replicas:
-            server.wait_ready()
-        _wait_listed(cluster, 2)
-        yield cluster
-    finally:
-        cluster.stop()
+replicas = prestart.fixture("replicas", lambda: (Replicas(),), scope="module", engines=2)
 
 
 def _wait_listed(cluster: Replicas, n: int, timeout_s: float = 60.0) -> None:
@@ -247,3 +244,43 @@ def _peer_turns(server, source: str) -> float:
         if row.startswith(line):
             return float(row.split()[-1])
     raise AssertionError(f"no {line} on /metrics")
+
+
+# --- last: these stop Redis and a replica ---------------------------------------------------
+def test_the_index_down_costs_a_recompute_never_the_turn(replicas, plain_server):
+    a, b = _pair(replicas)
+    messages = _conversation(seed=45)
+    session = "down-" + secrets.token_hex(4)
+    tokens, _, _ = _turn(a, messages, session)
+    replicas.redis.stop()
+    try:
+        messages = _next(messages, tokens, "Next?")
+        mine, _, _ = _turn(b, messages, session)
+        assert mine == _plain(plain_server, messages)
+    finally:
+        replicas.redis.start()
+    assert _peer_index_errors(b, "begin_turn") >= 1
+
+
+def test_a_peer_killed_between_turns_costs_a_recompute(replicas, plain_server):
+    a, b = _pair(replicas)
+    _wait_listed(replicas, 2)  # both back in the restarted index: B will try A
+    messages = _conversation(seed=46)
+    session = "kill-" + secrets.token_hex(4)
+    tokens, _, _ = _turn(a, messages, session)
+    sigkill(a)  # a crash: its record stays listed until its heartbeat's TTL ends
+    messages = _next(messages, tokens, "Next?")
+    refused_before = _peer_turns(b, "claim_refused")
+    mine, _, _ = _turn(b, messages, session)
+    assert mine == _plain(plain_server, messages)
+    assert _peer_turns(b, "claim_refused") == refused_before + 1
+
+
+def _peer_index_errors(server, op: str) -> float:
+    with client(server) as c:
+        text = c.get("/metrics").text
+    line = f'kvbranch_peer_index_errors_total{{op="{op}"}}'
+    for row in text.splitlines():
+        if row.startswith(line):
+            return float(row.split()[-1])
+    return 0.0
