@@ -44,6 +44,7 @@ FRONTS = ("round-robin", "affinity", "router")
 CONFIGS = ("kvbranch", "vllm")
 TTFT_TARGET = 3.0  # vLLM's p50 TTFT of turns after the first over kvbranch's, behind one front
 REUSE_TARGET = 95.0  # kvbranch's reuse, % of an unbounded cache's
+MOVED_TARGET = 1.3  # a moved session's turn (pulled) over a turn on the replica that has it
 SECRET = "replicas-bench-" + "0" * 50
 
 
@@ -174,6 +175,12 @@ def records_of(results: list[dict[str, Any]], args: argparse.Namespace) -> list[
             config, target = f"kvbranch/vllm@{r['front']}", f">= {TTFT_TARGET:g}x"
             metric = "p50 TTFT turns >= 2 ratio"
             out.append(result(NAME, config, metric, x, "x", target, x >= TTFT_TARGET, note=note))
+    moved, local = sums.get("kvbranch@round-robin"), sums.get("kvbranch@affinity")
+    if moved and local:
+        # Round robin moves every turn (pulled), affinity none (the replica's own caches).
+        x, metric = moved["late"] / local["late"], "moved turn / local turn, p50 TTFT"
+        config, target = "kvbranch round-robin/affinity", f"<= {MOVED_TARGET:g}x"
+        out.append(result(NAME, config, metric, x, "x", target, x <= MOVED_TARGET, note=note))
     if len(done) > 1:
         same, total, _ = answers(done)
         pct = 100.0 * same / total
