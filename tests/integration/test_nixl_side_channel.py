@@ -42,7 +42,12 @@ def _socket(ctx: zmq.Context, kind: int, path: str) -> zmq.Socket:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_the_side_channel_refuses_strangers_survives_junk_and_serves_the_cluster(pd, role):
     instance = pd[0] if role == "prefill" else pd[1]
-    path = _path(instance)
+    check_side_channel(_path(instance), CLUSTER_SECRET)
+
+
+def check_side_channel(path: str, secret: str) -> None:
+    """Junk, vLLM's own request and another secret refused; a peer with ``secret`` served
+    (also run on aggregated replicas: tests/integration/test_replicas.py)."""
     with zmq.Context() as ctx:
         with _socket(ctx, zmq.DEALER, path) as dealer:
             for junk in ([b"x"], [b"a", b"b", b"c", b"d"], [b"", b"\xc1"]):
@@ -66,7 +71,7 @@ def test_the_side_channel_refuses_strangers_survives_junk_and_serves_the_cluster
                 sock.recv_multipart()
 
         with _socket(ctx, zmq.REQ, path) as raw:  # a peer of this cluster
-            sock = AuthenticatedRequester(raw, CLUSTER_SECRET.encode())
+            sock = AuthenticatedRequester(raw, secret.encode())
             sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
             payload, _ = sock.recv_multipart()
     handshake = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(payload)

@@ -23,6 +23,7 @@ from server.launcher.process import free_port
 from tests import prestart
 from tests.integration.cluster_fixture import TENANT, sigkill
 from tests.integration.helpers import chat_body, client, size_args, system_prompt
+from tests.integration.test_nixl_side_channel import check_side_channel
 from tests.prestart import BIND_ENV
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
@@ -244,6 +245,13 @@ def _peer_turns(server, source: str) -> float:
         if row.startswith(line):
             return float(row.split()[-1])
     raise AssertionError(f"no {line} on /metrics")
+
+
+def test_a_replicas_nixl_side_channel_serves_only_the_cluster(replicas):
+    """The pull's other door: a non-member on a replica's NIXL port gets nothing."""
+    for server in replicas.replicas:
+        port = server.args[server.args.index("--nixl-port") + 1]
+        check_side_channel(f"tcp://127.0.0.1:{port}", SECRET)
 
 
 # --- last: these stop Redis and a replica ---------------------------------------------------
