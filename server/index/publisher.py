@@ -290,6 +290,26 @@ def record_factory(
     return make
 
 
+#: The index offers a hold for this long when the engine's config names none.
+DEFAULT_HOLD_TTL_S = 30.0
+
+
+def index_hold_ttl_s(engine_client: Any) -> float:
+    """How long the holds this instance files (an aggregated replica's) are offered: the time
+    its NIXL child holds a finished turn's blocks (``decoder_kv_blocks_ttl``, from the launcher's
+    ``--pd-hold-ttl-s``) less the margin routers keep, so a hold found in the index is still
+    held by the instance (``server.router.launch.router_ttl``: the same rule)."""
+    config = getattr(getattr(engine_client, "vllm_config", None), "kv_transfer_config", None)
+    extra = getattr(config, "kv_connector_extra_config", None) or {}
+    children = [c for c in extra.get("connectors", []) if isinstance(c, dict)]
+    ttl = DEFAULT_HOLD_TTL_S
+    for child in [extra, *(c.get("kv_connector_extra_config") or {} for c in children)]:
+        value = child.get("decoder_kv_blocks_ttl")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            ttl = float(value)
+    return max(ttl - 5.0, ttl / 2)
+
+
 def start(state: Any, engine_client: Any, args: Any) -> IndexPublisher | None:
     """Start the publisher task when the launcher named a shared index; None otherwise (or
     when the index URL cannot be opened: logged, the instance serves without it)."""
@@ -302,7 +322,7 @@ def start(state: Any, engine_client: Any, args: Any) -> IndexPublisher | None:
     try:
         store = open_store(
             url,
-            hold_ttl_s=float(getattr(args, "pd_hold_ttl_s", 30.0) or 30.0),
+            hold_ttl_s=index_hold_ttl_s(engine_client),
             cluster=os.environ.get(ENV_CLUSTER_NAME, "default"),
         )
     except Exception as exc:  # noqa: BLE001 - a missing backend must not stop serving

@@ -188,3 +188,23 @@ async def test_real_vllm_publisher_end_to_end(tmp_path):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         vllm_pub.shutdown()
+
+
+def test_a_replicas_holds_are_offered_while_its_connector_still_holds_them():
+    """The index TTL of the holds an aggregated replica files comes from its own NIXL child's
+    hold (the launcher's --pd-hold-ttl-s), less the routers' margin: not vLLM's arguments,
+    which have no such field."""
+    from types import SimpleNamespace
+
+    from server.index.publisher import DEFAULT_HOLD_TTL_S, index_hold_ttl_s
+
+    def engine(extra):
+        transfer = SimpleNamespace(kv_connector_extra_config=extra)
+        return SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=transfer))
+
+    nixl = {"kv_connector_extra_config": {"decoder_kv_blocks_ttl": 120}}
+    stack = {"connectors": [nixl, {"kv_connector_extra_config": {"host_store_bytes": 1}}]}
+    assert index_hold_ttl_s(engine(stack)) == 115.0
+    assert index_hold_ttl_s(engine({"decoder_kv_blocks_ttl": 8})) == 4.0
+    assert index_hold_ttl_s(engine({})) == DEFAULT_HOLD_TTL_S - 5.0
+    assert index_hold_ttl_s(SimpleNamespace()) == DEFAULT_HOLD_TTL_S - 5.0
