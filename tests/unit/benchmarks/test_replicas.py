@@ -85,14 +85,14 @@ def test_records_compare_kvbranch_with_vllm_behind_the_same_front() -> None:
     )
     slow = [dict(t, ttft_s=t["ttft_s"] * 4) for t in TURNS]
     results = [
-        {"name": "kvbranch@affinity", "front": "affinity", "config": "kvbranch", "turns": TURNS},
-        {"name": "vllm@affinity", "front": "affinity", "config": "vllm", "turns": slow},
-        {"name": "vllm@router", "front": "router", "config": "vllm", "error": "no router"},
+        {"name": "kvbranch affinity", "front": "affinity", "config": "kvbranch", "turns": TURNS},
+        {"name": "vllm affinity", "front": "affinity", "config": "vllm", "turns": slow},
+        {"name": "vllm router", "front": "router", "config": "vllm", "error": "no router"},
     ]
     recs = {(r.config, r.metric): r for r in records_of(results, args)}
-    ratio = recs[("kvbranch/vllm@affinity", "p50 TTFT turns >= 2 ratio")]
+    ratio = recs[("vllm/kvbranch affinity", "p50 TTFT turns >= 2 ratio")]
     assert ratio.value == 4.0 and ratio.met
-    reused = recs[("kvbranch@affinity", "prompt tokens reused, % of unbounded cache")]
+    reused = recs[("kvbranch affinity", "prompt tokens reused, % of unbounded cache")]
     assert round(reused.value) == round(100 * 590 / 1280) and reused.met is False
     assert recs[("all", "answers identical")].value == 100.0
-    assert not any(c.endswith("@router") for c, _ in recs)
+    assert not any(c.endswith(" router") for c, _ in recs)
