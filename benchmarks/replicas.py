@@ -184,7 +184,8 @@ def records_of(results: list[dict[str, Any]], args: argparse.Namespace) -> list[
     if len(done) > 1:
         same, total, _ = answers(done)
         pct = 100.0 * same / total
-        out.append(result(NAME, "all", "answers identical", pct, "%", "100%", same == total))
+        metric = "answers identical"
+        out.append(result(NAME, "all", metric, pct, "%", "100%", same == total, note=note))
     return out
 
 

@@ -31,6 +31,7 @@ from benchmarks.report_format import cell, fmt_value
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 README_MD = Path(__file__).resolve().parent.parent / "README.md"
 HISTORY = "history/RESULTS-log-2026.md"
+STUDIES = Path(__file__).resolve().parent / "history"
 #: ``config@variant``: a config run on another model family (``turn_ttft --family NAME``).
 VARIANT = "@"
 #: A metric measured at one agent count of a sweep: ``bfcl agents=4 resumed TTFT p90``.
@@ -217,16 +218,48 @@ def intro(all_records: list[Record]) -> list[str]:
     ]
 
 
+def is_study(bench: str) -> bool:
+    """A finished study: its module lives in ``benchmarks/history/``."""
+    return (STUDIES / f"{bench}.py").exists()
+
+
+def study_line(bench: str, rows: list[Record]) -> str:
+    """A finished study in one line: its latest run and every target it did not meet (the
+    tables are in the history log, the records in ``results/``)."""
+    r = max(rows, key=lambda x: x.date)
+    judged = [x for x in rows if x.target and x.met is not None]
+    missed = [x for x in judged if not x.met]
+    line = f"- **{bench}**: run {r.date}, git {r.commit or '?'}: `{r.command or '?'}`; "
+    line += f"{len(judged) - len(missed)} of {len(judged)} targets met" if judged else "no targets"
+    if missed:
+        words = "; ".join(f"{x.metric} {fmt_value(x.value, x.unit)} ({x.target})" for x in missed)
+        line += f"; not met: {cell(words)}"
+    return line
+
+
 def render(all_records: list[Record], claims: list[headline.Claim] | None = None) -> str:
-    """The whole RESULTS.md for these records (deterministic: no clock, no probe)."""
+    """The whole RESULTS.md for these records (deterministic: no clock, no probe). Finished
+    studies a headline row does not name take one line each, at the end."""
     by_bench = latest(all_records)
     chosen = headline.load() if claims is None else claims
     lines = intro(all_records)
     lines += ["## Headline", ""]
     lines += headline.table(headline.rows(chosen, by_bench), anchor)
     lines.append("")
+    named = {c.benchmark for c in chosen}
+    studies = [b for b in by_bench if is_study(b) and b not in named]
     for bench, rows in by_bench.items():
-        lines += section(bench, rows)
+        if bench not in studies:
+            lines += section(bench, rows)
+    if studies:
+        lines += [
+            "## Finished studies",
+            "",
+            "Their modules are in `history/`, their records in `results/`; older tables: "
+            f"[{HISTORY}]({HISTORY}).",
+            "",
+        ]
+        lines += [study_line(b, by_bench[b]) for b in studies]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from benchmarks import records, report
+from benchmarks import headline, records, report
 from benchmarks.records import Record
 
 ROOT_RECORDS = records.RESULTS_DIR
@@ -89,8 +89,8 @@ def _history() -> list[Record]:
         _rec(date=old, commit="1111111", config="plain", metric="p50", value=20.0),
         _rec(date=new, commit="2222222", metric="p50", value=2.0, target=">= 3x", met=False),
         _rec(date=old, commit="1111111", metric="quick p50", value=4.0, target="<= 5", met=True),
-        _rec(benchmark="soak", metric="wrong answers", value=0, unit="answers", target="0"),
-        _rec(benchmark="soak", metric="died", value=1, unit="processes", target="0", met=False),
+        _rec(benchmark="capacity", metric="wrong answers", value=0, unit="answers", target="0"),
+        _rec(benchmark="capacity", metric="died", value=1, unit="processes", target="0", met=False),
     ]
 
 
@@ -118,6 +118,21 @@ def test_the_sections_show_every_target_of_the_latest_numbers():
     assert "4 s (target <= 5: MET)" in cells  # its own latest
     assert "0 answers (target 0: –)" in cells  # undecided
     assert "1 processes (target 0: **NOT MET**)" in cells
+
+
+def test_a_finished_study_is_one_line_that_names_every_target_it_missed():
+    study = [
+        _rec(
+            benchmark="soak", metric="wrong answers", value=0, unit="answers", target="0", met=True
+        ),
+        _rec(benchmark="soak", metric="died", value=1, unit="processes", target="0", met=False),
+    ]
+    text = report.render([*_history(), *study], [])
+    assert "\n## soak\n" not in text  # benchmarks/history/soak.py: a finished study
+    (line,) = [x for x in text.splitlines() if x.startswith("- **soak**")]
+    assert "1 of 2 targets met" in line and "not met: died 1 processes (0)" in line
+    named = report.render([*_history(), *study], [headline.Claim(claim="c", benchmark="soak")])
+    assert "\n## soak\n" in named  # a study a headline row names keeps its section
 
 
 def test_each_section_names_the_runs_its_numbers_come_from():
