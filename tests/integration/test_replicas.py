@@ -29,8 +29,8 @@ from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
 
 SECRET = secrets.token_hex(32)
-#: Holds end 30 s after a turn unless pulled (offered 25 s): a test empties a replica by waiting for its holds
-#: from earlier tests to end (a held turn's blocks cannot be reset away).
+#: Holds end 30 s after a turn unless pulled (offered 25 s): a test empties a replica by waiting
+#: for its holds from earlier tests to end (a held turn's blocks cannot be reset away).
 HOLD_TTL_S = 30
 ARGS = [*size_args(0.25, 0.25, 4096), "--pd-hold-ttl-s", str(HOLD_TTL_S)]
 MAX_TOKENS = 12
