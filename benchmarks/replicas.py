@@ -161,30 +161,33 @@ def records_of(results: list[dict[str, Any]], args: argparse.Namespace) -> list[
     done = [r for r in results if "turns" in r]
     sums = {r["name"]: summary(r, args) for r in done}
     note = f"{args.replicas} replicas, {shape(args)}, {args.kv_cache_gib:g} GiB KV each"
+    # The forking agents' records carry no prefix (the headline reads them); another workload's
+    # names itself, so that its numbers never stand in for the agents' as "the latest".
+    at = "" if args.workload == "agents" else f"{shape(args)}: "
     out = []
     for r in done:
         s, kv = sums[r["name"]], r["config"] == "kvbranch"
         met = s["reuse"] >= REUSE_TARGET if kv else None
-        out.append(result(NAME, r["name"], "p50 TTFT turns >= 2", s["late"], "s", note=note))
+        out.append(result(NAME, r["name"], at + "p50 TTFT turns >= 2", s["late"], "s", note=note))
         target = f">= {REUSE_TARGET:g}%" if kv else ""
-        metric = "prompt tokens reused, % of unbounded cache"
+        metric = at + "prompt tokens reused, % of unbounded cache"
         out.append(result(NAME, r["name"], metric, s["reuse"], "%", target, met, note=note))
         plain = sums.get(f"vllm {r['front']}")
         if kv and plain:
             x = plain["late"] / s["late"]
             config, target = f"vllm/kvbranch {r['front']}", f">= {TTFT_TARGET:g}x"
-            metric = "p50 TTFT turns >= 2 ratio"
+            metric = at + "p50 TTFT turns >= 2 ratio"
             out.append(result(NAME, config, metric, x, "x", target, x >= TTFT_TARGET, note=note))
     moved, local = sums.get("kvbranch round-robin"), sums.get("kvbranch affinity")
     if moved and local:
         # Round robin moves every turn (pulled), affinity none (the replica's own caches).
-        x, metric = moved["late"] / local["late"], "moved turn / local turn, p50 TTFT"
+        x, metric = moved["late"] / local["late"], at + "moved turn / local turn, p50 TTFT"
         config, target = "kvbranch round-robin/affinity", f"<= {MOVED_TARGET:g}x"
         out.append(result(NAME, config, metric, x, "x", target, x <= MOVED_TARGET, note=note))
     if len(done) > 1:
         same, total, _ = answers(done)
         pct = 100.0 * same / total
-        metric = "answers identical"
+        metric = at + "answers identical"
         out.append(result(NAME, "all", metric, pct, "%", "100%", same == total, note=note))
     return out
 

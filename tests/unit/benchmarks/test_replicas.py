@@ -96,3 +96,26 @@ def test_records_compare_kvbranch_with_vllm_behind_the_same_front() -> None:
     assert round(reused.value) == round(100 * 590 / 1280) and reused.met is False
     assert recs[("all", "answers identical")].value == 100.0
     assert not any(c.endswith(" router") for c, _ in recs)
+
+
+def _args(workload: str = "agents") -> argparse.Namespace:
+    return argparse.Namespace(
+        replicas=2, workload=workload, conversations=1, turns=3, kv_cache_gib=0.4
+    )
+
+
+def test_another_workloads_records_name_it_and_never_replace_the_agents():
+    """The headline reads the agents' unprefixed records: a BFCL run's must carry its name."""
+    results = [
+        {
+            "name": "kvbranch round-robin",
+            "front": "round-robin",
+            "config": "kvbranch",
+            "turns": TURNS,
+        }
+    ]
+    agents = records_of(results, _args())
+    bfcl = records_of(results, _args(workload="bfcl"))
+    assert {r.metric for r in agents} & {r.metric for r in bfcl} == set()
+    assert all(r.metric.startswith("bfcl ") for r in bfcl)
+    assert any(r.metric == "p50 TTFT turns >= 2" for r in agents)
