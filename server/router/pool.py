@@ -127,6 +127,8 @@ class Instance:
     probing: asyncio.Future[bool] | None = field(default=None, repr=False, compare=False)
     #: The instance's health body as its last successful probe read it.
     health: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: Its health route answered 404 (no kvbranch plugin: plain vLLM), already logged.
+    not_kvbranch: bool = field(default=False, repr=False, compare=False)
 
     @property
     def eligible(self) -> bool:
@@ -261,6 +263,15 @@ class Pool:
                 inst.url + HEALTH_PATH, headers=self.auth_headers(), timeout=PROBE_TIMEOUT_S
             )
             alive = r.status_code == 200
+            if r.status_code == 404 and not inst.not_kvbranch:
+                inst.not_kvbranch = True  # said once: the probe repeats every few seconds
+                logger.warning(
+                    "%s %s answers 404 on %s: it is not a kvbranch instance (plain vLLM?); "
+                    "the router sends it nothing (start it with python -m server)",
+                    inst.role,
+                    inst.url,
+                    HEALTH_PATH,
+                )
             body = r.json() if alive else None
             reported = body.get("instance_id") if isinstance(body, dict) else inst.instance_id
         except (httpx.HTTPError, ValueError):

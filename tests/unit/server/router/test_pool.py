@@ -99,3 +99,25 @@ def test_an_instance_failing_requests_is_ejected_then_tried_again():
     for _ in range(pool_mod.EJECT_AFTER_FAILURES - 1):
         pool.failed(p0)
     assert PS[0] in asyncio.run(live()), "a success did not reset the count"
+
+
+def test_an_instance_without_kvbranchs_health_route_is_named_once_in_the_log(caplog):
+    """Plain vLLM behind the router answers 404 on the health route: the router never sends it
+    a turn, and says why once, not with every probe."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return json_reply(404, {"detail": "Not Found"})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    pool = Pool(PS[:1], [D], client=client, clock=FakeClock())
+    inst = pool.prefills[0]
+
+    async def probe_twice() -> list[bool]:
+        first = await pool.probe(inst, max_age=0.0)
+        inst.checked_at = 0.0
+        return [first, await pool.probe(inst, max_age=0.0)]
+
+    with caplog.at_level("WARNING", logger="kvbranch.router"):
+        assert asyncio.run(probe_twice()) == [False, False]
+    said = [r.getMessage() for r in caplog.records if "not a kvbranch instance" in r.getMessage()]
+    assert len(said) == 1 and PS[0] in said[0]
