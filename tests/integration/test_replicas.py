@@ -16,12 +16,13 @@ import time
 
 import httpx
 
+from server.common.tenants import scope_of
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
 from server.index.hold_cipher import HoldCipher
 from server.index.redis_store import RedisKeys, decode_hold, digest, encode_hold
 from server.launcher.process import free_port
 from tests import prestart
-from tests.integration.cluster_fixture import TENANT, sigkill
+from tests.integration.cluster_fixture import sigkill
 from tests.integration.helpers import chat_body, client, size_args, system_prompt
 from tests.integration.test_nixl_side_channel import check_side_channel
 from tests.prestart import BIND_ENV
@@ -32,7 +33,16 @@ SECRET = secrets.token_hex(32)
 #: Holds end 30 s after a turn unless pulled (offered 25 s): a test empties a replica by waiting
 #: for its holds from earlier tests to end (a held turn's blocks cannot be reset away).
 HOLD_TTL_S = 30
-ARGS = [*size_args(0.25, 0.25, 4096), "--pd-hold-ttl-s", str(HOLD_TTL_S)]
+#: Two tenants: every request names one (the first is the servers' own, which helpers use).
+KEY_A = "replica-tenant-a-" + secrets.token_hex(8)
+KEY_B = "replica-tenant-b-" + secrets.token_hex(8)
+TENANT_A = scope_of(f"Bearer {KEY_A}")
+ARGS = [
+    *size_args(0.25, 0.25, 4096),
+    "--pd-hold-ttl-s",
+    str(HOLD_TTL_S),
+    *("--api-key", KEY_A, "--api-key", KEY_B),
+]
 MAX_TOKENS = 12
 
 
@@ -96,10 +106,13 @@ def _wait_listed(cluster: Replicas, n: int, timeout_s: float = 60.0) -> None:
     raise AssertionError("the replicas never appeared in the index")
 
 
-def _turn(server, messages, session) -> tuple[list[tuple[str, float]], dict, dict]:
-    """(greedy tokens with logprobs, the kvbranch split, the whole answer)."""
+def _turn(
+    server, messages, session, key: str = KEY_A
+) -> tuple[list[tuple[str, float]], dict, dict]:
+    """(greedy tokens with logprobs, the kvbranch split, the whole answer), as ``key``'s
+    tenant."""
     body = chat_body(server, messages, session=session, max_tokens=MAX_TOKENS, logprobs=True)
-    with client(server) as c:
+    with client(server, headers={"Authorization": f"Bearer {key}"}) as c:
         r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     data = r.json()
@@ -192,6 +205,26 @@ def test_a_history_that_diverges_pulls_only_the_common_prefix(replicas, plain_se
     assert 0 < pulled < len(system_prompt(words=400, seed=42)), pulled
 
 
+def test_another_tenant_with_the_same_session_id_pulls_nothing(replicas, plain_server):
+    """Tenant B names tenant A's session: the index keys holds by tenant, so B's turn finds no
+    hold (and a handle would fail the identity check anyway: its cache salt is A's)."""
+    a, b = _pair(replicas)
+    session = "tenant-" + secrets.token_hex(4)
+    messages = _conversation(seed=47)
+    tokens, _, _ = _turn(a, messages, session)
+    messages = _next(messages, tokens, "Next?")
+    remote_before = _stats(b)["hits_tokens"]["remote"]
+    claims_before = _peer_turns(b, "peer")
+    theirs, _, _ = _turn(b, messages, session, key=KEY_B)
+    assert theirs == _plain(plain_server, messages)
+    assert _peer_turns(b, "peer") == claims_before, "tenant B's turn claimed tenant A's hold"
+    assert _stats(b)["hits_tokens"]["remote"] == remote_before, "tenant B pulled A's KV"
+    # A's own next turn still finds A's hold and pulls it.
+    mine, _, _ = _turn(b, messages, session)
+    assert mine == _plain(plain_server, messages)
+    assert _stats(b)["hits_tokens"]["remote"] - remote_before >= 400
+
+
 def test_a_client_cannot_name_a_peer_or_skip_the_checks(replicas):
     a, _ = replicas.replicas
     body = chat_body(a, _conversation(seed=43), session="evil", max_tokens=2)
@@ -217,7 +250,8 @@ def test_a_tampered_hold_in_the_index_costs_a_recompute_not_an_answer(replicas, 
     session = "tamper-" + secrets.token_hex(4)
     messages = _conversation(seed=44)
     tokens, _, _ = _turn(a, messages, session)
-    name = RedisKeys("default").hold(digest(TENANT, session), digest(TENANT, session, "main"))
+    keys = RedisKeys("default")
+    name = keys.hold(digest(TENANT_A, session), digest(TENANT_A, session, "main"))
     cipher = HoldCipher(SECRET.encode())
     r = redis.Redis(unix_socket_path=str(replicas.redis.socket), socket_timeout=5)
     raw, ttl = r.get(name), r.pttl(name)
