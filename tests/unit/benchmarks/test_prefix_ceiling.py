@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.capacity import prefix_ceiling as pc
+from benchmarks.history import prefix_ceiling as pc
 from benchmarks.traces import Conversation, Step
 
 

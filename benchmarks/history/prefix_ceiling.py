@@ -24,8 +24,8 @@ question about the trace alone, answered here offline, without a server:
 capacity sweep's conversations with the embedded model's chat template (as the server does) and
 prints the ceiling beside what each configuration of a recorded sweep reused::
 
-    python -m benchmarks.capacity.prefix_ceiling --raw benchmarks/out/capacity-bfcl-<when>.json
-    python -m benchmarks.capacity.prefix_ceiling --trace bfcl --agents 4 --per-agent 2 --max-turns 3
+    python -m benchmarks.history.prefix_ceiling --raw benchmarks/out/capacity-bfcl-<when>.json
+    python -m benchmarks.history.prefix_ceiling --trace bfcl --agents 4 --per-agent 2 --max-turns 3
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks import capacity
     from server.launcher import model_cache
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.capacity.prefix_ceiling")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.history.prefix_ceiling")
     capacity.add_arguments(parser)
     parser.add_argument("--raw", type=Path, help="a capacity sweep's raw JSON (benchmarks/out)")
     parser.add_argument("--kv-block", type=int, default=KV_BLOCK, help="KV block in tokens")
