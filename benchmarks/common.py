@@ -209,8 +209,10 @@ def server_pgids(server: ServerProcess) -> set[int]:
 
 class MemorySampler:
     """Peak summed RSS of every process in some process groups (a server's, or a P/D router's
-    and its instances'), sampled in a thread (psutil if importable, else /proc). RSS sums count
-    shared pages once per process (an upper bound)."""
+    and its instances'), sampled in a thread through psutil (a server dependency). RSS sums
+    count shared pages once per process (an upper bound)."""
+
+    method = "psutil"  # how the reports say the peak was read
 
     def __init__(self, pgid: int | set[int], interval_s: float = 0.5) -> None:
         self.pgids = {pgid} if isinstance(pgid, int) else set(pgid)
@@ -219,14 +221,8 @@ class MemorySampler:
         self.peak_procs = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        try:
-            import psutil  # noqa: F401
 
-            self.method = "psutil"
-        except ImportError:
-            self.method = "/proc"
-
-    def _rss_psutil(self) -> tuple[int, int]:
+    def _rss(self) -> tuple[int, int]:
         import psutil
 
         total, procs = 0, 0
@@ -239,24 +235,8 @@ class MemorySampler:
                 continue
         return total, procs
 
-    def _rss_proc(self) -> tuple[int, int]:
-        total, procs = 0, 0
-        page = os.sysconf("SC_PAGE_SIZE")
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                fields = stat[stat.rindex(")") + 2 :].split()
-                if int(fields[2]) in self.pgids:  # field 5 (pgrp)
-                    total += int((entry / "statm").read_text().split()[1]) * page
-                    procs += 1
-            except (OSError, ValueError, IndexError):
-                continue
-        return total, procs
-
     def sample(self) -> int:
-        total, procs = self._rss_psutil() if self.method == "psutil" else self._rss_proc()
+        total, procs = self._rss()
         if total > self.peak_bytes:
             self.peak_bytes, self.peak_procs = total, procs
         return total

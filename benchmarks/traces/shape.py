@@ -29,8 +29,3 @@ class Conversation:
 
     id: str
     steps: tuple[Step, ...]
-
-    def prompt_size(self) -> int:
-        """Messages or tokens of the last (largest) step: a rough size for reports."""
-        last = self.steps[-1].body
-        return len(last.get("messages") or last.get("prompt") or [])
