@@ -45,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import bfcl_traces, cli, common, reporting  # noqa: E402
 from benchmarks.history import real_traces  # noqa: E402
+from benchmarks.history.step_breakdown import step_costs  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
 from benchmarks.reporting import median, percentile  # noqa: E402
-from benchmarks.step_profile import paired_steps, step_costs, sum_samples  # noqa: E402
+from benchmarks.step_profile import paired_steps, sum_samples  # noqa: E402
 from server.connector.engine.step_trace import ENV_STEP_TRACE  # noqa: E402
 
 #: name -> launcher flags, both with the connector.
@@ -161,7 +162,7 @@ ENGINE_METRICS = (
 def window_totals(pairs: list[tuple[dict, dict | None]], t0: float, t1: float) -> dict[str, float]:
     """The engine's work in the steps that began in ``[t0, t1)`` (monotonic seconds): busy
     seconds (forward and copies), forward of steps with prefill and of decode-only steps, steps,
-    prefill and decode tokens, and idle seconds (gaps over ``step_profile.IDLE_GAP_S`` between
+    prefill and decode tokens, and idle seconds (gaps over ``step_breakdown.IDLE_GAP_S`` between
     them).
     What one pass of a workload cost the engine, comparable between two servers that ran the
     same pass (``--step-trace``)."""

@@ -1,18 +1,18 @@
-"""benchmarks/step_profile.py: joins the scheduler's and the worker's step lines."""
+"""benchmarks/step_profile.py joins the scheduler's and the worker's step lines;
+benchmarks/history/step_breakdown.py sums a profile folder."""
 
 from __future__ import annotations
 
 import json
 
 from benchmarks.history.policy_ab import window_totals
+from benchmarks.history.step_breakdown import markdown, step_breakdown
 from benchmarks.pd_turns import turn_order
 from benchmarks.step_profile import (
-    markdown,
     metric_key,
     paired_steps,
     request_breakdown,
     request_table,
-    step_breakdown,
     sum_samples,
 )
 
