@@ -31,6 +31,7 @@ from server.index import record_seal
 from server.index.blocks import Tier
 from server.index.events import EventConsumer, Generation
 from server.index.membership import DEFAULT_HEARTBEAT_TTL_S, InstanceRecord, Role
+from server.index.sessions import offered_hold_ttl_s
 from server.index.store import InstanceIndex
 
 logger = logging.getLogger("kvbranch.index.publisher")
@@ -297,8 +298,8 @@ DEFAULT_HOLD_TTL_S = 30.0
 def index_hold_ttl_s(engine_client: Any) -> float:
     """How long the holds this instance files (an aggregated replica's) are offered: the time
     its NIXL child holds a finished turn's blocks (``decoder_kv_blocks_ttl``, from the launcher's
-    ``--pd-hold-ttl-s``) less the margin routers keep, so a hold found in the index is still
-    held by the instance (``server.router.launch.router_ttl``: the same rule)."""
+    ``--pd-hold-ttl-s``) less the margin every hold's offer keeps, so a hold found in the index
+    is still held by the instance (:func:`server.index.sessions.offered_hold_ttl_s`)."""
     config = getattr(getattr(engine_client, "vllm_config", None), "kv_transfer_config", None)
     extra = getattr(config, "kv_connector_extra_config", None) or {}
     children = [c for c in extra.get("connectors", []) if isinstance(c, dict)]
@@ -307,7 +308,7 @@ def index_hold_ttl_s(engine_client: Any) -> float:
         value = child.get("decoder_kv_blocks_ttl")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             ttl = float(value)
-    return max(ttl - 5.0, ttl / 2)
+    return offered_hold_ttl_s(ttl)
 
 
 def start(state: Any, engine_client: Any, args: Any) -> IndexPublisher | None:

@@ -30,6 +30,18 @@ DEFAULT_SESSION_TTL_S = 6 * 3600.0
 MAX_SESSION_INSTANCES = 64
 #: Most branches of one session whose holds a session delete drops at once.
 MAX_SESSION_BRANCHES = 256
+#: How much sooner than its holder lets go of a hold's blocks the index stops offering it.
+HOLD_OFFER_MARGIN_S = 5.0
+
+
+def offered_hold_ttl_s(hold_ttl_s: float) -> float:
+    """How long the index offers a hold whose blocks the holder keeps ``hold_ttl_s`` seconds
+    (``--pd-hold-ttl-s``, vLLM's ``decoder_kv_blocks_ttl``): :data:`HOLD_OFFER_MARGIN_S` less,
+    never under half, so a hold found in the index is one its instance surely still holds (a
+    pull of blocks already let go waits for nothing that comes: docs/pd_notes.md, pitfall 7).
+    One rule for whoever files holds: the P/D router offering D's, an aggregated replica its
+    own."""
+    return max(hold_ttl_s - HOLD_OFFER_MARGIN_S, hold_ttl_s / 2)
 
 
 @dataclass

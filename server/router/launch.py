@@ -45,8 +45,10 @@ _CLUSTER_FLAGS = {
 
 
 def router_ttl(args: argparse.Namespace) -> float:
-    # Offer D's blocks only while D surely still holds them (docs/pd_notes.md pitfall 7).
-    return max(args.pd_hold_ttl_s - 5.0, args.pd_hold_ttl_s / 2)
+    """How long the router offers D's holds: only while D surely still holds them."""
+    from server.index.sessions import offered_hold_ttl_s
+
+    return offered_hold_ttl_s(args.pd_hold_ttl_s)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
