@@ -110,6 +110,23 @@ def reset_device_cache(server) -> None:
     raise AssertionError("device prefix cache could not be reset")
 
 
+def empty_caches(server, wait_s: float) -> None:
+    """Drop vLLM's device prefix cache *and* kvbranch's host store (``reset_external``), so that
+    only a pull from another instance can bring a prefix back. vLLM refuses the reset while any
+    block is in use, and a finished turn's blocks stay in use while the instance holds them for
+    a pull (until pulled, or the hold's TTL ends): retried for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    with client(server) as c:
+        while True:
+            r = c.post("/reset_prefix_cache", params={"reset_external": "true"})
+            if r.json().get("success"):
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    raise AssertionError(f"{server.name}'s prefix cache and host store could not be reset")
+
+
 def system_prompt(words: int = 450, seed: int = 0) -> str:
     rnd = random.Random(seed)
     vocab = [

@@ -33,11 +33,14 @@ from server.connector.pd.transfer_auth import (
     make_claim,
     seal,
 )
-from tests.integration.helpers import chat, client, system_prompt, text_of
+from tests.integration.helpers import chat, client, empty_caches, system_prompt, text_of
 from tests.integration.trust_cluster import CLUSTER_SECRET, as_router
 
 SECRET = CLUSTER_SECRET
 SYSTEM = system_prompt(words=120, seed=13)
+#: How long P's caches may take to empty (:func:`empty_caches`): a prefill leg nobody decoded
+#: holds its blocks up to 30 s.
+P_RESET_WAIT_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +62,6 @@ def _post(server, body, headers=None) -> httpx.Response:
     """As the router sends it (signed): these tests check the instances' own handle checks."""
     with client(server, as_router()) as c:
         return c.post("/v1/chat/completions", json=body, headers=headers or {})
-
-
-def _empty_prefill_caches(prefill) -> None:
-    """P's device prefix cache and host store both emptied: only a pull can bring the prefix."""
-    with client(prefill) as c:
-        for _ in range(300):  # a prefill leg nobody decoded holds its blocks up to 30 s
-            if (
-                c.post("/reset_prefix_cache", params={"reset_external": "true"})
-                .json()
-                .get("success")
-            ):
-                return
-            time.sleep(0.2)
-    raise AssertionError("P's prefix cache could not be reset")
 
 
 def _pd_stats(server) -> dict:
@@ -134,7 +123,7 @@ def test_a_turn_d_served_alone_ends_its_hold_when_p_reads_it(pd, plain_server):
     assert claim.status_code == 200, claim.text
     reply = text_of(chat(plain_server, messages, max_tokens=40))
     turn2 = _next_turn(messages, reply)
-    _empty_prefill_caches(prefill)
+    empty_caches(prefill, P_RESET_WAIT_S)
     r, answer = _at_p(prefill, decode, turn2, dict(handle, **claim.json()))
     assert answer == text_of(chat(plain_server, turn2, max_tokens=16))
     assert r.json()["kvbranch"]["remote_hit_tokens"] > 0
@@ -185,7 +174,7 @@ def test_an_edited_assistant_turn_pulls_only_the_verified_prefix(pd, plain_serve
         {"role": "assistant", "content": edited},
         {"role": "user", "content": "Summarize the story in one sentence."},
     ]
-    _empty_prefill_caches(prefill)
+    empty_caches(prefill, P_RESET_WAIT_S)
     second = chat(router, turn2, max_tokens=48, session_id=session)
     split = second["kvbranch"]
     assert split["device_hit_tokens"] == 0 and split["host_hit_tokens"] == 0, split
@@ -214,7 +203,7 @@ def test_a_regeneration_pulls_a_prefix_of_what_d_holds(pd, plain_server):
     ]
     chat(router, turn2, max_tokens=160, ignore_eos=True, session_id=session)
     # regenerate turn 2's answer: same branch, a shorter history than D now holds
-    _empty_prefill_caches(prefill)
+    empty_caches(prefill, P_RESET_WAIT_S)
     again = chat(router, turn2, max_tokens=48, session_id=session)
     split = again["kvbranch"]
     assert split["device_hit_tokens"] == 0 and split["remote_hit_tokens"] >= 3 * 128, split
@@ -294,7 +283,7 @@ def test_handles_are_checked_before_any_read(pd, plain_server):
     messages, session, handle, turn2, expected = _held_turn(decode, plain_server, "neg")
 
     def at_p(params):
-        _empty_prefill_caches(prefill)
+        empty_caches(prefill, P_RESET_WAIT_S)
         r, answer = _at_p(prefill, decode, turn2, params)
         if answer is None:
             return 0  # refused with a 4xx and a message
@@ -371,7 +360,7 @@ def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
     messages, session, handle, turn2, expected = _held_turn(decode, plain_server, "exp")
     # P emptied first (it may wait for an earlier leg's blocks), then the claim: its
     # deadline must outlast both turns below
-    _empty_prefill_caches(prefill)
+    empty_caches(prefill, P_RESET_WAIT_S)
     r = _claim(decode, handle)
     assert r.status_code == 200, r.text
     claimed = dict(handle, **r.json())
@@ -387,7 +376,7 @@ def test_expired_and_foreign_salt_handles_recompute(pd, plain_server):
     assert _declined_since(prefill, before) == {"expired": 1}
     # the same (fresh, claimed) blocks requested under another tenant's cache salt
     before = _declined(prefill)
-    _empty_prefill_caches(prefill)
+    empty_caches(prefill, P_RESET_WAIT_S)
     r, answer = _at_p(prefill, decode, turn2, claimed, cache_salt="someone-else")
     assert answer in (None, expected)
     assert answer is None or r.json()["kvbranch"]["remote_hit_tokens"] == 0
@@ -430,7 +419,7 @@ def test_a_pull_whose_hold_ends_before_the_read_recomputes_and_later_pulls_run(p
     server's answer, in bounded time; a later pull still runs."""
     prefill, decode, router = pd
     messages, session, handle, turn2, expected = _held_turn(decode, plain_server, "late")
-    _empty_prefill_caches(prefill)
+    empty_caches(prefill, P_RESET_WAIT_S)
     r = _claim(decode, handle)
     assert r.status_code == 200, r.text
     late = dict(handle, **{CLAIM_FIELD: _claim_past_its_read_deadline(dict(handle, **r.json()))})
@@ -449,7 +438,7 @@ def test_a_pull_whose_hold_ends_before_the_read_recomputes_and_later_pulls_run(p
     assert _reads_declined_as_expired(prefill) > expired  # ... and NIXL's worker failed it
     # A later pull from the same D: read, same answer.
     fresh = _held_handle(decode, messages, session)
-    _empty_prefill_caches(prefill)
+    empty_caches(prefill, P_RESET_WAIT_S)
     r = _claim(decode, fresh)
     assert r.status_code == 200, r.text
     r, answer = _at_p(prefill, decode, turn2, dict(fresh, **r.json()))
