@@ -10,7 +10,9 @@ the critical path. Now:
   in order as they fit in :data:`ENGINE_BUDGET` — :func:`plan`;
 * a module's own servers (``scope="module"``: test_models' pair, test_pd's instances, the
   cluster, ...) launch while a module before them runs, as soon as they fit —
-  :func:`launch_ahead`;
+  :func:`launch_ahead`; so do those of a session fixture registered with ``ahead=True``, ahead
+  of the first module that uses it (a cluster that adjacent modules share: the aggregated
+  replicas);
 * every one of them is *released* (stopped) right after the last test of the lane that uses
   it — :func:`release_after` — so its memory goes to the servers started after it;
 * a server registered with ``borrow`` (the plain vLLM reference) runs once per run: the lane
@@ -70,6 +72,10 @@ class Shared:
     engines: int
     #: one per run: a lane borrows it from the lane that launched it (the reference server)
     borrow: Borrow | None = None
+    #: launched ahead of the first module that uses it (:func:`launch_ahead`), not when the
+    #: lane starts (:func:`plan`): a module's own servers, and a session's that only some
+    #: adjacent modules share
+    ahead: bool = False
 
 
 _shared: dict[str, Shared] = {}
@@ -78,7 +84,7 @@ _launched: dict[str, tuple[Any, ...]] = {}
 _held: dict[str, tuple[Any, ...]] = {}
 #: The node id of the last collected test that uses each fixture.
 _last_user: dict[str, str] = {}
-#: module node id -> for each module after it, in order, the module-scoped fixtures it uses
+#: module node id -> for each module after it, in order, the fixtures launched ahead that it uses
 #: first
 _ahead: dict[str, list[list[str]]] = {}
 _modules_started: set[str] = set()
@@ -294,11 +300,13 @@ def _binding() -> Iterator[None]:
 
 class Sizing(TypedDict, total=False):
     """What :func:`register` and :func:`fixture` both take besides the scope: the vLLM engines
-    among the processes (1 unless said; see :class:`Shared`) and, for a one-per-run server,
-    how another lane borrows it."""
+    among the processes (1 unless said; see :class:`Shared`), for a one-per-run server how
+    another lane borrows it, and whether it launches ahead of its first module (a module's
+    servers do; a session's only when said)."""
 
     engines: int
     borrow: Borrow | None
+    ahead: bool
 
 
 def register(
@@ -306,7 +314,8 @@ def register(
 ) -> None:
     """Name ``factory`` as what fixture ``fixture_name`` serves, for launching ahead."""
     engines, borrow = sizing.get("engines", 1), sizing.get("borrow")
-    _shared[fixture_name] = Shared(factory, scope, engines, borrow)
+    ahead = sizing.get("ahead", scope == "module")
+    _shared[fixture_name] = Shared(factory, scope, engines, borrow, ahead)
 
 
 def fixture(
@@ -418,13 +427,13 @@ def plan(items: Iterable[Any]) -> None:
         for name in item.fixturenames:
             _last_user[name] = item.nodeid
             first_module.setdefault(name, module)
-    module_scoped = [n for n in first_module if n in _shared and _shared[n].scope == "module"]
+    launched_ahead = [n for n in first_module if n in _shared and _shared[n].ahead]
     for i, before in enumerate(modules):
         _ahead[before] = [
-            [n for n in module_scoped if first_module[n] == module] for module in modules[i + 1 :]
+            [n for n in launched_ahead if first_module[n] == module] for module in modules[i + 1 :]
         ]
     _progress.needs = {n for n in first_module if n in _shared and _shared[n].borrow}
-    _pending[:] = [n for n in first_module if n in _shared and _shared[n].scope != "module"]
+    _pending[:] = [n for n in first_module if n in _shared and not _shared[n].ahead]
     _launch_pending()
 
 

@@ -113,6 +113,37 @@ def test_a_modules_servers_launch_once_a_module_before_it_has_started(bookkeepin
     assert len(second) == 1
 
 
+def test_a_session_fixture_shared_ahead_launches_before_its_first_module_and_lives_through_both(
+    bookkeeping,
+):
+    """A cluster two adjacent modules share (``scope="session", ahead=True``): not launched when
+    the lane starts, as a session's servers are, but while the module before its first user
+    runs; once, for both modules; released after the second module's last test."""
+    made: list[FakeProcess] = []
+    prestart.register(
+        "cluster", lambda: (made.append(FakeProcess()) or made[-1],), scope="session", ahead=True
+    )
+    items = [
+        FakeItem("m1.py::a", []),
+        FakeItem("m2.py::a", ["cluster"]),
+        FakeItem("m3.py::a", ["cluster"]),
+        FakeItem("m3.py::b", ["cluster"]),
+        FakeItem("m4.py::a", []),
+    ]
+    prestart.plan(items)
+    assert made == []  # not with the lane's shared servers
+    prestart.launch_ahead(items[0])
+    assert len(made) == 1 and made[0].launches == 1
+    procs = prestart.take("cluster")
+    with prestart.held("cluster", procs):
+        for item in items[1:3]:
+            prestart.launch_ahead(item)
+            prestart.release_after(item)
+        assert len(made) == 1 and made[0].stops == 0  # the second module still uses it
+        prestart.release_after(items[3])
+        assert made[0].stops == 1
+
+
 def test_servers_that_would_pass_the_engine_budget_wait_and_so_do_those_after(bookkeeping):
     _register("big", prestart.ENGINE_BUDGET - 2, scope="session")
     small = _register("small", 1)
