@@ -3,52 +3,133 @@ integration tests compare greedy outputs with (the ``plain_server`` fixture).
 
 ``python -m server --no-connector`` is not that reference: it still loads the kvbranch endpoint
 plugin (its guard, middleware and routes rewrite every request: cache hints, tool schemas,
-sessions), so an "equals plain vLLM" check would put the same rewrite on both sides. Here the
-launcher's flags are only turned into vLLM's arguments (:func:`server.launcher.cli.plan_launch`, so
-the engine is configured the same: model, dtype, eager mode, KV cache size, tool parser), and then
-vLLM's own server runs with ``VLLM_PLUGINS=""``: vLLM loads no plugin at all, neither kvbranch's
-endpoint plugin nor its general (engine) plugin. What of kvbranch runs here is process management
-only: stop with the test process (:func:`server.launcher.process.die_with_launcher`) and leave no
-engine core behind (:func:`server.launcher.process.start_reaper`).
+sessions), so an "equals plain vLLM" check would put the same rewrite on both sides. Here
+vLLM's own server runs with ``VLLM_PLUGINS=""``: vLLM loads no plugin at all, neither
+kvbranch's endpoint plugin nor its general (engine) plugin.
 
-Run as ``python -m tests.vanilla_vllm --port N --no-connector <launcher flags>``.
+vLLM's arguments are written here (:func:`reference_argv`), not computed by the launcher: the
+launcher is under test, and a bug of its in dtype, KV cache size, eager mode, context length or
+parsers would otherwise configure both sides alike and never show. Only the few launcher flags
+the tests give a reference are accepted; any other is refused at start, so a test cannot pass
+one that the reference would silently ignore. What of kvbranch runs here is process management
+only: stop with the test process (:func:`server.launcher.process.die_with_launcher`) and leave
+no engine core behind (:func:`server.launcher.process.start_reaper`).
+
+Run as ``python -m tests.vanilla_vllm --port N [--no-connector] <flags> [-- <vLLM flags>]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
+from pathlib import Path
+
+GIB = 1 << 30
+
+#: The dtype vLLM's CPU backend needs by ``model_type`` (config.json, or its text_config):
+#: Gated DeltaNet layers run only in bfloat16 there. Every other model: float32, since bf16
+#: gives garbled output on AVX2 CPUs.
+CPU_DTYPES = {"qwen3_next": "bfloat16"}
+DEFAULT_CPU_DTYPE = "float32"
+
+#: Chat tests run on the embedded model (SmolLM2), whose tool calls are Hermes-style; the tiny
+#: families are compared over completions, where no parser runs. Their tokenizer is the
+#: embedded model's, which vLLM's Hermes parser accepts.
+TOOL_CALL_PARSER = "hermes"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher flags a reference takes, no others (no abbreviations either)."""
+    parser = argparse.ArgumentParser(prog="python -m tests.vanilla_vllm", allow_abbrev=False)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--model", default=None, help="a model folder (default: embedded)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--kv-cache-gib", type=float, required=True)
+    parser.add_argument("--max-model-len", type=int, required=True)
+    # Accepted, not acted on: callers describe the reference with the launcher's flags for a
+    # connector-less instance, and the reference has no connector anyway.
+    parser.add_argument("--no-connector", action="store_true")
+    return parser
+
+
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(our flags, vLLM's flags after ``--``)."""
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1 :]
+    return argv, []
+
+
+def cpu_dtype(model: Path) -> str:
+    """:data:`CPU_DTYPES`' entry for the model folder's ``model_type``."""
+    config = json.loads((model / "config.json").read_text())
+    types = {config.get("model_type"), (config.get("text_config") or {}).get("model_type")}
+    found = [CPU_DTYPES[t] for t in types if t in CPU_DTYPES]
+    return found[0] if found else DEFAULT_CPU_DTYPE
+
+
+def reference_argv(argv: list[str]) -> list[str]:
+    """vLLM's ``serve`` arguments for these flags (an unknown flag exits, as argparse does)."""
+    ours, passthrough = split_passthrough(argv)
+    args = build_parser().parse_args(ours)
+    if args.model is None:
+        from server.launcher.model_cache import ensure_model
+
+        model = ensure_model()
+    else:
+        model = Path(args.model).resolve()
+    return [
+        "--model",
+        str(model),
+        # the name clients send: the folder's (MODEL_NAME for the embedded model)
+        "--served-model-name",
+        args.served_model_name or model.name,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--kv-cache-memory-bytes",
+        str(int(args.kv_cache_gib * GIB)),
+        "--max-model-len",
+        str(args.max_model_len),
+        # usage carries the cached prompt tokens, as kvbranch's answers do
+        "--enable-prompt-tokens-details",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        TOOL_CALL_PARSER,
+        # no access log per request: the test's log tails stay readable
+        "--uvicorn-log-level",
+        "warning",
+        "--dtype",
+        cpu_dtype(model),
+        # torch.compile's warm-up costs minutes per start on CPU
+        "--enforce-eager",
+        *passthrough,  # last: vLLM keeps the last value of a repeated flag
+    ]
 
 
 def main(argv: list[str]) -> int:
-    from server.launcher.cli import build_parser, plan_launch, split_passthrough
-    from server.launcher.model_parsers import fit_parsers
-    from server.launcher.model_support import parser_misfit
     from server.launcher.process import die_with_launcher, start_reaper
 
-    ours, passthrough = split_passthrough(argv)
-    args = build_parser().parse_args(ours)
-    if not args.no_connector or args.role != "single":
-        raise SystemExit("the vLLM reference runs without the connector, as a single instance")
-    die_with_launcher(args.shutdown_grace_s)
-    plan = plan_launch(args, passthrough)
+    die_with_launcher()
+    serve_argv = reference_argv(argv)  # an unknown flag exits here, before vLLM loads
     # Set before vLLM reads its environment: "" is an allow-list that names no plugin.
     os.environ["VLLM_PLUGINS"] = ""
-    os.environ["VLLM_LOGGING_LEVEL"] = plan.env["VLLM_LOGGING_LEVEL"]
+    # Tests read vLLM's start-up lines (the KV cache size) from the log.
+    os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
 
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    vllm_args = make_arg_parser(FlexibleArgumentParser(prog="vllm")).parse_args(plan.vllm_argv)
+    print("vllm serve " + " ".join(serve_argv), file=sys.stderr, flush=True)
+    vllm_args = make_arg_parser(FlexibleArgumentParser(prog="vllm")).parse_args(serve_argv)
     validate_parsed_serve_args(vllm_args)
-    # The parsers the launcher chose by model, refitted to the model's tokenizer as the
-    # launcher does (a tiny model folder carries another family's tokenizer).
-    refit = fit_parsers(vllm_args, plan.chosen_parsers, parser_misfit)
-    if refit:
-        print(refit, file=sys.stderr, flush=True)
-    start_reaper(plan.shutdown_grace_s)
+    start_reaper()
     uvloop.run(run_server(vllm_args))
     return 0
 
