@@ -214,6 +214,17 @@ def kv_group_kinds(kv_cache_config: Any) -> list[str]:
     return [spec_kind(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
 
 
+def transfer_group_kinds(kv_cache_config: Any) -> tuple[str, ...]:
+    """The kind of each group NIXL transfers, in the order of a handle's block lists
+    (``KVCacheConfig.transfer_groups``: the groups that take part in external transfer)."""
+    if kv_cache_config is None:
+        return (FULL_ATTENTION,)
+    groups = getattr(kv_cache_config, "transfer_groups", None)
+    if groups is None:
+        groups = kv_cache_config.kv_cache_groups
+    return tuple(spec_kind(group.kv_cache_spec) for group in groups) or (FULL_ATTENTION,)
+
+
 def prefix_reuse_off_reason(vllm_config: Any) -> str | None:
     """Why this engine cannot continue a prefill from KV it did not compute in the same pass,
     or ``None``. vLLM's CPU platform runs MLA without chunked prefill and prefix caching (its

@@ -55,7 +55,12 @@ from server.launcher.model_parsers import (
     parser_argv,
     parsers_for,
 )
-from server.launcher.model_support import hub_snapshot, read_config, several_kv_groups
+from server.launcher.model_support import (
+    hub_snapshot,
+    read_config,
+    state_layers,
+    state_layers_in_config,
+)
 from server.launcher.phases import (
     Phases,
     PhaseTracker,
@@ -205,11 +210,11 @@ def plan_launch(
         if dtype_why and not has_flag(passthrough, "--dtype"):
             notes.append(dtype_why)
     replica = peer_replica(args)
-    groups = several_kv_groups(config) if replica else None
-    if groups:
+    states = state_layers_in_config(config) if replica else None
+    if states:
         notes.append(
-            f"peer pulls off: the model has {groups} (several KV cache groups; a pull addresses "
-            "one block table). This replica recomputes what it has not seen itself "
+            f"peer pulls off: the model has {states} (a pull carries attention KV, not "
+            "recurrent states). This replica recomputes what it has not seen itself "
             "(docs/models.md)"
         )
         replica = False
@@ -285,9 +290,6 @@ def plan_launch(
         }
         if args.role in PD_ROLES or replica:
             kv_transfer_config = pd_transfer_config(args, kv_transfer_config, aggregated=replica)
-            # vLLM checks hybrid-KV support by the class name "MultiConnector"; ours is a
-            # subclass, and the kvbranch connector has one KV cache group anyway.
-            argv += ["--disable-hybrid-kv-cache-manager"]
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     elif args.role in PD_ROLES:
         argv += ["--kv-transfer-config", json.dumps(pd_transfer_config(args, None))]

@@ -10,9 +10,11 @@ decides, from the groups vLLM builds). An attention-free model (Mamba) has no at
 the connector turns its host store off and the engine serves it as plain vLLM does. The
 launcher says in one line, before loading anything, which of the two a model is.
 
-P/D is different: its instances run with the hybrid manager off (its pull addresses one block
-table), which vLLM cannot do for state layers; there such a model is refused in one line, with
-the way out.
+P/D and peer pulls keep the hybrid manager on too: a NIXL pull carries every attention group
+of a request (a sliding-window group's window). State layers are the exception there: vLLM
+0.32's NIXL transfer of their states does not give plain vLLM's answers on this CPU
+(docs/models.md), so a P/D instance refuses such a model in one line, with the way out, and an
+aggregated replica serves it with peer pulls off.
 
 vLLM's own model registry decides what is hybrid (the traits it reads for
 ``ModelConfig.is_hybrid``, through ``vllm_compat.architecture_traits``); only a local model
@@ -34,6 +36,13 @@ Traits = Callable[[list[str]], "tuple[bool, bool] | None"]
 #: Layer types that are attention (vLLM's ``ModelConfig.is_hybrid``: a hybrid architecture
 #: whose ``layer_types`` are all these, such as granite-4.0-micro, is not hybrid).
 ATTENTION_LAYER_TYPES = ("attention", "full_attention")
+#: Attention layer types whose KV a NIXL pull carries (every group but a state one).
+WINDOWED_LAYER_TYPES = (
+    *ATTENTION_LAYER_TYPES,
+    "sliding_attention",
+    "chunked_attention",
+    "local_attention",
+)
 
 
 def read_config(model_path: str) -> dict[str, Any] | None:
@@ -92,28 +101,26 @@ def refusal(config: dict[str, Any], traits: Traits) -> str | None:
     if kind is None:
         return None
     return (
-        f"{_what(config, kind)} model: kvbranch P/D and peer pulls run vLLM with its hybrid "
-        "KV cache manager off, which state layers need (docs/models.md). Serve it as a single "
-        "instance (python -m server without --disagg/--role; with a shared --index add "
-        "--no-peer-pull), or run P/D with --no-connector"
+        f"{_what(config, kind)} model: kvbranch P/D and peer pulls carry attention KV over "
+        "NIXL, not recurrent states (docs/models.md). Serve it as a single instance (python "
+        "-m server without --disagg/--role; with a shared --index add --no-peer-pull), or run "
+        "P/D with --no-connector"
     )
 
 
-def several_kv_groups(config: dict[str, Any] | None) -> str | None:
-    """What in a ``config.json`` gives vLLM more than one KV cache group (sliding-window,
-    linear-attention or state layers beside full attention), or ``None``. Read from the config
-    alone, before vLLM is imported: peer pulls between aggregated replicas address one block
-    table per request, so the launcher leaves them off for such a model (vLLM's registry, read
-    later by :func:`check_model`, catches a hybrid model this misses)."""
+def state_layers_in_config(config: dict[str, Any] | None) -> str | None:
+    """The state layers a ``config.json`` names beside attention (Mamba, linear attention), or
+    ``None``. Read from the config alone, before vLLM is imported: peer pulls between
+    aggregated replicas carry attention KV only (sliding-window groups included), so the
+    launcher leaves them off for such a model (vLLM's registry, read later by
+    :func:`check_model`, catches a hybrid model this misses)."""
     if config is None:
         return None
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list):
-        other = sorted({str(t) for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+        other = sorted({str(t) for t in layer_types if t not in WINDOWED_LAYER_TYPES})
         if other:
-            return f"{', '.join(other)} layers beside full attention"
-    if config.get("sliding_window") and config.get("use_sliding_window") is not False:
-        return "sliding-window attention"
+            return f"{', '.join(other)} layers beside attention"
     for key in ("hybrid_override_pattern", "layers_block_type", "attn_layer_indices"):
         if config.get(key):
             return f"state layers ({key})"

@@ -19,11 +19,20 @@ yet (its host store stays off and kvbranch runs as plain vLLM), the host-store c
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from sdk.contract import SESSION_HEADER
 from tests import prestart
 from tests.conftest import VanillaVLLM
-from tests.integration.helpers import client, reset_device_cache, system_prompt
+from tests.integration.helpers import (
+    client,
+    empty_caches,
+    pd_instance,
+    reset_device_cache,
+    system_prompt,
+)
 from tests.server_process import ServerProcess
 from tests.tiny_models import ensure
 
@@ -88,7 +97,32 @@ gdn_servers = prestart.fixture("gdn_servers", _factory("gdn"), scope="module", e
 mamba2_servers = prestart.fixture("mamba2_servers", _factory("mamba2"), scope="module", engines=2)
 
 
-def complete(server, prompt: str) -> dict:
+def _pd_factory(family: str):
+    def instances() -> tuple[ServerProcess, ServerProcess]:
+        args = [
+            "--model",
+            str(ensure(family)),
+            *SIZES,
+            "--host-store-gib",
+            "0.25",
+            "--pd-hold-ttl-s",
+            "120",
+        ]
+        prefill = pd_instance(args, "prefill", "0", name=f"prefill-{family}")
+        decode = pd_instance(args, "decode", "1", name=f"decode-{family}")
+        prefill.model = decode.model = SERVED
+        return prefill, decode
+
+    return instances
+
+
+#: P/D pairs of the sliding-window families (with the hybrid KV cache manager on, as plain
+#: vLLM runs them); state families are refused by P/D (docs/models.md).
+gpt_oss_pd = prestart.fixture("gpt_oss_pd", _pd_factory("gpt-oss"), scope="module", engines=2)
+gemma3_pd = prestart.fixture("gemma3_pd", _pd_factory("gemma3"), scope="module", engines=2)
+
+
+def complete(server, prompt: str, session: str | None = None) -> dict:
     body = {
         "model": SERVED,
         "prompt": prompt,
@@ -96,8 +130,9 @@ def complete(server, prompt: str) -> dict:
         "temperature": 0,
         "logprobs": TOP_LOGPROBS,
     }
+    headers = {SESSION_HEADER: session} if session else {}
     with client(server) as c:
-        r = c.post("/v1/completions", json=body)
+        r = c.post("/v1/completions", json=body, headers=headers)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -165,12 +200,12 @@ def conversation(server, *, reset_between: bool) -> tuple[list[dict], int]:
     return responses, first_difference(server, prompts[2], changed)
 
 
-#: Each family's requests, (kvbranch's, plain vLLM's), and where the diverging history differs:
-#: run once, checked by two tests.
 _turns: dict[str, tuple[list[dict], list[dict], int]] = {}
 
 
 def family_turns(family: str, servers) -> tuple[list[dict], list[dict], int]:
+    """Each family's requests, (kvbranch's, plain vLLM's), and where the diverging history
+    differs: run once, checked by the family's tests."""
     if family not in _turns:
         ours, plain = servers
         mine, diverges = conversation(ours, reset_between=True)
@@ -182,18 +217,23 @@ def family_turns(family: str, servers) -> tuple[list[dict], list[dict], int]:
 def check_answers(family: str, servers) -> None:
     """Every answer's greedy tokens and logprobs are plain vLLM's."""
     mine, reference, _ = family_turns(family, servers)
-    for step, (got, want) in enumerate(zip(mine, reference, strict=True)):
-        got_answer, want_answer = answer(got), answer(want)
-        assert [a[0] for a in got_answer] == [a[0] for a in want_answer], (step, got_answer)
-        shifts = []
-        for (token, lp, top), (_, want_lp, want_top) in zip(got_answer, want_answer, strict=True):
-            shifts.append((abs(lp - want_lp), token, token))
-            # runners-up in both top lists (a near tie may swap the last place)
-            shifts += [
-                (abs(top[other] - want_top[other]), token, other)
-                for other in top.keys() & want_top.keys()
-            ]
-        assert max(shifts)[0] <= LOGPROB_TOL, (step, max(shifts))
+    for got, want in zip(mine, reference, strict=True):
+        assert_same_answer(got, want)
+
+
+def assert_same_answer(got: dict, want: dict) -> None:
+    """The same greedy tokens, their logprobs and the runners-up's within :data:`LOGPROB_TOL`."""
+    got_answer, want_answer = answer(got), answer(want)
+    assert [a[0] for a in got_answer] == [a[0] for a in want_answer], got_answer
+    shifts = []
+    for (token, lp, top), (_, want_lp, want_top) in zip(got_answer, want_answer, strict=True):
+        shifts.append((abs(lp - want_lp), token, token))
+        # runners-up in both top lists (a near tie may swap the last place)
+        shifts += [
+            (abs(top[other] - want_top[other]), token, other)
+            for other in top.keys() & want_top.keys()
+        ]
+    assert max(shifts)[0] <= LOGPROB_TOL, max(shifts)
 
 
 def check_host_store(family: str, servers) -> None:
@@ -209,6 +249,52 @@ def check_host_store(family: str, servers) -> None:
         assert usage["host_hit_tokens"] >= before // block * block > 0, (step, before, usage)
     usage = mine[4]["kvbranch"]
     assert usage["device_hit_tokens"] == 0 and usage["host_hit_tokens"] <= diverges, usage
+
+
+def capacity(server) -> list[str]:
+    """vLLM's start-up line with the device's KV cache size and its concurrency."""
+    lines = server.log_tail(5000, ("KV cache size",))
+    return re.findall(r"KV cache size: [\d,]+ tokens, Maximum concurrency.*", lines)
+
+
+def check_pd_pull(family: str, servers, instances) -> None:
+    """Through P/D (router, P, D): turns 2 and 3 take their history from D alone (P's device
+    cache and host store emptied before each), every answer is plain vLLM's; the diverging
+    history, whose verified prefix ends before D's last block, pulls nothing (a window group
+    cannot continue from there) and is still answered right."""
+    _, reference, _ = family_turns(family, servers)
+    prefill, decode = instances
+    # vLLM's hybrid KV cache manager stays on under P/D: the window layers keep only their
+    # window, so P and D hold as many tokens and requests as plain vLLM in the same memory
+    want = capacity(servers[1])
+    assert want and capacity(prefill) == want == capacity(decode), (want, capacity(prefill))
+    args = ["--role", "router", "--prefill", prefill.url, "--decode", decode.url]
+    router = ServerProcess(
+        [*args, "--router-policy", "always-split", "--pd-hold-ttl-s", "120"],
+        name=f"router-{family}",
+        ready_timeout=120,
+    )
+    router.model = SERVED
+    session = f"pd-{family}"
+    with router:
+        prompt, prompts, responses = system_prompt(words=300, seed=41), [], []
+        for step, note in enumerate(STEPS):
+            empty_caches(prefill, wait_s=30)
+            prompt += f"\nStep {step}. {note}\n"
+            prompts.append(prompt)
+            responses.append(complete(router, prompt, session))
+            prompt += responses[-1]["choices"][0]["text"]
+        empty_caches(prefill, wait_s=30)
+        responses.append(complete(router, with_one_word_changed(prompts[2]), session))
+    for got, want in zip(responses, [*reference[:3], reference[4]], strict=True):
+        assert_same_answer(got, want)
+    for step in (1, 2):
+        split = responses[step]["kvbranch"]
+        before = responses[step - 1]["usage"]["prompt_tokens"]
+        assert split["device_hit_tokens"] == split["host_hit_tokens"] == 0, (step, split)
+        # the whole previous turn, but for a token the next prompt may re-tokenize
+        assert split["remote_hit_tokens"] >= before - 2, (step, before, split)
+    assert responses[3]["kvbranch"]["remote_hit_tokens"] == 0, responses[3]["kvbranch"]
 
 
 def not_served(family: str) -> pytest.MarkDecorator:
@@ -243,12 +329,20 @@ def test_gpt_oss_host_store(gpt_oss_servers):
     check_host_store("gpt-oss", gpt_oss_servers)
 
 
+def test_gpt_oss_pd_pull(gpt_oss_servers, gpt_oss_pd):
+    check_pd_pull("gpt-oss", gpt_oss_servers, gpt_oss_pd)
+
+
 def test_gemma3_answers(gemma3_servers):
     check_answers("gemma3", gemma3_servers)
 
 
 def test_gemma3_host_store(gemma3_servers):
     check_host_store("gemma3", gemma3_servers)
+
+
+def test_gemma3_pd_pull(gemma3_servers, gemma3_pd):
+    check_pd_pull("gemma3", gemma3_servers, gemma3_pd)
 
 
 def test_gated_deltanet_answers(gdn_servers):

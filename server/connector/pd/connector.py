@@ -51,15 +51,6 @@ class KVBranchPDConnector(MultiConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-        if groups > 1:
-            # P/D's pull, holds and split accounting address one block table per request.
-            raise ValueError(
-                f"kvbranch P/D supports one KV cache group; this engine has {groups}: vLLM's "
-                "hybrid KV cache manager is on. Start P and D with "
-                "--disable-hybrid-kv-cache-manager (python -m server --disagg does); hybrid "
-                "attention/SSM models do not run with P/D (docs/models.md)"
-            )
         super().__init__(vllm_config, role, kv_cache_config)
         children = children_of(self)
         self._nixl_index = next(
@@ -167,7 +158,24 @@ class KVBranchPDConnector(MultiConnector):
         self, request: Request, blocks: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._waiting.pop(request.request_id, None)
-        delay, params = super().request_finished(request, blocks)
+        return self._keep_params(request, *super().request_finished(request, blocks))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this one (every child declares ``SupportsHMA``); one group goes through
+        :meth:`request_finished` as before."""
+        if len(block_ids) == 1:
+            return self.request_finished(request, block_ids[0])
+        self._waiting.pop(request.request_id, None)
+        finished = super().request_finished_all_groups(request, block_ids)
+        return self._keep_params(request, *finished)
+
+    def _keep_params(
+        self, request: Request, delay: bool, params: dict[str, Any] | None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """D's handle kept by request tag, for the next turn's P (a streamed answer cannot
+        carry it)."""
         planner = self._kvbranch.planner
         if planner is not None and params:
             nixl = {k: v for k, v in params.items() if k in NIXL_PARAM_KEYS}
@@ -177,16 +185,6 @@ class KVBranchPDConnector(MultiConnector):
             except Exception:
                 logger.exception("kvbranch: keeping request %s's params", request.request_id)
         return delay, params
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """P/D instances run with the hybrid KV cache manager off (one group): through
-        :meth:`request_finished`, which keeps D's params for the next turn's P. vLLM calls
-        this one because every child declares ``SupportsHMA``."""
-        if len(block_ids) == 1:
-            return self.request_finished(request, block_ids[0])
-        return super().request_finished_all_groups(request, block_ids)
 
 
 def _register_by_name() -> None:

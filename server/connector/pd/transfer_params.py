@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
+from server.connector.core.kv_groups import CHUNKED_LOCAL, FULL_ATTENTION, SLIDING_WINDOW, STATE
 from server.connector.pd.transfer_auth import (
     CLAIM_FIELD,
     HASHES_FIELD,
@@ -155,19 +157,58 @@ def pullable_tokens(
     return n
 
 
-def trim_block_ids(block_ids: Any, num_tokens: int, block_size: int) -> list[list[int]] | None:
-    """D's block list cut to the blocks that hold the first ``num_tokens`` tokens, or None when
-    the layout is not one full-attention group of int ids (then nothing is pulled).
+def trim_block_ids(
+    block_ids: Any,
+    num_tokens: int,
+    block_size: int,
+    kinds: Sequence[str] = (FULL_ATTENTION,),
+    held_tokens: int | None = None,
+) -> list[list[int]] | None:
+    """D's block lists (one per KV cache group NIXL transfers, ``kinds`` in order) cut to what
+    P may read for the first ``num_tokens`` tokens, or None when nothing can be pulled.
 
-    Needed because NIXL's worker pairs P's *unfilled* blocks with the *last* ones of D's list
-    (``_apply_prefix_caching`` end-trims): an untrimmed list would put D's last blocks into
-    P's first positions whenever the verified prefix is shorter than what D holds."""
-    if not isinstance(block_ids, list) or len(block_ids) != 1 or not isinstance(block_ids[0], list):
+    NIXL's worker pairs P's *unfilled* blocks with the *last* ones of D's list, per group
+    (``_apply_prefix_caching`` end-trims):
+
+    * a full-attention group is cut to the blocks of the first ``num_tokens`` tokens, or an
+      untrimmed list would put D's last blocks into P's first positions whenever the verified
+      prefix is shorter than what D holds;
+    * a sliding-window (or chunked-local) group arrives as D clipped it, the window before the
+      end of D's ``held_tokens``: it lines up with P's window only when the verified prefix ends
+      in D's last block. A shorter prefix needs window blocks D has already freed: nothing;
+    * a state group (Mamba, Gated DeltaNet) holds the state after D's last token: only a prefix
+      of exactly ``held_tokens`` can continue from it.
+
+    Any other kind, a group count that differs from ``kinds`` or ids that are not block ids:
+    nothing is pulled."""
+    if (
+        not isinstance(block_ids, list | tuple)
+        or len(block_ids) != len(kinds)
+        or not all(isinstance(group, list) for group in block_ids)
+    ):
         return None
-    group = block_ids[0]
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in group):
+    if not all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 0
+        for group in block_ids
+        for b in group
+    ):
         return None
     need = -(-num_tokens // block_size)
-    if need > len(group):
-        return None
-    return [group[:need]]
+    held = num_tokens if held_tokens is None else held_tokens
+    trimmed: list[list[int]] = []
+    for kind, group in zip(kinds, block_ids, strict=True):
+        if kind == FULL_ATTENTION:
+            if need > len(group):
+                return None
+            trimmed.append(list(group[:need]))
+        elif kind in (SLIDING_WINDOW, CHUNKED_LOCAL):
+            if need != -(-held // block_size) or not group:
+                return None
+            trimmed.append(list(group))
+        elif kind == STATE:
+            if num_tokens != held or not group:
+                return None
+            trimmed.append(list(group))
+        else:
+            return None
+    return trimmed

@@ -92,6 +92,7 @@ from server.connector.vllm_compat import (
     lease_duration_s,
     nixl_progress_thread,
     set_send_deadline,
+    transfer_group_kinds,
     waits_for_read,
 )
 
@@ -181,6 +182,14 @@ class VerifiedNixlConnector(NixlConnector):
                     sorted(affinity),
                 )
         self.block_size = vllm_config.cache_config.block_size
+        #: The kind of each KV cache group a handle's block lists address, in order.
+        self.group_kinds = transfer_group_kinds(kv_cache_config)
+        if len(self.group_kinds) > 1:
+            logger.info(
+                "kvbranch: NIXL pulls address %d KV cache groups (%s)",
+                len(self.group_kinds),
+                ", ".join(self.group_kinds),
+            )
         self.compat = compat_of(vllm_config)
         self.secret = load_cluster_secret()
         # NIXL's handshake listener and requester: authenticated, and no frame kills them.
@@ -372,7 +381,15 @@ class VerifiedNixlConnector(NixlConnector):
         held = params.get("remote_num_tokens")
         pull = pullable_tokens(params, request, self.block_size, self.compat)
         trimmed = (
-            trim_block_ids(params.get("remote_block_ids"), pull, self.block_size) if pull else None
+            trim_block_ids(
+                params.get("remote_block_ids"),
+                pull,
+                self.block_size,
+                self.group_kinds,
+                held if isinstance(held, int) and not isinstance(held, bool) else None,
+            )
+            if pull
+            else None
         )
         if not pull or trimmed is None:
             pull = 0  # D frees its blocks on P's notification (upstream's full-hit path)

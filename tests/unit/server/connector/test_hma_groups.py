@@ -11,7 +11,7 @@ import torch
 
 from server.connector import vllm_compat
 from server.connector.core.kv_groups import FULL_ATTENTION, state_groups, store_off_reason
-from server.launcher.model_support import check_model, refusal
+from server.launcher.model_support import check_model, refusal, state_layers_in_config
 from server.launcher.settings import LaunchError
 
 
@@ -172,6 +172,36 @@ def test_attention_free_model_refused_by_pd():
 )
 def test_unreadable_architectures_are_left_to_vllm(config):
     assert refusal(config, traits) is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        {"architectures": ["LlamaForCausalLM"]},
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 256},
+        {"layer_types": ["chunked_attention", "full_attention"]},
+        {"sliding_window": 4096},  # Mistral 7B v0.1: every layer windowed
+    ],
+    ids=["no-config", "dense", "gemma3", "llama4", "mistral"],
+)
+def test_peer_pulls_carry_every_attention_model(config):
+    assert state_layers_in_config(config) is None
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+        ({"layer_types": ["mamba", "attention"]}, "mamba"),
+        ({"hybrid_override_pattern": "M-M*"}, "hybrid_override_pattern"),
+        ({"layers_block_type": ["mamba", "attention"]}, "layers_block_type"),
+        ({"attn_layer_indices": [3]}, "attn_layer_indices"),
+    ],
+    ids=["qwen3-next", "granite-h", "nemotron-h", "jamba", "falcon-h1"],
+)
+def test_peer_pulls_stay_off_for_state_layers(config, named):
+    assert named in (state_layers_in_config(config) or "")
 
 
 def test_unknown_architecture_is_left_to_vllm():

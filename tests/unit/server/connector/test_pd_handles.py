@@ -64,8 +64,50 @@ def test_the_block_list_is_cut_to_the_verified_prefix_not_end_aligned():
     "ids", [[[1, 2], [3, 4]], [1, 2, 3], "1,2", [["1", 2]], [[-1, 2]], [[True, 2]], None, [[1]]]
 )
 def test_block_lists_of_another_shape_pull_nothing(ids):
-    # two groups (hybrid models), flat, strings, negative ids, too short for the tokens
+    # two lists for one group, flat, strings, negative ids, too short for the tokens
     assert trim_block_ids(ids, 8, BS) is None
+
+
+FULL, WINDOW, STATE = "full_attention", "sliding_window", "mamba"
+
+
+def test_a_window_group_is_pulled_only_when_the_prefix_ends_in_ds_last_block():
+    # D holds 14 tokens (blocks at positions 0..3); its window group arrives clipped to the
+    # window before its end (positions 2..3 here, with vLLM's null block 0 before them).
+    ids = [[100, 101, 102, 103], [0, 202, 203]]
+    kinds = (FULL, WINDOW)
+    assert trim_block_ids(ids, 14, BS, kinds, held_tokens=14) == [
+        [100, 101, 102, 103],
+        [0, 202, 203],
+    ]
+    assert trim_block_ids(ids, 13, BS, kinds, held_tokens=14) == [
+        [100, 101, 102, 103],
+        [0, 202, 203],
+    ]
+    # a prefix ending in an earlier block needs window blocks D has freed: nothing
+    assert trim_block_ids(ids, 12, BS, kinds, held_tokens=14) is None
+    assert trim_block_ids(ids, 9, BS, kinds, held_tokens=14) is None
+
+
+def test_a_state_group_is_pulled_only_for_exactly_what_d_computed():
+    ids = [[100, 101, 102, 103], [300]]
+    kinds = (FULL, STATE)
+    assert trim_block_ids(ids, 14, BS, kinds, held_tokens=14) == [[100, 101, 102, 103], [300]]
+    assert trim_block_ids(ids, 13, BS, kinds, held_tokens=14) is None
+
+
+@pytest.mark.parametrize(
+    ("ids", "kinds"),
+    [
+        ([[100, 101, 102, 103]], (FULL, WINDOW)),  # fewer lists than groups
+        ([[100, 101, 102, 103], [202, 203]], (FULL,)),  # more lists than groups
+        ([[100, 101, 102, 103], []], (FULL, WINDOW)),  # an empty window
+        ([[100, 101, 102, 103], [202, 203]], (FULL, "CrossAttentionSpec")),  # an unknown kind
+        ([[100, 101, 102, 103], [202, "x"]], (FULL, WINDOW)),
+    ],
+)
+def test_several_groups_of_another_shape_pull_nothing(ids, kinds):
+    assert trim_block_ids(ids, 14, BS, kinds, held_tokens=14) is None
 
 
 def test_a_regeneration_shorter_than_what_d_holds_pulls_its_prefix():

@@ -96,6 +96,7 @@ def _connector(compat: dict = COMPAT, upstream: Any = None) -> VerifiedNixlConne
     conn.connector_scheduler = upstream if upstream is not None else Upstream()
     conn.connector_worker = None
     conn.block_size = BS
+    conn.group_kinds = ("full_attention",)
     conn.compat = dict(compat)
     conn.secret = SECRET
     conn.consumed = auth.ConsumedHandles()
