@@ -322,6 +322,42 @@ def architecture_traits(architectures: list[str]) -> tuple[bool, bool] | None:
     return None
 
 
+def hybrid_attention_block_size(vllm_args: Any) -> int | None:
+    """The attention block size vLLM's worker gives a hybrid attention/state model (one page
+    must hold a state: ``Platform.update_block_size_for_backend``), computed from the parsed
+    ``vllm serve`` arguments before the engine starts; ``None`` when it keeps the size asked
+    for, or when the engine's config cannot be built here (vLLM then reports it itself).
+
+    Why before: vLLM 0.32 applies it in the worker, after the engine core copied its config,
+    so the scheduler keeps splitting prompts at the old size and keeps few states at the new
+    block ends (plain vLLM's own prefix cache misses too; docs/models.md)."""
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.selector import get_attn_backend
+
+    try:
+        config = AsyncEngineArgs.from_cli_args(vllm_args).create_engine_config()
+        model = config.model_config
+        if model is None or not model.is_hybrid:
+            return None
+        before = config.cache_config.block_size
+        # The worker reads the backend off the loaded model's layers; before loading, it is
+        # the platform's choice for the model's attention (one backend on CPU).
+        with set_current_vllm_config(config):
+            backend = get_attn_backend(
+                model.get_head_size(),
+                model.dtype,
+                config.cache_config.cache_dtype,
+                use_mla=model.use_mla,
+            )
+        current_platform._align_hybrid_block_size(config, backend)
+        after = int(config.cache_config.block_size)
+    except Exception:  # noqa: BLE001 - vLLM's own start reports a config it cannot build
+        return None
+    return after if after != before else None
+
+
 # --- MultiConnector's children --------------------------------------------------------------
 def children_of(multi: MultiConnector) -> list[KVConnectorBase_V1]:
     return list(multi._connectors)

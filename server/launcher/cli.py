@@ -111,6 +111,42 @@ class LaunchPlan:
     model_config: dict[str, Any] | None = None
 
 
+def align_hybrid_block_size(
+    vllm_args: argparse.Namespace,
+    plan: LaunchPlan,
+    *,
+    cuda: bool | None = None,
+    size_of: Callable[[argparse.Namespace], int | None] | None = None,
+    hybrid: Callable[[dict[str, Any]], bool] | None = None,
+) -> str | None:
+    """On CPU, give a hybrid attention/state model the block size vLLM's worker would raise it
+    to, before the engine starts (``vllm_compat.hybrid_attention_block_size`` says why); the
+    line to say, or ``None``. The user's ``--block-size`` wins; on a GPU vLLM is left as is
+    (measured on CPU only)."""
+    if hybrid is None:
+        from server.launcher.model_support import vllm_traits
+
+        def hybrid(config: dict[str, Any]) -> bool:
+            return state_layers(config, vllm_traits) == "hybrid"
+
+    config = plan.model_config
+    if "--block-size" in plan.vllm_argv or config is None or not hybrid(config):
+        return None
+    if _has_cuda() if cuda is None else cuda:
+        return None
+    if size_of is None:
+        from server.connector.vllm_compat import hybrid_attention_block_size as size_of
+    size = size_of(vllm_args)
+    if not size:
+        return None
+    vllm_args.block_size = size
+    return (
+        f"block size {size} tokens (one page holds a state; vLLM's CPU worker would raise "
+        "it only after its scheduler started, which keeps few states to resume from; pass "
+        "-- --block-size N to choose)"
+    )
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -572,6 +608,9 @@ def run(plan: LaunchPlan, phases: Phases | None = None) -> None:
     refit = fit_parsers(vllm_args, plan.chosen_parsers, parser_misfit)
     if refit:
         phases.say(refit)
+    aligned = align_hybrid_block_size(vllm_args, plan)
+    if aligned:
+        phases.say(aligned)
     url = f"http://{vllm_args.host}:{vllm_args.port}"
     phases.say(f"starting vLLM on {url} model={plan.served_model_name}")
     from server.launcher.process import start_reaper

@@ -58,13 +58,17 @@ VLLM_OPTIONS: dict[str, list[str]] = {
     # vLLM 0.32's CPU Mamba 2 kernel ignores return_intermediate_states, so its prefix caching
     # ("align" mode) fails on any prompt that crosses a block (IndexError in mamba_mixer2)
     "mamba2": ["--no-enable-prefix-caching"],
+}
+#: vLLM options only the plain vLLM reference needs (kvbranch's launcher chooses them).
+PLAIN_OPTIONS: dict[str, list[str]] = {
     # vLLM 0.32's CPU worker raises the attention block size to 384 (one Gated DeltaNet state
     # per page) after the engine core copied its config: its scheduler would split prompts
-    # at 128-token steps and keep no state at the 384-token blocks (plain vLLM alike). Given
-    # the size, both keep a state per block boundary a prefill chunk ends on.
+    # at 128-token steps and keep no state at the 384-token blocks. Given the size, it keeps a
+    # state per block boundary a prefill chunk ends on; kvbranch's launcher passes the size
+    # vLLM's own rule gives, and the host-store check below fails without it.
     "gdn": ["--block-size", "384"],
 }
-#: Tokens per block where not vLLM's CPU default of 128 (``VLLM_OPTIONS``).
+#: Tokens per block where not vLLM's CPU default of 128 (the launcher's choice for a hybrid).
 BLOCK_TOKENS = {"gdn": 384}
 #: Families the connector does not serve yet, and why.
 NOT_SERVED = {
@@ -78,9 +82,12 @@ NOT_SERVED = {
 def _factory(family: str):
     def servers() -> tuple[ServerProcess, ServerProcess]:
         model = ["--model", str(ensure(family)), *SIZES]
-        vllm = ["--", *VLLM_OPTIONS[family]] if family in VLLM_OPTIONS else []
+        options = VLLM_OPTIONS.get(family, [])
+        vllm = ["--", *options] if options else []
+        plain_options = [*options, *PLAIN_OPTIONS.get(family, [])]
+        plain_vllm = ["--", *plain_options] if plain_options else []
         ours = ServerProcess([*model, "--host-store-gib", "0.25", *vllm], name=f"kvbranch-{family}")
-        plain = VanillaVLLM([*model, "--no-connector", *vllm], name=f"plain-{family}")
+        plain = VanillaVLLM([*model, "--no-connector", *plain_vllm], name=f"plain-{family}")
         ours.model = plain.model = SERVED
         return ours, plain
 

@@ -146,3 +146,65 @@ def test_a_torchvision_that_does_not_import_is_refused_for_every_model():
 def test_missing_module_reports_an_import_that_fails():
     assert missing_module("json") is None
     assert missing_module("no_such_module_kvbranch").startswith("ModuleNotFoundError")
+
+
+# --- the block size of a hybrid attention/state model on CPU ---------------------------------
+def _plan(config: dict | None, *argv: str):
+    from server.launcher.cli import LaunchPlan
+
+    return LaunchPlan(["--model", "m", *argv], {}, "m", "m", None, model_config=config)
+
+
+def _align(config, *argv, cuda=False, size=384, hybrid=True):
+    from types import SimpleNamespace
+
+    from server.launcher.cli import align_hybrid_block_size
+
+    args = SimpleNamespace(block_size=None)
+    note = align_hybrid_block_size(
+        args,
+        _plan(config, *argv),
+        cuda=cuda,
+        size_of=lambda _args: size,
+        hybrid=lambda _config: hybrid,
+    )
+    return args.block_size, note
+
+
+def test_a_hybrid_model_on_cpu_gets_the_block_size_vllm_s_worker_would_choose():
+    size, note = _align(QWEN3_NEXT)
+    assert size == 384 and "block size 384 tokens" in (note or "")
+
+
+@pytest.mark.parametrize(
+    ("config", "argv", "cuda", "hybrid"),
+    [
+        (QWEN3_NEXT, ("--block-size", "128"), False, True),  # the user's size wins
+        (QWEN3_NEXT, (), True, True),  # a GPU: vLLM as it is
+        (LLAMA, (), False, False),  # no state layers
+        (None, (), False, True),  # no config read (a hub name not fetched)
+    ],
+    ids=["user-flag", "gpu", "dense", "no-config"],
+)
+def test_the_block_size_is_left_alone(config, argv, cuda, hybrid):
+    assert _align(config, *argv, cuda=cuda, hybrid=hybrid) == (None, None)
+
+
+def test_a_size_vllm_keeps_changes_nothing():
+    assert _align(QWEN3_NEXT, size=None) == (None, None)
+
+
+def test_vllm_s_own_rule_gives_the_tiny_gated_deltanet_its_state_page():
+    """vLLM's platform rule on the real config of the tiny Qwen3-Next (tests/tiny_models.py):
+    the size its CPU worker logs ("Setting attention block size to 384 tokens")."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from server.connector.vllm_compat import hybrid_attention_block_size
+    from tests.tiny_models import ensure
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm"))
+    argv = ["--model", str(ensure("gdn")), "--dtype", "bfloat16", "--max-model-len", "2048"]
+    assert hybrid_attention_block_size(parser.parse_args(argv)) == 384
+    dense = ["--model", str(ensure("dense")), "--max-model-len", "2048"]
+    assert hybrid_attention_block_size(parser.parse_args(dense)) is None
