@@ -35,9 +35,11 @@ CPU_DTYPES = {"qwen3_next": "bfloat16"}
 DEFAULT_CPU_DTYPE = "float32"
 
 #: Chat tests run on the embedded model (SmolLM2), whose tool calls are Hermes-style; the tiny
-#: families are compared over completions, where no parser runs. Their tokenizer is the
-#: embedded model's, which vLLM's Hermes parser accepts.
-TOOL_CALL_PARSER = "hermes"
+#: families are compared over completions, where no parser runs, and carry the embedded
+#: model's tokenizer, which vLLM's Hermes parser accepts. By ``model_type`` where vLLM refuses
+#: Hermes: a gpt-oss model's chat is Harmony, which vLLM serves only with its own parser.
+TOOL_CALL_PARSERS = {"gpt_oss": "openai"}
+DEFAULT_TOOL_CALL_PARSER = "hermes"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,12 +65,13 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def cpu_dtype(model: Path) -> str:
-    """:data:`CPU_DTYPES`' entry for the model folder's ``model_type``."""
+def by_model_type(model: Path, table: dict[str, str], default: str) -> str:
+    """``table``'s entry for the model folder's ``model_type`` (config.json's, or its
+    text_config's), else ``default``."""
     config = json.loads((model / "config.json").read_text())
-    types = {config.get("model_type"), (config.get("text_config") or {}).get("model_type")}
-    found = [CPU_DTYPES[t] for t in types if t in CPU_DTYPES]
-    return found[0] if found else DEFAULT_CPU_DTYPE
+    types = [config.get("model_type"), (config.get("text_config") or {}).get("model_type")]
+    found = [table[t] for t in types if t in table]
+    return found[0] if found else default
 
 
 def reference_argv(argv: list[str]) -> list[str]:
@@ -99,12 +102,12 @@ def reference_argv(argv: list[str]) -> list[str]:
         "--enable-prompt-tokens-details",
         "--enable-auto-tool-choice",
         "--tool-call-parser",
-        TOOL_CALL_PARSER,
+        by_model_type(model, TOOL_CALL_PARSERS, DEFAULT_TOOL_CALL_PARSER),
         # no access log per request: the test's log tails stay readable
         "--uvicorn-log-level",
         "warning",
         "--dtype",
-        cpu_dtype(model),
+        by_model_type(model, CPU_DTYPES, DEFAULT_CPU_DTYPE),
         # torch.compile's warm-up costs minutes per start on CPU
         "--enforce-eager",
         *passthrough,  # last: vLLM keeps the last value of a repeated flag

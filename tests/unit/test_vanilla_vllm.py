@@ -57,18 +57,20 @@ def test_the_folder_names_the_model_unless_a_name_is_given(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "config",
+    ("config", "flag", "value"),
     [
-        {"model_type": "qwen3_next"},
-        {"model_type": "x", "text_config": {"model_type": "qwen3_next"}},
+        ({"model_type": "qwen3_next"}, "--dtype", "bfloat16"),
+        ({"model_type": "x", "text_config": {"model_type": "qwen3_next"}}, "--dtype", "bfloat16"),
+        ({"model_type": "gpt_oss"}, "--tool-call-parser", "openai"),
+        ({"model_type": "gpt_oss"}, "--dtype", "float32"),
     ],
 )
-def test_gated_deltanet_runs_in_bfloat16(tmp_path, config):
+def test_a_model_type_that_needs_its_own_setting_gets_it(tmp_path, config, flag, value):
     folder = model_folder(tmp_path, config)
     argv = reference_argv(
         ["--port", "1", "--model", str(folder), "--kv-cache-gib", "1", "--max-model-len", "8"]
     )
-    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv[argv.index(flag) + 1] == value
 
 
 def test_vllm_flags_after_the_separator_come_last(tmp_path):
