@@ -19,11 +19,18 @@ yet (its host store stays off and kvbranch runs as plain vLLM), the host-store c
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+import time
 
 import pytest
+import redis
 
 from sdk.contract import SESSION_HEADER
+from server.common.tenants import ANONYMOUS
+from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET
+from server.index.redis_store import RedisKeys, digest
 from tests import prestart
 from tests.conftest import VanillaVLLM
 from tests.integration.helpers import (
@@ -33,7 +40,9 @@ from tests.integration.helpers import (
     reset_device_cache,
     system_prompt,
 )
-from tests.server_process import ServerProcess
+from tests.prestart import BIND_ENV
+from tests.redis_server import RedisServer
+from tests.server_process import ServerProcess, free_port
 from tests.tiny_models import ensure
 
 SERVED = "tiny"
@@ -127,6 +136,62 @@ def _pd_factory(family: str):
 #: vLLM runs them); state families are refused by P/D (docs/models.md).
 gpt_oss_pd = prestart.fixture("gpt_oss_pd", _pd_factory("gpt-oss"), scope="module", engines=2)
 gemma3_pd = prestart.fixture("gemma3_pd", _pd_factory("gemma3"), scope="module", engines=2)
+
+
+class FamilyReplicas:
+    """Redis and two aggregated replicas of one family (``--role single --index``): a turn
+    sent to the replica that did not serve the last one pulls the history from its peer."""
+
+    engines = 2  # what tests.prestart counts against the memory budget
+
+    def __init__(self, family: str) -> None:
+        self.redis = RedisServer()
+        env = {ENV_CLUSTER_SECRET: secrets.token_hex(32), "PYTHONHASHSEED": "0"}
+        args = ["--model", str(ensure(family)), *SIZES, "--host-store-gib", "0.25"]
+        args += ["--pd-hold-ttl-s", "60", "--index", self.redis.url]
+        self.replicas = [
+            ServerProcess(
+                [*args, "--cpu-cores", os.environ.get(BIND_ENV) or core]
+                + ["--nixl-port", str(free_port())],
+                name=f"replica-{family}-{core}",
+                ready_timeout=900,
+                env=env,
+            )
+            for core in ("0", "1")
+        ]
+        for replica in self.replicas:
+            replica.model = SERVED
+
+    def launch(self) -> None:
+        self.redis.start()
+        for replica in self.replicas:
+            replica.launch()
+
+    def wait_ready(self) -> None:
+        for replica in self.replicas:
+            replica.wait_ready()
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+        self.redis.close()
+
+    def wait_for_hold(self, session: str, timeout_s: float = 30.0) -> None:
+        """Until the session's hold is in the index: a replica files it (and a turn takes it)
+        as its answer ends, after the response."""
+        key = RedisKeys("default").hold(
+            digest(ANONYMOUS, session), digest(ANONYMOUS, session, "main")
+        )
+        deadline = time.monotonic() + timeout_s
+        with redis.Redis(unix_socket_path=str(self.redis.socket), socket_timeout=5) as r:
+            while not r.exists(key):
+                assert time.monotonic() < deadline, f"no replica filed a hold for {session}"
+                time.sleep(0.2)
+
+
+gemma3_replicas = prestart.fixture(
+    "gemma3_replicas", lambda: (FamilyReplicas("gemma3"),), scope="module", engines=2
+)
 
 
 def complete(server, prompt: str, session: str | None = None) -> dict:
@@ -304,6 +369,29 @@ def check_pd_pull(family: str, servers, instances) -> None:
     assert responses[3]["kvbranch"]["remote_hit_tokens"] == 0, responses[3]["kvbranch"]
 
 
+def check_peer_pull(family: str, servers, cluster: FamilyReplicas) -> None:
+    """Aggregated replicas taking turns (as round robin would send them): each turn after the
+    first goes to the other replica with its caches emptied, pulls the previous turn from its
+    peer, and answers as plain vLLM."""
+    _, reference, _ = family_turns(family, servers)
+    prompt, session = system_prompt(words=300, seed=41), f"replicas-{family}"
+    before = 0
+    for step, note in enumerate(STEPS):
+        replica = cluster.replicas[step % 2]
+        prompt += f"\nStep {step}. {note}\n"
+        if step:
+            cluster.wait_for_hold(session)
+            empty_caches(replica, wait_s=60)
+        response = complete(replica, prompt, session)
+        assert_same_answer(response, reference[step])
+        if step:
+            split = response["kvbranch"]
+            assert split["device_hit_tokens"] == split["host_hit_tokens"] == 0, (step, split)
+            assert split["remote_hit_tokens"] >= before - 2, (step, before, split)
+        before = response["usage"]["prompt_tokens"]
+        prompt += response["choices"][0]["text"]
+
+
 def not_served(family: str) -> pytest.MarkDecorator:
     return pytest.mark.xfail(strict=True, reason=NOT_SERVED[family])
 
@@ -350,6 +438,10 @@ def test_gemma3_host_store(gemma3_servers):
 
 def test_gemma3_pd_pull(gemma3_servers, gemma3_pd):
     check_pd_pull("gemma3", gemma3_servers, gemma3_pd)
+
+
+def test_gemma3_peer_pull(gemma3_servers, gemma3_replicas):
+    check_peer_pull("gemma3", gemma3_servers, gemma3_replicas)
 
 
 def test_gated_deltanet_answers(gdn_servers):
