@@ -24,14 +24,8 @@ from typing import Any
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, verify
 
 __all__ = ["ROUTER_PROOF_HEADER", "claim_refusal", "from_router", "is_dev_path", "transfer_refusal"]
-from sdk.contract import (
-    EXTRA_ARGS_FIELD,
-    HOLD_CLAIM_PATH,
-    NESTED_XARGS_PATH,
-    SAMPLING_PARAMS_FIELD,
-    TRANSFER_PARAMS_FIELD,
-    XARGS_FIELD,
-)
+from sdk.contract import HOLD_CLAIM_PATH, TRANSFER_PARAMS_FIELD
+from server.checks.transfer import transfer_fields
 
 #: vLLM 0.32's dev-mode routes (``vllm/entrypoints/serve/dev`` and ``vllm/entrypoints/rl``,
 #: registered only with ``VLLM_SERVER_DEV_MODE=1``); a test lists them from vLLM's own app.
@@ -76,23 +70,6 @@ def _secret() -> bytes:
     from server.connector.pd.transfer_auth import load_cluster_secret
 
     return load_cluster_secret()
-
-
-def transfer_fields(payload: dict[str, Any], path: str) -> list[str]:
-    """Where this body carries transfer params (``null`` counts as none)."""
-    found = []
-    if payload.get(TRANSFER_PARAMS_FIELD) is not None:
-        found.append(TRANSFER_PARAMS_FIELD)
-    if path == NESTED_XARGS_PATH:
-        params = payload.get(SAMPLING_PARAMS_FIELD)
-        xargs = params.get(EXTRA_ARGS_FIELD) if isinstance(params, dict) else None
-        where = f"{SAMPLING_PARAMS_FIELD}.{EXTRA_ARGS_FIELD}"
-    else:
-        xargs = payload.get(XARGS_FIELD)
-        where = XARGS_FIELD
-    if isinstance(xargs, dict) and TRANSFER_PARAMS_FIELD in xargs:
-        found.append(f"{where}.{TRANSFER_PARAMS_FIELD}")
-    return found
 
 
 def from_router(proof: str | None, method: str, path: str, body: bytes) -> bool:

@@ -43,6 +43,7 @@ from server.checks import json_body
 from server.checks.fields import field_problem
 from server.checks.headers import header, header_problem
 from server.checks.ids import MESSAGE_CHARS, id_problem
+from server.checks.transfer import transfer_problem
 from server.common.errors import error_response, send_error
 from server.common.tenants import KeyTable, scope_of
 from server.common.ui_page import PAGE_PATHS
@@ -276,7 +277,9 @@ def parse_object(raw: bytes) -> dict[str, Any]:
 async def read_turn(request: Request) -> dict[str, Any]:
     """A completion turn's body, checked as the instances check it — and more strictly where the
     router acts on a field itself — so that a request an instance would refuse is refused here,
-    before any index write and before P prefills a token of it."""
+    before any index write and before P prefills a token of it. A client's transfer params,
+    in the field or smuggled in the extension args, are refused here in every topology: the
+    router never relays them (:mod:`server.checks.transfer`)."""
     payload = parse_object(await read_body(request))
     path = request.url.path
     problem = (
@@ -285,6 +288,7 @@ async def read_turn(request: Request) -> dict[str, Any]:
         )
         or dialects.problem(payload, path)
         or field_problem(payload)
+        or transfer_problem(payload, path)
     )
     if problem is not None:
         raise Refused(error_response(400, problem[1], param=problem[0]))

@@ -7,8 +7,9 @@ it reads the hold (:meth:`~server.index.SessionStore.peek_hold`, which leaves it
 and the session's home (:meth:`~server.index.SessionStore.peek_home`), chooses the replica
 (:mod:`server.router.replicas`), and relays the request as the client sent it — the edge's checks
 and forwarded headers as for P/D (:mod:`server.router.edge`), no claim, no turn begun, no
-transfer params (a client's are refused with 400, as the P/D turn refuses them). Transfer params
-in an answer are the cluster's, never the client's: they are taken out as the P/D relay does.
+transfer params (a client's, in the field or the extension args, are refused with 400 by the
+edge, as for P/D). Transfer params in an answer are the cluster's, never the client's: they are
+taken out as the P/D relay does.
 
 What the router does write is where the session went: its home (when it changed) and the
 replicas that have it, so its next turn finds it while the hold is taken or gone, and session
@@ -33,8 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 
-from sdk.contract import ROUTE_HEADER, TRANSFER_PARAMS_FIELD
-from server.common.errors import error_response
+from sdk.contract import ROUTE_HEADER
 from server.index import IndexUnavailable, Key, SessionStore
 from server.router import relay
 from server.router.edge import FORWARD_HEADERS, Refused, read_turn, unavailable
@@ -84,8 +84,6 @@ class ReplicaFlow:
             payload = await read_turn(request)
         except Refused as refused:
             return refused.response
-        if TRANSFER_PARAMS_FIELD in payload:
-            return error_response(400, "kv_transfer_params is set by the cluster; remove it")
         key = turn_key(payload, request)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
         holder, home = await self.where(key)

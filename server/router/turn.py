@@ -54,7 +54,6 @@ from sdk.contract import (
 )
 from server import dialects
 from server.checks.ids import xargs_of
-from server.common.errors import error_response
 from server.index import Hold, IndexUnavailable, Key, SessionStore, TurnStart
 from server.router import relay
 from server.router.edge import FORWARD_HEADERS, Refused, read_turn, tenant_of, unavailable
@@ -154,8 +153,6 @@ class TurnFlow:
             payload = await read_turn(request)
         except Refused as refused:
             return refused.response
-        if TRANSFER_PARAMS_FIELD in payload:
-            return error_response(400, "kv_transfer_params is set by the router; remove it")
         turn = _Turn(
             self,
             request.url.path,

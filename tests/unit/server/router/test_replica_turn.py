@@ -230,10 +230,18 @@ def test_a_stream_is_relayed_with_its_usage_and_without_transfer_params():
 
 
 def test_transfer_params_from_a_client_are_refused_before_any_replica_sees_them():
+    """The field, ``null`` included, and smuggled in the extension args (where vLLM reads them
+    too: a replica refused those with 403 after the router had relayed them)."""
     fakes, store = _Replicas(), _Store()
     router = _router(fakes, store)
-    r = _turn(router, dict(BODY, kv_transfer_params={"remote_host": "10.0.0.9"}))
-    assert r.status_code == 400 and fakes.turns() == []
+    for extra, param in (
+        ({"kv_transfer_params": {"remote_host": "10.0.0.9"}}, "kv_transfer_params"),
+        ({"kv_transfer_params": None}, "kv_transfer_params"),
+        ({"vllm_xargs": {"kv_transfer_params": "x"}}, "vllm_xargs.kv_transfer_params"),
+    ):
+        r = _turn(router, dict(BODY, **extra))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert fakes.turns() == []
 
 
 def test_session_routes_and_health_follow_the_replicas():

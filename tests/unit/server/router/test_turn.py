@@ -297,6 +297,8 @@ def test_transfer_params_from_a_client_are_refused():
     fakes = PD()
     r = _turn(make_router(fakes), kv_transfer_params={"do_remote_decode": True})
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
+    r = _turn(make_router(fakes), vllm_xargs={"kv_transfer_params": "x"})  # smuggled
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.kv_transfer_params"
     assert not fakes.seen
 
 
