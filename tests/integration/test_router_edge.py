@@ -6,14 +6,13 @@ on a request D refused, or a router that refused everyone.
 
 Each case ends in a 4xx that names what is wrong (401, 400, 429) and leaves nothing behind: no
 Redis key, no engine request on P or D; and the routers answer right afterwards (the plain vLLM
-server's answer). The NIXL side channel's and Redis records' probes are in
-test_nixl_side_channel.py and tests/unit/server/index/.
+server's answer). The probes a router in front of aggregated replicas answers alike are shared
+with test_replica_edge (:mod:`tests.integration.edge_probes`). The NIXL side channel's and Redis
+records' probes are in test_nixl_side_channel.py and tests/unit/server/index/.
 """
 
 from __future__ import annotations
 
-import json
-import secrets
 import socket
 import time
 from types import SimpleNamespace
@@ -23,13 +22,14 @@ import httpx
 import pytest
 import redis
 
+from tests.integration import edge_probes as probe
+from tests.integration.edge_probes import QUESTION, Unchanged
 from tests.integration.helpers import chat, pd_activity, text_of
 from tests.integration.trust_cluster import KEY_A, KEY_B, trust_router
 from tests.redis_server import RedisServer
 
 #: A tenant's share of in-flight requests at these routers (the default is 128).
 TENANT_SHARE = 2
-QUESTION = [{"role": "user", "content": "Name a planet."}]
 A_HEADERS = {"Authorization": f"Bearer {KEY_A}"}
 B_HEADERS = {"Authorization": f"Bearer {KEY_B}"}
 
@@ -68,123 +68,52 @@ def _keys(edge) -> int:
         return int(r.dbsize())
 
 
-def _nothing_ran(edge):
+def _nothing_ran(edge) -> Unchanged:
     """A context for probes that must leave P, D (engine requests, pulls, holds, claims) and
     Redis as they were."""
-
-    class Unchanged:
-        def __enter__(self):
-            self.before = (pd_activity(edge.p), pd_activity(edge.d), _keys(edge))
-            return self
-
-        def __exit__(self, *exc):
-            if exc[0] is None:
-                after = (pd_activity(edge.p), pd_activity(edge.d), _keys(edge))
-                assert after == self.before, f"(P, D, Redis keys) {self.before} -> {after}"
-
-    return Unchanged()
-
-
-def _body(model: str, **extra) -> dict:
-    return {"model": model, "messages": QUESTION, "temperature": 0, "max_tokens": 8, **extra}
+    return Unchanged(
+        lambda: (pd_activity(edge.p), pd_activity(edge.d), _keys(edge)), "(P, D, Redis keys)"
+    )
 
 
 def test_requests_without_a_key_are_401_and_leave_nothing_behind(edge):
-    with _nothing_ran(edge), httpx.Client(base_url=edge.a.url, timeout=60) as c:
-        for n in range(400):
-            r = c.post(
-                "/v1/chat/completions",
-                json=_body(edge.a.model, session_id=f"s{secrets.token_hex(8)}"),
-                headers={} if n % 2 else {"Authorization": "Bearer not-a-key"},
-            )
-            assert r.status_code == 401, r.text
-        huge = _body(edge.a.model, session_id="x" * 2_000_000)
-        for _ in range(10):
-            r = c.post("/v1/chat/completions", json=huge)
-            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        for method, path in (("POST", "/v1/kvbranch/sessions"), ("GET", "/v1/kvbranch/stats")):
-            assert c.request(method, path).status_code == 401
-        assert c.get("/health").status_code == 200  # a load balancer's check needs no key
-
-
-def _raw(model: str, fields: str) -> bytes:
-    """A chat body with ``fields`` spliced in as raw JSON (lone surrogates as JSON escapes)."""
-    head = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
-    return (head[:-1] + ', "max_tokens": 2, ' + fields + "}").encode()
-
-
-LONG_PROMPT = " ".join(["word"] * 1500)
-
-HOSTILE = [
-    # (name, path, body maker, extra headers, expected param)
-    ("session-surrogate", "/v1/chat/completions", '"session_id": "\\ud800"', {}, "session_id"),
-    (
-        "branch-surrogate",
-        "/v1/chat/completions",
-        '"session_id": "s1", "vllm_xargs": {"kvbranch_branch": "\\ud800"}',
-        {},
-        "vllm_xargs.kvbranch_branch",
-    ),
-    ("stream-not-bool", "/v1/chat/completions", '"stream": 1', {}, "stream"),
-    ("session-not-id", "/v1/chat/completions", '"session_id": "../x"', {}, "session_id"),
-    ("header-session-byte", "/v1/chat/completions", '"n": 1', {"X-Session-ID": b"\xe9"}, None),
-    ("header-auth-byte", "/v1/chat/completions", '"n": 1', {"Authorization": b"Bearer \xe9"}, None),
-]
+    with _nothing_ran(edge):
+        probe.requests_without_a_key_are_401(edge.a.url, edge.a.model)
 
 
 @pytest.mark.parametrize(
-    ("name", "path", "fields", "headers", "param"), HOSTILE, ids=[h[0] for h in HOSTILE]
+    ("name", "path", "fields", "headers", "param"), probe.HOSTILE, ids=probe.HOSTILE_IDS
 )
 def test_hostile_ids_headers_and_types_are_400s_that_run_nothing(
     edge, name, path, fields, headers, param
 ):
-    with _nothing_ran(edge), httpx.Client(base_url=edge.a.url, timeout=60) as c:
-        r = c.post(
-            path,
-            content=_raw(edge.a.model, fields),
-            headers={**A_HEADERS, "content-type": "application/json", **headers},
-        )
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    if param is not None:
-        assert error["param"] == param, error
-    else:
-        assert "ASCII" in error["message"], error
+    with _nothing_ran(edge):
+        probe.hostile_request_is_400(edge.a.url, edge.a.model, KEY_A, path, fields, headers, param)
 
 
 def test_a_session_route_with_a_lone_surrogate_is_a_400(edge):
-    with _nothing_ran(edge), httpx.Client(base_url=edge.b.url, timeout=60) as c:
-        r = c.post(
-            "/v1/kvbranch/sessions",
-            content=b'{"session_id": "\\ud800"}',
-            headers={**B_HEADERS, "content-type": "application/json"},
-        )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", r.text
+    with _nothing_ran(edge):
+        probe.session_route_with_a_lone_surrogate_is_400(edge.b.url, KEY_B)
 
 
 def test_deeply_nested_json_is_a_400(edge):
-    with _nothing_ran(edge), httpx.Client(base_url=edge.a.url, timeout=60) as c:
-        r = c.post(
-            "/v1/chat/completions",
-            content=b"[" * 1000 + b"]" * 1000,
-            headers={**A_HEADERS, "content-type": "application/json"},
-        )
-    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    with _nothing_ran(edge):
+        probe.deeply_nested_json_is_400(edge.a.url, KEY_A)
 
 
 def test_a_request_d_would_refuse_costs_p_no_prefill(edge):
     """min_tokens 5 > max_tokens 2 on a 1.5k-token prompt: on 42b8442 P prefilled all of it
     (and held it for D) before D's 400."""
-    body = {
-        "model": edge.a.model,
-        "messages": [{"role": "user", "content": LONG_PROMPT}],
-        "max_tokens": 2,
-        "min_tokens": 5,
-        "session_id": "min-over-max",
-    }
-    with _nothing_ran(edge), httpx.Client(base_url=edge.a.url, timeout=120) as c:
-        r = c.post("/v1/chat/completions", json=body, headers=A_HEADERS)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    with _nothing_ran(edge):
+        probe.min_over_max_is_400(edge.a.url, edge.a.model, KEY_A)
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "param"), probe.TRANSFER_PARAMS, ids=probe.TRANSFER_PARAMS_IDS
+)
+def test_client_transfer_params_are_refused_never_relayed(edge, name, fields, param):
+    with _nothing_ran(edge):
+        probe.client_transfer_params_are_400(edge.a.url, edge.a.model, KEY_B, fields, param)
 
 
 def _open(url: str, n: int) -> list[socket.socket]:
@@ -231,10 +160,10 @@ def test_a_tenant_past_its_share_gets_429_and_the_other_tenant_is_served(edge, p
             assert time.monotonic() < deadline, "the held requests never reached the edge"
             time.sleep(0.1)
         with _nothing_ran(edge), httpx.Client(base_url=edge.b.url, timeout=60) as c:
-            r = c.post("/v1/chat/completions", json=_body(edge.b.model), headers=A_HEADERS)
+            r = c.post("/v1/chat/completions", json=probe.body(edge.b.model), headers=A_HEADERS)
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
         with httpx.Client(base_url=edge.b.url, timeout=180) as c:
-            r = c.post("/v1/chat/completions", json=_body(edge.b.model), headers=B_HEADERS)
+            r = c.post("/v1/chat/completions", json=probe.body(edge.b.model), headers=B_HEADERS)
         assert r.status_code == 200, r.text
     finally:
         for sock in held:
