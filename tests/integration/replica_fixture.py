@@ -1,11 +1,12 @@
 """The aggregated replicas' cluster, shared by :mod:`~tests.integration.test_replicas` (each turn
-sent straight to a replica, as a Kubernetes Service or round robin would send it) and
-:mod:`~tests.integration.test_replica_router` (turns through our router): a real Redis, two
+sent straight to a replica, as a Kubernetes Service or round robin would send it),
+:mod:`~tests.integration.test_replica_router` (turns through our router) and
+:mod:`~tests.integration.test_replica_edge` (the router's attacker probes): a real Redis, two
 replicas (``--role single --index redis://…``, each on its own core, NIXL over UCX on loopback)
-and a router in front of them (``--replica`` seeds and the same index), with the helpers both
-modules use.
+and a router in front of them (``--replica`` seeds and the same index), with the helpers the
+modules use (test_replica_edge breaks nothing: its probes are all refused at the router).
 
-One cluster for both modules — the session fixture ``replica_cluster`` of
+One cluster for all three modules — the session fixture ``replica_cluster`` of
 tests/integration/conftest.py, launched ahead of the first module that uses it and released
 after the last one's last test (:mod:`tests.prestart`, ``ahead=True``): three engine starts
 (two, and one restart after a kill) instead of two clusters' four, one Redis and one router
