@@ -1,6 +1,6 @@
 """Fixtures shared by the integration modules: the keyed P/D cluster (one per test session;
 see :mod:`tests.integration.trust_cluster`), its instances launched at collection
-(:mod:`tests.prestart`); the aggregated replicas' cluster that test_replica_edge,
+(:mod:`tests.prestart`); the aggregated replicas' cluster that test_replicas_edge,
 test_replica_router and test_replicas share (:mod:`tests.integration.replica_fixture`),
 launched ahead of the first of them."""
 

@@ -1,6 +1,6 @@
 """The attacker's probes of a router's front door, one suite for every door: the routers in
 front of the keyed P/D pair (test_router_edge) and the router in front of aggregated replicas
-(test_replica_edge) answer them alike, because a client cannot tell which one it reached.
+(test_replicas_edge) answer them alike, because a client cannot tell which one it reached.
 
 Each probe sends its requests and checks the answers: a 4xx that names what is wrong. What a
 refusal must leave as it was (engine requests, pulls, holds, Redis keys) differs by topology, so

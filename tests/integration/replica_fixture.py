@@ -1,10 +1,10 @@
 """The aggregated replicas' cluster, shared by :mod:`~tests.integration.test_replicas` (each turn
 sent straight to a replica, as a Kubernetes Service or round robin would send it),
 :mod:`~tests.integration.test_replica_router` (turns through our router) and
-:mod:`~tests.integration.test_replica_edge` (the router's attacker probes): a real Redis, two
+:mod:`~tests.integration.test_replicas_edge` (the router's attacker probes): a real Redis, two
 replicas (``--role single --index redis://…``, each on its own core, NIXL over UCX on loopback)
 and a router in front of them (``--replica`` seeds and the same index), with the helpers the
-modules use (test_replica_edge breaks nothing: its probes are all refused at the router).
+modules use (test_replicas_edge breaks nothing: its probes are all refused at the router).
 
 One cluster for all three modules — the session fixture ``replica_cluster`` of
 tests/integration/conftest.py, launched ahead of the first module that uses it and released
@@ -21,7 +21,9 @@ the modules:
   peer SIGKILLed between turns) run last in their modules, so a run of both modules restarts
   one replica once, and a test that failed midway never fails the next one. (Ordering the
   breaking tests last across both modules would not spare the restart: each of them needs two
-  live replicas and leaves one.)
+  live replicas and leaves one.) test_replicas_edge runs after both and starts the peer
+  test_replicas' last test killed: a second restart in a run of all three (its docstring says
+  why it runs last).
 * **No test sees another's state.** Every session id is random, so no turn finds an earlier
   test's hold, home or history in the index; what earlier tests leave are holds on a replica's
   blocks, which end :data:`HOLD_TTL_S` after their turn, and the tests that need a replica's

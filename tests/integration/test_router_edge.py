@@ -7,7 +7,7 @@ on a request D refused, or a router that refused everyone.
 Each case ends in a 4xx that names what is wrong (401, 400, 429) and leaves nothing behind: no
 Redis key, no engine request on P or D; and the routers answer right afterwards (the plain vLLM
 server's answer). The probes a router in front of aggregated replicas answers alike are shared
-with test_replica_edge (:mod:`tests.integration.edge_probes`). The NIXL side channel's and Redis
+with test_replicas_edge (:mod:`tests.integration.edge_probes`). The NIXL side channel's and Redis
 records' probes are in test_nixl_side_channel.py and tests/unit/server/index/.
 """
 

@@ -1,8 +1,11 @@
 """The attacker's suite (:mod:`tests.integration.edge_probes`, test_router_edge's probes) against
 the router in aggregated mode: ``python -m server --role router --index URL --replica URL ...``
 in front of two aggregated replicas with two API keys — the shared cluster of
-:mod:`tests.integration.replica_fixture` (this module sorts next to test_replica_router and
-test_replicas, so the three share it).
+:mod:`tests.integration.replica_fixture` (this module sorts right after test_replica_router
+and test_replicas, so the three share it). It sorts last on purpose: run first, its one
+answered turn moved a logprob of test_replica_router's first test across the third decimal
+those tests round to (same tokens); last, it costs one replica restart (test_replicas' last
+test kills a peer).
 
 Each probe ends in a 4xx that names what is wrong and leaves nothing behind: no request reaches
 either replica (their HTTP request counters on ``/metrics`` for the generating and session
