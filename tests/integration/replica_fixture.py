@@ -75,8 +75,30 @@ MAX_TOKENS = 12
 #: The router's answer header naming how it routed a turn.
 ROUTE = "X-KVBranch-Route"
 
-#: Greedy tokens with their logprobs (3 decimals): what every answer is compared by.
-Tokens = list[tuple[str, float]]
+#: How far a logprob may move between two servers that split the same work differently (a
+#: pull, a local hit, a recompute): float rounding; a wrongly loaded block moves it far more.
+LOGPROB_TOL = 2e-3
+
+
+class Tokens(list[tuple[str, float]]):
+    """Greedy tokens with their logprobs: what every answer is compared by. Equal when the
+    tokens are and every logprob is within :data:`LOGPROB_TOL` (rounded to 3 decimals
+    instead, -1.5765 and -1.5764 compared unequal)."""
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, list)
+            and len(self) == len(other)
+            and all(
+                mine == theirs and abs(lp - other_lp) <= LOGPROB_TOL
+                for (mine, lp), (theirs, other_lp) in zip(self, other, strict=True)
+            )
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class ReplicaCluster:
@@ -249,7 +271,7 @@ class Turn(NamedTuple):
 def tokens_of(answer: dict) -> Tokens:
     """An answer's greedy tokens with their logprobs."""
     content = answer["choices"][0]["logprobs"]["content"]
-    return [(t["token"], round(t["logprob"], 3)) for t in content]
+    return Tokens((t["token"], t["logprob"]) for t in content)
 
 
 def turn(server: ServerProcess, messages: list[dict], session: str, key: str = KEY_A) -> Turn:
