@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -222,20 +223,40 @@ def answer(response: dict) -> list[tuple[str, float, dict[str, float]]]:
     )
 
 
-def turns(server, *, reset_between: bool) -> tuple[list[dict], list[str]]:
+def turns(send: Callable[[int, str], dict]) -> tuple[list[dict], list[str]]:
     """Three agent turns over one long context, each prompt the last one with its answer and
-    the next step appended; the answers and the prompts."""
+    the next step appended, each answered by ``send(step, prompt)``; the answers and the
+    prompts."""
     prompt = system_prompt(words=300, seed=41)
     responses, prompts = [], []
     for step, note in enumerate(STEPS):
-        if reset_between and step:
-            reset_device_cache(server)
         prompt += f"\nStep {step}. {note}\n"
         prompts.append(prompt)
-        response = complete(server, prompt)
-        responses.append(response)
-        prompt += response["choices"][0]["text"]
+        responses.append(send(step, prompt))
+        prompt += responses[-1]["choices"][0]["text"]
     return responses, prompts
+
+
+def at(server, *, reset_between: bool) -> Callable[[int, str], dict]:
+    """:func:`turns`' sender for one server, its device cache reset before every turn but the
+    first when ``reset_between``."""
+
+    def send(step: int, prompt: str) -> dict:
+        if reset_between and step:
+            reset_device_cache(server)
+        return complete(server, prompt)
+
+    return send
+
+
+def check_pulled(responses: list[dict]) -> None:
+    """Turns 2 and 3 took nothing from the device cache or the host store and pulled the whole
+    previous turn, but for a token the next prompt may re-tokenize."""
+    for step in (1, 2):
+        split = responses[step]["kvbranch"]
+        before = responses[step - 1]["usage"]["prompt_tokens"]
+        assert split["device_hit_tokens"] == split["host_hit_tokens"] == 0, (step, split)
+        assert split["remote_hit_tokens"] >= before - 2, (step, before, split)
 
 
 #: The fork's second step (the conversation's was ``STEPS[1]``).
@@ -262,7 +283,7 @@ def first_difference(server, a: str, b: str) -> int:
 def conversation(server, *, reset_between: bool) -> tuple[list[dict], int]:
     """:func:`turns`, then the fork and the diverging history; with the token index where the
     diverging history first differs from the stored one."""
-    responses, prompts = turns(server, reset_between=reset_between)
+    responses, prompts = turns(at(server, reset_between=reset_between))
     fork = prompts[0] + responses[0]["choices"][0]["text"] + f"\nStep 1. {FORK_STEP}\n"
     changed = with_one_word_changed(prompts[2])
     for prompt in (fork, changed):
@@ -348,24 +369,17 @@ def check_pd_pull(family: str, servers, instances) -> None:
     )
     router.model = SERVED
     session = f"pd-{family}"
-    with router:
-        prompt, prompts, responses = system_prompt(words=300, seed=41), [], []
-        for step, note in enumerate(STEPS):
-            empty_caches(prefill, wait_s=30)
-            prompt += f"\nStep {step}. {note}\n"
-            prompts.append(prompt)
-            responses.append(complete(router, prompt, session))
-            prompt += responses[-1]["choices"][0]["text"]
+
+    def send(_step: int, prompt: str) -> dict:
         empty_caches(prefill, wait_s=30)
-        responses.append(complete(router, with_one_word_changed(prompts[2]), session))
+        return complete(router, prompt, session)
+
+    with router:
+        responses, prompts = turns(send)
+        responses.append(send(3, with_one_word_changed(prompts[2])))
     for got, want in zip(responses, [*reference[:3], reference[4]], strict=True):
         assert_same_answer(got, want)
-    for step in (1, 2):
-        split = responses[step]["kvbranch"]
-        before = responses[step - 1]["usage"]["prompt_tokens"]
-        assert split["device_hit_tokens"] == split["host_hit_tokens"] == 0, (step, split)
-        # the whole previous turn, but for a token the next prompt may re-tokenize
-        assert split["remote_hit_tokens"] >= before - 2, (step, before, split)
+    check_pulled(responses)
     assert responses[3]["kvbranch"]["remote_hit_tokens"] == 0, responses[3]["kvbranch"]
 
 
@@ -374,22 +388,19 @@ def check_peer_pull(family: str, servers, cluster: FamilyReplicas) -> None:
     first goes to the other replica with its caches emptied, pulls the previous turn from its
     peer, and answers as plain vLLM."""
     _, reference, _ = family_turns(family, servers)
-    prompt, session = system_prompt(words=300, seed=41), f"replicas-{family}"
-    before = 0
-    for step, note in enumerate(STEPS):
+    session = f"replicas-{family}"
+
+    def send(step: int, prompt: str) -> dict:
         replica = cluster.replicas[step % 2]
-        prompt += f"\nStep {step}. {note}\n"
         if step:
             cluster.wait_for_hold(session)
             empty_caches(replica, wait_s=60)
-        response = complete(replica, prompt, session)
-        assert_same_answer(response, reference[step])
-        if step:
-            split = response["kvbranch"]
-            assert split["device_hit_tokens"] == split["host_hit_tokens"] == 0, (step, split)
-            assert split["remote_hit_tokens"] >= before - 2, (step, before, split)
-        before = response["usage"]["prompt_tokens"]
-        prompt += response["choices"][0]["text"]
+        return complete(replica, prompt, session)
+
+    responses, _ = turns(send)
+    for got, want in zip(responses, reference[:3], strict=True):
+        assert_same_answer(got, want)
+    check_pulled(responses)
 
 
 def not_served(family: str) -> pytest.MarkDecorator:
