@@ -31,12 +31,14 @@ class KVBranchPlugin:
         from server.plugin.metrics import MetricsRefresh
         from server.plugin.middleware import KVBranchMiddleware
         from server.plugin.responses_scope import ResponsesScope
+        from server.plugin.revive import router as revive_router
         from server.plugin.routes import router
         from server.plugin.turn_log import TurnRecorder
         from server.plugin.ui import install as install_ui
 
         app.include_router(router)
         app.include_router(holds_router)
+        app.include_router(revive_router)
         turns = install_ui(app)  # the agent page (/kvbranch/ui) and its data route
         app.add_middleware(TurnRecorder, log=turns)  # innermost: each turn's split, timed
         app.add_middleware(ResponsesScope)  # stored responses scoped by API key

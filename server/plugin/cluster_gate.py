@@ -8,7 +8,9 @@ a request:
   (:mod:`server.common.cluster_auth`); a client's own get 403. The router refuses client params at
   its edge; this is the same rule for a client that reaches P or D directly.
 * **Hold claims** (``POST /v1/kvbranch/holds/claim``) likewise: a claim keeps D's blocks from
-  new work, so only the router may make one.
+  new work, so only the router may make one. **Revives** (``POST /v1/kvbranch/holds/revive``,
+  an aggregated replica asking a peer to bring a branch back from its host store and hold it:
+  engine work and held blocks) are signed the same way, by the asking replica.
 * **Dev routes** (vLLM's ``VLLM_SERVER_DEV_MODE`` routes: ``/reset_prefix_cache``,
   ``/server_info``, ``/sleep``, ...) sit outside ``/v1``, where vLLM checks no key; with API keys
   they need one (401), as every generating route does. Without dev mode they do not exist.
@@ -26,6 +28,10 @@ from server.common.cluster_auth import ROUTER_PROOF_HEADER, verify
 __all__ = ["ROUTER_PROOF_HEADER", "claim_refusal", "from_router", "is_dev_path", "transfer_refusal"]
 from sdk.contract import HOLD_CLAIM_PATH, TRANSFER_PARAMS_FIELD
 from server.checks.transfer import transfer_fields
+from server.plugin.revive_rules import REVIVE_PATH
+
+#: Routes only a member of the cluster may call (the request signed with the cluster secret).
+SIGNED_PATHS = frozenset((HOLD_CLAIM_PATH, REVIVE_PATH))
 
 #: vLLM 0.32's dev-mode routes (``vllm/entrypoints/serve/dev`` and ``vllm/entrypoints/rl``,
 #: registered only with ``VLLM_SERVER_DEV_MODE=1``); a test lists them from vLLM's own app.
@@ -96,7 +102,10 @@ def transfer_refusal(
 
 
 def claim_refusal(proof: str | None, method: str, path: str, body: bytes) -> str | None:
-    """The message when a hold claim does not come from the router, else None."""
-    if path != HOLD_CLAIM_PATH or from_router(proof, method, path, body):
+    """The message when a hold claim or a revive is not signed by a member of the cluster (the
+    router, or a replica), else None."""
+    if path not in SIGNED_PATHS or from_router(proof, method, path, body):
         return None
+    if path == REVIVE_PATH:
+        return "revives are asked by this cluster's replicas only"
     return "hold claims are made by this cluster's P/D router only"

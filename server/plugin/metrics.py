@@ -281,11 +281,14 @@ class PeerPullCollector:
         turns = CounterMetricFamily(
             "kvbranch_peer_turns",
             "Session turns on this replica by where their history was to come from: pulled from "
-            "the peer holding the branch, this instance's own hold, none (new branch, too few "
-            "tokens, peer not listed, claim refused, index unreachable)",
+            "the peer holding the branch, pulled after the peer revived it from its host store, "
+            "this instance's own hold, none (new branch, too few tokens, peer not listed, claim "
+            "or revive refused, index unreachable)",
             labels=["source"],
         )
-        turns.add_metric(["peer"], c["pulls_claimed"])
+        turns.add_metric(["peer"], c["pulls_claimed"] - c["pulls_revived"])
+        turns.add_metric(["revived"], c["pulls_revived"])
+        turns.add_metric(["revive_refused"], c["revives_refused"])
         turns.add_metric(["own_hold"], c["own_holds"])
         turns.add_metric(["too_small"], c["too_small"])
         turns.add_metric(["peer_unknown"], c["peers_unknown"])
@@ -303,6 +306,22 @@ class PeerPullCollector:
         )
         filed.add_metric([], c["holds_filed"])
         yield filed
+        served = c.get("revives_served") or {}
+        revives = CounterMetricFamily(
+            "kvbranch_peer_revives",
+            "Peers' revives of this replica's turns from its host store, by outcome: served, or "
+            "why not (unknown branch, busy, not_covered, identity, timeout, no_hold, ...)",
+            labels=["outcome"],
+        )
+        for outcome, n in sorted((served.get("outcomes") or {}).items()):
+            revives.add_metric([outcome], n)
+        yield revives
+        revived = CounterMetricFamily(
+            "kvbranch_peer_revived_tokens",
+            "Tokens this replica loaded from its host store and held for peers' revives",
+        )
+        revived.add_metric([], served.get("revived_tokens", 0))
+        yield revived
         errors = CounterMetricFamily(
             "kvbranch_peer_index_errors",
             "Index calls of session turns that failed (the turn recomputed)",

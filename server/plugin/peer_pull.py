@@ -14,9 +14,16 @@ Kubernetes Service, llm-d's scheduler, our router — each session turn it recei
    found by the hold's instance id among the **sealed** member records, and its NIXL side
    channel must be the one the handle (sealed by the peer) names: nothing a client sends
    chooses whether a pull happens or where it goes.
+   When the index offers no hold (its offer ended) but names another member as the session's
+   home (where its last turn was served), or the holder answers that its hold has ended
+   (410: the blocks went to new work), ask that member to **revive** the branch
+   (``REVIVE_PATH``, signed the same way; :mod:`server.plugin.revive` is the other side): it
+   loads the prefix its host store still has into device blocks and answers with a fresh
+   sealed handle, which is claimed and pulled as above.
 2. **file** (when the answer is complete): this instance's own sealed handle for the turn it
    just served (the connector holds the blocks as a D does) goes into the index for the
-   branch's next turn, wherever that lands; the client never sees it.
+   branch's next turn, wherever that lands, and this instance becomes the session's home; the
+   client never sees it. The handle is also kept here, for a peer's revive.
 
 Anything that fails — the index, the peer, the claim, the pull itself — costs a recompute,
 never the request.
@@ -30,11 +37,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from sdk.contract import (
+    CACHE_SALT_FIELD,
     CLAIM_FIELD,
     COMPLETION_PATHS,
     HOLD_CLAIM_PATH,
@@ -44,6 +52,10 @@ from sdk.contract import (
 )
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.index import Hold, InstanceRecord, Key, record_seal
+from server.plugin.revive_rules import REVIVE_HANDLE_FIELD, REVIVE_PATH
+
+if TYPE_CHECKING:
+    from server.plugin.revive import Reviver
 
 logger = logging.getLogger("kvbranch.peer_pull")
 
@@ -55,6 +67,8 @@ PEER_PULL_PATHS = (*COMPLETION_PATHS, "/v1/messages")
 #: One index call may take this long; past it the turn goes on without the index.
 INDEX_TIMEOUT_S = 1.0
 CLAIM_TIMEOUT_S = 2.0
+#: A revive waits for the holder's one-token prefill (it gives up after its own 8 s).
+REVIVE_WAIT_S = 10.0
 #: How long a read of the member list is reused (heartbeats come every 2 s).
 MEMBERS_TTL_S = 1.0
 #: Fewer held tokens than this are recomputed rather than pulled: a claim and a handshake cost
@@ -70,6 +84,8 @@ class PeerTurn:
     key: Key
     turn: int
     source: str = "local"
+    #: The request's cache salt (the tenant's), kept with this replica's handle for revives.
+    cache_salt: Any = None
 
 
 @dataclass
@@ -84,6 +100,9 @@ class PeerCounts:
     too_small: int = 0
     own_holds: int = 0
     holds_filed: int = 0
+    revives_asked: int = 0
+    revives_refused: int = 0
+    pulls_revived: int = 0
     index_errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -112,6 +131,8 @@ class PeerPulls:
         self.counts = PeerCounts()
         self._members: tuple[float, list[InstanceRecord]] = (float("-inf"), [])
         self._filing: set[asyncio.Task[None]] = set()
+        #: The holder's side of revives (this replica's own turns), set by :func:`start`.
+        self.reviver: Reviver | None = None
 
     def _index_error(self, op: str, exc: BaseException) -> None:
         self.counts.index_errors[op] = self.counts.index_errors.get(op, 0) + 1
@@ -127,9 +148,11 @@ class PeerPulls:
         except Exception as exc:  # noqa: BLE001 - the index is advisory
             self._index_error("begin_turn", exc)
             return PeerTurn(key, 0)
-        turn = PeerTurn(key, start.turn)
+        turn = PeerTurn(key, start.turn, cache_salt=payload.get(CACHE_SALT_FIELD))
         hold: Hold | None = start.hold
         if hold is None:
+            if start.home is not None and start.home != self.instance_id:
+                await self._pull_revived(payload, turn, start.home, authorization)
             return turn
         if hold.instance_id == self.instance_id:
             self.counts.own_holds += 1  # its blocks are in this instance's own caches
@@ -137,15 +160,36 @@ class PeerPulls:
         if hold.num_tokens < self.min_tokens:
             self.counts.too_small += 1
             return turn
-        claimed = await self._claim(hold, authorization)
+        claimed, status = await self._claim(hold, authorization)
         if claimed is not None:
-            payload["kv_transfer_params"] = dict(
-                claimed, do_remote_decode=True, do_remote_prefill=False
-            )
-            self.counts.pulls_claimed += 1
-            self.counts.pulled_hold_tokens += hold.num_tokens
-            turn.source = "peer"
+            self._pull(payload, turn, claimed, hold, "peer")
+        elif status == 410 and hold.instance_id is not None:
+            # The holder let the blocks go (new work needed them): its host store may have them.
+            await self._pull_revived(payload, turn, hold.instance_id, authorization)
         return turn
+
+    def _pull(
+        self, payload: dict[str, Any], turn: PeerTurn, claimed: dict, hold: Hold, source: str
+    ) -> None:
+        payload["kv_transfer_params"] = dict(
+            claimed, do_remote_decode=True, do_remote_prefill=False
+        )
+        self.counts.pulls_claimed += 1
+        self.counts.pulled_hold_tokens += hold.num_tokens
+        turn.source = source
+
+    async def _pull_revived(
+        self, payload: dict[str, Any], turn: PeerTurn, instance_id: str, authorization: str | None
+    ) -> None:
+        """Ask ``instance_id`` to revive the branch from its host store; claim and pull the
+        fresh hold it answers with. Anything refused or failed: this turn recomputes."""
+        hold = await self._revive(instance_id, turn.key, authorization)
+        if hold is None:
+            return
+        claimed, _ = await self._claim(hold, authorization)
+        if claimed is not None:
+            self._pull(payload, turn, claimed, hold, "revived")
+            self.counts.pulls_revived += 1
 
     async def members(self) -> list[InstanceRecord]:
         """The live members whose record's seal holds (reused for :data:`MEMBERS_TTL_S`)."""
@@ -172,27 +216,35 @@ class PeerPulls:
                 return record
         return None
 
-    async def _claim(self, hold: Hold, authorization: str | None) -> dict[str, Any] | None:
-        """The peer's claim of its hold, added to the handle; None when there is no such live
-        peer or it no longer holds the blocks (then this turn recomputes)."""
-        peer = await self.peer_of(hold)
-        if peer is None:
-            self.counts.peers_unknown += 1
-            return None
-        content = json.dumps(HoldClaimRequest(handle=hold.params).model_dump()).encode()
+    def _signed(self, path: str, content: bytes, authorization: str | None) -> dict[str, str]:
         headers = {
             "content-type": "application/json",
-            ROUTER_PROOF_HEADER: sign(self.secret, "POST", HOLD_CLAIM_PATH, content),
+            ROUTER_PROOF_HEADER: sign(self.secret, "POST", path, content),
         }
         if authorization:
             headers["authorization"] = authorization  # the replicas share their API keys
+        return headers
+
+    async def _claim(
+        self, hold: Hold, authorization: str | None
+    ) -> tuple[dict[str, Any] | None, int | None]:
+        """The peer's claim of its hold, added to the handle, and the peer's HTTP status; no
+        claim when there is no such live peer or it no longer holds the blocks (then this turn
+        recomputes, or asks for a revive)."""
+        peer = await self.peer_of(hold)
+        if peer is None:
+            self.counts.peers_unknown += 1
+            return None, None
+        content = json.dumps(HoldClaimRequest(handle=hold.params).model_dump()).encode()
+        status: int | None = None
         try:
             r = await self.client.post(
                 peer.url.rstrip("/") + HOLD_CLAIM_PATH,
                 content=content,
-                headers=headers,
+                headers=self._signed(HOLD_CLAIM_PATH, content, authorization),
                 timeout=CLAIM_TIMEOUT_S,
             )
+            status = r.status_code
             claim = r.json().get(CLAIM_FIELD) if r.status_code == 200 else None
             if claim is not None:
                 HoldClaimResult.model_validate({CLAIM_FIELD: claim})
@@ -201,21 +253,60 @@ class PeerPulls:
             claim = None
         if not isinstance(claim, dict):
             self.counts.claims_refused += 1
+            return None, status
+        return dict(hold.params, **{CLAIM_FIELD: claim}), status
+
+    async def _revive(self, instance_id: str, key: Key, authorization: str | None) -> Hold | None:
+        """The fresh hold ``instance_id`` answers a revive of ``key``'s branch with; None when
+        it is no live sealed member or refuses (no record, too little in its host store, busy).
+        The member's URL is its sealed record's; the handle is checked against that record's
+        NIXL channel by the claim that follows."""
+        try:
+            records = await self.members()
+        except Exception as exc:  # noqa: BLE001
+            self._index_error("members", exc)
             return None
-        return dict(hold.params, **{CLAIM_FIELD: claim})
+        peer = next((r for r in records if r.instance_id == instance_id), None)
+        if peer is None:
+            self.counts.peers_unknown += 1
+            return None
+        self.counts.revives_asked += 1
+        content = json.dumps({"session_id": key[1], "branch_id": key[2]}).encode()
+        try:
+            r = await self.client.post(
+                peer.url.rstrip("/") + REVIVE_PATH,
+                content=content,
+                headers=self._signed(REVIVE_PATH, content, authorization),
+                timeout=REVIVE_WAIT_S,
+            )
+            handle = r.json().get(REVIVE_HANDLE_FIELD) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            logger.info("kvbranch peer pulls: revive on %s failed (%s)", peer.url, exc)
+            handle = None
+        if not isinstance(handle, dict) or not handle.get(REMOTE_BLOCK_IDS):
+            self.counts.revives_refused += 1
+            return None
+        return Hold(peer.url, peer.instance_id, handle)
 
     async def file(self, turn: PeerTurn, params: Any) -> None:
         """File this instance's handle for the branch's next turn (and record that the session
         lives here, for session routes). Never raises."""
         if not isinstance(params, dict) or not params.get(REMOTE_BLOCK_IDS):
             return
+        if self.reviver is not None:
+            self.reviver.remember(turn.key, turn.turn, turn.cache_salt, params)
         hold = Hold(self.url, self.instance_id, dict(params), turn=turn.turn)
+        tenant, session = turn.key[0], turn.key[1]
         try:
             if await asyncio.wait_for(self.store.put_hold(turn.key, hold), INDEX_TIMEOUT_S):
                 self.counts.holds_filed += 1
             await asyncio.wait_for(
-                self.store.add_session_instances(turn.key[0], turn.key[1], [self.instance_id]),
+                self.store.add_session_instances(tenant, session, [self.instance_id]),
                 INDEX_TIMEOUT_S,
+            )
+            # Where a peer asks for a revive once the hold's offer has ended.
+            await asyncio.wait_for(
+                self.store.set_home(tenant, session, self.instance_id), INDEX_TIMEOUT_S
             )
         except Exception as exc:  # noqa: BLE001
             self._index_error("put_hold", exc)
@@ -231,6 +322,10 @@ class PeerPulls:
             "too_small": c.too_small,
             "own_holds": c.own_holds,
             "holds_filed": c.holds_filed,
+            "revives_asked": c.revives_asked,
+            "revives_refused": c.revives_refused,
+            "pulls_revived": c.pulls_revived,
+            "revives_served": self.reviver.counters() if self.reviver is not None else {},
             "index_errors": dict(c.index_errors),
         }
 
@@ -243,11 +338,24 @@ def start(state: Any) -> PeerPulls | None:
     publisher = getattr(state, "index_publisher", None)
     if os.environ.get(ENV_PEER_PULL) != "1" or publisher is None:
         return None
+    record = publisher.record()
     pulls = PeerPulls(
         publisher.store,
         instance_id=state.instance_id,
-        url=publisher.record().url,
+        url=record.url,
         secret=publisher.secret,
     )
-    logger.info("kvbranch peer pulls on: session turns pull from the replica holding them")
+    if state.control is not None and record.block_size > 0:
+        from server.plugin.revive import Reviver, control_coverage, engine_prefill
+
+        pulls.reviver = Reviver(
+            control_coverage(state.control),
+            engine_prefill(state.engine_client),
+            block_size=record.block_size,
+            min_tokens=pulls.min_tokens,
+        )
+    logger.info(
+        "kvbranch peer pulls on: session turns pull from the replica holding them%s",
+        "; peers may revive this replica's turns from its host store" if pulls.reviver else "",
+    )
     return pulls

@@ -127,6 +127,16 @@ class ResetResult(_Internal):
     dropped_blocks: int
 
 
+class HostCoverageResult(_Internal):
+    """``host_coverage``: how much of a turn's prefix the host store could load now."""
+
+    #: Leading blocks of the asked hashes the host store holds.
+    blocks: int
+    #: Whether a request with the asked cache salt (no adapter, no media) on this engine has
+    #: the asked identity, i.e. the same block hashes.
+    identity_ok: bool
+
+
 # --- requests ----------------------------------------------------------------------------------
 class ControlRequest(BaseModel, Generic[A]):
     """One op's request. Subclasses set :attr:`op` and parametrize the base with their answer
@@ -240,6 +250,17 @@ class ClaimHold(ControlRequest[HoldClaimResult]):
 
     op = "claim_hold"
     handle: dict[str, Any]
+
+
+class HostCoverage(ControlRequest[HostCoverageResult]):
+    """Aggregated replicas: before a revive runs anything, the host store's cover of the
+    branch's prefix (``server/plugin/revive.py``); handled in ``pd/host_coverage.py``."""
+
+    op = "host_coverage"
+    #: The turn's chained block hashes (hex), in order.
+    hashes: list[str]
+    identity: str
+    cache_salt: str | None = None
 
 
 #: Every op's request class by op name (the P/D ``claim_hold`` included).

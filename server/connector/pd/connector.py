@@ -16,9 +16,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from server.connector.control.models import ClaimHold
+from server.connector.control.models import ClaimHold, HostCoverage
 from server.connector.control.ops import Op
 from server.connector.engine.connector import KVBranchConnector
+from server.connector.pd.host_coverage import host_coverage
 from server.connector.pd.verified_nixl import NIXL_PARAM_KEYS, VerifiedNixlConnector
 from server.connector.vllm_compat import (
     MultiConnector,
@@ -71,6 +72,9 @@ class KVBranchPDConnector(MultiConnector):
             nixl = self._nixl
             self._kvbranch.extra_ops[ClaimHold.op] = Op(
                 ClaimHold, lambda _side, req: nixl.claim_hold(req), locked=False
+            )
+            self._kvbranch.extra_ops[HostCoverage.op] = Op(
+                HostCoverage, lambda side, req: host_coverage(req, side.planner.index, nixl.compat)
             )
             self._kvbranch.extra_stats["pd"] = self._pd_stats
 

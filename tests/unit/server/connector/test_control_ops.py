@@ -27,6 +27,7 @@ from server.connector.control.models import (
     GetBranch,
     GetSession,
     GetStats,
+    HostCoverage,
     Info,
     ListBranches,
     Pin,
@@ -79,8 +80,9 @@ def side(tmp_path):
 
 # --- the registry -------------------------------------------------------------------------------
 def test_every_op_has_one_request_model_one_answer_model_and_one_handler():
-    assert set(REQUESTS) == {*OPS, ClaimHold.op}  # claim_hold: P/D adds it (pd/verified_nixl.py)
-    assert len(REQUESTS) == 15
+    # claim_hold and host_coverage: P/D adds them (pd/verified_nixl.py, pd/host_coverage.py)
+    assert set(REQUESTS) == {*OPS, ClaimHold.op, HostCoverage.op}
+    assert len(REQUESTS) == 16
     for name, op in OPS.items():
         assert op.name == name and op.request is REQUESTS[name]
         assert op.answer is op.request.answer and callable(op.handler)

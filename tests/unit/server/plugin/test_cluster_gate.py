@@ -12,6 +12,7 @@ from sdk.contract import HOLD_CLAIM_PATH
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.plugin import cluster_gate
 from server.plugin.guard import KVBranchGuard
+from server.plugin.revive_rules import REVIVE_PATH
 from tests.unit.server.plugin.asgi import run_asgi
 
 CHAT = "/v1/chat/completions"
@@ -87,6 +88,15 @@ def test_a_hold_claim_needs_the_routers_proof():
     body = {"handle": {"kvbranch_mac": "x"}}
     assert _run(HOLD_CLAIM_PATH, body)[0] == 403
     assert _run(HOLD_CLAIM_PATH, body, [_proof(HOLD_CLAIM_PATH, body)])[0] == 200
+
+
+def test_a_revive_needs_a_members_proof():
+    body = {"session_id": "s1", "branch_id": "main"}
+    status, text, reached = _run(REVIVE_PATH, body)
+    assert status == 403 and not reached and "replicas" in text
+    assert _run(REVIVE_PATH, body, [_proof(HOLD_CLAIM_PATH, body)])[0] == 403
+    assert _run(REVIVE_PATH, body, [_proof(REVIVE_PATH, dict(body, session_id="s2"))])[0] == 403
+    assert _run(REVIVE_PATH, body, [_proof(REVIVE_PATH, body)])[0] == 200
 
 
 def test_dev_routes_need_a_key_when_the_server_has_keys():

@@ -16,6 +16,7 @@ from sdk.contract import CLAIM_FIELD, HOLD_CLAIM_PATH
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, verify
 from server.index import Hold, InstanceRecord, MemoryIndexStore, record_seal
 from server.plugin.peer_pull import LOCAL_PARAMS, PeerPulls
+from server.plugin.revive_rules import REVIVE_PATH
 
 SECRET = secrets.token_bytes(32)
 KEY = ("tenant", "s1", "main")
@@ -157,3 +158,118 @@ def test_a_finished_turn_files_this_replicas_hold_for_the_next_turn():
     assert hold.params["remote_block_ids"] == [[3, 4, 5, 6, 7]]
     assert placed == {"me"}
     assert puller.counts.holds_filed == 1
+
+
+# --- revives: the index offers no hold, or the holder let its blocks go -----------------------
+
+
+class Holder(Peer):
+    """The peer's claim and revive routes: a revive answers ``revive_status`` and a fresh
+    handle; a claim of the old handle answers ``claim_status``."""
+
+    def __init__(self, revive_status: int = 200, claim_status: int = 200, fresh=None) -> None:
+        super().__init__()
+        self.revive_status, self.claim_status = revive_status, claim_status
+        self.fresh = fresh or dict(handle(tokens=512), kvbranch_mac="fresh")
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls.append(request)
+        if request.url.path == REVIVE_PATH:
+            if self.revive_status != 200:
+                return httpx.Response(self.revive_status, json={"error": {"message": "no"}})
+            return httpx.Response(200, json={"handle": self.fresh})
+        claimed = json.loads(request.content)["handle"]
+        if claimed["kvbranch_mac"] != "fresh" and self.claim_status != 200:
+            return httpx.Response(self.claim_status, json={"error": {"message": "gone"}})
+        claim = {"handle": claimed["kvbranch_mac"], "until": 1e12, "until_perf": 1e9, "mac": "c"}
+        return httpx.Response(200, json={CLAIM_FIELD: claim})
+
+
+async def _homed(home: str, *records: InstanceRecord, hold: Hold | None = None):
+    store = await _store(*records, hold=hold)
+    await store.set_home(KEY[0], KEY[1], home)
+    return store
+
+
+def paths(peer: Peer) -> list[str]:
+    return [c.url.path for c in peer.calls]
+
+
+def test_no_hold_but_a_home_elsewhere_revives_the_branch_there_claims_and_pulls():
+    store = asyncio.run(_homed(PEER, peer_record()))
+    holder = Holder()
+    puller = pulls(store, holder)
+    payload: dict = {}
+    turn = asyncio.run(puller.begin(payload, KEY, "Bearer k"))
+    assert turn.source == "revived"
+    params = payload["kv_transfer_params"]
+    assert params["kvbranch_mac"] == "fresh" and params[CLAIM_FIELD]["handle"] == "fresh"
+    assert params["do_remote_decode"] is True
+    revive_call, claim_call = holder.calls
+    assert paths(holder) == [REVIVE_PATH, HOLD_CLAIM_PATH]
+    assert str(revive_call.url) == "http://10.0.0.7:8000" + REVIVE_PATH
+    assert json.loads(revive_call.content) == {"session_id": "s1", "branch_id": "main"}
+    proof = revive_call.headers[ROUTER_PROOF_HEADER]
+    assert verify(SECRET, proof, "POST", REVIVE_PATH, revive_call.content)
+    assert revive_call.headers["authorization"] == "Bearer k"
+    assert puller.counts.pulls_revived == 1 and puller.counts.revives_asked == 1
+
+
+@pytest.mark.parametrize(
+    ("home", "records", "holder", "why"),
+    [
+        ("me", [peer_record()], Holder(), "this replica is the home: its own store has it"),
+        (PEER, [], Holder(), "the home is not a live member"),
+        (PEER, [peer_record(secret=b"x" * 32)], Holder(), "the home's record seal fails"),
+        (PEER, [peer_record()], Holder(revive_status=409), "the holder refused"),
+        (
+            PEER,
+            [peer_record()],
+            Holder(fresh=dict(handle(host="10.9.9.9"), kvbranch_mac="fresh")),
+            "the fresh handle names another NIXL channel than the sealed record",
+        ),
+    ],
+)
+def test_no_revived_pull_when(home, records, holder, why):
+    store = asyncio.run(_homed(home, *records))
+    payload: dict = {}
+    turn = asyncio.run(pulls(store, holder).begin(payload, KEY, None))
+    assert (payload["kv_transfer_params"], turn.source) == (LOCAL_PARAMS, "local"), why
+    assert HOLD_CLAIM_PATH not in paths(holder), why
+
+
+def test_a_hold_whose_blocks_went_to_new_work_is_revived_from_its_holders_store():
+    store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle())))
+    holder = Holder(claim_status=410)
+    payload: dict = {}
+    turn = asyncio.run(pulls(store, holder).begin(payload, KEY, None))
+    assert turn.source == "revived" and payload["kv_transfer_params"]["kvbranch_mac"] == "fresh"
+    assert paths(holder) == [HOLD_CLAIM_PATH, REVIVE_PATH, HOLD_CLAIM_PATH]
+
+
+def test_a_claim_refused_for_another_reason_is_not_revived():
+    store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle())))
+    holder = Holder(claim_status=400)  # a handle the holder did not seal: tampered
+    payload: dict = {}
+    turn = asyncio.run(pulls(store, holder).begin(payload, KEY, None))
+    assert turn.source == "local" and paths(holder) == [HOLD_CLAIM_PATH]
+
+
+def test_a_filed_turn_makes_this_replica_the_sessions_home_and_is_kept_for_revives():
+    store = asyncio.run(_store())
+    puller = pulls(store, Peer())
+    kept = []
+
+    class Keeper:
+        def remember(self, key, turn, salt, params):
+            kept.append((key, turn, salt))
+
+    puller.reviver = Keeper()  # type: ignore[assignment]
+
+    async def turn_and_file():
+        turn = await puller.begin({"cache_salt": "salt-a"}, KEY, None)
+        await puller.file(turn, handle())
+        return await store.peek_home(KEY[0], KEY[1])
+
+    assert asyncio.run(turn_and_file()) == "me"
+    assert kept == [(KEY, 1, "salt-a")]

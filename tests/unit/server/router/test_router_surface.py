@@ -30,6 +30,7 @@ SECRET = b"r" * 32
         "/v1/kvbranch/sessions/../../metrics",
         "/v1/kvbranch/sessions/s1/branches/%2e%2e",
         "/v1/kvbranch/holds/claim",
+        "/v1/kvbranch/holds/revive",
         "/v1/kvbranch/sessions/s1/anything",
         "/v1/kvbranch/sessions//branches",
     ],

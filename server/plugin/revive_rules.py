@@ -1,0 +1,103 @@
+"""What a replica agrees to revive from its host store for a peer, decided before any engine work.
+
+An aggregated replica's hold on a turn's device blocks ends after ``--pd-hold-ttl-s`` or when
+new work needs the blocks; its host store keeps the history much longer. A peer that gets the
+branch's next turn then asks it to *revive* the branch (:mod:`server.plugin.revive`): load the
+prefix its host store still has into device blocks with a one-token prefill and hold them as
+after a turn, so that the peer claims and pulls them as usual. These rules keep that request
+from costing the holder what the peer would compute itself:
+
+* the prefix is cut to the run of leading blocks the host store holds (the holder's block index
+  answers before anything runs), plus one token: vLLM computes at least one prompt token, and
+  with whole blocks only the last block would be recomputed;
+* it must come to at least ``min_tokens`` (a claim and a pull cost more than a smaller
+  prefill), and it is cut to ``max_tokens`` (the size limit: a revive loads at most that many);
+* the turn's identity (cache salt, adapter, engine) must be what the revive request will carry,
+  or its block hashes would miss the store and the holder would compute the whole prefix.
+
+Pure: the caller reads the holder's records and block index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sdk.contract import DEFAULT_BRANCH, check_id
+from server.checks.ids import MESSAGE_CHARS
+
+#: The holder's route a peer asks; signed with the cluster secret (the guard refuses others).
+REVIVE_PATH = "/v1/kvbranch/holds/revive"
+#: The answer's field: the fresh sealed handle, claimed and pulled as any hold.
+REVIVE_HANDLE_FIELD = "handle"
+#: Most tokens one revive loads (the rest of a longer history is recomputed by the peer).
+MAX_REVIVE_TOKENS = 65_536
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a revive is not done: the HTTP status, a metric label and a message."""
+
+    status: int
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ReviveTarget:
+    """The branch a peer names: its session and branch ids (the tenant is the caller's key)."""
+
+    session_id: str
+    branch_id: str
+
+
+def parse_target(body: Any) -> ReviveTarget | Refusal:
+    """``{"session_id": ..., "branch_id": ...}`` (``branch_id`` defaults to the main branch),
+    both valid ids; anything else is a 400."""
+    if not isinstance(body, dict) or set(body) - {"session_id", "branch_id"}:
+        return Refusal(400, "bad_request", 'body must be {"session_id": ..., "branch_id": ...}')
+    session, branch = body.get("session_id"), body.get("branch_id", DEFAULT_BRANCH)
+    for name, value in (("session_id", session), ("branch_id", branch)):
+        try:
+            check_id(value, name)
+        except (TypeError, ValueError) as exc:
+            return Refusal(400, "bad_request", str(exc)[:MESSAGE_CHARS])
+    return ReviveTarget(str(session), str(branch))
+
+
+def hashes_to_check(hashes: Sequence[str], block_size: int, max_tokens: int) -> list[str]:
+    """The leading block hashes the holder's block index is asked about: no more than a
+    revive may load."""
+    return list(hashes[: max(max_tokens - 1, 0) // block_size])
+
+
+def revive_prompt(
+    tokens: Sequence[int],
+    covered_blocks: int,
+    block_size: int,
+    *,
+    identity_ok: bool,
+    min_tokens: int,
+    max_tokens: int = MAX_REVIVE_TOKENS,
+) -> list[int] | Refusal:
+    """The token ids the revive prefills: the first ``covered_blocks`` blocks the host store
+    holds (at most ``max_tokens`` - 1 tokens' worth) and one token more, so that the engine
+    loads every one of those blocks and computes one token; a :class:`Refusal` when the
+    identity differs or that is fewer than ``min_tokens``."""
+    if not identity_ok:
+        return Refusal(
+            409,
+            "identity",
+            "the turn's cache salt, adapter or engine is not what a revive would run: "
+            "its blocks would miss the host store",
+        )
+    blocks = min(covered_blocks, (len(tokens) - 1) // block_size, (max_tokens - 1) // block_size)
+    if blocks <= 0 or blocks * block_size < min_tokens:
+        return Refusal(
+            409,
+            "not_covered",
+            f"the host store holds {max(covered_blocks, 0) * block_size} leading tokens of "
+            f"the branch's {len(tokens)}: fewer than the {min_tokens} worth a pull",
+        )
+    return list(tokens[: blocks * block_size + 1])
