@@ -289,6 +289,25 @@ class StoreStats(BaseModel):
         description="Recurrent states (Mamba, Gated DeltaNet) kept with a block at its end.",
     )
     loaded_states: int = Field(default=0, description="Stored states a hit resumed from.")
+    window_part_bytes: int = Field(
+        default=0,
+        description="Bytes of one window part: the sliding-window / chunked-local layers' "
+        "block of a position, kept only near resume points (0: no such layers).",
+    )
+    window_parts_capacity: int = Field(default=0, description="Window parts the store holds.")
+    window_parts_used: int = Field(default=0, description="Window parts stored now.")
+    saved_window_parts: int = Field(default=0, description="Window parts copied in.")
+    loaded_window_parts: int = Field(default=0, description="Window parts a hit loaded.")
+    window_part_evictions: int = Field(default=0, description="Parts dropped for newer ones.")
+    window_parts_released: int = Field(
+        default=0, description="Parts freed when their request ended: no resume reads them."
+    )
+    window_cuts: int = Field(
+        default=0, description="Host hits shortened to where the window's parts are stored."
+    )
+    window_misses: int = Field(
+        default=0, description="Loads of a position without its window part (never expected)."
+    )
 
 
 class Stats(BaseModel):

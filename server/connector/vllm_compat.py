@@ -53,7 +53,12 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from server.connector.core.kv_groups import FULL_ATTENTION
+from server.connector.core.kv_groups import (
+    CHUNKED_LOCAL,
+    FULL_ATTENTION,
+    SLIDING_WINDOW,
+    GroupWindow,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -100,6 +105,7 @@ __all__ = [
     "VllmConfig",
     "architecture_traits",
     "group_block_bytes",
+    "group_windows",
     "install_nixl_side_channel",
     "kv_group_block_sizes",
     "states_at_boundaries",
@@ -212,6 +218,31 @@ def kv_group_kinds(kv_cache_config: Any) -> list[str]:
     if kv_cache_config is None:
         return []
     return [spec_kind(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
+
+
+def group_windows(kv_cache_config: Any) -> dict[int, GroupWindow]:
+    """How far back each windowed KV cache group reads (sliding window, chunked local), by
+    group index: the parameters of vLLM's own ``get_num_skipped_tokens`` for that group."""
+    if kv_cache_config is None:
+        return {}
+    out: dict[int, GroupWindow] = {}
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        inner = (
+            list(spec.kv_cache_specs.values())
+            if isinstance(spec, UniformTypeKVCacheSpecs)
+            else [spec]
+        )
+        if inner and all(isinstance(s, SlidingWindowSpec) for s in inner):
+            # Layers of one group with different windows: the widest decides what is read.
+            out[i] = GroupWindow(
+                SLIDING_WINDOW,
+                max(int(s.sliding_window) for s in inner),
+                max(int(getattr(s, "extra_retained_tokens", 0) or 0) for s in inner),
+            )
+        elif inner and all(isinstance(s, ChunkedLocalAttentionSpec) for s in inner):
+            out[i] = GroupWindow(CHUNKED_LOCAL, max(int(s.attention_chunk_size) for s in inner))
+    return out
 
 
 def transfer_group_kinds(kv_cache_config: Any) -> tuple[str, ...]:

@@ -342,6 +342,32 @@ def check_host_store(family: str, servers) -> None:
         assert usage["host_hit_tokens"] >= before // block * block > 0, (step, before, usage)
     usage = mine[4]["kvbranch"]
     assert usage["device_hit_tokens"] == 0 and usage["host_hit_tokens"] <= diverges, usage
+    if family in WINDOWED:
+        share = check_window_parts(servers[0])
+        print(f"{family}: host store bytes against every layer at every position: {share:.2f}")
+
+
+#: Families with sliding-window layers: the store keeps their part of a position only near
+#: resume points (server/connector/core/window_parts.py).
+WINDOWED = {"gpt-oss", "gemma3"}
+
+
+def check_window_parts(server) -> float:
+    """The windowed layers' part was kept for fewer positions than the rest of the store (only
+    the window before each prompt's and answer's end), no load missed one, and the bytes the
+    store took for these turns against a store of every layer at every position: returned."""
+    with client(server) as c:
+        r = c.get("/v1/kvbranch/stats")
+    assert r.status_code == 200, r.text
+    store = r.json()["store"]
+    assert store["window_misses"] == 0, store
+    assert store["window_part_bytes"] > 0 and store["loaded_window_parts"] > 0, store
+    positions = store["saved_blocks"] + store["saved_tails"]
+    assert 0 < store["saved_window_parts"] < positions, store
+    kept = positions * store["block_bytes"] + store["saved_window_parts"] * store[
+        "window_part_bytes"
+    ]
+    return kept / (positions * (store["block_bytes"] + store["window_part_bytes"]))
 
 
 def capacity(server) -> list[str]:

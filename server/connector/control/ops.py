@@ -41,6 +41,7 @@ class OpContext(Protocol):
     block_size: int
     block_bytes: int
     num_slots: int
+    window_bytes: int
     enabled: bool
     planner: Planner
     extra_stats: dict[str, Any]
@@ -99,7 +100,8 @@ def _info(side: OpContext, req: ctl.Info) -> dict:
         "block_bytes": side.block_bytes,
         "num_slots": side.num_slots,
         "enabled": side.enabled,
-        "store_capacity_bytes": side.num_slots * side.block_bytes,
+        "store_capacity_bytes": side.num_slots * side.block_bytes
+        + side.planner.index.windows.num_slots * side.window_bytes,
         "pin_budget_bytes": side.planner.registry.leases.pin_budget_bytes,
         "platform": "cuda" if torch.cuda.is_available() else "cpu",
     }
@@ -269,6 +271,16 @@ def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> di
             # Hybrid models (kv_groups.py): recurrent states kept at block ends and resumed.
             "saved_states": counters.saved_states,
             "loaded_states": counters.loaded_states,
+            # Sliding-window / chunked-local layers (window_parts.py): kept near resume points.
+            "window_part_bytes": side.window_bytes,
+            "window_parts_capacity": index.windows.num_slots,
+            "window_parts_used": len(index.windows),
+            "saved_window_parts": index.windows.saved,
+            "loaded_window_parts": index.windows.loaded,
+            "window_part_evictions": index.windows.evictions,
+            "window_parts_released": index.windows.released,
+            "window_cuts": counters.window_cuts,
+            "window_misses": counters.window_misses,
         },
         "hits_tokens": dict(planner.hits_tokens),
         "requests": planner.requests,

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from server.connector.core.window_parts import WindowParts
+
 #: Tails filed under one parent (forks that diverge inside one block); more are not saved.
 MAX_TAILS_PER_PARENT = 64
 #: Store events kept for the connector's ``take_events`` between two engine steps; beyond it
@@ -81,12 +83,16 @@ class IndexCounters:
     #: hit's end.
     saved_states: int = 0
     loaded_states: int = 0
+    #: Windowed groups (``window_parts.py``): hits shortened to where the window's parts are
+    #: stored, and loads that found a position without its part (never expected).
+    window_cuts: int = 0
+    window_misses: int = 0
 
 
 class HostBlockIndex:
     """Hash → slot map over ``num_slots`` host slots, LRU over unpinned slots."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, window_slots: int = 0) -> None:
         if num_slots < 0:
             raise ValueError("num_slots must be >= 0")
         self.num_slots = num_slots
@@ -105,6 +111,9 @@ class HostBlockIndex:
         #: Slots that also hold the recurrent state after their last token (state groups).
         self._state_slots: set[int] = set()
         self.counters = IndexCounters()
+        #: The windowed groups' parts of stored slots (``window_parts.py``); none without
+        #: sliding-window or chunked-local groups.
+        self.windows = WindowParts(window_slots)
         #: Set by the connector when vLLM's KV events are on (see :class:`StoreEventLog`).
         self.event_log: StoreEventLog | None = None
 
@@ -194,12 +203,22 @@ class HostBlockIndex:
 
     def touch(self, block_hash: bytes) -> None:
         slot = self._slot_of.get(block_hash)
-        if slot is not None and slot in self._lru:
-            self._lru.move_to_end(slot)
+        if slot is not None:
+            self.touch_slot(slot)
 
     def touch_slot(self, slot: int) -> None:
         if slot in self._lru:
             self._lru.move_to_end(slot)
+        self.windows.touch(slot)
+
+    def is_pinned(self, slot: int) -> bool:
+        return slot in self._pinned_slots
+
+    def attach_window(self, slot: int, protected: set[int]) -> int | None:
+        """A window slot for a stored slot's windowed groups (see ``window_parts.py``)."""
+        if self._hash_of[slot] is None:
+            return None
+        return self.windows.attach(slot, protected, self.is_pinned)
 
     def allocate(
         self,
@@ -273,6 +292,7 @@ class HostBlockIndex:
         block_hash = self._hash_of[slot]
         assert block_hash is not None
         self._state_slots.discard(slot)
+        self.windows.release(slot)
         if slot in self._tail_slots:
             self._tail_slots.discard(slot)
         elif self.event_log is not None:
@@ -338,6 +358,7 @@ class HostBlockIndex:
         self._parent_of.clear()
         self._tail_slots.clear()
         self._state_slots.clear()
+        self.windows.clear()
         if self.event_log is not None:
             self.event_log.add(("cleared", None))
         return dropped

@@ -35,6 +35,7 @@ Pure: kinds are strings (``vllm_compat.kv_group_kinds`` reads them from vLLM).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 #: Kinds whose blocks hold per-token K and V (``vllm_compat.spec_kind``).
 FULL_ATTENTION = "full_attention"
@@ -45,9 +46,54 @@ STORED_KINDS = frozenset({FULL_ATTENTION, SLIDING_WINDOW, CHUNKED_LOCAL})
 STATE = "mamba"
 
 
+#: Kinds whose blocks a request needs only near its end (``WindowRule``).
+WINDOW_KINDS = frozenset({SLIDING_WINDOW, CHUNKED_LOCAL})
+
+
+@dataclass(frozen=True)
+class GroupWindow:
+    """How far back one windowed group attends: ``sliding_window`` tokens (plus the trailing
+    tokens vLLM retains for multi-module speculative decoding), or the current chunk of
+    ``chunk`` tokens (chunked-local attention)."""
+
+    kind: str
+    tokens: int
+    extra_retained: int = 0
+
+    def skipped_tokens(self, computed: int) -> int:
+        """The leading tokens this group no longer reads once ``computed`` tokens are done:
+        vLLM's ``get_num_skipped_tokens`` for the group's manager (its blocks there are the
+        null block in the request's table)."""
+        if self.kind == CHUNKED_LOCAL:
+            return computed // self.tokens * self.tokens
+        return max(0, computed - self.tokens + 1 - self.extra_retained)
+
+
+@dataclass(frozen=True)
+class WindowRule:
+    """Which block positions a resume needs from the windowed groups (sliding window,
+    chunked local): a prefix of ``n`` tokens loaded from outside is continued only from the
+    positions vLLM allocates for those groups, those at or after ``first_block(n)`` (vLLM pads
+    the ones before with the null block). The host store keeps the windowed groups' part of a
+    position only where some resume point needs it (``core/window_parts.py``)."""
+
+    groups: frozenset[int]
+    windows: tuple[GroupWindow, ...]
+    block_size: int
+
+    def first_block(self, n_tokens: int) -> int:
+        """The first block position any windowed group reads after a prefix of ``n_tokens``."""
+        return min(w.skipped_tokens(n_tokens) for w in self.windows) // self.block_size
+
+
 def state_groups(kinds: Sequence[str]) -> frozenset[int]:
     """The indices of the groups that hold a recurrent state rather than per-token KV."""
     return frozenset(i for i, kind in enumerate(kinds) if kind == STATE)
+
+
+def window_groups(kinds: Sequence[str]) -> frozenset[int]:
+    """The indices of the groups that read only a window before each token."""
+    return frozenset(i for i, kind in enumerate(kinds) if kind in WINDOW_KINDS)
 
 
 def store_off_reason(

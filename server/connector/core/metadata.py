@@ -18,6 +18,17 @@ DeviceBlock = tuple[int, ...]
 SKIPPED = -1
 
 
+#: Where one block position lives in the host store: one slot for every group, or one per
+#: group (a windowed group's part has a pool of its own, ``core/window_parts.py``), with
+#: :data:`SKIPPED` where a group's part is not copied.
+HostSlots = int | tuple[int, ...]
+
+
+def group_slot(slots: HostSlots, group: int) -> int:
+    """The host slot of ``group`` in ``slots``."""
+    return slots if isinstance(slots, int) else slots[group]
+
+
 def device_block(ids: int | Sequence[int]) -> DeviceBlock:
     """One block id (a single KV cache group) or one per group, as a :data:`DeviceBlock`."""
     return (ids,) if isinstance(ids, int) else tuple(ids)
@@ -41,11 +52,11 @@ def whole(block: DeviceBlock) -> bool:
 @dataclass
 class KVBranchMetadata:
     #: Host slot -> device block copies to run before this step's forward.
-    load_slots: list[int] = field(default_factory=list)
+    load_slots: list[HostSlots] = field(default_factory=list)
     load_blocks: list[DeviceBlock] = field(default_factory=list)
     #: Device block -> host slot copies to run after this step's forward.
     save_blocks: list[DeviceBlock] = field(default_factory=list)
-    save_slots: list[int] = field(default_factory=list)
+    save_slots: list[HostSlots] = field(default_factory=list)
     #: A peer connector (NIXL, in P/D) writes KV blocks this step outside any CUDA stream: the
     #: worker waits on the host for its pending save before the step touches KV.
     host_fence: bool = False

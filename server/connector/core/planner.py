@@ -24,9 +24,11 @@ from typing import Any
 # One home for the extension-arg names (the middleware strips the internal ones from clients).
 from sdk.contract import BRANCH_XARG, OWNER_XARG, PIN_TTL_XARG, PREFETCH_XARG, TAG_XARG  # noqa: F401
 from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.kv_groups import WindowRule
 from server.connector.core.metadata import (
     SKIPPED,
     DeviceBlock,
+    HostSlots,
     KVBranchMetadata,
     device_block,
     device_blocks,
@@ -60,6 +62,11 @@ class RequestPlan:
     #: Running when the store was reset (new weights, a reloaded LoRA): its KV so far may be
     #: the old model's, so nothing of it is saved until vLLM restarts it from token 0.
     stale: bool = False
+    #: Windowed groups (``window_parts.py``): the first position whose part is saved as it
+    #: fills (the window before the prompt's end), and the positions this request attached
+    #: a part to (those no resume reads are released when it finishes).
+    window_from: int | None = None
+    window_attached: list[int] = field(default_factory=list)
     recorded: bool = False
     split: dict | None = None
 
@@ -106,6 +113,7 @@ class Planner:
         *,
         state_groups: frozenset[int] = frozenset(),
         num_groups: int = 1,
+        window: WindowRule | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
@@ -113,7 +121,11 @@ class Planner:
         #: KV cache groups holding a recurrent state (``kv_groups.py``): a slot holds their
         #: state only where vLLM's prefix cache keeps one; a hit ends at such a slot; no tails.
         self.state_groups = state_groups
-        self.num_groups = max(num_groups, 1 + max(state_groups, default=-1))
+        #: Sliding-window / chunked-local groups: their part of a position is kept only near
+        #: resume points, in a pool of its own (``window_parts.py``).
+        self.window = window if window is not None and window.groups else None
+        self.window_groups = self.window.groups if self.window is not None else frozenset()
+        self.num_groups = max(num_groups, 1 + max(state_groups | self.window_groups, default=-1))
         self.lock = threading.RLock()
         self.plans: dict[str, RequestPlan] = {}
         self.splits: OrderedDict[str, dict] = OrderedDict()
@@ -131,8 +143,11 @@ class Planner:
         #: Tails of finished requests waiting to be copied out: (request id, device block,
         #: tail). The request's blocks stay allocated until the worker reports the copy done.
         self.pending_tail_saves: list[tuple[str, DeviceBlock, TailSpec | None]] = []
-        #: (host slot, device block) loads planned since the last step's metadata.
-        self.pending_loads: list[tuple[int, DeviceBlock]] = []
+        #: (host slots, device block) loads planned since the last step's metadata, and the
+        #: slots and window parts they read (kept from eviction within the step).
+        self.pending_loads: list[tuple[HostSlots, DeviceBlock]] = []
+        self._loading_slots: set[int] = set()
+        self._loading_parts: set[int] = set()
         #: The block id vLLM's tables use where a group keeps no block (its null block).
         self.null_block = 0
 
@@ -177,7 +192,43 @@ class Planner:
             end = start + len(slots)
             if not self.state_groups:
                 self._match_tail(plan, request, end, limit)
-            return len(slots) * bs + plan.tail_tokens
+            if self.window is not None:
+                self._cut_to_window_parts(plan, start)
+            return len(plan.load_slots) * bs + plan.tail_tokens
+
+    def _cut_to_window_parts(self, plan: RequestPlan, start: int) -> None:
+        """Shorten the host hit to the longest one the windowed groups can continue from:
+        every position they read after it (``WindowRule.first_block``) from ``start`` on must
+        have its window part stored, the tail's position too (before ``start`` vLLM's device
+        cache has them). With state groups the hit must still end at a slot with a state."""
+        assert self.window is not None
+        slots = plan.load_slots or []
+        parts = self.index.windows
+        missing = [0]
+        for slot in slots:
+            missing.append(missing[-1] + (parts.part_of(slot) is None))
+        bs = self.block_size
+
+        def readable(end: int, tokens: int) -> bool:
+            first = min(max(self.window.first_block(tokens) - start, 0), end)  # type: ignore[union-attr]
+            return missing[end] - missing[first] == 0
+
+        n = len(slots)
+        if plan.tail_slot is not None:
+            tail_read = parts.part_of(plan.tail_slot) is not None and readable(
+                n, (start + n) * bs + plan.tail_tokens
+            )
+            if tail_read:
+                return
+            plan.tail_slot, plan.tail_tokens = None, 0
+        while n and not (
+            readable(n, (start + n) * bs)
+            and (not self.state_groups or self.index.has_state(slots[n - 1]))
+        ):
+            n -= 1
+        if n < len(slots):
+            self.index.counters.window_cuts += 1
+            plan.load_slots = slots[:n]
 
     def _match_tail(self, plan: RequestPlan, request: Any, block: int, limit: int) -> None:
         """Offer the stored tail that continues the prompt's first ``block`` full blocks."""
@@ -223,7 +274,7 @@ class Planner:
                         # Only the hit's last position brings its state (vLLM gives the
                         # others the null block, or scratch).
                         block = self._attention_only(block)
-                    self.pending_loads.append((slot, block))
+                    self._queue_load(request, slot, block)
                     self.index.touch(request.block_hashes[start + i])
                 self.index.counters.loaded_blocks += n_blocks
                 if self.state_groups:
@@ -239,7 +290,7 @@ class Planner:
                     self.index.counters.loaded_tails += 1
                     self.index.counters.tail_tokens_loaded += tail
                 if slot is not None and start + n_blocks < len(block_ids):
-                    self.pending_loads.append((slot, device_block(block_ids[start + n_blocks])))
+                    self._queue_load(request, slot, device_block(block_ids[start + n_blocks]))
                     self.index.touch_slot(slot)
                 else:  # never offered: vLLM passes back the connector's own count
                     logger.error(
@@ -254,6 +305,41 @@ class Planner:
             if not plan.recorded:
                 self._record_split(plan)
 
+    def _queue_load(self, request: Any, slot: int, block: DeviceBlock) -> None:
+        """Queue one position's load: its slot, and its window part where the windowed groups
+        hold a block there (``_cut_to_window_parts`` offered only hits that have them)."""
+        self._loading_slots.add(slot)
+        part = None
+        if self.window is not None:
+            part = self.index.windows.part_of(slot)
+            reads = any(g < len(block) and block[g] != SKIPPED for g in self.window_groups)
+            if part is None:
+                if reads:
+                    # Not offered that way: vLLM gave the windowed groups a block the store
+                    # cannot fill (that group recomputes nothing: counted, logged, never
+                    # expected).
+                    self.index.counters.window_misses += 1
+                    logger.error(
+                        "kvbranch: request %s loads a position without its window part",
+                        request.request_id,
+                    )
+                block = self._without_windows(block)
+            elif reads:
+                self._loading_parts.add(part)
+                self.index.windows.loaded += 1
+        self.pending_loads.append((self._host_slots(slot, part), block))
+
+    def _host_slots(self, slot: int, part: int | None) -> HostSlots:
+        """Where a position lives in the host store: ``slot``, and ``part`` for the windowed
+        groups (:data:`SKIPPED` without one)."""
+        if not self.window_groups:
+            return slot
+        window = SKIPPED if part is None else part
+        return tuple(window if g in self.window_groups else slot for g in range(self.num_groups))
+
+    def _without_windows(self, block: DeviceBlock) -> DeviceBlock:
+        return tuple(SKIPPED if g in self.window_groups else b for g, b in enumerate(block))
+
     def _attention_only(self, block: DeviceBlock) -> DeviceBlock:
         """``block`` with its state groups skipped."""
         return tuple(SKIPPED if g in self.state_groups else b for g, b in enumerate(block))
@@ -263,9 +349,37 @@ class Planner:
         return tuple(b if g in self.state_groups else SKIPPED for g, b in enumerate(block))
 
     def _savable(self, block: DeviceBlock) -> bool:
-        """Whether every attention group holds this position (state groups hold a block only
-        where vLLM keeps a state: found under the block's hash, not in the table)."""
-        return all(b != SKIPPED for g, b in enumerate(block) if g not in self.state_groups)
+        """Whether every full-attention group holds this position (state groups hold a block
+        only where vLLM keeps a state: found under the block's hash, not in the table; the
+        windowed groups' part is optional, ``window_parts.py``)."""
+        return all(
+            b != SKIPPED
+            for g, b in enumerate(block)
+            if g not in self.state_groups and g not in self.window_groups
+        )
+
+    def _wants_part(self, plan: RequestPlan, k: int) -> bool:
+        """Whether position ``k`` of this request should carry its window part: it lies in
+        the window before the prompt's end or after (a later hit may end there)."""
+        if self.window is None:
+            return False
+        if plan.window_from is None:
+            last_full = (plan.request.num_prompt_tokens - 1) // self.block_size
+            plan.window_from = self.window.first_block(last_full * self.block_size)
+        return k >= plan.window_from
+
+    def _attach_part(
+        self, plan: RequestPlan, k: int, slot: int, block: DeviceBlock, busy_parts: set[int]
+    ) -> int | None:
+        """A window part for stored ``slot`` (position ``k``), where the windowed groups still
+        hold the position on the device; ``busy_parts``: parts this step reads or writes."""
+        if any(g >= len(block) or block[g] == SKIPPED for g in self.window_groups):
+            return None
+        part = self.index.attach_window(slot, busy_parts)
+        if part is not None:
+            busy_parts.add(part)
+            plan.window_attached.append(k)
+        return part
 
     def _load_running_state(
         self, request: Any, block_ids: Sequence[int | DeviceBlock], last: int
@@ -337,15 +451,21 @@ class Planner:
         meta = KVBranchMetadata(host_fence=self.take_foreign_loads())
         with self.lock:
             loads, self.pending_loads = self.pending_loads, []
+            busy, self._loading_slots = self._loading_slots, set()
+            busy_parts, self._loading_parts = self._loading_parts, set()
+            self.index.windows.new_step()
         for slot, block in loads:
             meta.load_slots.append(slot)
             meta.load_blocks.append(block)
+        # ``busy``/``busy_parts`` gain every slot and part this step's saves write.
         saves = self.plan_saves(
-            scheduled, resolve_block_ids, protected=set(meta.load_slots), state_lookup=state_lookup
+            scheduled,
+            resolve_block_ids,
+            protected=busy,
+            state_lookup=state_lookup,
+            busy_parts=busy_parts,
         )
-        tail_saves, meta.finished_saves = self.plan_tail_saves(
-            set(meta.load_slots) | {slot for _, slot in saves}
-        )
+        tail_saves, meta.finished_saves = self.plan_tail_saves(busy, busy_parts)
         for block, slot in saves + tail_saves:
             meta.save_blocks.append(block)
             meta.save_slots.append(slot)
@@ -357,21 +477,23 @@ class Planner:
         resolve_block_ids: Callable[[str], Sequence[Sequence[int]]],
         protected: set[int],
         state_lookup: StateLookup | None = None,
-    ) -> list[tuple[DeviceBlock, int]]:
+        busy_parts: set[int] | None = None,
+    ) -> list[tuple[DeviceBlock, HostSlots]]:
         """(device block, host slot) copies for every block that becomes full this step.
         ``resolve_block_ids``: a request's block table as vLLM keeps it (block ids per KV cache
         group). A position some group no longer holds (a device hit behind a sliding window)
         is not saved: a slot is whole or absent. ``protected``: the slots this step's loads
         read. With state groups, ``state_lookup`` finds the state vLLM keeps after a block
         (written by this step's forward at the latest, which the save follows): it goes into
-        the block's slot with it, or into the slot of a block stored without one."""
-        saves: list[tuple[DeviceBlock, int]] = []
+        the block's slot with it, or into the slot of a block stored without one. Windowed
+        groups: their part goes into a window slot where ``_wants_part`` says so.
+        ``protected`` and ``busy_parts`` (the window slots this step reads) gain every slot
+        and window slot written: two copies into one slot in one batch would race."""
+        saves: list[tuple[DeviceBlock, HostSlots]] = []
         if self.index.num_slots == 0:
             return saves
         loading = set(protected)
-        # Slots written this step are not evicted for another write in the same step either:
-        # two copies into one slot in one batch would race.
-        protected = set(protected)
+        busy_parts = set() if busy_parts is None else busy_parts
         with self.lock:
             bs = self.block_size
             for req_id, n_scheduled in scheduled.items():
@@ -396,8 +518,21 @@ class Planner:
                         self.index.touch(block_hash)
                         if states is not None and not self.index.has_state(stored):
                             if stored not in loading:
-                                saves.append((states, stored))
+                                saves.append((states, self._host_slots(stored, None)))
                                 self.index.mark_state(stored)
+                        if self._wants_part(plan, k) and self.index.windows.part_of(stored) is None:
+                            if block_ids is None:
+                                block_ids = device_blocks(
+                                    resolve_block_ids(req_id) or [], self.null_block
+                                )
+                            if k < len(block_ids):
+                                part = self._attach_part(plan, k, stored, block_ids[k], busy_parts)
+                                if part is not None:
+                                    only = tuple(
+                                        b if g in self.window_groups else SKIPPED
+                                        for g, b in enumerate(block_ids[k])
+                                    )
+                                    saves.append((only, self._host_slots(stored, part)))
                         continue
                     if block_ids is None:
                         groups = resolve_block_ids(req_id)
@@ -426,7 +561,14 @@ class Planner:
                                 for b, state in zip(block, states, strict=True)
                             )
                             self.index.mark_state(slot)
-                        saves.append((block, slot))
+                        part = (
+                            self._attach_part(plan, k, slot, block_ids[k], busy_parts)
+                            if self._wants_part(plan, k)
+                            else None
+                        )
+                        if part is None and self.window_groups:
+                            block = self._without_windows(block)
+                        saves.append((block, self._host_slots(slot, part)))
                         protected.add(slot)
                 plan.next_save_block = full
         return saves
@@ -469,6 +611,8 @@ class Planner:
             else:
                 split = self.splits.get(str(extra[TAG_XARG])) if extra.get(TAG_XARG) else None
             pulling = plan is not None and plan.remote_state == "loading"
+            if plan is not None and plan.window_attached:
+                self._release_unread_parts(plan, request)
             tail = (
                 finished_tail(request, self.block_size)
                 if self.index.num_slots
@@ -513,14 +657,32 @@ class Planner:
                     delay = True
             return split, delay
 
+    def _release_unread_parts(self, plan: RequestPlan, request: Any) -> None:
+        """Free the window parts this request attached that no resume reads: those after its
+        prompt's window and before the window of its end (a long answer's middle)."""
+        assert self.window is not None
+        bs = self.block_size
+        computed = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
+        keep_from = self.window.first_block(computed // bs * bs)
+        prompt_last = (request.num_prompt_tokens - 1) // bs
+        hashes = request.block_hashes
+        for k in plan.window_attached:
+            if prompt_last < k < keep_from and k < len(hashes):
+                slot = self.index.slot_of(hashes[k])
+                if slot is not None and self.index.windows.release(slot):
+                    self.index.windows.released += 1
+        plan.window_attached = []
+
     def plan_tail_saves(
-        self, protected: set[int]
-    ) -> tuple[list[tuple[DeviceBlock, int]], list[str]]:
-        """(device block, host slot) copies of the finished requests' tails, and the ids of
+        self, protected: set[int], busy_parts: set[int] | None = None
+    ) -> tuple[list[tuple[DeviceBlock, HostSlots]], list[str]]:
+        """(device block, host slots) copies of the finished requests' tails, and the ids of
         those requests: the worker reports them done after the copy (also when a tail got no
-        slot), which frees their blocks."""
-        saves: list[tuple[int, int]] = []
+        slot), which frees their blocks. A tail carries its window part (its position is the
+        end of a resume)."""
+        saves: list[tuple[DeviceBlock, HostSlots]] = []
         done: list[str] = []
+        busy_parts = set() if busy_parts is None else busy_parts
         with self.lock:
             pending, self.pending_tail_saves = self.pending_tail_saves, []
             for request_id, block, tail in pending:
@@ -529,7 +691,16 @@ class Planner:
                     continue
                 slot = self.index.allocate_tail(tail.key, tail.parent, tail.tokens, protected)
                 if slot is not None:
-                    saves.append((block, slot))
+                    protected.add(slot)
+                    part = None
+                    if self.window_groups:
+                        if all(g < len(block) and block[g] != SKIPPED for g in self.window_groups):
+                            part = self.index.attach_window(slot, busy_parts)
+                        if part is None:
+                            block = self._without_windows(block)
+                        else:
+                            busy_parts.add(part)
+                    saves.append((block, self._host_slots(slot, part)))
                 done.append(request_id)
         return saves, done
 

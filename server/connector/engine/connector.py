@@ -28,9 +28,10 @@ from server.common.control_path import default_control_socket
 from server.connector.config import ConnectorConfig
 from server.connector.control.ops import Op
 from server.connector.core.block_index import StoreEvent, StoreEventLog
-from server.connector.core.kv_groups import state_groups, store_off_reason
+from server.connector.core.kv_groups import WindowRule, state_groups, store_off_reason
 from server.connector.core.metadata import KVBranchMetadata, device_blocks
 from server.connector.core.planner import Planner
+from server.connector.core.window_parts import split_store
 from server.connector.engine.scheduler_side import KVBranchScheduler
 from server.connector.engine.stats import KVBranchPromMetrics, KVBranchTransferStats
 from server.connector.engine.step_trace import StepTrace, scheduled_token_split
@@ -47,6 +48,7 @@ from server.connector.vllm_compat import (
     KVConnectorRole,
     SupportsHMA,
     group_block_bytes,
+    group_windows,
     kv_events_enabled,
     kv_group_block_sizes,
     kv_group_kinds,
@@ -115,9 +117,13 @@ def host_events(changes: list[StoreEvent], block_size: int) -> list[KVCacheEvent
     return out
 
 
-def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes of one host store slot: one block of every layer, in every KV cache group."""
-    return sum(group_block_bytes(group) for group in kv_cache_config.kv_cache_groups)
+def block_bytes_of(kv_cache_config: KVCacheConfig, groups: frozenset[int] | None = None) -> int:
+    """Bytes of one block position of the KV cache groups ``groups`` (all: every layer)."""
+    return sum(
+        group_block_bytes(group)
+        for i, group in enumerate(kv_cache_config.kv_cache_groups)
+        if groups is None or i in groups
+    )
 
 
 class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
@@ -167,9 +173,17 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
                 "%s (docs/models.md)",
                 off,
             )
-        block_bytes = block_bytes_of(kv_cache_config) if enabled else 0
-        store_bytes = config.host_store_bytes
-        num_slots = store_bytes // block_bytes if enabled else 0
+        windows = group_windows(kv_cache_config) if enabled else {}
+        window = (
+            WindowRule(frozenset(windows), tuple(windows.values()), block_size) if windows else None
+        )
+        # A slot holds a position's non-windowed groups; a window part its windowed ones.
+        others = frozenset(range(len(kinds))) - frozenset(windows)
+        block_bytes = block_bytes_of(kv_cache_config, others) if enabled else 0
+        window_bytes = block_bytes_of(kv_cache_config, frozenset(windows)) if windows else 0
+        num_slots, window_slots = (
+            split_store(config.host_store_bytes, block_bytes, window_bytes) if enabled else (0, 0)
+        )
         self.scheduler_side: KVBranchScheduler | None = None
         self.worker_side: KVBranchWorker | None = None
         self._trace = StepTrace("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
@@ -191,13 +205,20 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_index=int(engine or 0),
                 state_groups=states,
                 num_groups=len(kinds),
+                window=window,
+                window_slots=window_slots,
+                window_bytes=window_bytes,
             )
             if kv_events_enabled(vllm_config):
                 # Host-store saves and evictions join vLLM's KV event stream (take_events).
                 self.scheduler_side.planner.index.event_log = StoreEventLog()
         else:
             self.worker_side = KVBranchWorker(
-                num_slots if enabled else 0, block_bytes, groups=kv_group_layers(kv_cache_config)
+                num_slots if enabled else 0,
+                block_bytes,
+                groups=kv_group_layers(kv_cache_config),
+                window_groups=frozenset(windows),
+                window_slots=window_slots,
             )
 
     # --- what a composing connector (P/D) reaches ------------------------------------------------

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from server.common.env import on_unless_zero
-from server.connector.core.metadata import SKIPPED, device_block
+from server.connector.core.metadata import SKIPPED, HostSlots, device_block, group_slot
 
 #: ``0``: CPU saves in the step, on its critical path; anything else or unset: in a background
 #: thread (see the module docstring; docs/scheduling.md has the turn-1 measurement).
@@ -146,22 +146,26 @@ def group_caches(
 
 
 def group_pairs(
-    blocks: Sequence[int | Sequence[int]], slots: Sequence[int], group: int
+    blocks: Sequence[int | Sequence[int]], slots: Sequence[HostSlots], group: int
 ) -> tuple[list[int], list[int]]:
-    """(device blocks, slots) of one group: the positions where that group holds a block."""
+    """(device blocks, slots) of one group: the positions where that group holds a block and
+    has a host slot."""
     src: list[int] = []
     dst: list[int] = []
     for block, slot in zip(blocks, slots, strict=True):
         block_id = device_block(block)[group]
-        if block_id != SKIPPED:
+        slot_id = group_slot(slot, group)
+        if block_id != SKIPPED and slot_id != SKIPPED:
             src.append(block_id)
-            dst.append(slot)
+            dst.append(slot_id)
     return src, dst
 
 
 class HostKVPool:
     """Host copies of KV blocks, addressed by slot: one slot is one block position of every
-    KV cache group (every layer)."""
+    KV cache group (every layer), except the ``window_groups``, whose tensors have
+    ``window_slots`` entries of their own (``core/window_parts.py``): a copy then names a
+    slot per group (:data:`~server.connector.core.metadata.HostSlots`)."""
 
     def __init__(
         self,
@@ -171,8 +175,11 @@ class HostKVPool:
         async_saves: bool = False,
         prefault: bool = False,
         groups: Sequence[Sequence[str]] | None = None,
+        window_groups: frozenset[int] = frozenset(),
+        window_slots: int = 0,
     ) -> None:
         self.num_slots = num_slots
+        self.window_slots = window_slots
         self.device_caches = group_caches(kv_caches, groups)
         self.num_groups = 1 + max(g for g, _ in self.device_caches)
         first = next(iter(self.device_caches.values()))
@@ -184,23 +191,27 @@ class HostKVPool:
         for name, tensor in self.device_caches.items():
             dim = find_block_dim(tensor.shape, num_blocks)
             shape = list(tensor.shape)
+            slots = window_slots if name[0] in window_groups else num_slots
             if self.cuda:
                 # Slot-major: a block of a [2, blocks, ...] cache is not contiguous, and a copy
                 # into a non-contiguous pinned view goes through a pageable temporary (a
                 # synchronous memcpy). One contiguous host block per slot avoids that.
-                shape = [num_slots] + shape[:dim] + shape[dim + 1 :]
+                shape = [slots] + shape[:dim] + shape[dim + 1 :]
                 self.host_dims[name] = 0
             else:
-                shape[dim] = num_slots
+                shape[dim] = slots
                 self.host_dims[name] = dim
             self.block_dims[name] = dim
             self.host_caches[name] = torch.empty(
                 shape, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda
             )
-        self.block_bytes = sum(
-            t.element_size() * t.numel() // max(t.shape[self.block_dims[n]], 1)
+        per_block = {
+            n: t.element_size() * t.numel() // max(t.shape[self.block_dims[n]], 1)
             for n, t in self.device_caches.items()
-        )
+        }
+        #: Bytes of one slot (every group but the windowed ones) and of one window part.
+        self.block_bytes = sum(b for n, b in per_block.items() if n[0] not in window_groups)
+        self.window_bytes = sum(b for n, b in per_block.items() if n[0] in window_groups)
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._pending_save: torch.cuda.Event | None = None
         #: CPU async saves: one thread, at most one save in flight.
@@ -235,7 +246,7 @@ class HostKVPool:
             )
 
     # --- device -> host ----------------------------------------------------------------------
-    def save(self, block_ids: Sequence[int | Sequence[int]], slots: Sequence[int]) -> None:
+    def save(self, block_ids: Sequence[int | Sequence[int]], slots: Sequence[HostSlots]) -> None:
         if self._saver is not None and block_ids:
             self.fence()  # saves in order, one at a time
             src, dst = list(block_ids), list(slots)
@@ -285,7 +296,7 @@ class HostKVPool:
         self._pending_save = event
 
     # --- host -> device ----------------------------------------------------------------------
-    def load(self, slots: Sequence[int], block_ids: Sequence[int | Sequence[int]]) -> None:
+    def load(self, slots: Sequence[HostSlots], block_ids: Sequence[int | Sequence[int]]) -> None:
         self.fence()  # CPU async: a pending save may still write the slots read here
         self._copy(slots, block_ids, to_host=False)
 

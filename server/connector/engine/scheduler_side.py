@@ -16,6 +16,7 @@ from server.connector.config import ConnectorConfig
 from server.connector.control.ops import OPS, Op, run_op
 from server.connector.control.transport import ControlServer, engine_socket_path
 from server.connector.core.block_index import HostBlockIndex
+from server.connector.core.kv_groups import WindowRule
 from server.connector.core.metadata import DeviceBlock, KVBranchMetadata
 from server.connector.core.planner import Planner
 from server.connector.core.sessions import SessionRegistry
@@ -40,12 +41,18 @@ class KVBranchScheduler:
         engine_index: int = 0,
         state_groups: frozenset[int] = frozenset(),
         num_groups: int = 1,
+        window: WindowRule | None = None,
+        window_slots: int = 0,
+        window_bytes: int = 0,
     ) -> None:
         #: The engine's KV geometry: tokens per block, bytes per block (every layer), and
         #: the host store's slots (one block each).
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.num_slots = num_slots
+        #: Windowed groups' parts (``core/window_parts.py``): how many, bytes of each.
+        self.window_slots = window_slots
+        self.window_bytes = window_bytes
         #: False when the host store is off (a KV cache layout it cannot serve: plain vLLM).
         self.enabled = enabled
         #: Control ops and stats sections contributed by a composing connector (P/D: holds).
@@ -53,7 +60,7 @@ class KVBranchScheduler:
         self.extra_stats: dict[str, Any] = {}
         #: vLLM's KV cache manager (bound by the facade): the device-residency probe.
         self.kv_cache_manager: Any = None
-        index = HostBlockIndex(num_slots)
+        index = HostBlockIndex(num_slots, window_slots)
         registry = SessionRegistry(
             index,
             block_size=block_size,
@@ -67,7 +74,12 @@ class KVBranchScheduler:
             require_owner=config.tenants,
         )
         self.planner = Planner(
-            index, registry, block_size, state_groups=state_groups, num_groups=num_groups
+            index,
+            registry,
+            block_size,
+            state_groups=state_groups,
+            num_groups=num_groups,
+            window=window,
         )
         self.control: ControlServer | None = None
         path = config.control_socket
@@ -79,11 +91,13 @@ class KVBranchScheduler:
             )
         logger.info(
             "kvbranch connector (scheduler): block_size=%d block_bytes=%d "
-            "host slots=%d (%.2f GiB) pin budget=%d bytes",
+            "host slots=%d window parts=%d of %d bytes (%.2f GiB) pin budget=%d bytes",
             block_size,
             block_bytes,
             num_slots,
-            num_slots * block_bytes / (1 << 30),
+            window_slots,
+            window_bytes,
+            (num_slots * block_bytes + window_slots * window_bytes) / (1 << 30),
             registry.leases.pin_budget_bytes,
         )
 

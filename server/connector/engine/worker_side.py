@@ -28,8 +28,13 @@ class KVBranchWorker:
         block_bytes: int,
         pool: HostKVPool | None = None,
         groups: list[list[str]] | None = None,
+        window_groups: frozenset[int] = frozenset(),
+        window_slots: int = 0,
     ) -> None:
         self.num_slots = num_slots
+        #: The windowed groups and their own pool of slots (``core/window_parts.py``).
+        self.window_groups = window_groups
+        self.window_slots = window_slots
         self.block_bytes = block_bytes
         self.pool = pool
         #: The layers of each KV cache group (``None``: one group of every layer).
@@ -48,6 +53,8 @@ class KVBranchWorker:
             async_saves=async_saves_from_env(),
             prefault=prefault_from_env(),
             groups=self.groups,
+            window_groups=self.window_groups,
+            window_slots=self.window_slots,
         )
         if self.pool.block_bytes != self.block_bytes:
             logger.warning(
@@ -56,8 +63,9 @@ class KVBranchWorker:
                 self.block_bytes,
             )
         logger.info(
-            "kvbranch connector (worker): %d host slots on %s, %s copies",
+            "kvbranch connector (worker): %d host slots (+%d window parts) on %s, %s copies",
             self.num_slots,
+            self.window_slots,
             self.pool.device,
             "CUDA stream"
             if self.pool.cuda
