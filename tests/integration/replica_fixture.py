@@ -1,6 +1,7 @@
 """The aggregated replicas' cluster, shared by :mod:`~tests.integration.test_replicas` (each turn
 sent straight to a replica, as a Kubernetes Service or round robin would send it),
-:mod:`~tests.integration.test_replica_router` (turns through our router) and
+:mod:`~tests.integration.test_replica_router` (turns through our router),
+:mod:`~tests.integration.test_replica_revive` (pulls from a peer's host store after its hold) and
 :mod:`~tests.integration.test_replicas_edge` (the router's attacker probes): a real Redis, two
 replicas (``--role single --index redis://…``, each on its own core, NIXL over UCX on loopback)
 and a router in front of them (``--replica`` seeds and the same index), with the helpers the
