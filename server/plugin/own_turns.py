@@ -39,7 +39,7 @@ class OwnTurn:
     cache_salt: str | None
     identity: str
     hashes: list[str]
-    tokens: array = field(repr=False)
+    tokens: array[int] = field(repr=False)
 
     @classmethod
     def of(cls, turn: int, cache_salt: Any, params: dict[str, Any]) -> OwnTurn | None:

@@ -169,7 +169,12 @@ class PeerPulls:
         return turn
 
     def _pull(
-        self, payload: dict[str, Any], turn: PeerTurn, claimed: dict, hold: Hold, source: str
+        self,
+        payload: dict[str, Any],
+        turn: PeerTurn,
+        claimed: dict[str, Any],
+        hold: Hold,
+        source: str,
     ) -> None:
         payload["kv_transfer_params"] = dict(
             claimed, do_remote_decode=True, do_remote_prefill=False

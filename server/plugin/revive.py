@@ -201,7 +201,8 @@ def engine_prefill(engine_client: Any) -> Prefill:
 
 def control_coverage(control: Any) -> Coverage:
     async def ask(req: HostCoverage) -> HostCoverageResult:
-        return await control.call(req)
+        answer: HostCoverageResult = await control.call(req)
+        return answer
 
     return ask
 

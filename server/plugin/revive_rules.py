@@ -59,9 +59,11 @@ def parse_target(body: Any) -> ReviveTarget | Refusal:
         return Refusal(400, "bad_request", 'body must be {"session_id": ..., "branch_id": ...}')
     session, branch = body.get("session_id"), body.get("branch_id", DEFAULT_BRANCH)
     for name, value in (("session_id", session), ("branch_id", branch)):
+        if not isinstance(value, str):
+            return Refusal(400, "bad_request", f"{name} must be a string")
         try:
             check_id(value, name)
-        except (TypeError, ValueError) as exc:
+        except ValueError as exc:
             return Refusal(400, "bad_request", str(exc)[:MESSAGE_CHARS])
     return ReviveTarget(str(session), str(branch))
 
