@@ -4,18 +4,17 @@ The connector declares vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV cache
 a model whose layers differ in how they keep KV gets one KV cache group per kind (and several
 groups of one kind when the layer counts call for it), each with its own block table.
 
-The host store keeps, per block position of a prompt, the KV of that position in *every*
-group: a slot is one block of every layer. That serves every group whose blocks hold per-token
-K and V:
+The host store keeps, per block position of a prompt, the KV of that position in every group
+whose blocks hold per-token K and V:
 
-* full attention (MLA's latent included): every block of the request stays while it runs;
+* full attention (MLA's latent included): in the position's slot, every block of the request;
 * sliding window and chunked-local attention: vLLM frees the blocks the window left behind
-  (they become the null block in the request's table), but a block is saved in the step that
-  fills it, when every group still has it, so a stored slot is whole. When a later request
-  loads a prefix, vLLM allocates only the blocks each group still needs (the window before the
-  hit's end) and pads the rest with the null block; the connector copies into what was
-  allocated and skips the nulls. A hit therefore needs nothing more than the full-attention
-  rule: consecutive whole slots.
+  (they become the null block in the request's table), and a resume after *n* tokens reads only
+  the positions from :meth:`WindowRule.first_block` on. Their block of a position is a *window
+  part* in a pool of its own (``window_parts.py``), kept only where a resume reads it; a hit ends
+  only where the window's positions have their parts. vLLM allocates only the blocks each group
+  still needs (the window before the hit's end) and pads the rest with the null block; the
+  connector copies into what was allocated and skips the nulls.
 
 State groups — Mamba and Gated DeltaNet (vLLM's ``MambaSpec``), whose block holds a running
 state rather than per-token KV — are stored too, where vLLM keeps their states at block
