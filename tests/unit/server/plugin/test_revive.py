@@ -6,12 +6,18 @@ served revive prefills the covered prefix plus one token and answers the fresh h
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from server.common.tenants import scope_of
 from server.connector.control.models import HostCoverage, HostCoverageResult
 from server.connector.pd.transfer_auth import HASHES_FIELD, IDENTITY_FIELD, TOKENS_FIELD
 from server.plugin.own_turns import ReviveSlots
 from server.plugin.revive import Reviver
-from server.plugin.revive_rules import Refusal
+from server.plugin.revive import router as revive_router
+from server.plugin.revive_rules import REVIVE_PATH, Refusal
 
 BS = 16
 KEY = ("tenant", "s1", "main")
@@ -111,3 +117,37 @@ def test_a_failing_host_store_or_engine_is_a_503_never_an_exception():
     refused = revive(r)
     assert isinstance(refused, Refusal) and refused.reason == "failed"
     assert r.slots.running() == ()
+
+
+# --- the route: its body, its tenant, and an instance that is no replica ----------------------
+
+
+def _route_client(reviver_or_none) -> TestClient:
+    app = FastAPI()
+    app.include_router(revive_router)
+    app.state.kvbranch = SimpleNamespace(peer_pulls=SimpleNamespace(reviver=reviver_or_none))
+    return TestClient(app)
+
+
+def test_the_route_keys_the_branch_by_the_callers_tenant_and_answers_the_handle():
+    engine = Engine()
+    r = reviver(engine)
+    params = {TOKENS_FIELD: TOKENS, HASHES_FIELD: ["00" * 32] * 6, IDENTITY_FIELD: "id"}
+    r.remember((scope_of("Bearer ka"), "s1", "main"), 1, "salt-a", params)
+    http = _route_client(r)
+    ok = http.post(REVIVE_PATH, json={"session_id": "s1"}, headers={"authorization": "Bearer ka"})
+    assert ok.status_code == 200 and ok.json() == {"handle": FRESH}
+    other = http.post(
+        REVIVE_PATH, json={"session_id": "s1"}, headers={"authorization": "Bearer kb"}
+    )
+    assert other.status_code == 404 and len(engine.prefills) == 1
+
+
+def test_the_route_refuses_a_bad_body_and_answers_404_where_no_replica_revives():
+    engine = Engine()
+    http = _route_client(reviver(engine))
+    for body in ({"session_id": "../x"}, {"session_id": "s1", "tokens": [1]}, [1]):
+        assert http.post(REVIVE_PATH, json=body).status_code == 400
+    assert engine.asked == []
+    gone = _route_client(None).post(REVIVE_PATH, json={"session_id": "s1"})
+    assert gone.status_code == 404 and "aggregated replica" in gone.json()["error"]["message"]
