@@ -302,6 +302,16 @@ class StoreStats(BaseModel):
     window_parts_released: int = Field(
         default=0, description="Parts freed when their request ended: no resume reads them."
     )
+    state_part_bytes: int = Field(
+        default=0,
+        description="Bytes of one state part: the recurrent-state layers' state after a block, "
+        "kept where vLLM keeps one and, once a request ends, at its resume points (0: none).",
+    )
+    state_parts_capacity: int = Field(default=0, description="State parts the store holds.")
+    state_parts_used: int = Field(default=0, description="State parts stored now.")
+    state_parts_released: int = Field(
+        default=0, description="State parts freed when their request ended (not a resume point)."
+    )
     window_cuts: int = Field(
         default=0, description="Host hits shortened to where the window's parts are stored."
     )

@@ -345,6 +345,9 @@ def check_host_store(family: str, servers) -> None:
     if family in WINDOWED:
         share = check_window_parts(servers[0])
         print(f"{family}: host store bytes against every layer at every position: {share:.2f}")
+    if family in STATEFUL:
+        share = check_state_parts(servers[0])
+        print(f"{family}: host store bytes against a state's room at every position: {share:.2f}")
 
 
 #: Families with sliding-window layers: the store keeps their part of a position only near
@@ -364,10 +367,31 @@ def check_window_parts(server) -> float:
     assert store["window_part_bytes"] > 0 and store["loaded_window_parts"] > 0, store
     positions = store["saved_blocks"] + store["saved_tails"]
     assert 0 < store["saved_window_parts"] < positions, store
-    kept = positions * store["block_bytes"] + store["saved_window_parts"] * store[
-        "window_part_bytes"
-    ]
+    kept = (
+        positions * store["block_bytes"] + store["saved_window_parts"] * store["window_part_bytes"]
+    )
     return kept / (positions * (store["block_bytes"] + store["window_part_bytes"]))
+
+
+#: Families with recurrent-state layers: the store keeps a state only where vLLM kept one
+#: and, once a request ends, at its resume points (server/connector/core/part_pool.py).
+STATEFUL = {"gdn"}
+
+
+def check_state_parts(server) -> float:
+    """States were kept for fewer positions than the store holds, and loaded; the bytes the
+    store holds now against a slot with a state's room at every stored position: returned."""
+    with client(server) as c:
+        r = c.get("/v1/kvbranch/stats")
+    assert r.status_code == 200, r.text
+    store = r.json()["store"]
+    assert store["state_part_bytes"] > 0 and store["loaded_states"] > 0, store
+    assert 0 < store["state_parts_used"] < store["used_blocks"], store
+    held = (
+        store["used_blocks"] * store["block_bytes"]
+        + store["state_parts_used"] * store["state_part_bytes"]
+    )
+    return held / (store["used_blocks"] * (store["block_bytes"] + store["state_part_bytes"]))
 
 
 def capacity(server) -> list[str]:

@@ -42,6 +42,7 @@ class OpContext(Protocol):
     block_bytes: int
     num_slots: int
     window_bytes: int
+    state_bytes: int
     enabled: bool
     planner: Planner
     extra_stats: dict[str, Any]
@@ -101,7 +102,8 @@ def _info(side: OpContext, req: ctl.Info) -> dict:
         "num_slots": side.num_slots,
         "enabled": side.enabled,
         "store_capacity_bytes": side.num_slots * side.block_bytes
-        + side.planner.index.windows.num_slots * side.window_bytes,
+        + side.planner.index.windows.num_slots * side.window_bytes
+        + side.planner.index.states.num_slots * side.state_bytes,
         "pin_budget_bytes": side.planner.registry.leases.pin_budget_bytes,
         "platform": "cuda" if torch.cuda.is_available() else "cpu",
     }
@@ -271,7 +273,7 @@ def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> di
             # Hybrid models (kv_groups.py): recurrent states kept at block ends and resumed.
             "saved_states": counters.saved_states,
             "loaded_states": counters.loaded_states,
-            # Sliding-window / chunked-local layers (window_parts.py): kept near resume points.
+            # Sliding-window / chunked-local layers (part_pool.py): kept near resume points.
             "window_part_bytes": side.window_bytes,
             "window_parts_capacity": index.windows.num_slots,
             "window_parts_used": len(index.windows),
@@ -279,6 +281,11 @@ def stats_of(side: OpContext, owner: str | None, all_owners: bool = False) -> di
             "loaded_window_parts": index.windows.loaded,
             "window_part_evictions": index.windows.evictions,
             "window_parts_released": index.windows.released,
+            # Recurrent-state layers (part_pool.py): kept at resume points.
+            "state_part_bytes": side.state_bytes,
+            "state_parts_capacity": index.states.num_slots,
+            "state_parts_used": len(index.states),
+            "state_parts_released": index.states.released,
             "window_cuts": counters.window_cuts,
             "window_misses": counters.window_misses,
         },

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from server.connector.core.window_parts import WindowParts
+from server.connector.core.part_pool import PartPool
 
 #: Tails filed under one parent (forks that diverge inside one block); more are not saved.
 MAX_TAILS_PER_PARENT = 64
@@ -83,7 +83,7 @@ class IndexCounters:
     #: hit's end.
     saved_states: int = 0
     loaded_states: int = 0
-    #: Windowed groups (``window_parts.py``): hits shortened to where the window's parts are
+    #: Windowed groups (``part_pool.py``): hits shortened to where the window's parts are
     #: stored, and loads that found a position without its part (never expected).
     window_cuts: int = 0
     window_misses: int = 0
@@ -92,7 +92,7 @@ class IndexCounters:
 class HostBlockIndex:
     """Hash → slot map over ``num_slots`` host slots, LRU over unpinned slots."""
 
-    def __init__(self, num_slots: int, window_slots: int = 0) -> None:
+    def __init__(self, num_slots: int, window_slots: int = 0, state_slots: int = 0) -> None:
         if num_slots < 0:
             raise ValueError("num_slots must be >= 0")
         self.num_slots = num_slots
@@ -108,12 +108,11 @@ class HostBlockIndex:
         self._tails_of: dict[bytes, dict[bytes, None]] = {}
         self._parent_of: dict[int, bytes] = {}
         self._tail_slots: set[int] = set()
-        #: Slots that also hold the recurrent state after their last token (state groups).
-        self._state_slots: set[int] = set()
         self.counters = IndexCounters()
-        #: The windowed groups' parts of stored slots (``window_parts.py``); none without
-        #: sliding-window or chunked-local groups.
-        self.windows = WindowParts(window_slots)
+        #: The windowed groups' and the state groups' parts of stored slots (``part_pool.py``);
+        #: empty pools for a model without such groups.
+        self.windows = PartPool(window_slots)
+        self.states = PartPool(state_slots)
         #: Set by the connector when vLLM's KV events are on (see :class:`StoreEventLog`).
         self.event_log: StoreEventLog | None = None
 
@@ -141,14 +140,18 @@ class HostBlockIndex:
         return self._slot_of.get(block_hash)
 
     def has_state(self, slot: int) -> bool:
-        """Whether the slot also holds the recurrent state after its block (state groups)."""
-        return slot in self._state_slots
+        """Whether the slot comes with the recurrent state after its block (a state part)."""
+        return self.states.part_of(slot) is not None
 
-    def mark_state(self, slot: int) -> None:
-        """The slot's block now comes with its recurrent state (saved this step)."""
-        if slot not in self._state_slots and self._hash_of[slot] is not None:
-            self._state_slots.add(slot)
+    def attach_state(self, slot: int, protected: set[int]) -> int | None:
+        """A state part for a stored slot (its recurrent state, copied there this step), or
+        ``None`` (it has one, or none can be freed)."""
+        if self._hash_of[slot] is None:
+            return None
+        part = self.states.attach(slot, protected, self.is_pinned)
+        if part is not None:
             self.counters.saved_states += 1
+        return part
 
     def match(
         self,
@@ -210,12 +213,13 @@ class HostBlockIndex:
         if slot in self._lru:
             self._lru.move_to_end(slot)
         self.windows.touch(slot)
+        self.states.touch(slot)
 
     def is_pinned(self, slot: int) -> bool:
         return slot in self._pinned_slots
 
     def attach_window(self, slot: int, protected: set[int]) -> int | None:
-        """A window slot for a stored slot's windowed groups (see ``window_parts.py``)."""
+        """A window part for a stored slot's windowed groups (see ``part_pool.py``)."""
         if self._hash_of[slot] is None:
             return None
         return self.windows.attach(slot, protected, self.is_pinned)
@@ -291,7 +295,7 @@ class HostBlockIndex:
     def _drop(self, slot: int) -> None:
         block_hash = self._hash_of[slot]
         assert block_hash is not None
-        self._state_slots.discard(slot)
+        self.states.release(slot)
         self.windows.release(slot)
         if slot in self._tail_slots:
             self._tail_slots.discard(slot)
@@ -357,7 +361,7 @@ class HostBlockIndex:
         self._tails_of.clear()
         self._parent_of.clear()
         self._tail_slots.clear()
-        self._state_slots.clear()
+        self.states.clear()
         self.windows.clear()
         if self.event_log is not None:
             self.event_log.add(("cleared", None))

@@ -11,18 +11,17 @@ whose blocks hold per-token K and V:
 * sliding window and chunked-local attention: vLLM frees the blocks the window left behind
   (they become the null block in the request's table), and a resume after *n* tokens reads only
   the positions from :meth:`WindowRule.first_block` on. Their block of a position is a *window
-  part* in a pool of its own (``window_parts.py``), kept only where a resume reads it; a hit ends
+  part* in a pool of its own (``part_pool.py``), kept only where a resume reads it; a hit ends
   only where the window's positions have their parts. vLLM allocates only the blocks each group
   still needs (the window before the hit's end) and pads the rest with the null block; the
   connector copies into what was allocated and skips the nulls.
 
 State groups — Mamba and Gated DeltaNet (vLLM's ``MambaSpec``), whose block holds a running
 state rather than per-token KV — are stored too, where vLLM keeps their states at block
-boundaries (its prefix caching's ``align`` mode): a slot then also holds, when it has one, the
-state after the slot's last token, from the block vLLM's prefix cache keeps under the block's
-hash (an ``align`` table is not positional: its state blocks cannot be read by position). A hit
-may end only at a
-slot holding a state, a resumed turn loads the attention KV of every position and the state of
+boundaries (its prefix caching's ``align`` mode): a slot then also has, when vLLM kept one, a
+*state part* (``part_pool.py``) with the state after the slot's last token, from the block
+vLLM's prefix cache keeps under the block's hash (an ``align`` table is not positional: its
+state blocks cannot be read by position). A hit may end only at a slot holding a state, a resumed turn loads the attention KV of every position and the state of
 the last one, and no token-exact tail is kept (a state exists only at block boundaries). Without
 ``align`` (prefix caching off: vLLM keeps no state but the running one) the store stays off, as
 it does for groups of any other kind and for groups of different block sizes, since a slot is
@@ -74,7 +73,7 @@ class WindowRule:
     chunked local): a prefix of ``n`` tokens loaded from outside is continued only from the
     positions vLLM allocates for those groups, those at or after ``first_block(n)`` (vLLM pads
     the ones before with the null block). The host store keeps the windowed groups' part of a
-    position only where some resume point needs it (``core/window_parts.py``)."""
+    position only where some resume point needs it (``core/part_pool.py``)."""
 
     groups: frozenset[int]
     windows: tuple[GroupWindow, ...]

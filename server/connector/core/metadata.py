@@ -19,7 +19,7 @@ SKIPPED = -1
 
 
 #: Where one block position lives in the host store: one slot for every group, or one per
-#: group (a windowed group's part has a pool of its own, ``core/window_parts.py``), with
+#: group (a windowed group's part has a pool of its own, ``core/part_pool.py``), with
 #: :data:`SKIPPED` where a group's part is not copied.
 HostSlots = int | tuple[int, ...]
 

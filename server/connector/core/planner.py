@@ -62,11 +62,14 @@ class RequestPlan:
     #: Running when the store was reset (new weights, a reloaded LoRA): its KV so far may be
     #: the old model's, so nothing of it is saved until vLLM restarts it from token 0.
     stale: bool = False
-    #: Windowed groups (``window_parts.py``): the first position whose part is saved as it
+    #: Windowed groups (``part_pool.py``): the first position whose part is saved as it
     #: fills (the window before the prompt's end), and the positions this request attached
     #: a part to (those no resume reads are released when it finishes).
     window_from: int | None = None
     window_attached: list[int] = field(default_factory=list)
+    #: State groups: the positions this request attached a state part to (only its resume
+    #: points' stay when it finishes).
+    state_attached: list[int] = field(default_factory=list)
     recorded: bool = False
     split: dict | None = None
 
@@ -122,7 +125,7 @@ class Planner:
         #: state only where vLLM's prefix cache keeps one; a hit ends at such a slot; no tails.
         self.state_groups = state_groups
         #: Sliding-window / chunked-local groups: their part of a position is kept only near
-        #: resume points, in a pool of its own (``window_parts.py``).
+        #: resume points, in a pool of its own (``part_pool.py``).
         self.window = window if window is not None and window.groups else None
         self.window_groups = self.window.groups if self.window is not None else frozenset()
         self.num_groups = max(num_groups, 1 + max(state_groups | self.window_groups, default=-1))
@@ -148,6 +151,7 @@ class Planner:
         self.pending_loads: list[tuple[HostSlots, DeviceBlock]] = []
         self._loading_slots: set[int] = set()
         self._loading_parts: set[int] = set()
+        self._loading_states: set[int] = set()
         #: The block id vLLM's tables use where a group keeps no block (its null block).
         self.null_block = 0
 
@@ -306,9 +310,17 @@ class Planner:
                 self._record_split(plan)
 
     def _queue_load(self, request: Any, slot: int, block: DeviceBlock) -> None:
-        """Queue one position's load: its slot, and its window part where the windowed groups
-        hold a block there (``_cut_to_window_parts`` offered only hits that have them)."""
+        """Queue one position's load: its slot, its window part where the windowed groups
+        hold a block there (``_cut_to_window_parts`` offered only hits that have them), its
+        state part where the state groups load one (the hit's end)."""
         self._loading_slots.add(slot)
+        state = None
+        if self.state_groups:
+            state = self.index.states.part_of(slot)
+            if state is None:
+                block = self._attention_only(block)
+            elif any(g < len(block) and block[g] != SKIPPED for g in self.state_groups):
+                self._loading_states.add(state)
         part = None
         if self.window is not None:
             part = self.index.windows.part_of(slot)
@@ -327,15 +339,19 @@ class Planner:
             elif reads:
                 self._loading_parts.add(part)
                 self.index.windows.loaded += 1
-        self.pending_loads.append((self._host_slots(slot, part), block))
+        self.pending_loads.append((self._host_slots(slot, part, state), block))
 
-    def _host_slots(self, slot: int, part: int | None) -> HostSlots:
-        """Where a position lives in the host store: ``slot``, and ``part`` for the windowed
-        groups (:data:`SKIPPED` without one)."""
-        if not self.window_groups:
+    def _host_slots(self, slot: int, part: int | None, state: int | None = None) -> HostSlots:
+        """Where a position lives in the host store: ``slot``, ``part`` for the windowed
+        groups, ``state`` for the state groups (:data:`SKIPPED` where it has none)."""
+        if not self.window_groups and not self.state_groups:
             return slot
         window = SKIPPED if part is None else part
-        return tuple(window if g in self.window_groups else slot for g in range(self.num_groups))
+        states = SKIPPED if state is None else state
+        return tuple(
+            window if g in self.window_groups else states if g in self.state_groups else slot
+            for g in range(self.num_groups)
+        )
 
     def _without_windows(self, block: DeviceBlock) -> DeviceBlock:
         return tuple(SKIPPED if g in self.window_groups else b for g, b in enumerate(block))
@@ -351,7 +367,7 @@ class Planner:
     def _savable(self, block: DeviceBlock) -> bool:
         """Whether every full-attention group holds this position (state groups hold a block
         only where vLLM keeps a state: found under the block's hash, not in the table; the
-        windowed groups' part is optional, ``window_parts.py``)."""
+        windowed groups' part is optional, ``part_pool.py``)."""
         return all(
             b != SKIPPED
             for g, b in enumerate(block)
@@ -380,6 +396,16 @@ class Planner:
             busy_parts.add(part)
             plan.window_attached.append(k)
         return part
+
+    def _attach_state(
+        self, plan: RequestPlan, k: int, slot: int, busy_states: set[int]
+    ) -> int | None:
+        """A state part for stored ``slot`` (position ``k``): vLLM keeps the state after it."""
+        state = self.index.attach_state(slot, busy_states)
+        if state is not None:
+            busy_states.add(state)
+            plan.state_attached.append(k)
+        return state
 
     def _load_running_state(
         self, request: Any, block_ids: Sequence[int | DeviceBlock], last: int
@@ -453,7 +479,9 @@ class Planner:
             loads, self.pending_loads = self.pending_loads, []
             busy, self._loading_slots = self._loading_slots, set()
             busy_parts, self._loading_parts = self._loading_parts, set()
+            busy_states, self._loading_states = self._loading_states, set()
             self.index.windows.new_step()
+            self.index.states.new_step()
         for slot, block in loads:
             meta.load_slots.append(slot)
             meta.load_blocks.append(block)
@@ -464,6 +492,7 @@ class Planner:
             protected=busy,
             state_lookup=state_lookup,
             busy_parts=busy_parts,
+            busy_states=busy_states,
         )
         tail_saves, meta.finished_saves = self.plan_tail_saves(busy, busy_parts)
         for block, slot in saves + tail_saves:
@@ -478,6 +507,7 @@ class Planner:
         protected: set[int],
         state_lookup: StateLookup | None = None,
         busy_parts: set[int] | None = None,
+        busy_states: set[int] | None = None,
     ) -> list[tuple[DeviceBlock, HostSlots]]:
         """(device block, host slot) copies for every block that becomes full this step.
         ``resolve_block_ids``: a request's block table as vLLM keeps it (block ids per KV cache
@@ -485,15 +515,16 @@ class Planner:
         is not saved: a slot is whole or absent. ``protected``: the slots this step's loads
         read. With state groups, ``state_lookup`` finds the state vLLM keeps after a block
         (written by this step's forward at the latest, which the save follows): it goes into
-        the block's slot with it, or into the slot of a block stored without one. Windowed
-        groups: their part goes into a window slot where ``_wants_part`` says so.
-        ``protected`` and ``busy_parts`` (the window slots this step reads) gain every slot
-        and window slot written: two copies into one slot in one batch would race."""
+        a state part of the block's slot, saved with the block or after it (a block stored
+        without one). Windowed groups: their part goes into a window part where
+        ``_wants_part`` says so. ``protected``, ``busy_parts`` and ``busy_states`` (the slots,
+        window parts and state parts this step reads) gain every one written: two copies into
+        one slot in one batch would race."""
         saves: list[tuple[DeviceBlock, HostSlots]] = []
         if self.index.num_slots == 0:
             return saves
-        loading = set(protected)
         busy_parts = set() if busy_parts is None else busy_parts
+        busy_states = set() if busy_states is None else busy_states
         with self.lock:
             bs = self.block_size
             for req_id, n_scheduled in scheduled.items():
@@ -517,9 +548,9 @@ class Planner:
                     if stored is not None:
                         self.index.touch(block_hash)
                         if states is not None and not self.index.has_state(stored):
-                            if stored not in loading:
-                                saves.append((states, self._host_slots(stored, None)))
-                                self.index.mark_state(stored)
+                            state = self._attach_state(plan, k, stored, busy_states)
+                            if state is not None:
+                                saves.append((states, self._host_slots(stored, None, state)))
                         if self._wants_part(plan, k) and self.index.windows.part_of(stored) is None:
                             if block_ids is None:
                                 block_ids = device_blocks(
@@ -555,12 +586,15 @@ class Planner:
                     )
                     if slot is not None:
                         block = self._attention_only(block_ids[k])
-                        if states is not None:
+                        state = (
+                            self._attach_state(plan, k, slot, busy_states)
+                            if states is not None
+                            else None
+                        )
+                        if states is not None and state is not None:
                             block = tuple(
-                                b if b != SKIPPED else state
-                                for b, state in zip(block, states, strict=True)
+                                b if b != SKIPPED else s for b, s in zip(block, states, strict=True)
                             )
-                            self.index.mark_state(slot)
                         part = (
                             self._attach_part(plan, k, slot, block_ids[k], busy_parts)
                             if self._wants_part(plan, k)
@@ -568,7 +602,7 @@ class Planner:
                         )
                         if part is None and self.window_groups:
                             block = self._without_windows(block)
-                        saves.append((block, self._host_slots(slot, part)))
+                        saves.append((block, self._host_slots(slot, part, state)))
                         protected.add(slot)
                 plan.next_save_block = full
         return saves
@@ -613,6 +647,8 @@ class Planner:
             pulling = plan is not None and plan.remote_state == "loading"
             if plan is not None and plan.window_attached:
                 self._release_unread_parts(plan, request)
+            if plan is not None and plan.state_attached:
+                self._release_unread_states(plan, request)
             tail = (
                 finished_tail(request, self.block_size)
                 if self.index.num_slots
@@ -672,6 +708,25 @@ class Planner:
                 if slot is not None and self.index.windows.release(slot):
                     self.index.windows.released += 1
         plan.window_attached = []
+
+    def _release_unread_states(self, plan: RequestPlan, request: Any) -> None:
+        """Free the state parts this request attached but its two resume points: the last
+        state a hit within its prompt ends at (a regenerated or edited last step), and its
+        last one (the next turn)."""
+        bs = self.block_size
+        prompt_blocks = (request.num_prompt_tokens - 1) // bs
+        positions = sorted(plan.state_attached)
+        keep = {positions[-1]}
+        in_prompt = [k for k in positions if k < prompt_blocks]
+        if in_prompt:
+            keep.add(in_prompt[-1])
+        hashes = request.block_hashes
+        for k in positions:
+            if k not in keep and k < len(hashes):
+                slot = self.index.slot_of(hashes[k])
+                if slot is not None and self.index.states.release(slot):
+                    self.index.states.released += 1
+        plan.state_attached = []
 
     def plan_tail_saves(
         self, protected: set[int], busy_parts: set[int] | None = None

@@ -30,8 +30,8 @@ from server.connector.control.ops import Op
 from server.connector.core.block_index import StoreEvent, StoreEventLog
 from server.connector.core.kv_groups import WindowRule, state_groups, store_off_reason
 from server.connector.core.metadata import KVBranchMetadata, device_blocks
+from server.connector.core.part_pool import split_store
 from server.connector.core.planner import Planner
-from server.connector.core.window_parts import split_store
 from server.connector.engine.scheduler_side import KVBranchScheduler
 from server.connector.engine.stats import KVBranchPromMetrics, KVBranchTransferStats
 from server.connector.engine.step_trace import StepTrace, scheduled_token_split
@@ -177,12 +177,17 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
         window = (
             WindowRule(frozenset(windows), tuple(windows.values()), block_size) if windows else None
         )
-        # A slot holds a position's non-windowed groups; a window part its windowed ones.
-        others = frozenset(range(len(kinds))) - frozenset(windows)
+        # A slot holds a position's full-attention groups; a window part its windowed groups,
+        # a state part its state groups (core/part_pool.py).
+        window_ids = frozenset(windows)
+        others = frozenset(range(len(kinds))) - window_ids - states
         block_bytes = block_bytes_of(kv_cache_config, others) if enabled else 0
-        window_bytes = block_bytes_of(kv_cache_config, frozenset(windows)) if windows else 0
-        num_slots, window_slots = (
-            split_store(config.host_store_bytes, block_bytes, window_bytes) if enabled else (0, 0)
+        window_bytes = block_bytes_of(kv_cache_config, window_ids) if window_ids else 0
+        state_bytes = block_bytes_of(kv_cache_config, states) if states and enabled else 0
+        num_slots, (window_slots, state_slots) = (
+            split_store(config.host_store_bytes, block_bytes, [window_bytes, state_bytes])
+            if enabled
+            else (0, [0, 0])
         )
         self.scheduler_side: KVBranchScheduler | None = None
         self.worker_side: KVBranchWorker | None = None
@@ -208,6 +213,8 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
                 window=window,
                 window_slots=window_slots,
                 window_bytes=window_bytes,
+                state_slots=state_slots,
+                state_bytes=state_bytes,
             )
             if kv_events_enabled(vllm_config):
                 # Host-store saves and evictions join vLLM's KV event stream (take_events).
@@ -217,8 +224,7 @@ class KVBranchConnector(KVConnectorBase_V1, SupportsHMA):
                 num_slots if enabled else 0,
                 block_bytes,
                 groups=kv_group_layers(kv_cache_config),
-                window_groups=frozenset(windows),
-                window_slots=window_slots,
+                pools=[(window_ids, window_slots), (states, state_slots)],
             )
 
     # --- what a composing connector (P/D) reaches ------------------------------------------------

@@ -163,9 +163,9 @@ def group_pairs(
 
 class HostKVPool:
     """Host copies of KV blocks, addressed by slot: one slot is one block position of every
-    KV cache group (every layer), except the ``window_groups``, whose tensors have
-    ``window_slots`` entries of their own (``core/window_parts.py``): a copy then names a
-    slot per group (:data:`~server.connector.core.metadata.HostSlots`)."""
+    KV cache group (every layer), except the ``pools``' groups (windowed groups, state groups),
+    whose tensors have as many entries as their pool has part slots (``core/part_pool.py``): a
+    copy then names a slot per group (:data:`~server.connector.core.metadata.HostSlots`)."""
 
     def __init__(
         self,
@@ -175,11 +175,11 @@ class HostKVPool:
         async_saves: bool = False,
         prefault: bool = False,
         groups: Sequence[Sequence[str]] | None = None,
-        window_groups: frozenset[int] = frozenset(),
-        window_slots: int = 0,
+        pools: Sequence[tuple[frozenset[int], int]] = (),
     ) -> None:
         self.num_slots = num_slots
-        self.window_slots = window_slots
+        #: Part slots of each group in a pool (``(groups, part slots)`` each).
+        self.pool_slots = {g: n for groups, n in pools for g in groups}
         self.device_caches = group_caches(kv_caches, groups)
         self.num_groups = 1 + max(g for g, _ in self.device_caches)
         first = next(iter(self.device_caches.values()))
@@ -191,7 +191,7 @@ class HostKVPool:
         for name, tensor in self.device_caches.items():
             dim = find_block_dim(tensor.shape, num_blocks)
             shape = list(tensor.shape)
-            slots = window_slots if name[0] in window_groups else num_slots
+            slots = self.pool_slots.get(name[0], num_slots)
             if self.cuda:
                 # Slot-major: a block of a [2, blocks, ...] cache is not contiguous, and a copy
                 # into a non-contiguous pinned view goes through a pageable temporary (a
@@ -209,9 +209,11 @@ class HostKVPool:
             n: t.element_size() * t.numel() // max(t.shape[self.block_dims[n]], 1)
             for n, t in self.device_caches.items()
         }
-        #: Bytes of one slot (every group but the windowed ones) and of one window part.
-        self.block_bytes = sum(b for n, b in per_block.items() if n[0] not in window_groups)
-        self.window_bytes = sum(b for n, b in per_block.items() if n[0] in window_groups)
+        #: Bytes of one slot (every group outside the pools) and of one part of each pool.
+        self.block_bytes = sum(b for n, b in per_block.items() if n[0] not in self.pool_slots)
+        self.part_bytes = [
+            sum(b for n, b in per_block.items() if n[0] in groups) for groups, _ in pools
+        ]
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._pending_save: torch.cuda.Event | None = None
         #: CPU async saves: one thread, at most one save in flight.

@@ -44,15 +44,20 @@ class KVBranchScheduler:
         window: WindowRule | None = None,
         window_slots: int = 0,
         window_bytes: int = 0,
+        state_slots: int = 0,
+        state_bytes: int = 0,
     ) -> None:
         #: The engine's KV geometry: tokens per block, bytes per block (every layer), and
         #: the host store's slots (one block each).
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.num_slots = num_slots
-        #: Windowed groups' parts (``core/window_parts.py``): how many, bytes of each.
+        #: Windowed groups' parts (``core/part_pool.py``): how many, bytes of each.
         self.window_slots = window_slots
         self.window_bytes = window_bytes
+        #: State groups' parts: how many, bytes of each.
+        self.state_slots = state_slots
+        self.state_bytes = state_bytes
         #: False when the host store is off (a KV cache layout it cannot serve: plain vLLM).
         self.enabled = enabled
         #: Control ops and stats sections contributed by a composing connector (P/D: holds).
@@ -60,7 +65,7 @@ class KVBranchScheduler:
         self.extra_stats: dict[str, Any] = {}
         #: vLLM's KV cache manager (bound by the facade): the device-residency probe.
         self.kv_cache_manager: Any = None
-        index = HostBlockIndex(num_slots, window_slots)
+        index = HostBlockIndex(num_slots, window_slots, state_slots)
         registry = SessionRegistry(
             index,
             block_size=block_size,
@@ -91,13 +96,17 @@ class KVBranchScheduler:
             )
         logger.info(
             "kvbranch connector (scheduler): block_size=%d block_bytes=%d "
-            "host slots=%d window parts=%d of %d bytes (%.2f GiB) pin budget=%d bytes",
+            "host slots=%d window parts=%d of %d bytes state parts=%d of %d bytes (%.2f GiB) "
+            "pin budget=%d bytes",
             block_size,
             block_bytes,
             num_slots,
             window_slots,
             window_bytes,
-            (num_slots * block_bytes + window_slots * window_bytes) / (1 << 30),
+            state_slots,
+            state_bytes,
+            (num_slots * block_bytes + window_slots * window_bytes + state_slots * state_bytes)
+            / (1 << 30),
             registry.leases.pin_budget_bytes,
         )
 

@@ -28,13 +28,12 @@ class KVBranchWorker:
         block_bytes: int,
         pool: HostKVPool | None = None,
         groups: list[list[str]] | None = None,
-        window_groups: frozenset[int] = frozenset(),
-        window_slots: int = 0,
+        pools: list[tuple[frozenset[int], int]] | None = None,
     ) -> None:
         self.num_slots = num_slots
-        #: The windowed groups and their own pool of slots (``core/window_parts.py``).
-        self.window_groups = window_groups
-        self.window_slots = window_slots
+        #: Groups with part slots of their own: (groups, part slots) per pool
+        #: (``core/part_pool.py``: windowed groups, state groups).
+        self.pools = pools or []
         self.block_bytes = block_bytes
         self.pool = pool
         #: The layers of each KV cache group (``None``: one group of every layer).
@@ -53,8 +52,7 @@ class KVBranchWorker:
             async_saves=async_saves_from_env(),
             prefault=prefault_from_env(),
             groups=self.groups,
-            window_groups=self.window_groups,
-            window_slots=self.window_slots,
+            pools=self.pools,
         )
         if self.pool.block_bytes != self.block_bytes:
             logger.warning(
@@ -63,9 +61,9 @@ class KVBranchWorker:
                 self.block_bytes,
             )
         logger.info(
-            "kvbranch connector (worker): %d host slots (+%d window parts) on %s, %s copies",
+            "kvbranch connector (worker): %d host slots (+ parts %s) on %s, %s copies",
             self.num_slots,
-            self.window_slots,
+            [n for _, n in self.pools],
             self.pool.device,
             "CUDA stream"
             if self.pool.cuda

@@ -31,7 +31,8 @@ def make_planner(
 ):
     """(planner, index, registry) over ``index`` (default: a fresh one of ``num_slots``);
     ``state_groups``: the KV cache groups holding recurrent states (a hybrid model)."""
-    index = index if index is not None else HostBlockIndex(num_slots)
+    if index is None:  # a hybrid model's states get a part pool as large as the slots
+        index = HostBlockIndex(num_slots, state_slots=num_slots if state_groups else 0)
     registry = SessionRegistry(
         index,
         block_size=block_size,

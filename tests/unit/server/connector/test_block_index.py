@@ -329,7 +329,11 @@ def test_stats_pinned_bytes_and_pinned_blocks_count_the_same_blocks():
         index, block_size=BS, block_bytes=10, pin_budget_bytes=40, default_ttl_s=60.0
     )
     side = SimpleNamespace(
-        planner=Planner(index, registry, BS), block_bytes=10, window_bytes=0, extra_stats={}
+        planner=Planner(index, registry, BS),
+        block_bytes=10,
+        window_bytes=0,
+        state_bytes=0,
+        extra_stats={},
     )
     fill(index, [1])
     index.pin(h(1))

@@ -50,7 +50,9 @@ def test_a_block_is_saved_with_the_state_vllm_keeps_after_it():
     # every position's attention block; the state only where vLLM keeps one (position 1), not
     # the running state's block (position 2: not under any hash)
     assert [block for block, _ in saves] == [(SKIPPED, 100), (7, 101), (SKIPPED, 102)]
-    assert [index.has_state(slot) for _, slot in saves] == [False, True, False]
+    # slots name the state part (group 0) and the slot (group 1)
+    assert [index.has_state(slots[1]) for _, slots in saves] == [False, True, False]
+    assert [slots[0] != SKIPPED for _, slots in saves] == [False, True, False]
     assert index.counters.saved_states == 1
 
 
@@ -61,17 +63,18 @@ def test_a_state_kept_later_joins_its_stored_block():
     req = make_request("r", 12)
     planner.on_new_request(req)
     first = save(planner, req, 8, {}, table(2, {}))
-    assert len(first) == 2 and not any(index.has_state(slot) for _, slot in first)
+    assert len(first) == 2 and not any(index.has_state(slots[1]) for _, slots in first)
     other = make_request("r2", 12)  # the same prompt, computed again
     planner.on_new_request(other)
     again = save(planner, other, 12, {other.block_hashes[1]: 5}, table(3, {1: 5}))
-    slot1 = first[1][1]
-    assert (((5, SKIPPED), slot1)) in again and index.has_state(slot1)
-    # not while a load of this step reads the slot
+    slot1 = first[1][1][1]
+    part = index.states.part_of(slot1)
+    assert part is not None and ((5, SKIPPED), (part, slot1)) in again
+    # also while a load of this step reads the slot: the state has a part of its own
     planner2, index2 = state_planner()
     req3 = make_request("r3", 12)
     planner2.on_new_request(req3)
-    (_, s0), (_, s1) = save(planner2, req3, 8, {}, table(2, {}))
+    (_, _), (_, (_, s1)) = save(planner2, req3, 8, {}, table(2, {}))
     req4 = make_request("r4", 12)
     planner2.on_new_request(req4)
     saves = planner2.plan_saves(
@@ -80,7 +83,7 @@ def test_a_state_kept_later_joins_its_stored_block():
         {s1},
         state_lookup=lambda h: {0: 5} if h == req4.block_hashes[1] else None,
     )
-    assert saves == [((SKIPPED, 102), saves[0][1])] and not index2.has_state(s1)
+    assert saves[0] == ((5, SKIPPED), (index2.states.part_of(s1), s1))
 
 
 def test_a_hit_ends_at_the_last_block_stored_with_its_state():
@@ -166,3 +169,40 @@ def test_vllms_align_manager_gives_a_loaded_hit_its_end_and_running_state_blocks
     positions = positions_after_external_hit(groups)
     assert all(attention != SKIPPED for _, attention in positions)
     assert [p for p, (state, _) in enumerate(positions) if state != SKIPPED] == [7, 10]
+
+
+def test_a_request_keeps_its_states_only_at_its_resume_points():
+    """When a request ends, the states it kept stay only where a later turn resumes: its last
+    one (the next turn) and the last one inside its prompt (a regenerated last step); the
+    others' parts are released (their blocks stay, without a state to end a hit at)."""
+    planner, index = state_planner()
+    req = make_request("r", 36)  # 9 blocks: a 20-token prompt (5 blocks) and its answer
+    req.num_prompt_tokens = 20
+    planner.on_new_request(req)
+    hashes = req.block_hashes
+    kept = {1: 11, 3: 13, 5: 15, 7: 17}
+    save(planner, req, 36, {hashes[k]: b for k, b in kept.items()}, table(9, kept))
+    assert [index.has_state(index.slot_of(hashes[k])) for k in kept] == [True] * 4
+    req.num_computed_tokens = 35
+    planner.finish(req, None)
+    # the prompt's hits end at most at block 4 (its last token is computed): state 3 stays
+    assert [index.has_state(index.slot_of(hashes[k])) for k in kept] == [False, True, False, True]
+    assert index.states.released == 2 and index.slot_of(hashes[1]) is not None
+
+
+def test_a_hit_ends_earlier_when_its_state_part_was_evicted():
+    planner, index, _ = make_planner(16, state_groups=STATES, num_groups=2)
+    small = HostBlockIndex(16, state_slots=1)  # one state part for the whole store
+    planner.index = small
+    req = make_request("r", 12)
+    planner.on_new_request(req)
+    hashes = req.block_hashes
+    save(planner, req, 12, {hashes[0]: 5, hashes[1]: 7}, table(3, {0: 5, 1: 7}))
+    # the only part went to position 0's state; position 1's found none free (position 0's
+    # is written this step): a hit ends at position 0, and at nothing once that part goes
+    assert [small.has_state(small.slot_of(h)) for h in hashes[:2]] == [True, False]
+    nxt = make_request("n", 16)
+    planner.on_new_request(nxt)
+    assert planner.num_new_matched_tokens(nxt, 0) == BS
+    small.states.release(small.slot_of(hashes[0]))
+    assert planner.num_new_matched_tokens(nxt, 0) == 0

@@ -33,7 +33,12 @@ def test_stats_lists_recent_sessions_and_bounds_its_block_walk():
             reg.fork(f"s{i}", DEFAULT_BRANCH, f"b{j}")
     reg.get_session("s0")  # the most recently used now
     side = SimpleNamespace(
-        planner=Planner(index, reg, BS), block_bytes=1, window_bytes=0, extra_stats={}, num_slots=64
+        planner=Planner(index, reg, BS),
+        block_bytes=1,
+        window_bytes=0,
+        state_bytes=0,
+        extra_stats={},
+        num_slots=64,
     )
     CountingIndex.lookups = 0
     stats = control_ops.stats_of(side, None)  # type: ignore[arg-type]

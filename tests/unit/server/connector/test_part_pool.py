@@ -1,5 +1,5 @@
 """Sliding-window (and chunked-local) groups keep their part of a stored position only where a
-resume reads it (``core/window_parts.py``): the rule of which positions a resume reads, checked
+resume reads it (``core/part_pool.py``): the rule of which positions a resume reads, checked
 against vLLM's own KV cache manager; the pool of parts; the planner's saves, hits, loads and
 releases; the host pool's second set of slots."""
 
@@ -17,9 +17,9 @@ from server.connector.core.kv_groups import (
     window_groups,
 )
 from server.connector.core.metadata import SKIPPED, device_blocks
+from server.connector.core.part_pool import PART_SHARE, PartPool, split_store
 from server.connector.core.planner import Planner
 from server.connector.core.sessions import SessionRegistry
-from server.connector.core.window_parts import WINDOW_SHARE, WindowParts, split_store
 from server.connector.engine.host_pool import HostKVPool
 from tests.unit.server.connector.fakes import BS, FakeRequest
 from tests.unit.server.connector.vllm_manager import BS as VLLM_BS
@@ -67,19 +67,23 @@ def test_window_groups_by_kind():
 
 
 # --- the store's bytes ------------------------------------------------------------------------
-def test_split_store_gives_window_parts_at_most_their_share():
-    assert split_store(1000, 10, 0) == (100, 0)  # no windowed group: as before
-    slots, parts = split_store(6000, 1, 5)  # Gemma 3's shape: five window layers in six
-    assert parts * 5 <= 6000 * WINDOW_SHARE and slots + parts * 5 <= 6000
+def test_split_store_gives_each_pool_at_most_its_share():
+    assert split_store(1000, 10) == (100, [])  # no pools: as before
+    assert split_store(1000, 10, [0, 0]) == (100, [0, 0])
+    slots, (parts,) = split_store(6000, 1, [5])  # Gemma 3's shape: five window layers in six
+    assert parts * 5 <= 6000 * PART_SHARE and slots + parts * 5 <= 6000
     assert slots == 4500 and parts == 300  # 4.5x the 1000 whole positions of one pool
-    slots, parts = split_store(1100, 10, 1)  # a small window share: one part per slot
+    slots, (parts,) = split_store(1100, 10, [1])  # a small window share: one part per slot
     assert slots == parts == 100
-    assert split_store(100, 0, 5) == (80, 20)  # every layer windowed: slots cost no bytes
+    assert split_store(100, 0, [5]) == (80, [20])  # every layer windowed: slots cost no bytes
+    # a hybrid state model (attention 384, states 262 a position): a quarter to states
+    slots, (windows, states) = split_store(6460, 384, [0, 262])
+    assert windows == 0 and states == 6 and slots == (6460 - 6 * 262) // 384
 
 
 # --- the pool of parts ------------------------------------------------------------------------
 def test_parts_evict_least_recent_unpinned_unprotected_and_reuse_released_next_step():
-    parts = WindowParts(2)
+    parts = PartPool(2)
     never = lambda slot: False  # noqa: E731
     a = parts.attach(10, set(), never)
     b = parts.attach(11, set(), never)
@@ -228,12 +232,11 @@ def test_the_windowed_groups_have_their_own_slots_in_the_host_pool():
         8,
         4,
         groups=[["full.0"], ["swa.0"]],
-        window_groups=frozenset({1}),
-        window_slots=1,
+        pools=[(frozenset({1}), 1)],
     )
     assert pool.host_caches[(0, "full.0")].shape[0] == 4
     assert pool.host_caches[(1, "swa.0")].shape[0] == 1
-    assert pool.block_bytes == pool.window_bytes == 6 * 4
+    assert pool.block_bytes == 6 * 4 and pool.part_bytes == [6 * 4]
     pool.save([(1, SKIPPED), (3, 4)], [(0, SKIPPED), (1, 0)])
     cache.zero_()
     pool.load([(0, SKIPPED), (1, 0)], [(5, SKIPPED), (6, 7)])
