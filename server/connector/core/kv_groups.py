@@ -21,11 +21,12 @@ state rather than per-token KV — are stored too, where vLLM keeps their states
 boundaries (its prefix caching's ``align`` mode): a slot then also has, when vLLM kept one, a
 *state part* (``part_pool.py``) with the state after the slot's last token, from the block
 vLLM's prefix cache keeps under the block's hash (an ``align`` table is not positional: its
-state blocks cannot be read by position). A hit may end only at a slot holding a state, a resumed turn loads the attention KV of every position and the state of
-the last one, and no token-exact tail is kept (a state exists only at block boundaries). Without
-``align`` (prefix caching off: vLLM keeps no state but the running one) the store stays off, as
-it does for groups of any other kind and for groups of different block sizes, since a slot is
-one block position of every group.
+state blocks cannot be read by position). A hit may end only at a slot holding a state, a
+resumed turn loads the attention KV of every position and the state of the last one, and no
+token-exact tail is kept (a state exists only at block boundaries). Without ``align`` (prefix
+caching off: vLLM keeps no state but the running one) the store stays off, as it does for
+groups of any other kind and for groups of different block sizes, since a slot is one block
+position of every group.
 
 Pure: kinds are strings (``vllm_compat.kv_group_kinds`` reads them from vLLM).
 """
