@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import vllm
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -81,6 +82,7 @@ __all__ = [
     "MEDIUM_CPU",
     "PINNED_VLLM",
     "AllBlocksCleared",
+    "ClearedOnMedium",
     "AttentionMetadata",
     "BlockRemoved",
     "BlockStored",
@@ -96,6 +98,7 @@ __all__ = [
     "KVConnectorRole",
     "KVConnectorStats",
     "KVEventBatch",
+    "MediumEventBatch",
     "MultiConnector",
     "NixlConnector",
     "Request",
@@ -119,6 +122,29 @@ __all__ = [
     "nixl_base_worker",
     "nixl_zmq_path",
 ]
+
+
+class ClearedOnMedium(AllBlocksCleared, tag="AllBlocksCleared"):  # type: ignore[call-arg]
+    """vLLM's ``AllBlocksCleared`` with the medium that was cleared. vLLM's own event has no
+    medium (its device pool); the connector's host store sends this one with ``"CPU"``, so
+    the cluster index can hide only that tier's entries. On the wire it is an
+    ``AllBlocksCleared`` with one more field, which vLLM's own decoder ignores."""
+
+    medium: str | None = None
+
+
+class MediumEventBatch(
+    msgspec.Struct,
+    array_like=True,  # type: ignore[call-arg]
+    omit_defaults=True,  # type: ignore[call-arg]
+    gc=False,  # type: ignore[call-arg]
+):
+    """``KVEventBatch`` as the cluster index decodes it: the same wire format, with a clear's
+    medium read (:class:`ClearedOnMedium`) instead of dropped."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | ClearedOnMedium]
+    data_parallel_rank: int | None = None
 
 
 class VllmVersionError(ImportError):

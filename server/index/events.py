@@ -11,9 +11,13 @@ is lossy, so the consumer:
   :data:`REPLAY_TIMEOUT_S`), applying only what is newer than the last applied seq;
 * a replay that fails, times out, or starts past last + 1 (the ring no longer has them),
   a seq that goes backwards on the stream (the publisher restarted: a new engine process, an
-  empty cache), an undecodable batch and ``AllBlocksCleared`` all bump the *generation*:
-  every entry published under an older one is invisible to readers at once
-  (:meth:`~server.index.blocks.BlockIndex.block_hits` counts only the instance's current one).
+  empty cache) and an undecodable batch bump the *generation* of both tiers: every entry
+  published under an older one is invisible to readers at once
+  (:meth:`~server.index.blocks.BlockIndex.block_hits` counts only the instance's current one);
+* ``AllBlocksCleared`` bumps the generation of its own tier only. vLLM's device reset sends it
+  without a medium (the device tier); the connector's host store sends it with ``"CPU"`` when
+  the store is cleared (``reset_prefix_cache?reset_external=true``). A device reset leaves the
+  host store's blocks in place, so their entries must stay visible, and the other way round.
 
 Events map to tiers by medium: ``"CPU"`` (the connector's host store, and vLLM's own CPU
 offload) is ``"host"``, anything else (vLLM labels its device pool ``"GPU"`` even on the CPU
@@ -33,7 +37,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from server.index.blocks import Tier
+from server.index.blocks import TIERS, Tier
 
 logger = logging.getLogger("kvbranch.index.events")
 
@@ -59,15 +63,22 @@ def tier_of(medium: str | None) -> Tier:
 
 
 class Generation:
-    """The instance's block-entry generation, shared by its consumers (one per DP engine)."""
+    """The instance's block-entry generation per tier, shared by its consumers (one per DP
+    engine). Per tier because the two tiers are emptied apart: a device reset keeps the host
+    store, a host-store reset keeps the device cache."""
 
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
+    def __init__(self, device: int = 0, host: int = 0) -> None:
+        self.values: dict[Tier, int] = {"device": device, "host": host}
 
-    def bump(self, why: str) -> int:
-        self.value += 1
-        logger.info("kvbranch index: block generation %d (%s)", self.value, why)
-        return self.value
+    def of(self, tier: Tier) -> int:
+        return self.values[tier]
+
+    def bump(self, why: str, tier: Tier | None = None) -> None:
+        """Bump ``tier``'s generation, or both when ``tier`` is None (entries of either tier
+        may be incomplete: a lost batch, a restarted engine)."""
+        for t in TIERS if tier is None else (tier,):
+            self.values[t] += 1
+        logger.info("kvbranch index: block generations %s (%s)", self.values, why)
 
 
 # Shape only beside connector/core/block_index.py's IndexCounters: two records of counters.
@@ -92,9 +103,9 @@ class ConsumerCounters:
 
 
 def _decoder() -> msgspec.msgpack.Decoder[Any]:
-    from server.connector.vllm_compat import KVEventBatch
+    from server.connector.vllm_compat import MediumEventBatch
 
-    return msgspec.msgpack.Decoder(type=KVEventBatch)
+    return msgspec.msgpack.Decoder(type=MediumEventBatch)
 
 
 class EventConsumer:
@@ -260,17 +271,17 @@ class EventConsumer:
             for t in [tier] if tier is not None else list({*stored, *removed}):
                 s, r = stored.pop(t, []), removed.pop(t, [])
                 if s or r:
-                    await self.sink(self.generation.value, t, s, r)
+                    await self.sink(self.generation.of(t), t, s, r)
 
         for event in events:
             name = type(event).__name__
-            if name == "AllBlocksCleared":
+            tier = tier_of(getattr(event, "medium", None))
+            if name in ("AllBlocksCleared", "ClearedOnMedium"):
                 await flush()
                 self.counters.cleared += 1
-                self.generation.bump("all blocks cleared")
+                self.generation.bump(f"all {tier} blocks cleared", tier)
                 continue
             hashes = [hash64(h) for h in getattr(event, "block_hashes", None) or ()]
-            tier = tier_of(getattr(event, "medium", None))
             if name == "BlockStored":
                 self.counters.stored += len(hashes)
                 self.counters.block_size[tier] = int(event.block_size)

@@ -32,8 +32,10 @@ class InstanceRecord:
     block_size: int = 0
     #: NIXL side channel (host:port) for P/D pulls, "" when the instance has none.
     nixl: str = ""
-    #: Generation of its block entries: entries stamped with another are invisible.
+    #: Generation of its device-tier block entries: entries stamped with another are invisible.
     generation: int = 0
+    #: The same for its host-store tier (bumped apart: a device reset keeps the host store).
+    host_generation: int = 0
     #: Requests in flight (running + waiting) at the last heartbeat.
     load: int = 0
     #: Device KV cache use in [0, 1] at the last heartbeat.
@@ -44,6 +46,11 @@ class InstanceRecord:
     #: The instance's seal over every field above (:mod:`server.index.record_seal`): routers
     #: list only records whose seal verifies under the cluster secret.
     mac: str = ""
+
+
+def generation_of(record: InstanceRecord, tier: str) -> int:
+    """The generation ``record``'s entries of ``tier`` ("device" or "host") are stamped with."""
+    return record.host_generation if tier == "host" else record.generation
 
 
 class Membership(IndexBackend):

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Generic, TypeVar
 
-from server.index.blocks import DEFAULT_BLOCK_TTL_S, BlockBatch, BlockHits
-from server.index.membership import InstanceRecord
+from server.index.blocks import DEFAULT_BLOCK_TTL_S, TIERS, BlockBatch, BlockHits
+from server.index.membership import InstanceRecord, generation_of
 from server.index.sessions import (
     DEFAULT_MAX_HOLDS,
     DEFAULT_SESSION_TTL_S,
@@ -223,15 +223,15 @@ class MemoryIndexStore(IndexStore):
     ) -> dict[str, BlockHits]:
         now = self.clock()
         hits = {m.instance_id: BlockHits() for m in members}
-        gens = {m.instance_id: m.generation for m in members}
-        open_ = {(m.instance_id, t) for m in members for t in ("device", "host")}
+        gens = {(m.instance_id, t): generation_of(m, t) for m in members for t in TIERS}
+        open_ = set(gens)
         with self._lock:
             for i, h in enumerate(chain):
                 if not open_:
                     break
                 holders = self._blocks.get(h, now) or {}
                 for owner in list(open_):
-                    if holders.get(owner) == gens[owner[0]]:
+                    if holders.get(owner) == gens[owner]:
                         setattr(hits[owner[0]], owner[1], i + 1)
                     else:
                         open_.discard(owner)  # the prefix ends here for this instance and tier

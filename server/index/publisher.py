@@ -187,7 +187,12 @@ class IndexPublisher:
 
     async def heartbeat(self) -> None:
         record = record_seal.seal(
-            replace(self.record(), generation=self.generation.value), self.secret
+            replace(
+                self.record(),
+                generation=self.generation.of("device"),
+                host_generation=self.generation.of("host"),
+            ),
+            self.secret,
         )
         try:
             await asyncio.wait_for(self.store.heartbeat(record, self.ttl_s), self.call_timeout_s)
@@ -202,7 +207,7 @@ class IndexPublisher:
         iid = self.record().instance_id
         while self.pending:
             generation, tier, stored, removed = self.pending[0]
-            if generation < self.generation.value:
+            if generation < self.generation.of(tier):
                 self.pending.popleft()  # invisible anyway
                 self.batches_stale += 1
                 continue
@@ -231,7 +236,8 @@ class IndexPublisher:
         consumers = [c.counters for c in self.consumers]
         return {
             "index": self.store.kind,
-            "generation": self.generation.value,
+            "generation": self.generation.of("device"),
+            "host_generation": self.generation.of("host"),
             "heartbeats_sent": self.heartbeats_sent,
             "heartbeats_failed": self.heartbeats_failed,
             "batches_applied": self.batches_applied,

@@ -50,6 +50,7 @@ def _body(record: InstanceRecord) -> bytes:
             int(record.block_size),
             record.nixl,
             int(record.generation),
+            int(record.host_generation),
             int(record.load),
             float(record.kv_usage),
             int(record.engines),

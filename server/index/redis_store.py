@@ -43,7 +43,7 @@ from server.connector.pd.transfer_auth import load_cluster_secret
 from server.index.base import IndexUnavailable
 from server.index.blocks import DEFAULT_BLOCK_TTL_S, TIERS, BlockBatch, BlockHits, Tier
 from server.index.hold_cipher import HoldCipher
-from server.index.membership import InstanceRecord, Role
+from server.index.membership import InstanceRecord, Role, generation_of
 from server.index.sessions import (
     DEFAULT_SESSION_TTL_S,
     MAX_SESSION_BRANCHES,
@@ -555,6 +555,7 @@ class RedisIndexStore(IndexStore):
             "block_size": str(record.block_size),
             "nixl": record.nixl,
             "generation": str(record.generation),
+            "host_generation": str(record.host_generation),
             "load": str(record.load),
             "kv_usage": repr(float(record.kv_usage)),
             "engines": str(record.engines),
@@ -615,7 +616,7 @@ class RedisIndexStore(IndexStore):
         and tier, whatever the chain's length (a pipeline of per-block reads cost ~45 µs of
         client time per block here: 13 ms for 300 blocks)."""
         hits = {m.instance_id: BlockHits() for m in members}
-        owners = [(m.instance_id, t, str(m.generation)) for m in members for t in TIERS]
+        owners = [(m.instance_id, t, str(generation_of(m, t))) for m in members for t in TIERS]
         if not chain or not owners:
             return hits
         keys = [self.keys.block(h) for h in chain[:MAX_LOOKUP_BLOCKS]]
@@ -710,6 +711,7 @@ def _record(instance_id: str, fields: dict[bytes, bytes]) -> InstanceRecord | No
             block_size=int(text.get("block_size", "0")),
             nixl=text.get("nixl", ""),
             generation=int(text.get("generation", "0")),
+            host_generation=int(text.get("host_generation", "0")),
             load=int(text.get("load", "0")),
             kv_usage=float(text.get("kv_usage", "0")),
             engines=int(text.get("engines", "1")),

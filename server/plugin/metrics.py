@@ -235,10 +235,13 @@ class IndexPublisherCollector:
         yield up
         gen = GaugeMetricFamily(
             "kvbranch_index_generation",
-            "Generation of this instance's block entries (bumped on a lost event stream, a "
-            "restarted publisher or a cleared cache: older entries become invisible)",
+            "Generation of this instance's block entries per tier (both bumped on a lost "
+            "event stream or a restarted publisher, one on its tier's cleared cache: older "
+            "entries become invisible)",
+            labels=["tier"],
         )
-        gen.add_metric([], c["generation"])
+        gen.add_metric(["device"], c["generation"])
+        gen.add_metric(["host"], c["host_generation"])
         yield gen
         beats = CounterMetricFamily(
             "kvbranch_index_heartbeats", "Heartbeats into the cluster index", labels=["result"]

@@ -38,10 +38,10 @@ from server.connector.engine.step_trace import StepTrace, scheduled_token_split
 from server.connector.engine.worker_side import KVBranchWorker
 from server.connector.vllm_compat import (
     MEDIUM_CPU,
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     CacheHitSource,
+    ClearedOnMedium,
     KVCacheEvent,
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -107,7 +107,7 @@ def host_events(changes: list[StoreEvent], block_size: int) -> list[KVCacheEvent
         if what == "cleared":
             flush()
             kind = None
-            out.append(AllBlocksCleared())
+            out.append(ClearedOnMedium(medium=MEDIUM_CPU))
             continue
         if what != kind:
             flush()

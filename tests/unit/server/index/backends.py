@@ -81,7 +81,16 @@ def hold(turn: int, *, url: str = "http://d1", hashes: list[str] | None = None) 
     return Hold(url, "d1-id", params, turn=turn)
 
 
-def member(iid: str, *, gen: int = 1, role: str = "prefill", load: int = 0) -> InstanceRecord:
+def member(
+    iid: str,
+    *,
+    gen: int = 1,
+    host_gen: int | None = None,
+    role: str = "prefill",
+    load: int = 0,
+) -> InstanceRecord:
+    """A member whose device tier is at generation ``gen`` and host tier at ``host_gen``
+    (``gen`` unless given)."""
     return InstanceRecord(
         instance_id=iid,
         url=f"http://{iid}",
@@ -90,6 +99,7 @@ def member(iid: str, *, gen: int = 1, role: str = "prefill", load: int = 0) -> I
         block_size=16,
         nixl="127.0.0.1:5600",
         generation=gen,
+        host_generation=gen if host_gen is None else host_gen,
         load=load,
         kv_usage=0.25,
         engines=2,

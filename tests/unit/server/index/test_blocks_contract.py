@@ -41,6 +41,22 @@ async def test_block_hits_prefix_tier_generation(store: BlockIndex) -> None:
     assert await store.block_hits([1, 2], []) == {}
 
 
+async def test_each_tier_has_its_own_generation(store: BlockIndex) -> None:
+    """A device reset bumps the device tier's generation only: the host store still has its
+    blocks, so their entries stay visible; a host-store reset the other way round."""
+    await store.publish_blocks("p1", 1, "device", [1, 2, 3], [])
+    await store.publish_blocks("p1", 1, "host", [1, 2], [])
+    device_reset = (await store.block_hits([1, 2, 3], [member("p1", gen=2, host_gen=1)]))["p1"]
+    assert (device_reset.device, device_reset.host) == (0, 2)
+    host_reset = (await store.block_hits([1, 2, 3], [member("p1", gen=1, host_gen=2)]))["p1"]
+    assert (host_reset.device, host_reset.host) == (3, 0)
+    # entries stamped after the reset count under the tier's new generation only
+    await store.publish_blocks("p1", 2, "host", [1], [])
+    await store.publish_blocks("p1", 1, "device", [4], [])
+    hits = (await store.block_hits([1, 2, 3, 4], [member("p1", gen=1, host_gen=2)]))["p1"]
+    assert (hits.device, hits.host) == (4, 1)
+
+
 async def test_block_hits_long_chain(store: BlockIndex) -> None:
     n = LONG * 2 + 37
     chain = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, n + 1)]

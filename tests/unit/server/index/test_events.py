@@ -15,9 +15,11 @@ import zmq.asyncio
 from vllm.distributed.kv_events import ZmqEventPublisher
 
 from server.connector.vllm_compat import (
+    MEDIUM_CPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    ClearedOnMedium,
     KVEventBatch,
 )
 from server.index import InstanceRecord, MemoryIndexStore
@@ -127,7 +129,10 @@ class Rig:
         await until(lambda: self.consumer.last_seq == self.sent - 1)
 
     async def hits(self, chain: list[int]) -> tuple[int, int]:
-        member = InstanceRecord(IID, "http://x", "both", generation=self.consumer.generation.value)
+        gen = self.consumer.generation
+        member = InstanceRecord(
+            IID, "http://x", "both", generation=gen.of("device"), host_generation=gen.of("host")
+        )
         got = (await self.store.block_hits(chain, [member]))[IID]
         return got.device, got.host
 
@@ -160,7 +165,7 @@ async def test_stored_and_removed_reach_the_index(rig):
     await rig.send(BlockRemoved(block_hashes=[2], medium="GPU"))
     assert await rig.hits([1, 2, 3]) == (1, 2)
     assert rig.consumer.counters.block_size == {"device": 128, "host": 128}
-    assert rig.consumer.generation.value == 0
+    assert rig.consumer.generation.values == {"device": 0, "host": 0}
 
 
 async def test_store_then_remove_in_one_batch_ends_removed(rig):
@@ -185,7 +190,7 @@ async def test_dropped_messages_are_replayed(rig):
     await rig.send(stored([14]))
     assert rig.consumer.counters.replays == 1
     assert rig.consumer.counters.replayed_batches >= 3
-    assert rig.consumer.generation.value == 0  # the replay was complete
+    assert rig.consumer.generation.of("device") == 0  # the replay was complete
     assert await rig.hits([11, 12, 13, 14]) == (4, 0)
     # The stream's own copy of what the replay applied is a duplicate, not a restart.
     await rig.send(stored([15]))
@@ -200,13 +205,13 @@ async def test_replay_that_times_out_bumps_the_generation(rig):
     rig.consumer = consumer
     await rig.start()  # a probe lost on the way in costs a failed replay too: counted from here
     await rig.send(stored([1]))
-    failures, generation = consumer.counters.replay_failures, consumer.generation.value
+    failures, before = consumer.counters.replay_failures, dict(consumer.generation.values)
     # Four seqs lost, and nobody answers the replay.
     lost = consumer.last_seq + 5
     await consumer.on_message(lost, msgspec.msgpack.encode(batch(stored([2]))))
     assert consumer.last_seq == lost
     assert consumer.counters.replay_failures == failures + 1
-    assert consumer.generation.value == generation + 1
+    assert consumer.generation.values == {t: g + 1 for t, g in before.items()}  # both tiers
     assert await rig.hits([2]) == (1, 0)
 
 
@@ -225,28 +230,55 @@ async def test_restarted_publisher_bumps_the_generation(rig):
     rig.publisher = rig.new_publisher()  # a new engine process: seq from 0 again
     await rig.probe(lambda: rig.consumer.counters.restarts == 1, most=room)
     assert rig.consumer.counters.restarts == 1
-    assert rig.consumer.generation.value == 1
+    assert rig.consumer.generation.values == {"device": 1, "host": 1}
     # Entries of the old generation are invisible; the new ones count.
     assert await rig.hits([21, 22, 23]) == (0, 0)
     await rig.send(stored([31]))
     assert await rig.hits([31]) == (1, 0)
 
 
-async def test_all_blocks_cleared_bumps_the_generation(rig):
+async def test_a_device_reset_hides_the_device_tier_only(rig):
+    """vLLM's own ``AllBlocksCleared`` (no medium): the device cache was emptied, the host
+    store was not, so its entries stay visible."""
     await rig.start()
-    await rig.send(stored([41, 42]))
+    await rig.send(stored([41, 42]), stored([41, 42], medium="CPU"))
     await rig.send(AllBlocksCleared(), stored([43]))
     assert rig.consumer.counters.cleared == 1
-    assert rig.consumer.generation.value == 1
-    assert await rig.hits([41]) == (0, 0)
+    assert rig.consumer.generation.values == {"device": 1, "host": 0}
+    assert await rig.hits([41, 42]) == (0, 2)
     assert await rig.hits([43]) == (1, 0)
+
+
+async def test_a_host_store_reset_hides_the_host_tier_only(rig):
+    """The connector's clear (``medium="CPU"``), as its host store's event log sends it."""
+    from server.connector.engine.connector import host_events
+
+    await rig.start()
+    await rig.send(stored([51, 52]), stored([51, 52], medium="CPU"))
+    await rig.send(*host_events([("cleared", None)], 128), stored([53], medium="CPU"))
+    assert rig.consumer.counters.cleared == 1
+    assert rig.consumer.generation.values == {"device": 0, "host": 1}
+    assert await rig.hits([51, 52]) == (2, 0)
+    assert await rig.hits([53]) == (0, 1)
+
+
+def test_a_host_clear_reads_as_vllms_own_event_elsewhere():
+    """On the wire the connector's clear is an ``AllBlocksCleared`` with one more field:
+    vLLM's own decoder reads it unchanged, the index's decoder reads its medium."""
+    from server.connector.vllm_compat import MediumEventBatch
+
+    raw = msgspec.msgpack.encode(batch(ClearedOnMedium(medium=MEDIUM_CPU), AllBlocksCleared()))
+    theirs = msgspec.msgpack.Decoder(type=KVEventBatch).decode(raw).events
+    assert [type(e) for e in theirs] == [AllBlocksCleared, AllBlocksCleared]
+    ours = msgspec.msgpack.Decoder(type=MediumEventBatch).decode(raw).events
+    assert [tier_of(e.medium) for e in ours] == ["host", "device"]
 
 
 async def test_undecodable_batch_bumps_the_generation(rig):
     await rig.start()
     await rig.consumer.on_message(rig.sent, b"\xc1not msgpack")  # the stream's next seq
     assert rig.consumer.counters.undecodable == 1
-    assert rig.consumer.generation.value == 1
+    assert rig.consumer.generation.values == {"device": 1, "host": 1}
 
 
 def test_host_store_logs_saves_evictions_and_resets_only_when_enabled():
@@ -271,7 +303,8 @@ def test_host_store_logs_saves_evictions_and_resets_only_when_enabled():
     ]
     events = host_events(changes, 128)
     kinds = [type(e).__name__ for e in events]
-    assert kinds == ["BlockStored", "BlockRemoved", "BlockStored", "AllBlocksCleared"]
+    assert kinds == ["BlockStored", "BlockRemoved", "BlockStored", "ClearedOnMedium"]
+    assert events[-1].medium == "CPU"  # the host tier's clear, not the device's
     assert events[0].medium == "CPU" and events[0].token_ids == [] and events[0].block_size == 128
     assert events[1].block_hashes == [9, hash64(a)]
     log = StoreEventLog(cap=2)

@@ -113,9 +113,9 @@ async def test_overflow_drops_and_bumps_the_generation():
     store = FlakyStore()
     pub = IndexPublisher(store, record, [], max_pending=2)
     for h in (1, 2, 3):
-        await pub.sink(pub.generation.value, "device", [h], [])
+        await pub.sink(pub.generation.of("device"), "device", [h], [])
     assert pub.batches_dropped == 3 and not pub.pending
-    assert pub.generation.value == 1
+    assert pub.generation.values == {"device": 1, "host": 1}
     await pub.sink(0, "device", [9], [])  # consumed under the old generation: stale
     await pub.sink(1, "device", [10], [])
     await pub.flush()

@@ -61,6 +61,7 @@ def fields_of(rec: InstanceRecord) -> dict[str, str]:
         "block_size": str(rec.block_size),
         "nixl": rec.nixl,
         "generation": str(rec.generation),
+        "host_generation": str(rec.host_generation),
         "load": str(rec.load),
         "kv_usage": repr(rec.kv_usage),
         "engines": str(rec.engines),

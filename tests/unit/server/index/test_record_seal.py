@@ -46,6 +46,7 @@ def test_a_sealed_record_verifies_and_an_unsealed_one_does_not() -> None:
         {"role": "decode"},
         {"instance_id": "iid-2"},  # a real record copied under another identity
         {"generation": 4},
+        {"host_generation": 5},
         {"model": "other"},
         {"block_size": 32},
         {"nixl": "10.6.6.6:18000"},
@@ -95,7 +96,9 @@ def test_junk_fields_are_false_never_an_exception() -> None:
 
 def test_the_seal_survives_the_redis_backends_strings() -> None:
     """What the heartbeat script stores and ``members()`` parses back verifies unchanged."""
-    sealed = record_seal.seal(record(kv_usage=0.1 + 0.2, started_at=1_700_000_000.1), SECRET)
+    sealed = record_seal.seal(
+        record(kv_usage=0.1 + 0.2, started_at=1_700_000_000.1, host_generation=7), SECRET
+    )
     fields = {
         b"url": sealed.url.encode(),
         b"role": sealed.role.encode(),
@@ -103,6 +106,7 @@ def test_the_seal_survives_the_redis_backends_strings() -> None:
         b"block_size": str(sealed.block_size).encode(),
         b"nixl": sealed.nixl.encode(),
         b"generation": str(sealed.generation).encode(),
+        b"host_generation": str(sealed.host_generation).encode(),
         b"load": str(sealed.load).encode(),
         b"kv_usage": repr(sealed.kv_usage).encode(),
         b"engines": str(sealed.engines).encode(),
