@@ -449,7 +449,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--family",
         default=None,
         help="a tiny model family of tests/tiny_models.py (dense, mla, gpt-oss, gemma3, gdn, "
-        "mamba2) instead of the embedded model: its records are named config@family",
+        "mamba2; NAME-bench: its benchmark size) instead of the embedded model: its records "
+        "are named config@family",
     )
     common.add_run_args(ap)
 
@@ -479,9 +480,14 @@ def run(args: argparse.Namespace) -> list[Record]:
     records = records_of(results, png)
     if args.family:  # one row per family beside the embedded model's
         note = (
-            f"tiny {args.family} model (tests/tiny_models.py): its prefills take milliseconds, "
-            "so the TTFT ratios show per-request overhead, not reuse; the row is for the "
-            "identical answers and the host store serving the family"
+            f"{args.family} model (tests/tiny_models.py: random weights at the benchmark size, "
+            "4x the test model's width and depth, so a prefill costs what a small real "
+            "model's does); recomputed tokens include the previous answer where its text "
+            "re-tokenizes differently in the next prompt (random weights write odd text)"
+            if args.family.endswith("-bench")
+            else f"tiny {args.family} model (tests/tiny_models.py): its prefills take "
+            "milliseconds, so the TTFT ratios show per-request overhead, not reuse; the row "
+            "is for the identical answers and the host store serving the family"
         )
         records = [
             dataclasses.replace(r, config=f"{r.config}@{args.family}", note=note) for r in records

@@ -226,6 +226,43 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+#: The benchmark size of a family (``<family>-bench``): the same shape, its width, depth and
+#: expert sizes four times as large, so that a prefill costs what it costs a small real model
+#: (a tiny model's prefill takes milliseconds, and a TTFT ratio would show only overhead).
+BENCH_SUFFIX = "-bench"
+BENCH_SCALE = 4
+_SCALED = (
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "shared_intermediate_size",
+    "num_hidden_layers",
+    "first_k_dense_replace",
+    # Mamba 2: heads x head dim = expand x hidden
+    "mamba_n_heads",
+)
+
+
+def bench_family(family: Family) -> Family:
+    """``family`` at :data:`BENCH_SCALE` times its width and depth (layer pattern repeated)."""
+    config = dict(family.config)
+    for key in _SCALED:
+        if isinstance(config.get(key), int):
+            config[key] *= BENCH_SCALE
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"] * BENCH_SCALE
+    return Family(
+        name=family.name + BENCH_SUFFIX,
+        model_type=family.model_type,
+        architecture=family.architecture,
+        config=config,
+        dtype=family.dtype,
+        about=f"{family.about} (benchmark size: {BENCH_SCALE}x wider and deeper)",
+        extra=family.extra,
+    )
+
+
 def cache_root() -> Path:
     override = os.environ.get(CACHE_ENV)
     if override:
@@ -261,10 +298,13 @@ def folder_of(family: Family, root: Path | None = None) -> Path:
 
 
 def family_of(name: str) -> Family:
+    """A family by name; ``<family>-bench``: its benchmark size (:func:`bench_family`)."""
+    base = name.removesuffix(BENCH_SUFFIX)
     try:
-        return FAMILIES[name]
+        family = FAMILIES[base]
     except KeyError:
         raise ValueError(f"no tiny model family {name!r}: one of {', '.join(FAMILIES)}") from None
+    return bench_family(family) if name.endswith(BENCH_SUFFIX) else family
 
 
 def tokenizer_source() -> Path:
@@ -319,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="each family: name, architecture, dtype, what it stands for")
     path = commands.add_parser("path", help="the family's folder (built if missing)")
-    path.add_argument("family", choices=list(FAMILIES))
+    names = [*FAMILIES, *(name + BENCH_SUFFIX for name in FAMILIES)]
+    path.add_argument("family", choices=names)
     build = commands.add_parser("build", help="build the families' folders (default: all)")
     build.add_argument("families", nargs="*", metavar="FAMILY")
     args = parser.parse_args(argv)

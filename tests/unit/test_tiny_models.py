@@ -47,3 +47,20 @@ def test_a_finished_folder_is_reused_not_rebuilt(tmp_path, monkeypatch):
     assert tiny_models.ensure("dense", tmp_path) == first
     assert built == ["dense"]
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no scratch folder left
+
+
+def test_a_bench_family_is_the_same_shape_wider_and_deeper():
+    for name, family in tiny_models.FAMILIES.items():
+        bench = tiny_models.family_of(name + tiny_models.BENCH_SUFFIX)
+        scale = tiny_models.BENCH_SCALE
+        assert bench.name == f"{name}-bench" and bench.architecture == family.architecture
+        assert bench.config["hidden_size"] == scale * family.config["hidden_size"]
+        assert bench.config["num_hidden_layers"] == scale * family.config["num_hidden_layers"]
+        layers = family.config.get("layer_types")
+        if layers:  # the layer pattern repeated, one type per layer
+            assert bench.config["layer_types"] == layers * scale
+            assert len(bench.config["layer_types"]) == bench.config["num_hidden_layers"]
+        if "mamba_n_heads" in family.config:  # heads x head dim = expand x hidden
+            c = bench.config
+            assert c["mamba_n_heads"] * c["mamba_d_head"] == c["mamba_expand"] * c["hidden_size"]
+        assert tiny_models.content_hash(bench) != tiny_models.content_hash(family)
