@@ -570,6 +570,37 @@ def install_nixl_side_channel(
 
 
 # --- an internal request of the API server ----------------------------------------------------
+def prompt_block_hasher(
+    vllm_config: VllmConfig, block_size: int
+) -> Callable[[list[int], str | None], list[bytes]]:
+    """The chained block hashes vLLM gives a prompt of plain token ids with ``cache_salt`` (no
+    adapter, no media, no embeddings) at ``block_size``, full blocks only: what this engine's
+    scheduler computes for such a request, and what its host store and KV events are keyed by.
+    Run in the engine core, where vLLM has seeded its hash chain."""
+    from types import SimpleNamespace
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    hasher = get_request_block_hasher(
+        block_size, get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    )
+
+    def hashes(token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        request = SimpleNamespace(
+            all_token_ids=token_ids,
+            num_tokens=len(token_ids),
+            block_hashes=[],
+            cache_salt=cache_salt,
+            lora_request=None,
+            mm_features=[],
+            prompt_embeds=None,
+        )
+        return [bytes(h) for h in hasher(request)]  # type: ignore[arg-type]
+
+    return hashes
+
+
 async def prefill_only(
     engine_client: Any,
     token_ids: list[int],

@@ -284,14 +284,19 @@ class PeerPullCollector:
         turns = CounterMetricFamily(
             "kvbranch_peer_turns",
             "Session turns on this replica by where their history was to come from: pulled from "
-            "the peer holding the branch, pulled after the peer revived it from its host store, "
-            "this instance's own hold, none (new branch, too few tokens, peer not listed, claim "
-            "or revive refused, index unreachable)",
+            "the peer holding the branch, pulled after the peer revived it from its host store "
+            "(revived; revived_run: a block-run revive on the member whose host store holds "
+            "the longest run of the prompt's blocks), this instance's own hold, none (new "
+            "branch, too few tokens, peer not listed, claim or revive refused, index "
+            "unreachable)",
             labels=["source"],
         )
-        turns.add_metric(["peer"], c["pulls_claimed"] - c["pulls_revived"])
+        runs = c.get("pulls_revived_run", 0)
+        turns.add_metric(["peer"], c["pulls_claimed"] - c["pulls_revived"] - runs)
         turns.add_metric(["revived"], c["pulls_revived"])
+        turns.add_metric(["revived_run"], runs)
         turns.add_metric(["revive_refused"], c["revives_refused"])
+        turns.add_metric(["run_revive_refused"], c.get("run_revives_refused", 0))
         turns.add_metric(["own_hold"], c["own_holds"])
         turns.add_metric(["too_small"], c["too_small"])
         turns.add_metric(["peer_unknown"], c["peers_unknown"])

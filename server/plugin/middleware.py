@@ -213,7 +213,7 @@ async def _begin_peer_turn(scope: dict, payload: dict, path: str) -> PeerTurn | 
     branch = xargs.get(BRANCH_XARG) if isinstance(xargs, dict) else None
     authorization = header(scope, "authorization")
     key = (scope_of(authorization), session, str(branch or DEFAULT_BRANCH))
-    return await peers.begin(payload, key, authorization)
+    return await peers.begin(payload, key, authorization, path)
 
 
 class _ResponseRewriter:

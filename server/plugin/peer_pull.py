@@ -20,6 +20,10 @@ Kubernetes Service, llm-d's scheduler, our router — each session turn it recei
    (``REVIVE_PATH``, signed the same way; :mod:`server.plugin.revive` is the other side): it
    loads the prefix its host store still has into device blocks and answers with a fresh
    sealed handle, which is claimed and pulled as above.
+   When there is no home to ask, or it refused (a fork's new branch has no record on it), ask
+   the member whose host store the index says holds the longest run of the prompt's blocks
+   for a *block-run* revive of the prompt's token ids up to that run's end
+   (:mod:`server.plugin.run_lookup`), claimed and pulled the same way.
 2. **file** (when the answer is complete): this instance's own sealed handle for the turn it
    just served (the connector holds the blocks as a D does) goes into the index for the
    branch's next turn, wherever that lands, and this instance becomes the session's home; the
@@ -56,6 +60,7 @@ from server.plugin.revive_rules import REVIVE_HANDLE_FIELD, REVIVE_PATH
 
 if TYPE_CHECKING:
     from server.plugin.revive import Reviver
+    from server.plugin.run_lookup import RunFound, RunLookup
 
 logger = logging.getLogger("kvbranch.peer_pull")
 
@@ -103,6 +108,9 @@ class PeerCounts:
     revives_asked: int = 0
     revives_refused: int = 0
     pulls_revived: int = 0
+    run_revives_asked: int = 0
+    run_revives_refused: int = 0
+    pulls_revived_run: int = 0
     index_errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -133,14 +141,23 @@ class PeerPulls:
         self._filing: set[asyncio.Task[None]] = set()
         #: The holder's side of revives (this replica's own turns), set by :func:`start`.
         self.reviver: Reviver | None = None
+        #: The block-run fallback (None: no fallback), set by :func:`start`.
+        self.runs: RunLookup | None = None
 
     def _index_error(self, op: str, exc: BaseException) -> None:
         self.counts.index_errors[op] = self.counts.index_errors.get(op, 0) + 1
         logger.info("kvbranch peer pulls: index %s failed (%s): recomputing", op, exc)
 
-    async def begin(self, payload: dict[str, Any], key: Key, authorization: str | None) -> PeerTurn:
+    async def begin(
+        self,
+        payload: dict[str, Any],
+        key: Key,
+        authorization: str | None,
+        path: str = PEER_PULL_PATHS[0],
+    ) -> PeerTurn:
         """Take the branch's hold and set the request's transfer params: a claimed handle of
-        the peer that holds the branch, else :data:`LOCAL_PARAMS`. Never raises."""
+        the peer that holds the branch (or revived it), else :data:`LOCAL_PARAMS`. Never
+        raises."""
         self.counts.turns += 1
         payload["kv_transfer_params"] = dict(LOCAL_PARAMS)
         try:
@@ -152,7 +169,9 @@ class PeerPulls:
         hold: Hold | None = start.hold
         if hold is None:
             if start.home is not None and start.home != self.instance_id:
-                await self._pull_revived(payload, turn, start.home, authorization)
+                if await self._pull_revived(payload, turn, start.home, authorization):
+                    return turn
+            await self._pull_run(payload, turn, path, authorization)
             return turn
         if hold.instance_id == self.instance_id:
             self.counts.own_holds += 1  # its blocks are in this instance's own caches
@@ -165,7 +184,8 @@ class PeerPulls:
             self._pull(payload, turn, claimed, hold, "peer")
         elif status == 410 and hold.instance_id is not None:
             # The holder let the blocks go (new work needed them): its host store may have them.
-            await self._pull_revived(payload, turn, hold.instance_id, authorization)
+            if not await self._pull_revived(payload, turn, hold.instance_id, authorization):
+                await self._pull_run(payload, turn, path, authorization)
         return turn
 
     def _pull(
@@ -185,16 +205,43 @@ class PeerPulls:
 
     async def _pull_revived(
         self, payload: dict[str, Any], turn: PeerTurn, instance_id: str, authorization: str | None
-    ) -> None:
+    ) -> bool:
         """Ask ``instance_id`` to revive the branch from its host store; claim and pull the
-        fresh hold it answers with. Anything refused or failed: this turn recomputes."""
+        fresh hold it answers with. Whether it is pulled (else: the fallback, or recompute)."""
         hold = await self._revive(instance_id, turn.key, authorization)
         if hold is None:
-            return
+            return False
         claimed, _ = await self._claim(hold, authorization)
-        if claimed is not None:
-            self._pull(payload, turn, claimed, hold, "revived")
-            self.counts.pulls_revived += 1
+        if claimed is None:
+            return False
+        self._pull(payload, turn, claimed, hold, "revived")
+        self.counts.pulls_revived += 1
+        return True
+
+    async def _pull_run(
+        self, payload: dict[str, Any], turn: PeerTurn, path: str, authorization: str | None
+    ) -> None:
+        """The fallback: a block-run revive on the member holding the longest run of the
+        prompt's blocks in its host store, claimed and pulled. Anything else: recompute."""
+        if self.runs is None:
+            return
+        try:
+            found = await asyncio.wait_for(
+                self.runs.find(payload, path, await self.members()), REVIVE_WAIT_S
+            )
+        except Exception as exc:  # noqa: BLE001 - the index, the connector: advisory
+            self._index_error("block_hits", exc)
+            return
+        if found is None:
+            return
+        self.counts.run_revives_asked += 1
+        hold = await self._revive(found.member.instance_id, turn.key, authorization, run=found)
+        claimed = (await self._claim(hold, authorization))[0] if hold is not None else None
+        if hold is None or claimed is None:
+            self.counts.run_revives_refused += 1
+            return
+        self._pull(payload, turn, claimed, hold, "revived_run")
+        self.counts.pulls_revived_run += 1
 
     async def members(self) -> list[InstanceRecord]:
         """The live members whose record's seal holds (reused for :data:`MEMBERS_TTL_S`)."""
@@ -261,11 +308,18 @@ class PeerPulls:
             return None, status
         return dict(hold.params, **{CLAIM_FIELD: claim}), status
 
-    async def _revive(self, instance_id: str, key: Key, authorization: str | None) -> Hold | None:
-        """The fresh hold ``instance_id`` answers a revive of ``key``'s branch with; None when
-        it is no live sealed member or refuses (no record, too little in its host store, busy).
-        The member's URL is its sealed record's; the handle is checked against that record's
-        NIXL channel by the claim that follows."""
+    async def _revive(
+        self,
+        instance_id: str,
+        key: Key,
+        authorization: str | None,
+        run: RunFound | None = None,
+    ) -> Hold | None:
+        """The fresh hold ``instance_id`` answers a revive of ``key``'s branch with (of
+        ``run``'s token ids, for a block-run revive); None when it is no live sealed member or
+        refuses (no record, too little in its host store, busy). The member's URL is its
+        sealed record's; the handle is checked against that record's NIXL channel by the claim
+        that follows."""
         try:
             records = await self.members()
         except Exception as exc:  # noqa: BLE001
@@ -275,8 +329,12 @@ class PeerPulls:
         if peer is None:
             self.counts.peers_unknown += 1
             return None
-        self.counts.revives_asked += 1
-        content = json.dumps({"session_id": key[1], "branch_id": key[2]}).encode()
+        body: dict[str, Any] = {"session_id": key[1], "branch_id": key[2]}
+        if run is None:
+            self.counts.revives_asked += 1
+        else:
+            body.update(token_ids=run.token_ids, cache_salt=run.cache_salt)
+        content = json.dumps(body).encode()
         try:
             r = await self.client.post(
                 peer.url.rstrip("/") + REVIVE_PATH,
@@ -289,7 +347,8 @@ class PeerPulls:
             logger.info("kvbranch peer pulls: revive on %s failed (%s)", peer.url, exc)
             handle = None
         if not isinstance(handle, dict) or not handle.get(REMOTE_BLOCK_IDS):
-            self.counts.revives_refused += 1
+            if run is None:
+                self.counts.revives_refused += 1
             return None
         return Hold(peer.url, peer.instance_id, handle)
 
@@ -330,6 +389,9 @@ class PeerPulls:
             "revives_asked": c.revives_asked,
             "revives_refused": c.revives_refused,
             "pulls_revived": c.pulls_revived,
+            "run_revives_asked": c.run_revives_asked,
+            "run_revives_refused": c.run_revives_refused,
+            "pulls_revived_run": c.pulls_revived_run,
             "revives_served": self.reviver.counters() if self.reviver is not None else {},
             "index_errors": dict(c.index_errors),
         }
@@ -352,10 +414,21 @@ def start(state: Any) -> PeerPulls | None:
     )
     if state.control is not None and record.block_size > 0:
         from server.plugin.revive import Reviver, control_coverage, engine_prefill
+        from server.plugin.run_lookup import RunLookup, engine_render
 
+        run_cover = control_coverage(state.control)
         pulls.reviver = Reviver(
             control_coverage(state.control),
             engine_prefill(state.engine_client),
+            block_size=record.block_size,
+            min_tokens=pulls.min_tokens,
+            run_coverage=run_cover,
+        )
+        pulls.runs = RunLookup(
+            publisher.store,
+            engine_render(state.engine_client),
+            run_cover,
+            instance_id=state.instance_id,
             block_size=record.block_size,
             min_tokens=pulls.min_tokens,
         )

@@ -12,6 +12,12 @@ client's API key (the tenant: another tenant's key finds nothing). Before any en
 3. the host store's cover of the turn's prefix, from its block index, and the identity check
    (:mod:`server.plugin.revive_rules`; 409 when too little is covered or the identity differs).
 
+A *block-run* revive (the body also names ``token_ids`` and ``cache_salt``:
+:mod:`server.plugin.revive_rules`) is for a turn this replica has no record of; in place of 1
+and 3: the salt must be the calling tenant's (403), and the host store's cover is of the
+asked token ids, hashed here with that salt, each block's stored token ids compared (the
+``run_coverage`` control op; 409 when too little is covered). Step 2 is the same.
+
 Then one prefill of the covered prefix plus one token runs as an internal request of this
 replica (:func:`server.connector.vllm_compat.prefill_only`) with the transfer params of a
 session turn, so that the connector loads the blocks from the host store, computes one token
@@ -32,6 +38,7 @@ import asyncio
 import logging
 import time
 import uuid
+from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,7 +49,12 @@ from sdk.contract import BRANCH_XARG, OWNER_XARG, REMOTE_BLOCK_IDS, TRANSFER_PAR
 from server.common.errors import error_response
 from server.common.priority_code import aging_from_env, encode
 from server.common.tenants import scope_of
-from server.connector.control.models import HostCoverage, HostCoverageResult
+from server.connector.control.models import (
+    HostCoverage,
+    HostCoverageResult,
+    RunCoverage,
+    RunCoverageResult,
+)
 from server.connector.pd.transfer_auth import IDENTITY_FIELD
 from server.index import Key
 from server.plugin.own_turns import OwnTurn, OwnTurns, ReviveSlots
@@ -51,9 +63,11 @@ from server.plugin.revive_rules import (
     REVIVE_HANDLE_FIELD,
     REVIVE_PATH,
     Refusal,
+    ReviveTarget,
     hashes_to_check,
     parse_target,
     revive_prompt,
+    salt_refusal,
 )
 from server.plugin.tenancy import app_args_of, owner_of
 
@@ -65,6 +79,7 @@ REVIVE_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": False, "do_remote_
 REVIVE_TIMEOUT_S = 8.0
 
 Coverage = Callable[[HostCoverage], Awaitable[HostCoverageResult]]
+RunCover = Callable[[RunCoverage], Awaitable[RunCoverageResult]]
 #: (token ids, the turn, its key, the tenant's owner) -> the finished request's handle.
 Prefill = Callable[[list[int], OwnTurn, Key, "str | None"], Awaitable["dict[str, Any] | None"]]
 
@@ -82,8 +97,11 @@ class Reviver:
         max_tokens: int = MAX_REVIVE_TOKENS,
         turns: OwnTurns | None = None,
         slots: ReviveSlots | None = None,
+        run_coverage: RunCover | None = None,
     ) -> None:
         self.coverage = coverage
+        #: The host store's cover of a prompt's token ids (block-run revives; None: refused).
+        self.run_coverage = run_coverage
         self.prefill = prefill
         self.block_size = block_size
         self.min_tokens = min_tokens
@@ -111,6 +129,43 @@ class Reviver:
         self._count(result.reason if isinstance(result, Refusal) else "served")
         return result
 
+    async def revive_run(
+        self, key: Key, owner: str | None, target: ReviveTarget
+    ) -> dict[str, Any] | Refusal:
+        """A block-run revive of ``target``'s token ids for ``key``'s turn, or why not.
+        Nothing runs in the engine unless every check passed."""
+        result = await self._revive_run(key, owner, target)
+        self._count(result.reason if isinstance(result, Refusal) else "served")
+        return result
+
+    async def _revive_run(
+        self, key: Key, owner: str | None, target: ReviveTarget
+    ) -> dict[str, Any] | Refusal:
+        assert target.token_ids is not None
+        refused = salt_refusal(target.cache_salt, owner)
+        if refused is not None:
+            return refused
+        if self.run_coverage is None:
+            return Refusal(404, "unknown", "this replica serves no block-run revives")
+        tokens = target.token_ids[: self.max_tokens]
+        busy = self.slots.take(key)
+        if busy is not None:
+            return Refusal(429, busy, "a revive of that branch (or too many) is running here")
+        try:
+            try:
+                cover = await self.run_coverage(
+                    RunCoverage(token_ids=tokens, cache_salt=target.cache_salt)
+                )
+            except Exception as exc:  # noqa: BLE001 - the connector's answer, or none
+                logger.info("kvbranch revive: run coverage failed (%s)", exc)
+                return Refusal(503, "no_coverage", "the host store could not be asked: recompute")
+            own = OwnTurn(
+                0, target.cache_salt, cover.identity, list(cover.hashes), array("i", tokens)
+            )
+            return await self._prefill(own, cover.blocks, key, owner, identity_ok=True)
+        finally:
+            self.slots.give(key)
+
     async def _revive(self, key: Key, owner: str | None) -> dict[str, Any] | Refusal:
         own = self.turns.get(key)
         if own is None:
@@ -130,35 +185,39 @@ class Reviver:
             except Exception as exc:  # noqa: BLE001 - the connector's answer, or none
                 logger.info("kvbranch revive: host coverage failed (%s)", exc)
                 return Refusal(503, "no_coverage", "the host store could not be asked: recompute")
-            prompt = revive_prompt(
-                own.tokens,
-                cover.blocks,
-                self.block_size,
-                identity_ok=cover.identity_ok,
-                min_tokens=self.min_tokens,
-                max_tokens=self.max_tokens,
-            )
-            if isinstance(prompt, Refusal):
-                return prompt
-            try:
-                handle = await asyncio.wait_for(
-                    self.prefill(prompt, own, key, owner), REVIVE_TIMEOUT_S
-                )
-            except TimeoutError:
-                return Refusal(503, "timeout", "the revive did not run in time: recompute")
-            except Exception as exc:  # noqa: BLE001 - the engine refused or failed it
-                logger.info("kvbranch revive: the prefill failed (%s)", exc)
-                return Refusal(503, "failed", "the revive's request failed: recompute")
-            if (
-                not isinstance(handle, dict)
-                or not handle.get(REMOTE_BLOCK_IDS)
-                or handle.get(IDENTITY_FIELD) != own.identity
-            ):
-                return Refusal(503, "no_hold", "the revive's request left no hold: recompute")
-            self.revived_tokens += len(prompt) - 1
-            return handle
+            return await self._prefill(own, cover.blocks, key, owner, cover.identity_ok)
         finally:
             self.slots.give(key)
+
+    async def _prefill(
+        self, own: OwnTurn, blocks: int, key: Key, owner: str | None, identity_ok: bool
+    ) -> dict[str, Any] | Refusal:
+        """The covered blocks plus one token through the engine, once the cover allows it."""
+        prompt = revive_prompt(
+            own.tokens,
+            blocks,
+            self.block_size,
+            identity_ok=identity_ok,
+            min_tokens=self.min_tokens,
+            max_tokens=self.max_tokens,
+        )
+        if isinstance(prompt, Refusal):
+            return prompt
+        try:
+            handle = await asyncio.wait_for(self.prefill(prompt, own, key, owner), REVIVE_TIMEOUT_S)
+        except TimeoutError:
+            return Refusal(503, "timeout", "the revive did not run in time: recompute")
+        except Exception as exc:  # noqa: BLE001 - the engine refused or failed it
+            logger.info("kvbranch revive: the prefill failed (%s)", exc)
+            return Refusal(503, "failed", "the revive's request failed: recompute")
+        if (
+            not isinstance(handle, dict)
+            or not handle.get(REMOTE_BLOCK_IDS)
+            or handle.get(IDENTITY_FIELD) != own.identity
+        ):
+            return Refusal(503, "no_hold", "the revive's request left no hold: recompute")
+        self.revived_tokens += len(prompt) - 1
+        return handle
 
     def counters(self) -> dict[str, Any]:
         return {
@@ -199,10 +258,12 @@ def engine_prefill(engine_client: Any) -> Prefill:
     return run
 
 
-def control_coverage(control: Any) -> Coverage:
-    async def ask(req: HostCoverage) -> HostCoverageResult:
-        answer: HostCoverageResult = await control.call(req)
-        return answer
+def control_coverage(control: Any) -> Any:
+    """A control op's answer from this replica's connector (``host_coverage``,
+    ``run_coverage``)."""
+
+    async def ask(req: Any) -> Any:
+        return await control.call(req)
 
     return ask
 
@@ -221,7 +282,11 @@ async def revive_branch(request: Request, body: Any = Body(...)) -> Response:  #
         return error_response(target.status, target.message)
     authorization = request.headers.get("authorization")
     key = (scope_of(authorization), target.session_id, target.branch_id)
-    result = await reviver.revive(key, owner_of(authorization, app_args_of(request.app)))
+    owner = owner_of(authorization, app_args_of(request.app))
+    if target.token_ids is None:
+        result = await reviver.revive(key, owner)
+    else:
+        result = await reviver.revive_run(key, owner, target)
     if isinstance(result, Refusal):
         return error_response(result.status, result.message)
     return JSONResponse({REVIVE_HANDLE_FIELD: result})

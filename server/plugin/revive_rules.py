@@ -15,6 +15,15 @@ from costing the holder what the peer would compute itself:
 * the turn's identity (cache salt, adapter, engine) must be what the revive request will carry,
   or its block hashes would miss the store and the holder would compute the whole prefix.
 
+A *block-run* revive is asked for a turn the holder has no record of (a session-less turn, a
+fork's new branch, a refused home): the asking peer found in the cluster index that the
+holder's host store has the longest run of its prompt's blocks, and sends the prompt's token
+ids up to that run's end, with its cache salt. The holder takes neither on trust: it hashes the
+token ids itself with that salt and counts only blocks whose stored token ids are those very
+ones; and the salt must be one of the caller's tenant's (:func:`salt_refusal`), so that one
+tenant's key cannot name another's salt. Blocks are hashed with the salt, so another tenant's
+history is never even found.
+
 Pure: the caller reads the holder's records and block index.
 """
 
@@ -46,17 +55,32 @@ class Refusal:
 
 @dataclass(frozen=True)
 class ReviveTarget:
-    """The branch a peer names: its session and branch ids (the tenant is the caller's key)."""
+    """The branch a peer names: its session and branch ids (the tenant is the caller's key).
+    A block-run revive also names the prompt's token ids (up to the run's end) and its cache
+    salt; a branch revive names neither (``token_ids`` is None)."""
 
     session_id: str
     branch_id: str
+    token_ids: list[int] | None = None
+    cache_salt: str | None = None
+
+
+_BRANCH_FIELDS = frozenset(("session_id", "branch_id"))
+_RUN_FIELDS = _BRANCH_FIELDS | {"token_ids", "cache_salt"}
+#: The longest cache salt a run names (vLLM's salt check allows no more than this either way).
+MAX_SALT_CHARS = 128
 
 
 def parse_target(body: Any) -> ReviveTarget | Refusal:
     """``{"session_id": ..., "branch_id": ...}`` (``branch_id`` defaults to the main branch),
-    both valid ids; anything else is a 400."""
-    if not isinstance(body, dict) or set(body) - {"session_id", "branch_id"}:
+    both valid ids, plus ``token_ids`` (at most :data:`MAX_REVIVE_TOKENS` ids in
+    ``[0, 2**31)``) and ``cache_salt`` (a string or null) for a block-run revive; anything
+    else is a 400."""
+    if not isinstance(body, dict) or set(body) - _RUN_FIELDS:
         return Refusal(400, "bad_request", 'body must be {"session_id": ..., "branch_id": ...}')
+    run = _run_of(body)
+    if isinstance(run, Refusal):
+        return run
     session, branch = body.get("session_id"), body.get("branch_id", DEFAULT_BRANCH)
     for name, value in (("session_id", session), ("branch_id", branch)):
         if not isinstance(value, str):
@@ -65,7 +89,44 @@ def parse_target(body: Any) -> ReviveTarget | Refusal:
             check_id(value, name)
         except ValueError as exc:
             return Refusal(400, "bad_request", str(exc)[:MESSAGE_CHARS])
-    return ReviveTarget(str(session), str(branch))
+    if run is None:
+        return ReviveTarget(str(session), str(branch))
+    return ReviveTarget(str(session), str(branch), run[0], run[1])
+
+
+def _run_of(body: dict[str, Any]) -> tuple[list[int], str | None] | None | Refusal:
+    """A block-run revive's token ids and salt; None for a branch revive."""
+    if "token_ids" not in body:
+        if "cache_salt" in body:
+            return Refusal(400, "bad_request", "cache_salt goes with token_ids only")
+        return None
+    tokens, salt = body["token_ids"], body.get("cache_salt")
+    if (
+        not isinstance(tokens, list)
+        or not tokens
+        or len(tokens) > MAX_REVIVE_TOKENS
+        or not all(type(t) is int and 0 <= t < 2**31 for t in tokens)
+    ):
+        return Refusal(
+            400,
+            "bad_request",
+            f"token_ids must be 1 to {MAX_REVIVE_TOKENS} token ids (integers in [0, 2**31))",
+        )
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS):
+        return Refusal(400, "bad_request", f"cache_salt must be 1 to {MAX_SALT_CHARS} characters")
+    return list(tokens), salt
+
+
+def salt_refusal(cache_salt: str | None, owner: str | None) -> Refusal | None:
+    """Why a block-run revive's salt is not the caller's tenant's; None when it is. With API
+    keys every request's salt is the tenant's id, or that id and a digest of the client's own
+    salt (:func:`server.plugin.tenancy.tenant_salt`): anything else would name another
+    tenant's blocks. Without keys (``owner`` None) there are no tenants to keep apart."""
+    if owner is None:
+        return None
+    if cache_salt is not None and (cache_salt == owner or cache_salt.startswith(owner + ".")):
+        return None
+    return Refusal(403, "tenant", "that cache salt is not the calling tenant's")
 
 
 def hashes_to_check(hashes: Sequence[str], block_size: int, max_tokens: int) -> list[str]:

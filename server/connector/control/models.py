@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, RootModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from sdk.contract import (
     DEFAULT_BRANCH,
@@ -135,6 +135,22 @@ class HostCoverageResult(_Internal):
     #: Whether a request with the asked cache salt (no adapter, no media) on this engine has
     #: the asked identity, i.e. the same block hashes.
     identity_ok: bool
+
+
+#: Most token ids one ``run_coverage`` hashes (a revive's size limit, ``revive_rules.py``).
+RUN_COVERAGE_MAX_TOKENS = 65_536
+
+
+class RunCoverageResult(_Internal):
+    """``run_coverage``: a prompt's chained block hashes on this engine, and how many of its
+    leading blocks the host store holds with the very same token ids."""
+
+    #: The prompt's full blocks' hashes (hex), in order, as this engine hashes them.
+    hashes: list[str]
+    #: Leading blocks stored in the host store whose slots hold the prompt's token ids.
+    blocks: int
+    #: The identity a request with the asked cache salt (no adapter, no media) has here.
+    identity: str
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -260,6 +276,16 @@ class HostCoverage(ControlRequest[HostCoverageResult]):
     #: The turn's chained block hashes (hex), in order.
     hashes: list[str]
     identity: str
+    cache_salt: str | None = None
+
+
+class RunCoverage(ControlRequest[RunCoverageResult]):
+    """Aggregated replicas: a prompt's block hashes (the asking side's index lookup) and the
+    host store's cover of them, token ids compared (the holder's check before a block-run
+    revive runs anything, ``server/plugin/revive.py``); handled in ``pd/host_coverage.py``."""
+
+    op = "run_coverage"
+    token_ids: list[int] = Field(max_length=RUN_COVERAGE_MAX_TOKENS)
     cache_salt: str | None = None
 
 

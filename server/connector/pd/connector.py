@@ -16,16 +16,17 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from server.connector.control.models import ClaimHold, HostCoverage
+from server.connector.control.models import ClaimHold, HostCoverage, RunCoverage
 from server.connector.control.ops import Op
 from server.connector.engine.connector import KVBranchConnector
-from server.connector.pd.host_coverage import host_coverage
+from server.connector.pd.host_coverage import host_coverage, run_coverage
 from server.connector.pd.verified_nixl import NIXL_PARAM_KEYS, VerifiedNixlConnector
 from server.connector.vllm_compat import (
     MultiConnector,
     NixlConnector,
     child_index_of,
     children_of,
+    prompt_block_hasher,
     register_connector_by_name,
 )
 
@@ -75,6 +76,14 @@ class KVBranchPDConnector(MultiConnector):
             )
             self._kvbranch.extra_ops[HostCoverage.op] = Op(
                 HostCoverage, lambda side, req: host_coverage(req, side.planner.index, nixl.compat)
+            )
+            hasher = prompt_block_hasher(vllm_config, self.block_size)
+            block_size = self.block_size
+            self._kvbranch.extra_ops[RunCoverage.op] = Op(
+                RunCoverage,
+                lambda side, req: run_coverage(
+                    req, side.planner.index, nixl.compat, hasher, block_size
+                ),
             )
             self._kvbranch.extra_stats["pd"] = self._pd_stats
 

@@ -6,6 +6,13 @@ An aggregated replica asks it before it revives a branch for a peer
 compute what the peer would compute itself, so the answer comes from the host store's block
 index before any request is queued. Answered on the scheduler side, under the planner's lock
 (the index's own), by reading the index only.
+
+The ``run_coverage`` op is the same question for a prompt rather than a branch (a *block-run*
+revive: a peer found, in the cluster index, that this replica's host store holds the longest
+run of its prompt's blocks). The prompt's token ids come from the peer, so this engine hashes
+them itself, with the caller's cache salt, and counts a block only where the store's slot
+holds those very token ids: tokens the store does not have, under another salt or another
+tenant's, cover nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from server.connector.control.models import HostCoverage
+from server.connector.control.models import HostCoverage, RunCoverage
 from server.connector.pd.transfer_params import identity_of
 
 
@@ -40,6 +47,25 @@ def revive_identity(cache_salt: str | None, compat: dict[str, Any]) -> str:
         cache_salt=cache_salt, lora_request=None, mm_features=None, prompt_embeds=None
     )
     return identity_of(request, compat)
+
+
+def run_coverage(
+    req: RunCoverage,
+    index: Any,
+    compat: dict[str, Any],
+    hasher: Callable[[list[int], str | None], list[bytes]],
+    block_size: int,
+) -> dict[str, Any]:
+    """The op's answer: the prompt's hashes, and its leading blocks the host store holds with
+    the same token ids (``index.match``, read only)."""
+    tokens = list(req.token_ids)
+    hashes = hasher(tokens, req.cache_salt)
+    slots = index.match(hashes, tokens, block_size, 0, len(hashes)) if hashes else []
+    return {
+        "hashes": [h.hex() for h in hashes],
+        "blocks": len(slots),
+        "identity": revive_identity(req.cache_salt, compat),
+    }
 
 
 def host_coverage(req: HostCoverage, index: Any, compat: dict[str, Any]) -> dict[str, Any]:

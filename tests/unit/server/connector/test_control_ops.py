@@ -33,6 +33,7 @@ from server.connector.control.models import (
     Pin,
     PlanPrefetch,
     ResetStore,
+    RunCoverage,
     Split,
     Unpin,
     parse_answer,
@@ -80,9 +81,10 @@ def side(tmp_path):
 
 # --- the registry -------------------------------------------------------------------------------
 def test_every_op_has_one_request_model_one_answer_model_and_one_handler():
-    # claim_hold and host_coverage: P/D adds them (pd/verified_nixl.py, pd/host_coverage.py)
-    assert set(REQUESTS) == {*OPS, ClaimHold.op, HostCoverage.op}
-    assert len(REQUESTS) == 16
+    # claim_hold, host_coverage and run_coverage: P/D adds them (pd/verified_nixl.py,
+    # pd/host_coverage.py)
+    assert set(REQUESTS) == {*OPS, ClaimHold.op, HostCoverage.op, RunCoverage.op}
+    assert len(REQUESTS) == 17
     for name, op in OPS.items():
         assert op.name == name and op.request is REQUESTS[name]
         assert op.answer is op.request.answer and callable(op.handler)
