@@ -22,12 +22,14 @@ import time
 import httpx
 
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
+from server.common.tenants import tenant_id
 from server.plugin.revive_rules import REVIVE_PATH
-from tests.integration.helpers import client, empty_caches, pd_activity
+from tests.integration.helpers import chat_body, client, empty_caches, pd_activity
 from tests.integration.replica_fixture import (
     HOLD_TTL_S,
     KEY_A,
     KEY_B,
+    MAX_TOKENS,
     SECRET,
     ReplicaCluster,
     conversation,
@@ -36,6 +38,7 @@ from tests.integration.replica_fixture import (
     remote_hits,
     stats,
     then,
+    tokens_of,
     turn,
 )
 from tests.server_process import ServerProcess
@@ -153,4 +156,104 @@ def test_a_revive_unsigned_for_another_tenant_or_not_in_the_store_runs_nothing(r
     gone = _revive(a, session, KEY_A, signed=True)
     assert gone.status_code == 409, gone.text
     assert "host store" in gone.text
+    assert pd_activity(a) == activity
+
+
+# --- block-run revives: a turn A has no record of --------------------------------------------
+
+
+def _fork_turn(server: ServerProcess, messages: list[dict], session: str, branch: str):
+    body = chat_body(
+        server, messages, session=session, branch=branch, max_tokens=MAX_TOKENS, logprobs=True
+    )
+    with client(server, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert "kv_transfer_params" not in answer, "a replica's handle reached the client"
+    return tokens_of(answer), answer.get("kvbranch") or {}
+
+
+def _prompt_ids(server: ServerProcess, messages: list[dict]) -> list[int]:
+    """The chat prompt's token ids as ``server``'s vLLM renders them (its /tokenize route)."""
+    body = {"model": server.model, "messages": messages, "add_generation_prompt": True}
+    with client(server, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        r = c.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return list(r.json()["tokens"])
+
+
+def _revive_run(
+    server: ServerProcess, session: str, key: str, tokens: list[int], salt: str
+) -> httpx.Response:
+    body = json.dumps(
+        {"session_id": session, "branch_id": "run", "token_ids": tokens, "cache_salt": salt}
+    ).encode()
+    headers = {
+        "content-type": "application/json",
+        "authorization": f"Bearer {key}",
+        ROUTER_PROOF_HEADER: sign(SECRET.encode(), "POST", REVIVE_PATH, body),
+    }
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        return c.post(REVIVE_PATH, content=body, headers=headers)
+
+
+def test_a_forks_first_turn_pulls_the_longest_host_run_by_block_run_revive(replicas, plain_server):
+    a, b = replicas.replicas
+    empty_caches(b, RESET_WAIT_S)
+    session = "run-" + secrets.token_hex(4)
+    messages = conversation(seed=53)
+    tokens, _, _ = turn(a, messages, session)
+    assert tokens == plain(plain_server, messages)
+    replicas.wait_holder(session)
+    _empty_device(a, RESET_WAIT_S)  # A's hold on turn 1 ended; its host store keeps it
+
+    served_before = _counter(a, "kvbranch_peer_revives_total", "outcome", "served")
+    revived_before = _revived_tokens(a)
+    a_hits = stats(a)["hits_tokens"]
+    run_turns_before = _counter(b, "kvbranch_peer_turns_total", "source", "revived_run")
+    remote_before = remote_hits(b)
+
+    fork = then(messages, tokens, "Pick another tool than that one. Which?")
+    mine, split = _fork_turn(b, fork, session, "fork-" + secrets.token_hex(3))
+    assert mine == plain(plain_server, fork), "the fork's first turn differs from plain vLLM"
+
+    assert _counter(b, "kvbranch_peer_turns_total", "source", "revived_run") == (
+        run_turns_before + 1
+    ), "B did not pull by a block-run revive"
+    assert _counter(a, "kvbranch_peer_revives_total", "outcome", "served") == served_before + 1
+    revived = _revived_tokens(a) - revived_before
+    a_after = stats(a)["hits_tokens"]
+    assert revived >= 1000, f"A revived {revived} tokens"
+    assert a_after["host"] - a_hits["host"] == revived
+    assert a_after["recomputed"] - a_hits["recomputed"] == 1
+    assert a_after["device"] == a_hits["device"], "A's device cache was not empty"
+    pulled = remote_hits(b) - remote_before
+    print(f"A revived {revived} tokens of the fork's prompt from its host store; B pulled {pulled}")
+    assert revived <= pulled <= revived + 1, f"B pulled {pulled} of {revived} revived tokens"
+    assert split.get("remote_hit_tokens") == pulled
+
+
+def test_a_block_run_revive_of_other_token_ids_or_another_tenants_salt_runs_nothing(replicas):
+    a, _ = replicas.replicas
+    session = "run-door-" + secrets.token_hex(4)
+    messages = conversation(seed=54)
+    turn(a, messages, session)
+    replicas.wait_holder(session)
+    ids = _prompt_ids(a, messages)
+    salt_a = tenant_id(KEY_A)  # tenant A's requests' cache salt (no client salt)
+    activity = pd_activity(a)
+
+    refused = _counter(a, "kvbranch_peer_revives_total", "outcome", "not_covered")
+    edited = [ids[0], (ids[1] + 1) % 1000, *ids[2:]]  # one token of the first block changed
+    other = _revive_run(a, session, KEY_A, edited, salt_a)
+    assert other.status_code == 409, other.text
+    assert "host store" in other.text
+    assert _counter(a, "kvbranch_peer_revives_total", "outcome", "not_covered") == refused + 1
+    assert pd_activity(a) == activity
+
+    theirs = _revive_run(a, session, KEY_B, ids, salt_a)  # tenant B names tenant A's salt
+    assert theirs.status_code == 403, theirs.text
+    own_salt = _revive_run(a, session, KEY_B, ids, tenant_id(KEY_B))  # B's own: A's not found
+    assert own_salt.status_code == 409, own_salt.text
     assert pd_activity(a) == activity
