@@ -236,6 +236,10 @@ class ServerProcess:
     #: What ``python -m`` runs: the launcher (a subclass may run another server with the same
     #: flags, e.g. the tests' vLLM reference).
     module = "server"
+    #: The interpreter and the folder it runs in (a check of an installed copy runs another
+    #: virtual environment's interpreter outside the clone, so only what pip installed imports).
+    python: str = sys.executable
+    cwd: Path = ROOT
 
     def launch(self) -> ServerProcess:
         """Start the process without waiting (start several, then ``wait_ready`` each)."""
@@ -249,8 +253,8 @@ class ServerProcess:
             env.pop(ENV_PARENT_DEATHSIG, None)
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, "--port", str(self.port), *self.args],
-            cwd=ROOT,
+            [self.python, "-m", self.module, "--port", str(self.port), *self.args],
+            cwd=self.cwd,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
