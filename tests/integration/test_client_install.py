@@ -7,16 +7,14 @@ without it. Keeps the README's "Install the client alone" true."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
-import venv
 from pathlib import Path
 
 import pytest
 
-from server.launcher.process import ROOT
+from tests.integration.fresh_install import install
 from tests.integration.helpers import chat, text_of
 
 SCRIPT = textwrap.dedent(
@@ -43,26 +41,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def client_venv(tmp_path_factory) -> Path:
-    where = tmp_path_factory.mktemp("client-venv")
-    venv.create(where, with_pip=True)
-    python = where / "bin" / "python"
-    # From a copy of the sources only: a clone's own build/ or .venv must not leak in.
-    source = tmp_path_factory.mktemp("client-src") / "kvbranch"
-    shutil.copytree(
-        ROOT,
-        source,
-        ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "benchmarks"
-        ),
-    )
-    done = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", f"{source}[langchain]"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return python
+    return install(tmp_path_factory.mktemp("client-venv"), "langchain", timeout_s=900)
 
 
 def test_the_client_alone_talks_to_the_server(client_venv, kvbranch_server, plain_server):

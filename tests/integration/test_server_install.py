@@ -11,15 +11,14 @@ from the folder the set-up already converted (converting it is the ``demo`` extr
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import venv
 from pathlib import Path
 
 import pytest
 
 from server.launcher.model_cache import ensure_model
-from server.launcher.process import ROOT, ServerProcess
+from server.launcher.process import ServerProcess
+from tests.integration.fresh_install import install
 from tests.integration.helpers import chat, text_of
 
 #: The fix the launcher names, and the README too.
@@ -29,27 +28,7 @@ SIZES = ["--kv-cache-gib", "0.5", "--max-model-len", "4096"]
 
 @pytest.fixture(scope="module")
 def server_venv(tmp_path_factory) -> Path:
-    """A fresh virtual environment with ``.[server-cpu]`` installed from a copy of the sources
-    (a clone's own .venv or build folders must not leak in)."""
-    where = tmp_path_factory.mktemp("server-venv")
-    venv.create(where, with_pip=True)
-    python = where / "bin" / "python"
-    source = tmp_path_factory.mktemp("server-src") / "kvbranch"
-    shutil.copytree(
-        ROOT,
-        source,
-        ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "benchmarks"
-        ),
-    )
-    done = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", f"{source}[server-cpu]"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return python
+    return install(tmp_path_factory.mktemp("server-venv"), "server-cpu", timeout_s=1800)
 
 
 class InstalledServer(ServerProcess):
