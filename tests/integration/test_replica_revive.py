@@ -11,6 +11,17 @@ entirely. Turn 2 on B can then get the history only from A's host store: it must
 answer as plain vLLM does (tokens exact, logprobs within the module's tolerance). The revive
 route's door: unsigned, another tenant's, or for a history A's host store no longer has, it
 answers 4xx before A's engine sees any request.
+
+A fork's first turn (a new branch id: A has no record of it) on B, once A's hold ended and A's
+device cache was reset, is pulled by a *block-run* revive: B finds in the index that A's host
+store holds the longest run of its prompt's blocks (a device reset leaves A's host-tier entries
+visible: the generation is per tier) and asks A to revive those token ids. A block-run revive
+whose token ids A's store does not have gets 409, one naming tenant A's salt under tenant B's
+key 403, each before A's engine sees any request.
+
+The conversations' seeds here are no other module's on the shared cluster: a block-run lookup
+finds any session's stored prompt, so another module's first turn of the same conversation
+could pull what these tests left in a host store.
 """
 
 from __future__ import annotations
@@ -23,9 +34,11 @@ import httpx
 
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.common.tenants import tenant_id
+from server.index.redis_store import RedisKeys
 from server.plugin.revive_rules import REVIVE_PATH
 from tests.integration.helpers import chat_body, client, empty_caches, pd_activity
 from tests.integration.replica_fixture import (
+    CLUSTER,
     HOLD_TTL_S,
     KEY_A,
     KEY_B,
@@ -89,7 +102,7 @@ def test_a_turn_pulls_the_history_from_the_peers_host_store_after_its_hold_ended
     a, b = replicas.replicas
     empty_caches(b, RESET_WAIT_S)
     session = "revive-" + secrets.token_hex(4)
-    messages = conversation(seed=51)
+    messages = conversation(seed=71)
     tokens, _, _ = turn(a, messages, session)
     assert tokens == plain(plain_server, messages)
     replicas.wait_holder(session)
@@ -136,7 +149,7 @@ def _revived_tokens(server: ServerProcess) -> float:
 def test_a_revive_unsigned_for_another_tenant_or_not_in_the_store_runs_nothing(replicas):
     a, _ = replicas.replicas
     session = "revive-door-" + secrets.token_hex(4)
-    turn(a, conversation(seed=52), session)
+    turn(a, conversation(seed=72), session)
     replicas.wait_holder(session)
     activity = pd_activity(a)
 
@@ -183,6 +196,29 @@ def _prompt_ids(server: ServerProcess, messages: list[dict]) -> list[int]:
     return list(r.json()["tokens"])
 
 
+def _generations(replicas: ReplicaCluster, server: ServerProcess) -> dict[str, int]:
+    """The block generations of ``server``'s record in the index, per tier."""
+    name = RedisKeys(CLUSTER).instance(replicas.instance_id(server))
+    with replicas.redis_client() as r:
+        fields = r.hgetall(name)
+    return {k: int(fields.get(k.encode(), b"0")) for k in ("generation", "host_generation")}
+
+
+def _probe_step(server: ServerProcess) -> None:
+    """One short greedy turn of an unrelated prompt: an engine step on ``server``."""
+    probe = [{"role": "system", "content": "Reset probe."}, {"role": "user", "content": "Hi"}]
+    body = chat_body(server, probe, max_tokens=1)
+    with client(server, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def _wait_until(probe, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        assert time.monotonic() < deadline, "A's heartbeat never carried its device reset"
+        time.sleep(0.2)
+
+
 def _revive_run(
     server: ServerProcess, session: str, key: str, tokens: list[int], salt: str
 ) -> httpx.Response:
@@ -202,11 +238,18 @@ def test_a_forks_first_turn_pulls_the_longest_host_run_by_block_run_revive(repli
     a, b = replicas.replicas
     empty_caches(b, RESET_WAIT_S)
     session = "run-" + secrets.token_hex(4)
-    messages = conversation(seed=53)
+    messages = conversation(seed=73)
     tokens, _, _ = turn(a, messages, session)
     assert tokens == plain(plain_server, messages)
     replicas.wait_holder(session)
+    generations = _generations(replicas, a)
     _empty_device(a, RESET_WAIT_S)  # A's hold on turn 1 ended; its host store keeps it
+    # vLLM publishes the reset's event with its next step's events: one short, unrelated turn
+    # on A, then A's next heartbeat carries the reset. Its device tier's entries are hidden
+    # from then on, its host tier's are not (they would be, were the generation the instance's).
+    _probe_step(a)
+    _wait_until(lambda: _generations(replicas, a)["generation"] > generations["generation"])
+    assert _generations(replicas, a)["host_generation"] == generations["host_generation"]
 
     served_before = _counter(a, "kvbranch_peer_revives_total", "outcome", "served")
     revived_before = _revived_tokens(a)
@@ -237,7 +280,7 @@ def test_a_forks_first_turn_pulls_the_longest_host_run_by_block_run_revive(repli
 def test_a_block_run_revive_of_other_token_ids_or_another_tenants_salt_runs_nothing(replicas):
     a, _ = replicas.replicas
     session = "run-door-" + secrets.token_hex(4)
-    messages = conversation(seed=54)
+    messages = conversation(seed=74)
     turn(a, messages, session)
     replicas.wait_holder(session)
     ids = _prompt_ids(a, messages)
