@@ -33,6 +33,7 @@ from server.connector.core.metadata import (
     device_block,
     device_blocks,
 )
+from server.connector.core.part_pool import PartPool
 from server.connector.core.sessions import DEFAULT_BRANCH, RegistryError, SessionRegistry
 from server.connector.core.tails import TailSpec, finished_tail, identity_of, parent_key
 
@@ -62,10 +63,8 @@ class RequestPlan:
     #: Running when the store was reset (new weights, a reloaded LoRA): its KV so far may be
     #: the old model's, so nothing of it is saved until vLLM restarts it from token 0.
     stale: bool = False
-    #: Windowed groups (``part_pool.py``): the first position whose part is saved as it
-    #: fills (the window before the prompt's end), and the positions this request attached
-    #: a part to (those no resume reads are released when it finishes).
-    window_from: int | None = None
+    #: Windowed groups (``part_pool.py``): the positions this request attached a part to
+    #: (those no resume reads are released when it finishes).
     window_attached: list[int] = field(default_factory=list)
     #: State groups: the positions this request attached a state part to (only its resume
     #: points' stay when it finishes).
@@ -105,6 +104,21 @@ def _pin_ttl(extra: dict) -> float | None:
 #: The device blocks that hold the recurrent state after a block, one per state group, as
 #: vLLM's prefix cache has them under the block's hash (``None``: it keeps no state there).
 StateLookup = Callable[[bytes], dict[int, int] | None]
+
+
+def _skip(block: DeviceBlock, groups: frozenset[int]) -> DeviceBlock:
+    """``block`` with ``groups`` skipped."""
+    return tuple(SKIPPED if g in groups else b for g, b in enumerate(block))
+
+
+def _only(block: DeviceBlock, groups: frozenset[int]) -> DeviceBlock:
+    """``block`` with every group but ``groups`` skipped."""
+    return tuple(b if g in groups else SKIPPED for g, b in enumerate(block))
+
+
+def _holds(block: DeviceBlock, groups: frozenset[int]) -> bool:
+    """Whether every one of ``groups`` has a block at this position."""
+    return all(g < len(block) and block[g] != SKIPPED for g in groups)
 
 
 class Planner:
@@ -205,7 +219,8 @@ class Planner:
         every position they read after it (``WindowRule.first_block``) from ``start`` on must
         have its window part stored, the tail's position too (before ``start`` vLLM's device
         cache has them). With state groups the hit must still end at a slot with a state."""
-        assert self.window is not None
+        rule = self.window
+        assert rule is not None
         slots = plan.load_slots or []
         parts = self.index.windows
         missing = [0]
@@ -214,7 +229,7 @@ class Planner:
         bs = self.block_size
 
         def readable(end: int, tokens: int) -> bool:
-            first = min(max(self.window.first_block(tokens) - start, 0), end)  # type: ignore[union-attr]
+            first = min(max(rule.first_block(tokens) - start, 0), end)
             return missing[end] - missing[first] == 0
 
         n = len(slots)
@@ -354,15 +369,15 @@ class Planner:
         )
 
     def _without_windows(self, block: DeviceBlock) -> DeviceBlock:
-        return tuple(SKIPPED if g in self.window_groups else b for g, b in enumerate(block))
+        return _skip(block, self.window_groups)
 
     def _attention_only(self, block: DeviceBlock) -> DeviceBlock:
         """``block`` with its state groups skipped."""
-        return tuple(SKIPPED if g in self.state_groups else b for g, b in enumerate(block))
+        return _skip(block, self.state_groups)
 
     def _states_only(self, block: DeviceBlock) -> DeviceBlock:
         """``block`` with every group but its state groups skipped."""
-        return tuple(b if g in self.state_groups else SKIPPED for g, b in enumerate(block))
+        return _only(block, self.state_groups)
 
     def _savable(self, block: DeviceBlock) -> bool:
         """Whether every full-attention group holds this position (state groups hold a block
@@ -379,17 +394,15 @@ class Planner:
         the window before the prompt's end or after (a later hit may end there)."""
         if self.window is None:
             return False
-        if plan.window_from is None:
-            last_full = (plan.request.num_prompt_tokens - 1) // self.block_size
-            plan.window_from = self.window.first_block(last_full * self.block_size)
-        return k >= plan.window_from
+        last_full = (plan.request.num_prompt_tokens - 1) // self.block_size
+        return k >= self.window.first_block(last_full * self.block_size)
 
     def _attach_part(
         self, plan: RequestPlan, k: int, slot: int, block: DeviceBlock, busy_parts: set[int]
     ) -> int | None:
         """A window part for stored ``slot`` (position ``k``), where the windowed groups still
         hold the position on the device; ``busy_parts``: parts this step reads or writes."""
-        if any(g >= len(block) or block[g] == SKIPPED for g in self.window_groups):
+        if not _holds(block, self.window_groups):
             return None
         part = self.index.attach_window(slot, busy_parts)
         if part is not None:
@@ -432,7 +445,7 @@ class Planner:
         self.index.counters.loaded_states += 1
 
     def _holds_states(self, block: DeviceBlock) -> bool:
-        return all(g < len(block) and block[g] != SKIPPED for g in self.state_groups)
+        return _holds(block, self.state_groups)
 
     def note_remote_hit(self, request: Any, num_tokens: int) -> None:
         """A peer connector (NIXL, in P/D) starts pulling ``num_tokens`` prompt tokens for this
@@ -553,24 +566,16 @@ class Planner:
                                 saves.append((states, self._host_slots(stored, None, state)))
                         if self._wants_part(plan, k) and self.index.windows.part_of(stored) is None:
                             if block_ids is None:
-                                block_ids = device_blocks(
-                                    resolve_block_ids(req_id) or [], self.null_block
-                                )
+                                block_ids = self._positions(resolve_block_ids, req_id)
                             if k < len(block_ids):
                                 part = self._attach_part(plan, k, stored, block_ids[k], busy_parts)
                                 if part is not None:
-                                    only = tuple(
-                                        b if g in self.window_groups else SKIPPED
-                                        for g, b in enumerate(block_ids[k])
-                                    )
+                                    only = _only(block_ids[k], self.window_groups)
                                     saves.append((only, self._host_slots(stored, part)))
                         continue
                     if block_ids is None:
-                        groups = resolve_block_ids(req_id)
-                        if not groups:
-                            break
-                        block_ids = device_blocks(groups, self.null_block)
-                    if k >= len(block_ids):
+                        block_ids = self._positions(resolve_block_ids, req_id)
+                    if k >= len(block_ids):  # none (the request is gone) or past its table
                         break
                     if not self._savable(block_ids[k]):
                         continue
@@ -693,6 +698,20 @@ class Planner:
                     delay = True
             return split, delay
 
+    def _positions(
+        self, resolve_block_ids: Callable[[str], Sequence[Sequence[int]]], req_id: str
+    ) -> list[DeviceBlock]:
+        """A request's device block per position (``[]`` when vLLM has no table for it)."""
+        return device_blocks(resolve_block_ids(req_id) or [], self.null_block)
+
+    def _release(self, pool: PartPool, hashes: Sequence[bytes], positions: list[int]) -> None:
+        """Free ``pool``'s parts of the stored blocks at ``positions`` (no resume reads them),
+        counted as released."""
+        for k in positions:
+            slot = self.index.slot_of(hashes[k]) if k < len(hashes) else None
+            if slot is not None and pool.release(slot):
+                pool.released += 1
+
     def _release_unread_parts(self, plan: RequestPlan, request: Any) -> None:
         """Free the window parts this request attached that no resume reads: those after its
         prompt's window and before the window of its end (a long answer's middle)."""
@@ -701,12 +720,8 @@ class Planner:
         computed = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
         keep_from = self.window.first_block(computed // bs * bs)
         prompt_last = (request.num_prompt_tokens - 1) // bs
-        hashes = request.block_hashes
-        for k in plan.window_attached:
-            if prompt_last < k < keep_from and k < len(hashes):
-                slot = self.index.slot_of(hashes[k])
-                if slot is not None and self.index.windows.release(slot):
-                    self.index.windows.released += 1
+        unread = [k for k in plan.window_attached if prompt_last < k < keep_from]
+        self._release(self.index.windows, request.block_hashes, unread)
         plan.window_attached = []
 
     def _release_unread_states(self, plan: RequestPlan, request: Any) -> None:
@@ -720,12 +735,8 @@ class Planner:
         in_prompt = [k for k in positions if k < prompt_blocks]
         if in_prompt:
             keep.add(in_prompt[-1])
-        hashes = request.block_hashes
-        for k in positions:
-            if k not in keep and k < len(hashes):
-                slot = self.index.slot_of(hashes[k])
-                if slot is not None and self.index.states.release(slot):
-                    self.index.states.released += 1
+        unread = [k for k in positions if k not in keep]
+        self._release(self.index.states, request.block_hashes, unread)
         plan.state_attached = []
 
     def plan_tail_saves(
@@ -749,7 +760,7 @@ class Planner:
                     protected.add(slot)
                     part = None
                     if self.window_groups:
-                        if all(g < len(block) and block[g] != SKIPPED for g in self.window_groups):
+                        if _holds(block, self.window_groups):
                             part = self.index.attach_window(slot, busy_parts)
                         if part is None:
                             block = self._without_windows(block)
