@@ -45,10 +45,6 @@ STORED_KINDS = frozenset({FULL_ATTENTION, SLIDING_WINDOW, CHUNKED_LOCAL})
 STATE = "mamba"
 
 
-#: Kinds whose blocks a request needs only near its end (``WindowRule``).
-WINDOW_KINDS = frozenset({SLIDING_WINDOW, CHUNKED_LOCAL})
-
-
 @dataclass(frozen=True)
 class GroupWindow:
     """How far back one windowed group attends: ``sliding_window`` tokens (plus the trailing
@@ -88,11 +84,6 @@ class WindowRule:
 def state_groups(kinds: Sequence[str]) -> frozenset[int]:
     """The indices of the groups that hold a recurrent state rather than per-token KV."""
     return frozenset(i for i, kind in enumerate(kinds) if kind == STATE)
-
-
-def window_groups(kinds: Sequence[str]) -> frozenset[int]:
-    """The indices of the groups that read only a window before each token."""
-    return frozenset(i for i, kind in enumerate(kinds) if kind in WINDOW_KINDS)
 
 
 def store_off_reason(

@@ -14,7 +14,6 @@ from server.connector.core.kv_groups import (
     SLIDING_WINDOW,
     GroupWindow,
     WindowRule,
-    window_groups,
 )
 from server.connector.core.metadata import SKIPPED, device_blocks
 from server.connector.core.part_pool import PART_SHARE, PartPool, split_store
@@ -59,11 +58,6 @@ def test_first_block_is_where_vllm_gives_the_windowed_group_blocks(window):
     rule = WindowRule(frozenset({1}), (window,), VLLM_BS)
     first = rule.first_block(8 * VLLM_BS)
     assert windowed == [k >= first for k in range(8)]
-
-
-def test_window_groups_by_kind():
-    kinds = ["full_attention", SLIDING_WINDOW, "mamba", CHUNKED_LOCAL]
-    assert window_groups(kinds) == {1, 3}
 
 
 # --- the store's bytes ------------------------------------------------------------------------
