@@ -100,14 +100,10 @@ def text_of(response: dict) -> str:
     return response["choices"][0]["message"]["content"]
 
 
-def reset_device_cache(server) -> None:
-    """Drop vLLM's device prefix cache (not the host store): dev-mode route."""
-    with client(server) as c:
-        for _ in range(50):
-            if c.post("/reset_prefix_cache").json().get("success"):
-                return
-            time.sleep(0.2)
-    raise AssertionError("device prefix cache could not be reset")
+def reset_device_cache(server, wait_s: float = 10.0) -> None:
+    """Drop vLLM's device prefix cache (not the host store): dev-mode route. vLLM refuses the
+    reset while a block is in use (a held turn): retried for up to ``wait_s``."""
+    _reset_prefix_cache(server, wait_s, external=False)
 
 
 def empty_caches(server, wait_s: float) -> None:
@@ -115,16 +111,21 @@ def empty_caches(server, wait_s: float) -> None:
     only a pull from another instance can bring a prefix back. vLLM refuses the reset while any
     block is in use, and a finished turn's blocks stay in use while the instance holds them for
     a pull (until pulled, or the hold's TTL ends): retried for up to ``wait_s``."""
+    _reset_prefix_cache(server, wait_s, external=True)
+
+
+def _reset_prefix_cache(server, wait_s: float, *, external: bool) -> None:
+    params = {"reset_external": "true"} if external else None
     deadline = time.monotonic() + wait_s
     with client(server) as c:
         while True:
-            r = c.post("/reset_prefix_cache", params={"reset_external": "true"})
-            if r.json().get("success"):
+            if c.post("/reset_prefix_cache", params=params).json().get("success"):
                 return
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-    raise AssertionError(f"{server.name}'s prefix cache and host store could not be reset")
+    what = "prefix cache and host store" if external else "device prefix cache"
+    raise AssertionError(f"{getattr(server, 'name', 'the server')}'s {what} could not be reset")
 
 
 def system_prompt(words: int = 450, seed: int = 0) -> str:
@@ -196,18 +197,23 @@ def llm_kwargs(server) -> dict:
     }
 
 
+def stats(server) -> dict:
+    """``GET /v1/kvbranch/stats`` of a kvbranch instance (200 required)."""
+    with client(server) as c:
+        r = c.get("/v1/kvbranch/stats")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def pd_activity(server) -> dict:
     """What a refused request must leave as it was on a P or D instance: the engine requests
     and pulled tokens the connector counted, and the P/D side's holds, claims (refused too) and
     declined handles."""
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    stats = r.json()
-    pd = stats.get("pd") or {}
+    counted = stats(server)
+    pd = counted.get("pd") or {}
     return {
-        "requests": stats["requests"],
-        "remote_tokens": stats["hits_tokens"]["remote"],
+        "requests": counted["requests"],
+        "remote_tokens": counted["hits_tokens"]["remote"],
         "declined": dict(pd.get("handles_declined") or {}),
         "holds": pd.get("holds"),
         "claims": pd.get("claims"),

@@ -54,7 +54,7 @@ from server.index.hold_cipher import HoldCipher
 from server.index.redis_store import RedisKeys, decode_hold, digest, encode_hold
 from server.launcher.process import free_port
 from tests.integration.cluster_fixture import restart
-from tests.integration.helpers import chat_body, client, size_args, system_prompt
+from tests.integration.helpers import chat_body, client, size_args, stats, system_prompt
 from tests.prestart import BIND_ENV
 from tests.redis_server import RedisServer
 from tests.server_process import ServerProcess
@@ -309,13 +309,6 @@ def then(messages: list[dict], tokens: Tokens, user: str) -> list[dict]:
 
 
 # --- what a replica counted ----------------------------------------------------------------
-
-
-def stats(server: ServerProcess) -> dict:
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def remote_hits(server: ServerProcess) -> int:

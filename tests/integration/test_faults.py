@@ -31,6 +31,7 @@ from tests.integration.helpers import (
     create_session,
     filler,
     reset_device_cache,
+    stats,
     text_of,
     two_messages,
 )
@@ -63,19 +64,12 @@ def _requests_running(server) -> float:
     return total
 
 
-def _stats(server) -> dict:
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 # --- a. client disconnects mid-stream ------------------------------------------------------
 def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbranch_server):
     server = kvbranch_server
     sid = f"abort-{secrets.token_hex(6)}"
     create_session(server, session_id=sid, pin_ttl_s=600)
-    pinned_before = _stats(server)["store"]["pinned_blocks"]
+    pinned_before = stats(server)["store"]["pinned_blocks"]
     messages = two_messages("Write a very long story about a cache.", words=300, seed=41)
     max_tokens = 3000
     body = {
@@ -119,7 +113,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbra
     assert branch["pinned"] and branch["pinned_blocks"] >= 1  # its own lease, renewed on finish
 
     # nothing pinned beyond the session's own pin
-    pinned_after = _stats(server)["store"]["pinned_blocks"]
+    pinned_after = stats(server)["store"]["pinned_blocks"]
     assert pinned_after - pinned_before <= branch["pinned_blocks"]
 
     # the server still serves, the session too
@@ -134,7 +128,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_leaks_nothing(kvbra
         r = c.delete(f"/v1/kvbranch/sessions/{sid}")
         assert r.status_code == 200, r.text
         assert c.get(f"/v1/kvbranch/sessions/{sid}").status_code == 404
-    assert _stats(server)["store"]["pinned_blocks"] <= pinned_before
+    assert stats(server)["store"]["pinned_blocks"] <= pinned_before
     assert _requests_running(server) == 0
 
 
@@ -161,8 +155,8 @@ def test_full_host_store_evicts_unpinned_first_and_answers_stay_greedy_identical
     chat(server, messages, session=sid, max_tokens=16)
     pinned = branch_info(server, sid)
     assert pinned["pinned"] and pinned["pinned_blocks"] >= 2
-    evictions_before = _stats(server)["store"]["evictions"]
-    capacity = _stats(server)["store"]["capacity_blocks"]
+    evictions_before = stats(server)["store"]["evictions"]
+    capacity = stats(server)["store"]["capacity_blocks"]
 
     # overflow: unrelated prompts worth more blocks than the whole store
     pushed = 0
@@ -171,9 +165,9 @@ def test_full_host_store_evicts_unpinned_first_and_answers_stay_greedy_identical
         response = chat(server, filler(500 + i), max_tokens=1)
         pushed += response["usage"]["prompt_tokens"] // BLOCK
         i += 1
-    stats = _stats(server)
-    assert stats["store"]["evictions"] > evictions_before
-    assert stats["store"]["used_blocks"] <= stats["store"]["capacity_blocks"]
+    store = stats(server)["store"]
+    assert store["evictions"] > evictions_before
+    assert store["used_blocks"] <= store["capacity_blocks"]
     pinned = branch_info(server, sid)
     assert pinned["stored_blocks"] == pinned["pinned_blocks"] >= 2  # all of it survived
 

@@ -39,6 +39,7 @@ from tests.integration.helpers import (
     empty_caches,
     pd_instance,
     reset_device_cache,
+    stats,
     system_prompt,
 )
 from tests.prestart import BIND_ENV
@@ -351,7 +352,7 @@ def check_host_store(family: str, servers) -> None:
 
 
 #: Families with sliding-window layers: the store keeps their part of a position only near
-#: resume points (server/connector/core/window_parts.py).
+#: resume points (server/connector/core/part_pool.py).
 WINDOWED = {"gpt-oss", "gemma3"}
 
 
@@ -359,10 +360,7 @@ def check_window_parts(server) -> float:
     """The windowed layers' part was kept for fewer positions than the rest of the store (only
     the window before each prompt's and answer's end), no load missed one, and the bytes the
     store took for these turns against a store of every layer at every position: returned."""
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    store = r.json()["store"]
+    store = stats(server)["store"]
     assert store["window_misses"] == 0, store
     assert store["window_part_bytes"] > 0 and store["loaded_window_parts"] > 0, store
     positions = store["saved_blocks"] + store["saved_tails"]
@@ -381,10 +379,7 @@ STATEFUL = {"gdn"}
 def check_state_parts(server) -> float:
     """States were kept for fewer positions than the store holds, and loaded; the bytes the
     store holds now against a slot with a state's room at every stored position: returned."""
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    store = r.json()["store"]
+    store = stats(server)["store"]
     assert store["state_part_bytes"] > 0 and store["loaded_states"] > 0, store
     assert 0 < store["state_parts_used"] < store["used_blocks"], store
     held = (

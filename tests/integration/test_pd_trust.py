@@ -33,7 +33,7 @@ from server.connector.pd.transfer_auth import (
     make_claim,
     seal,
 )
-from tests.integration.helpers import chat, client, empty_caches, system_prompt, text_of
+from tests.integration.helpers import chat, client, empty_caches, stats, system_prompt, text_of
 from tests.integration.trust_cluster import CLUSTER_SECRET, as_router
 
 SECRET = CLUSTER_SECRET
@@ -65,10 +65,7 @@ def _post(server, body, headers=None) -> httpx.Response:
 
 
 def _pd_stats(server) -> dict:
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    return r.json().get("pd") or {}
+    return stats(server).get("pd") or {}
 
 
 def _ask_long(session: str) -> tuple[list[dict], str]:
@@ -512,5 +509,5 @@ def test_held_conversations_yield_to_new_sessions(pd, plain_server):
     for turns in results:
         for messages, text in turns:
             assert text == text_of(chat(plain_server, messages, max_tokens=32))
-    stats = _pd_stats(decode)
-    assert stats["holds_released_for_new_work"] > released_before, stats  # by this load
+    pd = _pd_stats(decode)
+    assert pd["holds_released_for_new_work"] > released_before, pd  # by this load

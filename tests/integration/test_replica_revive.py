@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from dataclasses import dataclass
 
 import httpx
 
@@ -36,7 +37,13 @@ from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.common.tenants import tenant_id
 from server.index.redis_store import RedisKeys
 from server.plugin.revive_rules import REVIVE_PATH
-from tests.integration.helpers import chat_body, client, empty_caches, pd_activity
+from tests.integration.helpers import (
+    chat_body,
+    client,
+    empty_caches,
+    pd_activity,
+    reset_device_cache,
+)
 from tests.integration.replica_fixture import (
     CLUSTER,
     HOLD_TTL_S,
@@ -60,19 +67,47 @@ from tests.server_process import ServerProcess
 RESET_WAIT_S = HOLD_TTL_S + 40
 
 
-def _empty_device(server: ServerProcess, wait_s: float) -> None:
-    """Drop vLLM's device prefix cache only: kvbranch's host store keeps what it has. Refused
-    while a hold keeps blocks in use: retried until the holds have ended."""
-    deadline = time.monotonic() + wait_s
-    with client(server) as c:
-        while True:
-            r = c.post("/reset_prefix_cache")
-            if r.json().get("success"):
-                return
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-    raise AssertionError(f"{server.name}'s device prefix cache could not be reset")
+@dataclass(frozen=True)
+class _Readings:
+    """A's and B's counters before a turn B should pull by a revive of ``source``."""
+
+    source: str
+    served: float
+    revived: float
+    a_hits: dict
+    b_turns: float
+    b_remote: int
+
+
+def _readings(a: ServerProcess, b: ServerProcess, source: str) -> _Readings:
+    return _Readings(
+        source,
+        _counter(a, "kvbranch_peer_revives_total", "outcome", "served"),
+        _revived_tokens(a),
+        stats(a)["hits_tokens"],
+        _counter(b, "kvbranch_peer_turns_total", "source", source),
+        remote_hits(b),
+    )
+
+
+def _check_revived(a: ServerProcess, b: ServerProcess, before: _Readings, split: dict) -> None:
+    """B pulled the turn's history by one revive of ``before.source``: A loaded the whole
+    revived prefix from its host store and computed one token itself, and B pulled what A
+    revived (and the one token A computed when B's prompt has it too)."""
+    assert _counter(b, "kvbranch_peer_turns_total", "source", before.source) == (
+        before.b_turns + 1
+    ), f"B did not pull by a {before.source} revive"
+    assert _counter(a, "kvbranch_peer_revives_total", "outcome", "served") == before.served + 1
+    revived = _revived_tokens(a) - before.revived
+    a_after = stats(a)["hits_tokens"]
+    assert revived >= 1000, f"A revived {revived} tokens"
+    assert a_after["host"] - before.a_hits["host"] == revived
+    assert a_after["recomputed"] - before.a_hits["recomputed"] == 1
+    assert a_after["device"] == before.a_hits["device"], "A's device cache was not empty"
+    pulled = remote_hits(b) - before.b_remote
+    print(f"A revived {revived} tokens ({before.source}) from its host store; B pulled {pulled}")
+    assert revived <= pulled <= revived + 1, f"B pulled {pulled} of {revived} revived tokens"
+    assert split.get("remote_hit_tokens") == pulled
 
 
 def _counter(server: ServerProcess, name: str, label: str, value: str) -> float:
@@ -107,34 +142,14 @@ def test_a_turn_pulls_the_history_from_the_peers_host_store_after_its_hold_ended
     assert tokens == plain(plain_server, messages)
     replicas.wait_holder(session)
     _drop_offer(replicas, session)
-    _empty_device(a, RESET_WAIT_S)  # after A's own hold on the blocks has ended
+    reset_device_cache(a, RESET_WAIT_S)  # after A's own hold on the blocks has ended
 
-    served_before = _counter(a, "kvbranch_peer_revives_total", "outcome", "served")
-    revived_before = _revived_tokens(a)
-    a_hits = stats(a)["hits_tokens"]
-    revived_turns_before = _counter(b, "kvbranch_peer_turns_total", "source", "revived")
-    remote_before = remote_hits(b)
+    before = _readings(a, b, "revived")
 
     messages = then(messages, tokens, "The tool returned 42 records. Next?")
     mine, split, _ = turn(b, messages, session)
     assert mine == plain(plain_server, messages), "turn 2 differs from plain vLLM"
-
-    assert _counter(a, "kvbranch_peer_revives_total", "outcome", "served") == served_before + 1
-    revived = _revived_tokens(a) - revived_before
-    a_after = stats(a)["hits_tokens"]
-    # A loaded the whole revived prefix from its host store and computed one token itself.
-    assert revived >= 1000, f"A revived {revived} tokens"
-    assert a_after["host"] - a_hits["host"] == revived
-    assert a_after["recomputed"] - a_hits["recomputed"] == 1
-    assert a_after["device"] == a_hits["device"], "A's device cache was not empty"
-    # B pulled what A revived (and the one token A computed when B's prompt has it too).
-    pulled = remote_hits(b) - remote_before
-    assert _counter(b, "kvbranch_peer_turns_total", "source", "revived") == (
-        revived_turns_before + 1
-    )
-    print(f"A revived {revived} tokens from its host store; B pulled {pulled}")
-    assert revived <= pulled <= revived + 1, f"B pulled {pulled} of {revived} revived tokens"
-    assert split.get("remote_hit_tokens") == pulled
+    _check_revived(a, b, before, split)
 
 
 def _revived_tokens(server: ServerProcess) -> float:
@@ -243,7 +258,7 @@ def test_a_forks_first_turn_pulls_the_longest_host_run_by_block_run_revive(repli
     assert tokens == plain(plain_server, messages)
     replicas.wait_holder(session)
     generations = _generations(replicas, a)
-    _empty_device(a, RESET_WAIT_S)  # A's hold on turn 1 ended; its host store keeps it
+    reset_device_cache(a, RESET_WAIT_S)  # A's hold on turn 1 ended; its host store keeps it
     # vLLM publishes the reset's event with its next step's events: one short, unrelated turn
     # on A, then A's next heartbeat carries the reset. Its device tier's entries are hidden
     # from then on, its host tier's are not (they would be, were the generation the instance's).
@@ -251,30 +266,12 @@ def test_a_forks_first_turn_pulls_the_longest_host_run_by_block_run_revive(repli
     _wait_until(lambda: _generations(replicas, a)["generation"] > generations["generation"])
     assert _generations(replicas, a)["host_generation"] == generations["host_generation"]
 
-    served_before = _counter(a, "kvbranch_peer_revives_total", "outcome", "served")
-    revived_before = _revived_tokens(a)
-    a_hits = stats(a)["hits_tokens"]
-    run_turns_before = _counter(b, "kvbranch_peer_turns_total", "source", "revived_run")
-    remote_before = remote_hits(b)
+    before = _readings(a, b, "revived_run")
 
     fork = then(messages, tokens, "Pick another tool than that one. Which?")
     mine, split = _fork_turn(b, fork, session, "fork-" + secrets.token_hex(3))
     assert mine == plain(plain_server, fork), "the fork's first turn differs from plain vLLM"
-
-    assert _counter(b, "kvbranch_peer_turns_total", "source", "revived_run") == (
-        run_turns_before + 1
-    ), "B did not pull by a block-run revive"
-    assert _counter(a, "kvbranch_peer_revives_total", "outcome", "served") == served_before + 1
-    revived = _revived_tokens(a) - revived_before
-    a_after = stats(a)["hits_tokens"]
-    assert revived >= 1000, f"A revived {revived} tokens"
-    assert a_after["host"] - a_hits["host"] == revived
-    assert a_after["recomputed"] - a_hits["recomputed"] == 1
-    assert a_after["device"] == a_hits["device"], "A's device cache was not empty"
-    pulled = remote_hits(b) - remote_before
-    print(f"A revived {revived} tokens of the fork's prompt from its host store; B pulled {pulled}")
-    assert revived <= pulled <= revived + 1, f"B pulled {pulled} of {revived} revived tokens"
-    assert split.get("remote_hit_tokens") == pulled
+    _check_revived(a, b, before, split)
 
 
 def test_a_block_run_revive_of_other_token_ids_or_another_tenants_salt_runs_nothing(replicas):

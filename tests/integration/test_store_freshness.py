@@ -16,6 +16,7 @@ from tests.integration.helpers import (
     chat,
     client,
     reset_device_cache,
+    stats,
     system_prompt,
     text_of,
 )
@@ -26,13 +27,6 @@ def _messages(seed: int, words: int = 450) -> list[dict]:
         {"role": "system", "content": system_prompt(words=words, seed=seed)},
         {"role": "user", "content": "Name one tool an agent may call."},
     ]
-
-
-def _stats(server) -> dict:
-    with client(server) as c:
-        r = c.get("/v1/kvbranch/stats")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def _reset_external(server) -> None:
@@ -133,7 +127,7 @@ def test_reset_external_drops_pinned_blocks_tails_and_pins(kvbranch_server):
     _reset_external(kvbranch_server)
     after = branch_info(kvbranch_server, "fresh-pins")  # the session stays
     assert not after["pinned"] and after["stored_blocks"] == 0 and after["pinned_blocks"] == 0
-    store = _stats(kvbranch_server)["store"]
+    store = stats(kvbranch_server)["store"]
     assert store["used_blocks"] == 0 and store["pinned_blocks"] == 0
     # Nothing of the old KV is served: the same prompt recomputes everything.
     reset_device_cache(kvbranch_server)
@@ -146,12 +140,12 @@ def test_reset_external_drops_pinned_blocks_tails_and_pins(kvbranch_server):
 def test_new_weights_clear_the_host_store(kvbranch_server):
     messages = _messages(seed=224)
     first = chat(kvbranch_server, messages, session="fresh-weights", max_tokens=8)
-    assert _stats(kvbranch_server)["store"]["used_blocks"] > 0
+    assert stats(kvbranch_server)["store"]["used_blocks"] > 0
     with client(kvbranch_server) as c:
         r = c.post("/collective_rpc", json={"method": "reload_weights"})
     # the tests' servers run in dev mode (tests/server_process.py): the route must be there
     assert r.status_code == 200, r.text
-    store = _stats(kvbranch_server)["store"]
+    store = stats(kvbranch_server)["store"]
     assert store["used_blocks"] == 0 and store["pinned_blocks"] == 0
     reset_device_cache(kvbranch_server)
     again = chat(kvbranch_server, messages, session="fresh-weights", max_tokens=8)
