@@ -108,6 +108,9 @@ class Instance:
     instance_id: str | None = None
     checked_at: float = 0.0
     inflight: int = 0
+    #: Of those, the ones whose prompt it is computing: a P leg until its answer, a turn it
+    #: serves alone until the first bytes of its answer (a D's decode leg computes no prompt).
+    prefilling: int = 0
     requests: int = 0
     failures: int = 0
     #: Failed requests in a row; a success resets it.
@@ -459,12 +462,14 @@ class Pool:
     def serves_locally(self, decode: Instance, prefill: Instance | None) -> bool:
         """Whether the D that holds a branch serves its next turn alone: it has the history
         (device or host store) and computes only the turn's new tokens, with no P leg and no
-        pull either way. Where the P the turn would take is busier (more requests in flight)
-        than that D: a resumed turn's prefill is short, and waiting behind other turns' prefills
-        on P is most of its time when several agents resume at once (docs/pd.md)."""
+        pull either way. Where that D computes no more prompts than the P the turn would take
+        (P's requests are all prompts; D's decode legs only decode): a resumed turn's prefill
+        is short, and waiting behind other turns' prefills on P is most of its time when
+        several agents resume at once, while D only decodes. Turns that resume together are
+        shared between P and D instead of all queueing on P (docs/pd.md)."""
         if self.policy != CACHE_AWARE or prefill is None:
             return False  # no P at all: the turn's fallback says so (decode-only)
-        return decode.load < prefill.load
+        return decode.prefilling <= prefill.load
 
     def by_instance_id(self, instance_id: str | None) -> Instance | None:
         if instance_id is None:

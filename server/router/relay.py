@@ -80,11 +80,25 @@ class _Upstream:
     ends: after the last event, when the client leaves mid-stream, or when it leaves before
     the first event (then the event generator never ran, and its ``finally`` neither)."""
 
-    def __init__(self, resp: httpx.Response, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        resp: httpx.Response,
+        on_close: Callable[[], None],
+        on_first: Callable[[], None] | None = None,
+    ) -> None:
         self.resp = resp
         self._on_close: Callable[[], None] | None = on_close
+        self._on_first = on_first
+
+    def first(self) -> None:
+        """The instance's first bytes arrived (or the relay ended before any): ``on_first``
+        runs once."""
+        on_first, self._on_first = self._on_first, None
+        if on_first is not None:
+            on_first()
 
     async def close(self) -> None:
+        self.first()
         on_close, self._on_close = self._on_close, None
         if on_close is None:
             return
@@ -116,6 +130,7 @@ async def relay_events(upstream: _Upstream, rewrite: Rewrite) -> AsyncIterator[b
     try:
         try:
             async for data in upstream.resp.aiter_raw():
+                upstream.first()
                 complete = events.feed(data)
                 done = done or DONE_EVENT in complete
                 out = rewrite_events(complete, rewrite)
@@ -156,13 +171,15 @@ def relay_stream(
     want_usage: bool,
     on_close: Callable[[], None],
     headers: dict[str, str],
+    on_first: Callable[[], None] | None = None,
 ) -> StreamingResponse:
-    """The client's streaming response for an open upstream stream."""
+    """The client's streaming response for an open upstream stream. ``on_first`` runs once,
+    when the instance's first bytes arrive (its prompt is computed) or the relay ends."""
 
     def rewrite(event: bytes) -> bytes | None:
         return rewrite_event(event, file_params, split, want_usage)
 
-    upstream = _Upstream(resp, on_close)
+    upstream = _Upstream(resp, on_close, on_first)
     return _RelayedStream(
         relay_events(upstream, rewrite),
         upstream,

@@ -66,6 +66,8 @@ _T = TypeVar("_T")
 CLAIM_TIMEOUT_S = 5.0
 #: The route of a resumed turn the D holding its branch serves alone (``Pool.serves_locally``).
 LOCAL_ROUTE = "decode-local"
+#: The routes where D decodes a prompt P computed (its KV comes over NIXL).
+SPLIT_ROUTES = ("pd", "pd+pull")
 JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -396,9 +398,11 @@ class _Turn:
             headers.update(self.pool.proof("POST", self.path, content))
         return content, headers
 
-    async def post(self, inst: Instance, body: dict[str, Any]) -> httpx.Response:
+    async def post(self, inst: Instance, body: dict[str, Any], prompt: bool) -> httpx.Response:
+        """``prompt``: the instance computes the request's prompt (``Instance.prefilling``)."""
         content, headers = self.encode(body)
         inst.inflight += 1
+        inst.prefilling += prompt
         inst.requests += 1
         try:
             r = await self.flow.client.post(inst.url + self.path, content=content, headers=headers)
@@ -407,6 +411,7 @@ class _Turn:
             raise _transport_failure(exc) from None
         finally:
             inst.inflight -= 1
+            inst.prefilling -= prompt
         self.record(inst, r.status_code)
         return r
 
@@ -432,7 +437,7 @@ class _Turn:
             # client's own max_tokens by read_turn, so D will not refuse it after P's prefill)
             body["min_tokens"] = min(body["min_tokens"], 1)
         body[TRANSFER_PARAMS_FIELD] = params
-        r = await self.post(inst, body)
+        r = await self.post(inst, body, prompt=True)
         if 400 <= r.status_code < 500:
             return relay.passthrough(r)
         if r.status_code != 200:
@@ -474,14 +479,15 @@ class _Turn:
         self.flow.turns.labels(route).inc()
         out_headers = {ROUTE_HEADER: route}
         sent = time.perf_counter()
+        prompt = route not in SPLIT_ROUTES  # a split turn's D got the prompt's KV from P
 
         if body.get("stream") is True:
 
             def file_params(params: Any) -> None:
                 self.flow.file(key, inst, self.turn, params)
 
-            return await self.stream(inst, body, file_params, split, out_headers, sent)
-        r = await self.post(inst, body)
+            return await self.stream(inst, body, file_params, split, out_headers, sent, prompt)
+        r = await self.post(inst, body, prompt)
         self.set_timing(out_headers, sent)
         if r.status_code >= 500:
             raise _Fallback(f"HTTP {r.status_code}")
@@ -516,11 +522,22 @@ class _Turn:
         split: Any,
         out_headers: dict[str, str],
         sent: float,
+        prompt: bool,
     ) -> Response:
         body = dict(body)  # a retry on another instance starts from the same body
         want_usage = relay.ask_for_usage(body)
         inst.inflight += 1
         inst.requests += 1
+        counted = prompt
+
+        def computed() -> None:
+            """The prompt is computed (first bytes) or will not be: count it once."""
+            nonlocal counted
+            if counted:
+                counted = False
+                inst.prefilling -= 1
+
+        inst.prefilling += prompt
         client = self.flow.client
         content, headers = self.encode(body)
         try:
@@ -530,10 +547,12 @@ class _Turn:
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as exc:
             inst.inflight -= 1
+            computed()
             self.pool.failed(inst, reachable=False)
             raise _transport_failure(exc) from None
         except BaseException:  # the client left while the instance had not answered yet
             inst.inflight -= 1
+            computed()
             raise
         self.record(inst, resp.status_code)
         self.set_timing(out_headers, sent)
@@ -541,6 +560,7 @@ class _Turn:
             await resp.aread()
             await resp.aclose()
             inst.inflight -= 1
+            computed()
             if resp.status_code >= 500:
                 raise _Fallback(f"HTTP {resp.status_code}")
             return relay.passthrough(resp, out_headers)  # the client's own error, as D said it
@@ -548,4 +568,6 @@ class _Turn:
         def done() -> None:
             inst.inflight -= 1
 
-        return relay.relay_stream(resp, file_params, split, want_usage, done, out_headers)
+        return relay.relay_stream(
+            resp, file_params, split, want_usage, done, out_headers, on_first=computed
+        )

@@ -23,6 +23,7 @@ from sdk.contract import (
 )
 from server import dialects
 from server.common.tenants import scope_of
+from server.router.app import Router
 from server.router.turn import turn_key
 from tests.unit.server.dialects.bodies import conversation
 from tests.unit.server.router.fakes import (
@@ -149,6 +150,12 @@ def _turn(router, **extra: Any) -> httpx.Response:
 KEY = (scope_of(None), "s1", "main")
 
 
+def split_router(fakes: PD) -> Router:
+    """Every turn through P, for the tests of claims and pulls: with the default policy the D
+    holding a branch serves its next turn alone while it computes no more prompts than P."""
+    return make_router(fakes, policy="always-split")
+
+
 def test_a_turn_prefills_on_p_decodes_on_d_and_files_ds_params():
     fakes = PD()
     router = make_router(fakes)
@@ -175,7 +182,7 @@ def test_a_turn_prefills_on_p_decodes_on_d_and_files_ds_params():
 
 def test_the_next_turn_claims_ds_hold_and_p_pulls_it():
     fakes = PD()
-    router = make_router(fakes)
+    router = split_router(fakes)
     _turn(router)
     r = _turn(router)
     assert r.status_code == 200 and r.headers[ROUTE] == "pd+pull"
@@ -186,14 +193,16 @@ def test_the_next_turn_claims_ds_hold_and_p_pulls_it():
     )
 
 
-def test_the_d_holding_a_branch_serves_its_turn_alone_while_p_is_busier():
+def test_the_d_holding_a_branch_serves_its_turn_alone_unless_it_computes_more_prompts():
     """A resumed turn goes to the D that holds its branch, alone (no P leg, no claim, no pull),
-    when that D has fewer requests in flight than the P the turn would take; D holds the new
-    turn for the next. Not with ``always-split``; a new branch always through P."""
+    unless that D is computing more prompts than the P the turn would take has requests; D
+    holds the new turn for the next. D's decode legs are not prompts. Not with
+    ``always-split``; a new branch always through P."""
     fakes = PD()
     router = make_router(fakes)
     _turn(router)  # a new branch: P then D
-    router.pool.prefills[0].inflight = 1  # another turn's prefill leg on P
+    decode, prefill = router.pool.decodes[0], router.pool.prefills[0]
+    decode.inflight = 3  # three answers decoding on D, none computing a prompt
     r = _turn(router)
     assert r.status_code == 200 and r.headers[ROUTE] == "decode-local"
     assert fakes.claims == [] and len(fakes.bodies(P)) == 1
@@ -201,9 +210,13 @@ def test_the_d_holding_a_branch_serves_its_turn_alone_while_p_is_busier():
     assert d_body[TRANSFER_PARAMS_FIELD] == {"do_remote_prefill": False}
     held = peek(router, KEY)
     assert held is not None and held.decode_url == D
-    # D as busy as P: the turn is split again (P pulls D's hold)
-    router.pool.decodes[0].inflight = 1
+    assert decode.prefilling == 0 and decode.inflight == 3  # the turn's count ended with it
+    # D computing a prompt of its own while P computes none: the turn is split (P pulls D's hold)
+    decode.prefilling = 1
     assert _turn(router).headers[ROUTE] == "pd+pull"
+    # ... and local again once P is as busy
+    prefill.inflight = 1
+    assert _turn(router).headers[ROUTE] == "decode-local"
     # always-split: every turn through P
     split = make_router(PD(), policy="always-split")
     _turn(split)
@@ -211,9 +224,22 @@ def test_the_d_holding_a_branch_serves_its_turn_alone_while_p_is_busier():
     assert _turn(split).headers[ROUTE] == "pd+pull"
 
 
-def test_a_hold_d_released_is_not_pulled():
+def test_no_prompt_stays_counted_after_its_turn():
+    """``Instance.prefilling`` (what the decode-local rule reads) is back to zero once the
+    turns are done, streamed or not, split or local: a count left behind would send every
+    later turn of every session through P."""
     fakes = PD()
     router = make_router(fakes)
+    _turn(router, stream=True)
+    r = _turn(router, stream=True)
+    assert r.status_code == 200 and r.headers[ROUTE] == "decode-local"
+    assert [i.prefilling for i in router.pool.all] == [0, 0]
+    assert [i.inflight for i in router.pool.all] == [0, 0]
+
+
+def test_a_hold_d_released_is_not_pulled():
+    fakes = PD()
+    router = split_router(fakes)
     _turn(router)
     fakes.claim_status = 410
     r = _turn(router)
@@ -224,7 +250,7 @@ def test_a_hold_d_released_is_not_pulled():
 
 def test_a_claim_that_is_not_a_claim_is_not_pulled_with():
     fakes = PD()
-    router = make_router(fakes)
+    router = split_router(fakes)
     _turn(router)
     bad = fakes.answer[D]
 
@@ -371,7 +397,7 @@ def test_a_prefill_failing_every_turn_is_left_out_then_tried_again(monkeypatch):
 
     fakes = PD()
     fakes.answer[P] = lambda r: json_reply(500, {"error": {"message": "engine died"}})
-    router = make_router(fakes)
+    router = split_router(fakes)
     for _ in range(pool_mod.EJECT_AFTER_FAILURES):
         assert _turn(router).headers[ROUTE] == "decode-only"
     assert len([s for s in fakes.seen if s[0] == P]) == pool_mod.EJECT_AFTER_FAILURES
@@ -417,7 +443,7 @@ def test_a_prompt_cache_key_turn_is_held_and_pulled_under_the_instances_session(
     prompt_cache_key (the key itself when it is an id, else pck-<digest>), so D's hold is
     filed and the next turn pulls it."""
     fakes = PD()
-    router = make_router(fakes)
+    router = split_router(fakes)
     instance_body = {"prompt_cache_key": cache_key}
     dialects.apply(instance_body, CHAT)  # what the instance does with the same body
     session = instance_body["session_id"]
