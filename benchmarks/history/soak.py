@@ -6,13 +6,23 @@ vLLM.
     with_server_slot .venv/bin/python -m benchmarks.history.soak          # 5 min
     with_server_slot .venv/bin/python -m benchmarks.history.soak --prefills 2 --decodes 2 \
         --minutes 10
+    .venv/bin/python -m benchmarks.history.soak --replicas 2 --quick  # aggregated replicas
 
 The cluster is the launcher's cluster form, one process each, started here: a Redis (the index),
 ``--prefills`` P (core 0) and ``--decodes`` D (core 1) publishing into it, and two routers
 that find them through it, all with three API keys — tenants A and B are legitimate, C is the
 abusive one — and a small ``--router-tenant-inflight`` so that C's share is reachable.
 
-Traffic, through both routers, until ``--minutes`` have passed and every role has been
+With ``--replicas N`` (N >= 2) the cluster is the aggregated one instead, as ``python -m server
+--cluster --replicas N`` starts it: N replicas (``--role single --index URL``, each prefilling and
+decoding, on the cores :func:`server.router.cluster.replica_cores` gives them: one each where
+there are enough) and the two routers in aggregated mode with the replicas as seeds. The routers'
+policies are ``--router-policies`` (default ``cache-aware round-robin``): router0 is ours, which
+keeps a session on the replica holding it, router1 a plain balancer that sends turns to the
+replicas in turn, so that turns alternating the routers land on other replicas and pull their
+history from a peer — the pulls the report counts from the replicas' ``/metrics``.
+
+Traffic, through both routers, until ``--minutes`` have passed and every instance has been
 faulted once:
 
 * legitimate (A, B; ``--agents`` each): sessions created over the session routes, several
@@ -21,9 +31,12 @@ faulted once:
   a request to a router that is down is retried once on the other one (a client with two
   endpoints);
 * hostile (:mod:`benchmarks.history.soak_abuse`): rounds of malformed bodies and headers, floods of
-  unauthenticated chats, a batch of idle sockets held open, C past its in-flight share;
-* a fault every ``--fault-every`` seconds, cycling router → Redis → D → P: SIGKILL, restart,
-  and the next fault only once both routers list every instance alive again.
+  unauthenticated chats, a batch of idle sockets held open, C past its in-flight share; each
+  round at one door in turn: the routers, and with ``--replicas`` also replica0's own HTTP port
+  (behind a plain balancer a replica is a door too);
+* a fault every ``--fault-every`` seconds, cycling router → Redis → D → P (with ``--replicas``:
+  router → Redis → replica), each role's members in turn: SIGKILL, restart, and the next fault
+  only once both routers list every instance alive again.
 
 Then the cluster is stopped and plain vLLM (:mod:`tests.vanilla_vllm`: vLLM's own server, no
 kvbranch code) is started on the same cores, and every served legitimate request's body is
@@ -31,9 +44,11 @@ replayed on it (greedy, same ``max_tokens``, non-streaming): the answers must be
 
 Report (:mod:`benchmarks.history.soak_report`): per tenant the requests served, 4xx and 5xx by
 cause, failures during a fault of the only instance of a role apart; RSS of every process tree and
-the Redis key count sampled every ``--sample-every`` seconds; every target met or not. Raw data
-(bodies included): ``benchmarks/out/soak-<time>.json`` (not committed); the plot:
-``benchmarks/plots/soak[_quick].png``; records in benchmarks/results/ (unless --no-results).
+the Redis key count sampled every ``--sample-every`` seconds (with ``--replicas`` also each
+replica's peer-pull counters, read again just before it is killed); every target met or not. Raw
+data (bodies included): ``benchmarks/out/soak-<time>.json`` (not committed); the plot:
+``benchmarks/plots/soak[_replicas][_quick].png``; records in benchmarks/results/ (unless
+--no-results).
 Everything it started is stopped on exit, Ctrl-C and errors included; all traffic goes to
 127.0.0.1.
 """
@@ -44,6 +59,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import secrets
 import signal
@@ -69,6 +85,7 @@ from sdk.contract import (  # noqa: E402
     session_path,
 )
 from server.launcher.process import MODEL_NAME, ServerProcess  # noqa: E402
+from server.router.cluster import replica_cores  # noqa: E402
 from tests.conftest import VanillaVLLM  # noqa: E402
 from tests.integration.cluster_fixture import restart, sigkill, tree_memory_mib  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -79,6 +96,11 @@ DESCRIPTION = (
     "are SIGKILLed, answers replayed on plain vLLM"
 )
 FAULT_CYCLE = ("router", "redis", "decode", "prefill")
+REPLICA_FAULT_CYCLE = ("router", "redis", "replica")
+#: Roles faulted once, not once per member: routers are stateless (one killed is every one
+#: killed), Redis is one process.
+ONCE_ROLES = ("router", "redis")
+ROUTER_POLICIES = ("cache-aware", "round-robin")
 #: Hard bounds on every loop (the time bounds are the run's deadline).
 MAX_SESSIONS_PER_AGENT = 500
 MAX_ABUSE_ROUNDS = 500
@@ -104,8 +126,8 @@ TOOLS = [
 
 # --- the cluster ---------------------------------------------------------------------------------
 class SoakCluster:
-    """Redis, P's, D's and two routers, each its own process; names ``prefill0``, ``decode0``,
-    ``router0``, ``redis``."""
+    """Redis, P's, D's (or aggregated replicas) and two routers, each its own process; names
+    ``prefill0``, ``decode0``, ``replica0``, ``router0``, ``redis``."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.redis = RedisServer()
@@ -113,18 +135,33 @@ class SoakCluster:
         key_flags = [a for k in self.keys.values() for a in ("--api-key", k)]
         # the benchmarks' cluster launch forms (their secret, core binding, sizes), with the keys
         self.procs: dict[str, ServerProcess] = {}
-        for role, count, core in (("prefill", args.prefills, "0"), ("decode", args.decodes, "1")):
-            for n in range(count):
-                inst = cluster.instance(role, core, self.redis.url, args)
+        seeds: list[str] = []
+        if args.replicas:
+            cores = replica_cores(len(os.sched_getaffinity(0)), args.replicas)
+            for n, core in enumerate(cores):
+                inst = cluster.replica(core, self.redis.url, args)
                 inst.args += key_flags
-                self.procs[f"{role}{n}"] = inst
+                self.procs[f"replica{n}"] = inst
+                seeds += ["--replica", inst.url]
+        else:
+            for role, count, core in (
+                ("prefill", args.prefills, "0"),
+                ("decode", args.decodes, "1"),
+            ):
+                for n in range(count):
+                    inst = cluster.instance(role, core, self.redis.url, args)
+                    inst.args += key_flags
+                    self.procs[f"{role}{n}"] = inst
         for n in range(2):
             flags = [
                 "--index",
                 self.redis.url,
                 "--router-tenant-inflight",
                 str(args.tenant_inflight),
+                *seeds,
             ]
+            if args.router_policies:
+                flags += ["--router-policy", args.router_policies[n]]
             self.procs[f"router{n}"] = cluster.router([*flags, *key_flags])
         for name, proc in self.procs.items():
             proc.name, proc.api_key = f"soak-{name}", self.keys["A"]
@@ -135,9 +172,26 @@ class SoakCluster:
         #: processes that exited on their own: name → when the sampler first saw it
         self.died: dict[str, float] = {}
         self.instances = [p for n, p in self.procs.items() if not n.startswith("router")]
+        self.replicas = {n: p for n, p in self.procs.items() if n.startswith("replica")}
+        #: each replica's life: counted up at its kill, so a reading of its counters is summed
+        #: per process (a restart starts them at zero again)
+        self.lives = dict.fromkeys(self.replicas, 0)
+        #: the replicas' peer-pull counters as read over the run (:func:`soak_report.pull_totals`)
+        self.pull_readings: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
 
     def of_role(self, role: str) -> list[str]:
         return ["redis"] if role == "redis" else [n for n in self.procs if n.startswith(role)]
+
+    def members(self, cycle: tuple[str, ...]) -> dict[str, list[str]]:
+        """Each faulted role's processes, in the order they are killed."""
+        return {role: self.of_role(role) for role in cycle}
+
+    def doors(self) -> list[tuple[str, ServerProcess]]:
+        """Where the hostile traffic knocks, a round at each in turn: the routers, and the first
+        replica's own port (a replica behind a plain balancer is reachable as it is)."""
+        doors = [(name, proc) for name, proc in self.procs.items() if name.startswith("router")]
+        return doors + list(self.replicas.items())[:1]
 
     def start(self, log: reporting.Progress) -> None:
         self.redis.start()
@@ -160,6 +214,9 @@ class SoakCluster:
 
     def kill(self, name: str) -> None:
         self.faulting = name
+        if name in self.replicas:
+            self.read_pulls(name)  # what it counted since the last sample dies with it
+            self.lives[name] += 1
         if name == "redis":
             self.redis.kill()
         else:
@@ -203,10 +260,28 @@ class SoakCluster:
 
         return redis.Redis(unix_socket_path=str(self.redis.socket), socket_timeout=2)
 
+    def read_pulls(self, name: str) -> None:
+        """One reading of a replica's peer-pull counters (``/metrics``), kept with its life;
+        none while it is down."""
+        proc, life = self.replicas[name], self.lives[name]
+        if proc.proc is None or proc.proc.poll() is not None:
+            return
+        try:
+            r = httpx.get(proc.url + "/metrics", headers=self.headers(), timeout=10)
+        except httpx.HTTPError:
+            return
+        if r.status_code == 200:
+            counts = soak_report.peer_pull_counts(r.text)
+            t = round(time.monotonic() - self.t0, 1)
+            self.pull_readings.append({"t": t, "member": name, "life": life, "counts": counts})
+
     def sample(self, now: float) -> dict[str, Any]:
         """RSS (MiB) of every process tree (None while it is down) and Redis' key count; a
-        process found exited that no fault killed is noted in :attr:`died` (a crash)."""
+        process found exited that no fault killed is noted in :attr:`died` (a crash). The
+        replicas' peer-pull counters are read too."""
         rss: dict[str, float | None] = {}
+        for name in self.replicas:
+            self.read_pulls(name)
         for name, proc in self.procs.items():
             if proc.proc is not None and proc.proc.poll() is not None:
                 if name != self.faulting and name not in self.died:
@@ -265,9 +340,11 @@ class Soak:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def record(self, out: Outcome) -> None:
+    def record(self, out: Outcome, door: str | None = None) -> None:
         ev = out.to_dict()
         ev["t0"], ev["t1"] = round(out.t0 - self.t0, 3), round(out.t1 - self.t0, 3)
+        if door is not None:
+            ev["door"] = door
         self.events.append(ev)
 
     async def request(
@@ -459,20 +536,26 @@ class Soak:
     async def abuse(self) -> None:
         args, rng = self.args, random.Random(f"{self.args.seed}-abuse")
         key, idle = self.cluster.keys["C"], []
+        doors = self.cluster.doors()
         async with httpx.AsyncClient() as client:
             for rounds in range(MAX_ABUSE_ROUNDS):
                 if self.stop.is_set():
                     break
-                r = rounds % 2
-                url = self.cluster.routers[r].url
+                r = rounds % len(doors)
+                door, proc = doors[r]
+                url = proc.url
+
+                def record(out: Outcome, door: str = door) -> None:
+                    self.record(out, door)
+
                 for case in soak_abuse.abuse_cases(MODEL_NAME, rng):
-                    await soak_abuse.send_case(client, url, r, case, key, self.record)
-                await soak_abuse.flood(client, url, r, MODEL_NAME, args.flood, rng, self.record)
+                    await soak_abuse.send_case(client, url, r, case, key, record)
+                await soak_abuse.flood(client, url, r, MODEL_NAME, args.flood, rng, record)
                 if rounds % 2 == 0:
                     n = 3 * args.tenant_inflight
-                    await soak_abuse.over_share(client, url, r, MODEL_NAME, key, n, self.record)
+                    await soak_abuse.over_share(client, url, r, MODEL_NAME, key, n, record)
                 if rounds % 4 == 1 and args.idle_sockets:
-                    port = self.cluster.routers[r].port
+                    port = proc.port
                     idle.append(
                         asyncio.create_task(
                             soak_abuse.idle_sockets("127.0.0.1", port, args.idle_sockets, 20.0)
@@ -484,17 +567,19 @@ class Soak:
 
     async def fault_loop(self, client: httpx.AsyncClient, log: reporting.Progress) -> None:
         """A fault every ``fault_every`` s (SIGKILL, restart, wait until whole) until the traffic
-        time is over and each role was faulted once; then the traffic stops."""
+        time is over and every instance was faulted once; then the traffic stops."""
         args = self.args
         traffic_end, hard_end = args.minutes * 60, args.minutes * 60 + GRACE_S
+        cycle = fault_cycle(args.replicas)
+        members = self.cluster.members(cycle)
+        wanted = faults_to_cover(cycle, members)
         try:
             for i in range(MAX_FAULTS):
                 await asyncio.sleep(max(0.0, (i + 1) * args.fault_every - self.now()))
-                if self.now() >= hard_end or (self.now() >= traffic_end and i >= len(FAULT_CYCLE)):
+                if self.now() >= hard_end or (self.now() >= traffic_end and i >= wanted):
                     break
-                role = FAULT_CYCLE[i % len(FAULT_CYCLE)]
-                victims = self.cluster.of_role(role)
-                victim = victims[(i // len(FAULT_CYCLE)) % len(victims)]
+                role, victim = fault_victim(i, cycle, members)
+                victims = members[role]
                 fault = {
                     "role": role,
                     "victim": victim,
@@ -546,7 +631,7 @@ class Soak:
         async with httpx.AsyncClient() as client:
             if not await self.cluster.wait_whole(client, 120):
                 raise RuntimeError("the routers never listed every instance alive")
-            self.t0 = time.monotonic()
+            self.t0 = self.cluster.t0 = time.monotonic()
             sampler = asyncio.create_task(self.sampler(done))
             try:
                 agents = [
@@ -557,6 +642,8 @@ class Soak:
                 )
                 traffic_s = self.now()
                 whole = await self.cluster.wait_whole(client, self.args.recovery_s)
+                for name in self.cluster.replicas:  # the last counts, once every turn ended
+                    await asyncio.to_thread(self.cluster.read_pulls, name)
                 keys, no_ttl = await asyncio.to_thread(self.cluster.keys_without_ttl)
             finally:
                 done.set()
@@ -605,10 +692,13 @@ async def soak_run(args: argparse.Namespace) -> list[Record]:
     config = {
         "prefills": args.prefills,
         "decodes": args.decodes,
+        "replicas": args.replicas,
+        "router_policies": args.router_policies,
+        "doors": [name for name, _ in cluster.doors()],
         "agents": args.agents,
         "tenant_inflight": args.tenant_inflight,
         "fault_every_s": args.fault_every,
-        "fault_cycle": list(FAULT_CYCLE),
+        "fault_cycle": list(fault_cycle(args.replicas)),
         "traffic_s": end["traffic_s"],
         "turns": args.turns,
         "max_tokens": args.max_tokens,
@@ -623,8 +713,10 @@ async def soak_run(args: argparse.Namespace) -> list[Record]:
         "samples": soak.samples,
         "end": end,
     }
+    if args.replicas:
+        record["pulls"] = cluster.pull_readings
     reporting.write_json(reporting.raw_path("soak"), record)
-    name = "soak_quick" if args.quick else "soak"
+    name = "soak" + ("_replicas" if args.replicas else "") + ("_quick" if args.quick else "")
     png = reporting.plot_path(f"{name}.png", args.no_results)
     soak_report.plot(record, png)
     rel = png.relative_to(reporting.ROOT)
@@ -636,8 +728,24 @@ async def soak_run(args: argparse.Namespace) -> list[Record]:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--minutes", type=float, default=5.0, help="traffic time (at least)")
     ap.add_argument("--quick", action="store_true", help="2 minutes, a fault every 20 s")
-    ap.add_argument("--prefills", type=int, default=1)
-    ap.add_argument("--decodes", type=int, default=1)
+    ap.add_argument("--prefills", type=int, default=None, help="P instances (default 1)")
+    ap.add_argument("--decodes", type=int, default=None, help="D instances (default 1)")
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N >= 2 aggregated replicas instead of P and D (the launcher's --cluster --replicas)",
+    )
+    ap.add_argument(
+        "--router-policies",
+        nargs=2,
+        choices=ROUTER_POLICIES,
+        default=None,
+        metavar=("ROUTER0", "ROUTER1"),
+        help="each router's --router-policy (default: cache-aware round-robin with --replicas, "
+        "the routers' own default without)",
+    )
     ap.add_argument("--agents", type=int, default=2, help="concurrent agents per legit tenant")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=12)
@@ -654,11 +762,53 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     common.add_run_args(ap, reserved_cpus=False)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what the soak cannot run, each with what to give instead; fill in the topology's
+    defaults (1 P and 1 D; with ``--replicas``, router policies :data:`ROUTER_POLICIES`)."""
+    if args.agents > args.tenant_inflight:
+        raise SystemExit("--tenant-inflight must exceed each legitimate tenant's agents per router")
+    if args.replicas is None:
+        args.prefills = 1 if args.prefills is None else args.prefills
+        args.decodes = 1 if args.decodes is None else args.decodes
+        if args.prefills < 1 or args.decodes < 1:
+            raise SystemExit("--prefills and --decodes: at least 1 each")
+        return
+    if args.replicas < 2:
+        raise SystemExit("--replicas N: N >= 2 (a turn pulls from another replica)")
+    if args.prefills is not None or args.decodes is not None:
+        raise SystemExit("--replicas replaces P and D: drop --prefills/--decodes")
+    args.prefills = args.decodes = 0
+    if args.router_policies is None:
+        args.router_policies = list(ROUTER_POLICIES)
+
+
+def fault_cycle(replicas: int | None) -> tuple[str, ...]:
+    """The roles killed in turn: router → Redis → D → P, or router → Redis → replica."""
+    return REPLICA_FAULT_CYCLE if replicas else FAULT_CYCLE
+
+
+def fault_victim(i: int, cycle: tuple[str, ...], members: dict[str, list[str]]) -> tuple[str, str]:
+    """Fault ``i``'s role and process: the roles in ``cycle`` order, each role's members in
+    turn from one cycle to the next (router0 first, router1 in the next cycle)."""
+    role = cycle[i % len(cycle)]
+    victims = members[role]
+    return role, victims[(i // len(cycle)) % len(victims)]
+
+
+def faults_to_cover(cycle: tuple[str, ...], members: dict[str, list[str]]) -> int:
+    """How many faults kill every role once and every instance (P, D, replica) once: the soak
+    goes on past ``--minutes`` until then (with 1 P and 1 D that is one cycle)."""
+    wanted = len(cycle)
+    for at, role in enumerate(cycle):
+        if role not in ONCE_ROLES:
+            wanted = max(wanted, at + (len(members[role]) - 1) * len(cycle) + 1)
+    return wanted
+
+
 def run(args: argparse.Namespace) -> list[Record]:
     if args.quick:
         args.minutes, args.fault_every, args.recovery_s = 2.0, 20.0, 300.0
-    if args.agents > args.tenant_inflight:
-        raise SystemExit("--tenant-inflight must exceed each legitimate tenant's agents per router")
+    check_args(args)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in background
     signal.signal(signal.SIGTERM, _interrupt)  # stop everything on a plain kill too
     return asyncio.run(soak_run(args))

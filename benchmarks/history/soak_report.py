@@ -4,9 +4,14 @@ a role was down (reported apart, not counted against the cluster), the answers c
 the plain vLLM replay, memory and Redis keys over time, and every target met or not — as a
 Markdown report, records and a plot.
 
-Pure functions of plain dicts (an event is :meth:`benchmarks.soak_abuse.Outcome.to_dict`, a fault
-is ``{"role", "victim", "t_kill", "t_back", "only"}``, a sample is ``{"t", "rss", "redis_keys"}``)
-so that the unit tests check the verdicts on made-up runs.
+With aggregated replicas it also counts the turns that pulled their history from a peer, from
+the replicas' ``/metrics`` read over the run (a reading is ``{"t", "member", "life", "counts"}``,
+``life`` counting the replica's restarts: its counters start again at zero).
+
+Pure functions of plain dicts (an event is :meth:`benchmarks.soak_abuse.Outcome.to_dict`, with a
+``door`` when it was sent to a named process; a fault is ``{"role", "victim", "t_kill", "t_back",
+"only"}``, a sample is ``{"t", "rss", "redis_keys"}``) so that the unit tests check the verdicts on
+made-up runs.
 """
 
 from __future__ import annotations
@@ -27,17 +32,30 @@ FAULT_COLOURS = {
     "redis": "tab:red",
     "prefill": "tab:green",
     "decode": "tab:purple",
+    "replica": "tab:green",
 }
+#: Roles whose processes serve a turn whole: a request in flight when one was killed may have
+#: been the one it served (the router answers 503 then: a turn is never sent twice).
+SERVING_ROLES = ("replica",)
+#: ``kvbranch_peer_turns_total`` sources of turns that pulled their history from a peer.
+PULLED = ("peer", "revived", "revived_run")
+_PEER_TURNS = 'kvbranch_peer_turns_total{source="'
+_REMOTE_TOKENS = 'kvbranch_prompt_tokens_total{source="remote"}'
 
 
 def in_fault(event: dict[str, Any], faults: list[dict[str, Any]]) -> bool:
     """Whether a request overlapped a fault that excuses its failure: the only instance of a
-    role down (P, D or Redis with one of each), or the very router it talked to killed."""
+    role down (P, D or Redis with one of each), the very door it talked to killed (its router,
+    or the replica it was sent to directly), or a replica killed while the request was in
+    flight (that replica may have been serving it)."""
+    door = event.get("door") or f"router{event['router']}"
     for f in faults:
         end = f["t_back"] if f["t_back"] is not None else float("inf")
         if event["t1"] < f["t_kill"] or event["t0"] > end:
             continue
-        if f["only"] or f["victim"] == f"router{event['router']}":
+        if f["only"] or f["victim"] == door:
+            return True
+        if f["role"] in SERVING_ROLES and event["t0"] <= f["t_kill"]:
             return True
     return False
 
@@ -101,9 +119,11 @@ def tenant_summary(events: list[dict[str, Any]], faults: list[dict[str, Any]]) -
 
 def _brief(ev: dict[str, Any]) -> str:
     why = ev.get("error") or ev.get("body") or ""
+    door = ev.get("door") or f"router{ev['router']}"
     return (
-        f"t={ev['t0']:.0f}s router{ev['router']} {ev['kind']}/{ev['case']}: "
-        f"{ev['status'] or 'no answer'} {why}"[:240]
+        f"t={ev['t0']:.0f}s {door} {ev['kind']}/{ev['case']}: {ev['status'] or 'no answer'} {why}"[
+            :240
+        ]
     )
 
 
@@ -149,6 +169,37 @@ def memory_summary(
     }
 
 
+def peer_pull_counts(metrics: str) -> dict[str, float]:
+    """A replica's ``/metrics`` text: its session turns by where their history came from
+    (``kvbranch_peer_turns_total``'s sources) and ``remote_tokens``, the prompt tokens it
+    pulled from peers."""
+    counts: dict[str, float] = {}
+    for row in metrics.splitlines():
+        if row.startswith(_PEER_TURNS):
+            source = row[len(_PEER_TURNS) :].split('"', 1)[0]
+            counts[source] = float(row.split()[-1])
+        elif row.startswith(_REMOTE_TOKENS):
+            counts["remote_tokens"] = float(row.split()[-1])
+    return counts
+
+
+def pull_totals(readings: list[dict[str, Any]]) -> dict[str, float]:
+    """The whole run's counts from the replicas' readings: each process life's last reading
+    (its counters only grow until a kill ends it), summed over lives and replicas; ``pulled``
+    is the turns that pulled from a peer (:data:`PULLED`)."""
+    last: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in readings:
+        key = (r["member"], r["life"])
+        if key not in last or r["t"] >= last[key]["t"]:
+            last[key] = r
+    totals: Counter[str] = Counter()
+    for r in last.values():
+        totals.update(r["counts"])
+    out = {k: float(v) for k, v in sorted(totals.items())}
+    out["pulled"] = float(sum(totals.get(s, 0) for s in PULLED))
+    return out
+
+
 class Target(NamedTuple):
     """One target of the soak: what it asks, whether it was met, the numbers in words, and the
     one number it is decided on (for the run's record)."""
@@ -167,9 +218,29 @@ def targets(
     memory: dict[str, Any],
     faults: list[dict[str, Any]],
     end: dict[str, Any],
+    pulls: dict[str, float] | None = None,
 ) -> list[Target]:
-    """Every target of the soak: what the tenants were answered, then how the cluster held."""
-    return traffic_targets(tenants, answers) + cluster_targets(memory, faults, end)
+    """Every target of the soak: what the tenants were answered, then how the cluster held
+    (and with replicas, whether turns pulled from peers)."""
+    out = traffic_targets(tenants, answers) + cluster_targets(memory, faults, end)
+    if pulls is not None:
+        out.append(pull_target(pulls))
+    return out
+
+
+def pull_target(pulls: dict[str, float]) -> Target:
+    """Turns landed on a replica other than their history's and pulled it: the aggregated
+    cluster's KV followed its sessions under the faults."""
+    n = pulls.get("pulled", 0.0)
+    detail = ", ".join(f"{s} {pulls.get(s, 0):.0f}" for s in PULLED)
+    return Target(
+        "turns that pulled their history from a peer replica (kvbranch_peer_turns_total): > 0",
+        n > 0,
+        f"{n:.0f} ({detail}; {pulls.get('remote_tokens', 0):.0f} prompt tokens pulled)",
+        n,
+        "turns",
+        "> 0",
+    )
 
 
 def traffic_targets(tenants: dict[str, dict], answers: dict[str, Any]) -> list[Target]:
@@ -277,15 +348,25 @@ def cluster_targets(
     ]
 
 
+def config_name(cfg: dict[str, Any]) -> str:
+    """The records' configuration: ``cluster`` (P/D, as every earlier run) or ``N replicas``."""
+    return f"{cfg['replicas']} replicas" if cfg.get("replicas") else "cluster"
+
+
+def _pulls(record: dict[str, Any]) -> dict[str, float] | None:
+    return pull_totals(record["pulls"]) if "pulls" in record else None
+
+
 def records_of(record: dict[str, Any], plot: str) -> list[Record]:
     """One record per target of the run (benchmarks/records.py), the plot linked."""
     faults = record["faults"]
     tenants = tenant_summary(record["events"], faults)
     answers = compare_answers(record["served"])
     memory = memory_summary(record["samples"], faults, record["end"].get("died", {}))
+    config = config_name(record["config"])
     return [
-        result("soak", "cluster", t.what, t.value, t.unit, t.goal, t.met, (plot,) if plot else ())
-        for t in targets(tenants, answers, memory, faults, record["end"])
+        result("soak", config, t.what, t.value, t.unit, t.goal, t.met, (plot,) if plot else ())
+        for t in targets(tenants, answers, memory, faults, record["end"], _pulls(record))
     ]
 
 
@@ -295,19 +376,51 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
     tenants = tenant_summary(record["events"], faults)
     answers = compare_answers(record["served"])
     memory = memory_summary(record["samples"], faults, record["end"].get("died", {}))
+    pulls = _pulls(record)
+    what = (
+        f"{record['config']['replicas']} aggregated replicas"
+        if record["config"].get("replicas")
+        else "Redis"
+    )
     lines = reporting.run_header(
-        "Cluster soak: tenants, abuse and faults through 2 routers + Redis", info, elapsed_s
+        f"Cluster soak: tenants, abuse and faults through 2 routers + {what}", info, elapsed_s
     )
     lines += [workload_line(record["config"]), ""]
     lines += [tenant_table(tenants), fault_table(faults), memory_table(memory)]
-    lines += findings(tenants, answers, memory, faults, record["end"])
+    if pulls is not None:
+        lines.append(pull_line(pulls))
+    lines += findings(tenants, answers, memory, faults, record["end"], pulls)
     lines.append(f"- Plot: `{plot}` (RSS over time, Redis keys; faults marked).")
     return "\n".join(lines) + "\n"
 
 
+def pull_line(pulls: dict[str, float]) -> str:
+    """Every source of the replicas' session turns, summed over the run."""
+    sources = ", ".join(
+        f"{k} {v:.0f}" for k, v in pulls.items() if k not in ("pulled", "remote_tokens")
+    )
+    return (
+        f"- Replicas' session turns by where their history came from (summed over every "
+        f"process life): {sources or 'none'}; pulled from a peer: {pulls['pulled']:.0f} turns, "
+        f"{pulls.get('remote_tokens', 0):.0f} prompt tokens."
+    )
+
+
+def _topology(cfg: dict[str, Any]) -> str:
+    if not cfg.get("replicas"):
+        return f"{cfg['prefills']} P + {cfg['decodes']} D + 2 routers + Redis"
+    policies = cfg.get("router_policies") or ["cache-aware", "cache-aware"]
+    doors = ", ".join(cfg.get("doors") or [])
+    return (
+        f"{cfg['replicas']} aggregated replicas (`--role single --index`, a core each) + 2 "
+        f"routers in aggregated mode (router0 {policies[0]}, router1 {policies[1]}) + Redis; "
+        f"hostile rounds at {doors or 'the routers'}"
+    )
+
+
 def workload_line(cfg: dict[str, Any]) -> str:
     return (
-        f"{cfg['prefills']} P + {cfg['decodes']} D + 2 routers + Redis, three API keys (A and B "
+        f"{_topology(cfg)}, three API keys (A and B "
         f"legitimate, C abusive), `--router-tenant-inflight {cfg['tenant_inflight']}`; "
         f"{cfg['traffic_s']:.0f} s of traffic: {cfg['agents']} agents per legitimate tenant "
         "(sessions over the session routes, several turns alternating routers, streaming and "
@@ -383,6 +496,7 @@ def findings(
     memory: dict[str, Any],
     faults: list[dict[str, Any]],
     end: dict[str, Any],
+    pulls: dict[str, float] | None = None,
 ) -> list[str]:
     """The report's bullet lines: Redis keys, answers, every target, what failed."""
     lines = []
@@ -398,7 +512,7 @@ def findings(
             f"- WRONG ({w['kind']}, t={w['t0']:.0f}s): cluster {w['cluster']!r} vs "
             f"plain {w['plain']!r}"[:400]
         )
-    for t in targets(tenants, answers, memory, faults, end):
+    for t in targets(tenants, answers, memory, faults, end, pulls):
         lines.append(f"- Target: {t.what} — {t.detail}: {'met' if t.met else '**NOT met**'}.")
     for f in faults:
         if f.get("restart_error"):

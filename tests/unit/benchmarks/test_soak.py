@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.history import soak_abuse, soak_report
+from benchmarks.history import soak, soak_abuse, soak_report
 from benchmarks.history.soak import normalized, replay_body
 from sdk.contract import check_id
 from sdk.contract.wire import has_lone_surrogate
@@ -257,3 +257,164 @@ def test_no_answers_compared_is_not_a_pass():
     assert not _verdicts(_record(GOOD, []))[
         "- Target: wrong answers against the plain vLLM replay: 0"
     ]
+
+
+# --- the aggregated topology (--replicas) ---------------------------------------------------
+
+
+def _args(*argv: str):
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    soak.add_arguments(ap)
+    return ap.parse_args(list(argv))
+
+
+def test_replicas_argument_checks_refuse_what_cannot_run():
+    for argv, why in [
+        (["--replicas", "1"], "N >= 2"),
+        (["--replicas", "0"], "N >= 2"),
+        (["--replicas", "2", "--prefills", "1"], "drop --prefills"),
+        (["--replicas", "2", "--decodes", "2"], "drop --prefills/--decodes"),
+        (["--agents", "4", "--tenant-inflight", "3"], "--tenant-inflight"),
+        (["--prefills", "0"], "at least 1"),
+    ]:
+        with pytest.raises(SystemExit, match=why):
+            soak.check_args(_args(*argv))
+
+
+def test_replicas_argument_checks_fill_each_topologys_defaults():
+    pd = _args()
+    soak.check_args(pd)
+    assert (pd.prefills, pd.decodes, pd.replicas, pd.router_policies) == (1, 1, None, None)
+    agg = _args("--replicas", "3")
+    soak.check_args(agg)
+    assert (agg.prefills, agg.decodes) == (0, 0)
+    assert agg.router_policies == ["cache-aware", "round-robin"]
+    both_ours = _args("--replicas", "2", "--router-policies", "cache-aware", "cache-aware")
+    soak.check_args(both_ours)
+    assert both_ours.router_policies == ["cache-aware", "cache-aware"]
+    with pytest.raises(SystemExit):  # argparse: not a policy
+        _args("--replicas", "2", "--router-policies", "cache-aware", "random")
+
+
+def _members(cycle, **counts):
+    out = {"router": ["router0", "router1"], "redis": ["redis"]}
+    for role in cycle:
+        if role not in out:
+            out[role] = [f"{role}{n}" for n in range(counts.get(role, 1))]
+    return out
+
+
+def test_replica_faults_cycle_router_redis_then_each_replica_in_turn():
+    cycle = soak.fault_cycle(2)
+    members = _members(cycle, replica=2)
+    wanted = soak.faults_to_cover(cycle, members)
+    victims = [soak.fault_victim(i, cycle, members)[1] for i in range(wanted)]
+    assert victims == ["router0", "redis", "replica0", "router1", "redis", "replica1"]
+    three = _members(cycle, replica=3)
+    killed = {
+        soak.fault_victim(i, cycle, three)[1] for i in range(soak.faults_to_cover(cycle, three))
+    }
+    assert {"replica0", "replica1", "replica2", "redis", "router0"} <= killed
+
+
+def test_pd_faults_keep_their_cycle_and_length():
+    cycle = soak.fault_cycle(None)
+    assert cycle == ("router", "redis", "decode", "prefill")
+    members = _members(cycle)
+    assert soak.faults_to_cover(cycle, members) == 4  # one cycle, as before --replicas
+    two_p = _members(cycle, prefill=2)
+    wanted = soak.faults_to_cover(cycle, two_p)
+    assert "prefill1" in {soak.fault_victim(i, cycle, two_p)[1] for i in range(wanted)}
+
+
+REPLICA_FAULTS = [
+    {"role": "replica", "victim": "replica0", "t_kill": 40.0, "t_back": 100.0, "only": False},
+]
+
+
+def test_a_replica_fault_excuses_its_door_and_requests_in_flight_at_the_kill():
+    # hostile traffic sent to replica0's own port while it is down
+    assert soak_report.in_fault(_ev("C", None, 60, 61, router=2, door="replica0"), REPLICA_FAULTS)
+    # a turn through a router, in flight when a replica was killed: it may have been serving it
+    assert soak_report.in_fault(_ev("A", 503, 39, 41), REPLICA_FAULTS)
+    # a turn that began after the kill must go to the live replica
+    assert not soak_report.in_fault(_ev("A", 503, 41, 42), REPLICA_FAULTS)
+    # a P/D instance that is not the only one of its role excuses nothing in flight
+    two_ds = [dict(REPLICA_FAULTS[0], role="decode", victim="decode1")]
+    assert not soak_report.in_fault(_ev("A", 503, 39, 41), two_ds)
+
+
+METRICS = """# HELP kvbranch_peer_turns_total Session turns ...
+# TYPE kvbranch_peer_turns_total counter
+kvbranch_peer_turns_total{source="peer"} 5.0
+kvbranch_peer_turns_total{source="revived"} 2.0
+kvbranch_peer_turns_total{source="revived_run"} 1.0
+kvbranch_peer_turns_total{source="own_hold"} 9.0
+kvbranch_peer_turns_created{source="peer"} 1.7e+09
+kvbranch_prompt_tokens_total{source="remote"} 4096.0
+kvbranch_prompt_tokens_total{source="device"} 100.0
+"""
+
+
+def test_peer_pull_counts_read_a_replicas_metrics():
+    assert soak_report.peer_pull_counts(METRICS) == {
+        "peer": 5.0,
+        "revived": 2.0,
+        "revived_run": 1.0,
+        "own_hold": 9.0,
+        "remote_tokens": 4096.0,
+    }
+    assert soak_report.peer_pull_counts("# nothing\n") == {}
+
+
+def _reading(t, member, life, peer, remote=0.0, own=0.0):
+    counts = {"peer": peer, "revived": 0.0, "remote_tokens": remote, "own_hold": own}
+    return {"t": t, "member": member, "life": life, "counts": counts}
+
+
+def test_pull_totals_add_every_process_life_once():
+    readings = [
+        _reading(5, "replica0", 0, 1, 100),
+        _reading(10, "replica0", 0, 3, 300),  # replica0's last reading before its kill
+        _reading(15, "replica0", 1, 1, 50),  # restarted: its counters began again
+        _reading(10, "replica1", 0, 2, 200),
+        _reading(20, "replica1", 0, 4, 400, own=6),
+    ]
+    totals = soak_report.pull_totals(readings)
+    assert totals["pulled"] == 3 + 1 + 4
+    assert totals["remote_tokens"] == 300 + 50 + 400
+    assert totals["own_hold"] == 6
+    assert soak_report.pull_totals([])["pulled"] == 0
+
+
+def _replica_record(pulled: float):
+    record = _record([dict(e) for e in GOOD], [dict(s) for s in SERVED])
+    record["faults"] = [dict(f) for f in FAULTS]
+    record["config"].update(
+        prefills=0,
+        decodes=0,
+        replicas=2,
+        router_policies=["cache-aware", "round-robin"],
+        doors=["router0", "router1", "replica0"],
+    )
+    record["pulls"] = [_reading(30.0, "replica1", 0, pulled, 64 * pulled)]
+    return record
+
+
+def test_a_clean_replica_run_meets_every_target_pulls_included():
+    record = _replica_record(4)
+    verdicts = _verdicts(record)
+    assert len(verdicts) == 10 and all(verdicts.values()), verdicts
+    text = soak_report.section(record, INFO, 60.0, "plots/soak_replicas_quick.png")
+    assert "2 aggregated replicas" in text and "pulled from a peer: 4 turns" in text
+    names = {r.config for r in soak_report.records_of(record, "")}
+    assert names == {"2 replicas"}
+    assert {r.config for r in soak_report.records_of(_record(GOOD, SERVED), "")} == {"cluster"}
+
+
+def test_no_pull_in_a_replica_run_fails_that_target_alone():
+    verdicts = _verdicts(_replica_record(0))
+    failed = [k for k, met in verdicts.items() if not met]
+    assert len(failed) == 1 and "pulled their history" in failed[0], verdicts
