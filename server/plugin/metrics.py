@@ -287,7 +287,8 @@ class PeerPullCollector:
             "the peer holding the branch, pulled after the peer revived it from its host store "
             "(revived; revived_run: a block-run revive on the member whose host store holds "
             "the longest run of the prompt's blocks), this instance's own hold, none (new "
-            "branch, too few tokens, peer not listed, claim or revive refused, index "
+            "branch, too_small: recomputing estimated cheaper than the pull, peer not listed, "
+            "claim or revive refused, index "
             "unreachable)",
             labels=["source"],
         )
@@ -338,6 +339,47 @@ class PeerPullCollector:
         for op, n in sorted(c["index_errors"].items()):
             errors.add_metric([op], n)
         yield errors
+        yield from _pull_cost_metrics(c.get("pull_cost") or {})
+
+
+def _pull_cost_metrics(cost: dict[str, Any]):
+    """The pull-or-recompute decisions of :mod:`server.plugin.pull_cost` and the estimates
+    they were taken with (the priors until measured)."""
+    decisions = CounterMetricFamily(
+        "kvbranch_peer_pull_decisions",
+        "Pull-or-recompute decisions by path (hold: the branch's hold; revive: the branch "
+        "revived on its home or holder; run: a block-run revive) and what was chosen",
+        labels=["path", "decision"],
+    )
+    for path, outcomes in sorted((cost.get("decisions") or {}).items()):
+        for decision, n in sorted(outcomes.items()):
+            decisions.add_metric([path, decision], n)
+    yield decisions
+    prefill = GaugeMetricFamily(
+        "kvbranch_peer_pull_prefill_tokens_per_second",
+        "This replica's estimated prefill speed (a moving average of measured turns; a prior "
+        "until one is measured)",
+    )
+    prefill.add_metric([], cost.get("prefill_tokens_per_s", 0.0))
+    yield prefill
+    link = GaugeMetricFamily(
+        "kvbranch_peer_pull_link_tokens_per_second",
+        "The estimated pull speed by kind (hold: a claimed hold; revive: a revived one, the "
+        "peer's revive included), a moving average of measured pulls or the prior",
+        labels=["kind"],
+    )
+    for kind, value in sorted((cost.get("link_tokens_per_s") or {}).items()):
+        link.add_metric([kind], value)
+    yield link
+    samples = CounterMetricFamily(
+        "kvbranch_peer_pull_samples",
+        "Turns measured by the pull cost model (prefill; hold and revive: pulls)",
+        labels=["what"],
+    )
+    samples.add_metric(["prefill"], cost.get("prefill_samples", 0))
+    for kind, n in sorted((cost.get("link_samples") or {}).items()):
+        samples.add_metric([kind], n)
+    yield samples
 
 
 def register_peer_pull_collector(pulls: Any) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -283,6 +284,8 @@ class _ResponseRewriter:
                     )
             events.append(event)
         out = b"".join(event + EVENT_END for event in events)
+        if out and self.peer_turn is not None and self.peer_turn.first_token_at is None:
+            self.peer_turn.first_token_at = time.monotonic()  # a stream's first event
         if not more:
             out += self._events.rest()
             if self.peer_turn is not None:
@@ -301,6 +304,7 @@ class _ResponseRewriter:
         pulls = getattr(kvb, "peer_pulls", None)
         if isinstance(pulls, PeerPulls):
             await pulls.file(self.peer_turn, params)
+            pulls.observe(self.peer_turn, split)
 
     async def _flush_json(self) -> None:
         body = self._buffer

@@ -24,6 +24,11 @@ Kubernetes Service, llm-d's scheduler, our router — each session turn it recei
    the member whose host store the index says holds the longest run of the prompt's blocks
    for a *block-run* revive of the prompt's token ids up to that run's end
    (:mod:`server.plugin.run_lookup`), claimed and pulled the same way.
+   Before each claim and each revive, :class:`~server.plugin.pull_cost.PullCostModel` decides
+   whether the pull beats recomputing: the tokens it would bring (the sealed handle's, the
+   branch's last chain in the index, or the run's beyond this replica's own host store), the
+   peer's load (its sealed record) and the speeds this replica measured (:meth:`PeerPulls.
+   observe`, from each finished turn's split and time to first token).
 2. **file** (when the answer is complete): this instance's own sealed handle for the turn it
    just served (the connector holds the blocks as a D does) goes into the index for the
    branch's next turn, wherever that lands, and this instance becomes the session's home; the
@@ -56,6 +61,7 @@ from sdk.contract import (
 )
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.index import Hold, InstanceRecord, Key, record_seal
+from server.plugin.pull_cost import MIN_PULL_TOKENS, PullCostModel, PullPath
 from server.plugin.revive_rules import REVIVE_HANDLE_FIELD, REVIVE_PATH
 
 if TYPE_CHECKING:
@@ -76,9 +82,8 @@ CLAIM_TIMEOUT_S = 2.0
 REVIVE_WAIT_S = 10.0
 #: How long a read of the member list is reused (heartbeats come every 2 s).
 MEMBERS_TTL_S = 1.0
-#: Fewer held tokens than this are recomputed rather than pulled: a claim and a handshake cost
-#: more than one block's prefill.
-MIN_PULL_TOKENS = 32
+#: Where a turn's history came from (its ``source``) -> the pull path the cost model measures.
+PATH_OF_SOURCE: dict[str, PullPath] = {"peer": "hold", "revived": "revive", "revived_run": "run"}
 
 
 @dataclass
@@ -91,6 +96,12 @@ class PeerTurn:
     source: str = "local"
     #: The request's cache salt (the tenant's), kept with this replica's handle for revives.
     cache_salt: Any = None
+    #: When the turn began here and when its first token went out (``time.monotonic``; the
+    #: middleware sets the second on a stream's first event), for the cost model's speeds.
+    started_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    #: The peer's load the pull was decided with (its wait is not the link's).
+    peer_load: int = 0
 
 
 @dataclass
@@ -134,9 +145,15 @@ class PeerPulls:
         self.url = url
         self.secret = secret
         self.client = client or httpx.AsyncClient(timeout=CLAIM_TIMEOUT_S)
+        #: The floor of the holder's revives and of the block-run lookup (the cost model decides
+        #: each pull above it).
         self.min_tokens = min_tokens
         self.clock = clock
         self.counts = PeerCounts()
+        #: Whether a pull beats recomputing, and the speeds measured here.
+        self.cost = PullCostModel()
+        #: This instance's block size (the index's chains count blocks); 0: unknown.
+        self.block_size = 0
         self._members: tuple[float, list[InstanceRecord]] = (float("-inf"), [])
         self._filing: set[asyncio.Task[None]] = set()
         #: The holder's side of revives (this replica's own turns), set by :func:`start`.
@@ -159,34 +176,69 @@ class PeerPulls:
         the peer that holds the branch (or revived it), else :data:`LOCAL_PARAMS`. Never
         raises."""
         self.counts.turns += 1
+        started = time.monotonic()
         payload["kv_transfer_params"] = dict(LOCAL_PARAMS)
         try:
             start = await asyncio.wait_for(self.store.begin_turn(key), INDEX_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the index is advisory
             self._index_error("begin_turn", exc)
-            return PeerTurn(key, 0)
-        turn = PeerTurn(key, start.turn, cache_salt=payload.get(CACHE_SALT_FIELD))
+            return PeerTurn(key, 0, started_at=started)
+        turn = PeerTurn(
+            key, start.turn, cache_salt=payload.get(CACHE_SALT_FIELD), started_at=started
+        )
         hold: Hold | None = start.hold
         if hold is None:
             if start.home is not None and start.home != self.instance_id:
-                if await self._pull_revived(payload, turn, start.home, authorization):
+                # The branch's last known chain: what the home's store had of it at most.
+                known = len(start.chain) * self.block_size if self.block_size else 0
+                tokens = known or None
+                if await self._pull_revived(payload, turn, start.home, authorization, tokens):
                     return turn
             await self._pull_run(payload, turn, path, authorization)
             return turn
         if hold.instance_id == self.instance_id:
             self.counts.own_holds += 1  # its blocks are in this instance's own caches
             return turn
-        if hold.num_tokens < self.min_tokens:
-            self.counts.too_small += 1
+        if not await self._worth_pulling(turn, "hold", hold.num_tokens, hold.instance_id):
             return turn
         claimed, status = await self._claim(hold, authorization)
         if claimed is not None:
             self._pull(payload, turn, claimed, hold, "peer")
         elif status == 410 and hold.instance_id is not None:
             # The holder let the blocks go (new work needed them): its host store may have them.
-            if not await self._pull_revived(payload, turn, hold.instance_id, authorization):
+            if not await self._pull_revived(
+                payload, turn, hold.instance_id, authorization, hold.num_tokens
+            ):
                 await self._pull_run(payload, turn, path, authorization)
         return turn
+
+    async def _peer_load(self, instance_id: str | None) -> int:
+        """Requests in flight on ``instance_id`` by its sealed record (0: not listed, or the
+        index did not answer; the claim or revive that follows finds out, and counts it)."""
+        try:
+            records = await self.members()
+        except Exception:  # noqa: BLE001 - the index is advisory
+            return 0
+        record = next((r for r in records if r.instance_id == instance_id), None)
+        return max(int(record.load), 0) if record is not None else 0
+
+    async def _worth_pulling(
+        self,
+        turn: PeerTurn,
+        path: PullPath,
+        tokens: int,
+        instance_id: str | None,
+        peer_load: int | None = None,
+    ) -> bool:
+        """Whether pulling ``tokens`` tokens by ``path`` from ``instance_id`` beats recomputing
+        them (:class:`~server.plugin.pull_cost.PullCostModel`); counted either way."""
+        load = await self._peer_load(instance_id) if peer_load is None else peer_load
+        choice = self.cost.decide(path, tokens, load)
+        if not choice.pull:
+            self.counts.too_small += 1
+            return False
+        turn.peer_load = load
+        return True
 
     def _pull(
         self,
@@ -203,11 +255,39 @@ class PeerPulls:
         self.counts.pulled_hold_tokens += hold.num_tokens
         turn.source = source
 
+    def observe(self, turn: PeerTurn, split: Any) -> None:
+        """Measure this replica's prefill speed or the link's from a finished turn: its split
+        (tokens pulled and recomputed, as the connector counted them) and its time to first
+        token (streams only: a JSON answer's time includes its decode). Never raises."""
+        if turn.first_token_at is None or not isinstance(split, dict):
+            return
+        try:
+            pulled = int(split.get("remote_hit_tokens") or 0)
+            computed = int(split.get("recomputed_tokens") or 0)
+        except (TypeError, ValueError):
+            return
+        seconds = turn.first_token_at - turn.started_at
+        path = PATH_OF_SOURCE.get(turn.source)
+        if path is None and pulled == 0:
+            self.cost.observe_prefill(computed, seconds)
+        elif path is not None and pulled > 0:
+            self.cost.observe_pull(path, pulled, computed, seconds, turn.peer_load)
+
     async def _pull_revived(
-        self, payload: dict[str, Any], turn: PeerTurn, instance_id: str, authorization: str | None
+        self,
+        payload: dict[str, Any],
+        turn: PeerTurn,
+        instance_id: str,
+        authorization: str | None,
+        tokens: int | None,
     ) -> bool:
-        """Ask ``instance_id`` to revive the branch from its host store; claim and pull the
-        fresh hold it answers with. Whether it is pulled (else: the fallback, or recompute)."""
+        """Ask ``instance_id`` to revive the branch from its host store (when a pull of the
+        ``tokens`` it may have beats recomputing; unknown: asked); claim and pull the fresh
+        hold it answers with. Whether it is pulled (else: the fallback, or recompute)."""
+        if tokens is not None and not await self._worth_pulling(
+            turn, "revive", tokens, instance_id
+        ):
+            return False
         hold = await self._revive(instance_id, turn.key, authorization)
         if hold is None:
             return False
@@ -233,6 +313,11 @@ class PeerPulls:
             self._index_error("block_hits", exc)
             return
         if found is None:
+            return
+        beyond_own = (found.run_blocks - found.own_blocks) * self.runs.block_size
+        if not await self._worth_pulling(
+            turn, "run", beyond_own, found.member.instance_id, found.member.load
+        ):
             return
         self.counts.run_revives_asked += 1
         hold = await self._revive(found.member.instance_id, turn.key, authorization, run=found)
@@ -394,6 +479,7 @@ class PeerPulls:
             "pulls_revived_run": c.pulls_revived_run,
             "revives_served": self.reviver.counters() if self.reviver is not None else {},
             "index_errors": dict(c.index_errors),
+            "pull_cost": self.cost.snapshot(),
         }
 
 
@@ -412,6 +498,7 @@ def start(state: Any) -> PeerPulls | None:
         url=record.url,
         secret=publisher.secret,
     )
+    pulls.block_size = record.block_size
     if state.control is not None and record.block_size > 0:
         from server.plugin.revive import Reviver, control_coverage, engine_prefill
         from server.plugin.run_lookup import RunLookup, engine_render

@@ -46,6 +46,9 @@ class RunFound:
     token_ids: list[int]
     cache_salt: str | None
     run_blocks: int
+    #: Leading blocks of the prompt this replica's own host store holds (a pull brings the
+    #: rest of the run).
+    own_blocks: int = 0
 
 
 def low64(hex_hash: str) -> int:
@@ -108,7 +111,7 @@ class RunLookup:
         if best is None or best[1] * self.block_size < self.min_tokens:
             return None
         member, blocks = best
-        return RunFound(member, tokens[: blocks * self.block_size + 1], salt, blocks)
+        return RunFound(member, tokens[: blocks * self.block_size + 1], salt, blocks, cover.blocks)
 
 
 def engine_render(engine_client: Any) -> Render:

@@ -511,3 +511,30 @@ def test_oversized_request_body_is_forwarded_whole(monkeypatch):
     assert app.body == body
     assert response_body(sent) == raw
     assert control.calls == []
+
+
+# --- an aggregated replica's session turn: the pull cost model measures it --------------------
+
+
+@pytest.mark.parametrize(
+    ("content_type", "measured"),
+    [(b"text/event-stream", 1), (b"application/json", 0)],  # a JSON answer comes after decode
+)
+def test_a_session_turn_is_measured_from_its_first_streamed_event(content_type, measured):
+    from server.index import MemoryIndexStore
+    from server.plugin.peer_pull import PeerPulls
+
+    store = MemoryIndexStore(hold_ttl_s=60)
+    pulls = PeerPulls(store, instance_id="me", url="http://me:8000", secret=b"s" * 32)
+    control = FakeControl(result=dict(SPLIT, prompt_tokens=1000, recomputed_tokens=992))
+    app_obj = SimpleNamespace(state=SimpleNamespace(kvbranch=SimpleNamespace(control=control)))
+    app_obj.state.kvbranch.peer_pulls = pulls
+    if content_type == b"text/event-stream":
+        events = [{"choices": [{"delta": {"role": "assistant"}}]}, {"choices": [], "usage": {}}]
+        chunks = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events]
+    else:
+        chunks = [b'{"usage": {"prompt_tokens": 1000}}']
+    body = json.dumps({"model": "m", "messages": [], "session_id": "s"}).encode()
+    run_asgi(FakeApp(200, content_type, chunks), body=body, app_obj=app_obj)
+    assert pulls.counts.turns == 1
+    assert pulls.cost.prefill.samples == measured

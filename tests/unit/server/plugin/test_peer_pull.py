@@ -15,7 +15,8 @@ import pytest
 from sdk.contract import CLAIM_FIELD, HOLD_CLAIM_PATH
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, verify
 from server.index import Hold, InstanceRecord, MemoryIndexStore, record_seal
-from server.plugin.peer_pull import LOCAL_PARAMS, PeerPulls
+from server.plugin.peer_pull import LOCAL_PARAMS, PeerPulls, PeerTurn
+from server.plugin.pull_cost import PullCostModel
 from server.plugin.revive_rules import REVIVE_PATH
 
 SECRET = secrets.token_bytes(32)
@@ -35,8 +36,8 @@ def handle(tokens: int = 600, host: str = CHANNEL[0], port: int = CHANNEL[1]) ->
     }
 
 
-def peer_record(nixl: str = f"{CHANNEL[0]}:{CHANNEL[1]}", secret: bytes = SECRET):
-    record = InstanceRecord(PEER, "http://10.0.0.7:8000", "both", nixl=nixl)
+def peer_record(nixl: str = f"{CHANNEL[0]}:{CHANNEL[1]}", secret: bytes = SECRET, load: int = 0):
+    record = InstanceRecord(PEER, "http://10.0.0.7:8000", "both", nixl=nixl, load=load)
     return record_seal.seal(record, secret)
 
 
@@ -273,3 +274,117 @@ def test_a_filed_turn_makes_this_replica_the_sessions_home_and_is_kept_for_reviv
 
     assert asyncio.run(turn_and_file()) == "me"
     assert kept == [(KEY, 1, "salt-a")]
+
+
+# --- pull or recompute: the cost model's inputs, as the wiring feeds them ---------------------
+
+
+def test_a_measured_fast_prefill_recomputes_a_held_branch_without_claiming_it():
+    store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle(tokens=600))))
+    peer = Peer()
+    puller = pulls(store, peer)
+    puller.cost.prefill.value = 1e6  # 600 tokens in 0.6 ms: less than the claim alone
+    payload: dict = {}
+    turn = asyncio.run(puller.begin(payload, KEY, None))
+    assert (payload["kv_transfer_params"], turn.source) == (LOCAL_PARAMS, "local")
+    assert peer.calls == []
+    assert puller.counts.too_small == 1
+    assert puller.counters()["pull_cost"]["decisions"]["hold"] == {"pull": 0, "recompute": 1}
+
+
+def test_a_busy_holder_is_claimed_but_not_asked_to_revive():
+    """The claim's reads cost the peer little; a revive's prefill waits in its queue."""
+    busy = peer_record(load=5)
+    store = asyncio.run(_store(busy, hold=Hold("u", PEER, handle(tokens=600))))
+    holder = Holder(claim_status=410)
+    puller = pulls(store, holder)
+    payload: dict = {}
+    turn = asyncio.run(puller.begin(payload, KEY, None))
+    assert (payload["kv_transfer_params"], turn.source) == (LOCAL_PARAMS, "local")
+    assert paths(holder) == [HOLD_CLAIM_PATH]
+    decisions = puller.counters()["pull_cost"]["decisions"]
+    assert decisions["hold"]["pull"] == 1 and decisions["revive"] == {"pull": 0, "recompute": 1}
+
+
+def _expired_hold_homed_on_peer(load: int) -> MemoryIndexStore:
+    """The branch's last hold (20 blocks of 16 tokens) was taken, its home is the peer."""
+
+    async def build() -> MemoryIndexStore:
+        params = dict(handle(tokens=320), kvbranch_block_hashes=[f"{i:064x}" for i in range(20)])
+        store = await _homed(PEER, peer_record(load=load), hold=Hold("u", PEER, params))
+        await store.begin_turn(KEY)  # the turn that took it
+        return store
+
+    return asyncio.run(build())
+
+
+@pytest.mark.parametrize(("load", "asked"), [(0, True), (5, False)])
+def test_a_home_revive_is_asked_when_the_branchs_last_chain_pays_the_homes_queue(load, asked):
+    holder = Holder()
+    puller = pulls(_expired_hold_homed_on_peer(load), holder)
+    puller.block_size = 16
+    payload: dict = {}
+    turn = asyncio.run(puller.begin(payload, KEY, None))
+    assert (REVIVE_PATH in paths(holder)) is asked
+    assert turn.source == ("revived" if asked else "local")
+    assert puller.counters()["pull_cost"]["decisions"]["revive"] == {
+        "pull": int(asked),
+        "recompute": int(not asked),
+    }
+
+
+def _finished(source: str, split: dict | None, ttft_s: float | None) -> PeerTurn:
+    turn = PeerTurn(KEY, 1, source=source, started_at=100.0)
+    turn.first_token_at = None if ttft_s is None else 100.0 + ttft_s
+    return turn
+
+
+SPLIT = {"remote_hit_tokens": 0, "recomputed_tokens": 1000}
+
+
+@pytest.mark.parametrize(
+    ("source", "split", "ttft_s", "measured"),
+    [
+        ("local", SPLIT, 0.5, "prefill"),
+        ("peer", dict(SPLIT, remote_hit_tokens=900, recomputed_tokens=10), 0.2, "hold"),
+        ("revived", dict(SPLIT, remote_hit_tokens=900), 2.0, "revive"),
+        ("revived_run", dict(SPLIT, remote_hit_tokens=900), 2.0, "revive"),
+        ("local", SPLIT, None, None),  # a JSON answer: no time to first token
+        ("peer", SPLIT, 0.5, None),  # the pull was declined: neither speed is this turn's
+        ("local", None, 0.5, None),  # no split
+        ("local", {"recomputed_tokens": "x"}, 0.5, None),
+    ],
+)
+def test_a_finished_turn_measures_the_speed_it_shows(source, split, ttft_s, measured):
+    puller = pulls(asyncio.run(_store()), Peer())
+    puller.observe(_finished(source, split, ttft_s), split)
+    snap = puller.counters()["pull_cost"]
+    counts = {"prefill": snap["prefill_samples"], **snap["link_samples"]}
+    assert counts == {k: int(k == measured) for k in ("prefill", "hold", "revive")}
+    if measured == "prefill":
+        assert snap["prefill_tokens_per_s"] < PullCostModel().prefill.value  # 2,000/s measured
+
+
+def test_the_decisions_and_estimates_are_on_metrics():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.plugin.metrics import PeerPullCollector
+
+    puller = pulls(asyncio.run(_store()), Peer())
+    puller.cost.decide("hold", 600, 0)
+    puller.cost.decide("run", 8, 0)
+    puller.observe(_finished("local", SPLIT, 0.5), SPLIT)
+    registry = CollectorRegistry()
+    registry.register(PeerPullCollector(puller))
+    text = generate_latest(registry).decode()
+    for line in (
+        'kvbranch_peer_pull_decisions_total{decision="pull",path="hold"} 1.0',
+        'kvbranch_peer_pull_decisions_total{decision="recompute",path="run"} 1.0',
+        'kvbranch_peer_pull_decisions_total{decision="pull",path="revive"} 0.0',
+        'kvbranch_peer_pull_link_tokens_per_second{kind="hold"} 200000.0',
+        'kvbranch_peer_pull_samples_total{what="prefill"} 1.0',
+        'kvbranch_peer_pull_samples_total{what="revive"} 0.0',
+    ):
+        assert line in text, line
+    prefill = puller.cost.prefill.value
+    assert f"kvbranch_peer_pull_prefill_tokens_per_second {prefill}" in text

@@ -216,7 +216,7 @@ SALT = "tenant-salt"
 PORTS = {PEER: 5601, OTHER: 5602}
 
 
-def record(iid: str, port: int, host_gen: int = 0) -> InstanceRecord:
+def record(iid: str, port: int, host_gen: int = 0, load: int = 0) -> InstanceRecord:
     rec = InstanceRecord(
         iid,
         f"http://{iid}:8000",
@@ -224,6 +224,7 @@ def record(iid: str, port: int, host_gen: int = 0) -> InstanceRecord:
         block_size=BS,
         nixl=f"10.0.0.7:{port}",
         host_generation=host_gen,
+        load=load,
     )
     return record_seal.seal(rec, SECRET)
 
@@ -356,3 +357,27 @@ def test_a_host_reset_on_the_holder_hides_its_run():
     holder = Holder()
     assert begin(asker(store, holder)) == (LOCAL_PARAMS, "local")
     assert holder.calls == []
+
+
+@pytest.mark.parametrize(
+    ("own_blocks", "peer_load", "asked", "why"),
+    [
+        (5, 0, True, "two blocks beyond this replica's own store pay a pull"),
+        (6, 0, False, "one block beyond its own store is cheaper to recompute"),
+        (0, 3, False, "the member's queue costs more than 7 blocks' prefill"),
+    ],
+)
+def test_a_block_run_revive_is_asked_only_when_its_pull_beats_recomputing(
+    own_blocks, peer_load, asked, why
+):
+    store = asyncio.run(_index(home=None, host_runs={PEER: 7}))
+    asyncio.run(store.heartbeat(record(PEER, PORTS[PEER], load=peer_load), 30))
+    holder = Holder()
+    puller = asker(store, holder, own_blocks)
+    _, source = begin(puller)
+    assert (source == "revived_run") is asked, why
+    assert bool(holder.calls) is asked, why
+    assert puller.counters()["pull_cost"]["decisions"]["run"] == {
+        "pull": int(asked),
+        "recompute": int(not asked),
+    }, why
