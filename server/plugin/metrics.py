@@ -348,7 +348,8 @@ def _pull_cost_metrics(cost: dict[str, Any]):
     decisions = CounterMetricFamily(
         "kvbranch_peer_pull_decisions",
         "Pull-or-recompute decisions by path (hold: the branch's hold; revive: the branch "
-        "revived on its home or holder; run: a block-run revive) and what was chosen",
+        "revived on its home or holder; run: a block-run revive) and what was chosen (explore: "
+        "pulled although estimated slower, to measure the link again)",
         labels=["path", "decision"],
     )
     for path, outcomes in sorted((cost.get("decisions") or {}).items()):

@@ -12,7 +12,10 @@ its prefill speed from turns that pulled nothing (recomputed tokens over the tim
 first token), the link's from turns that pulled (verified pulled tokens over what is left of
 their time to first token once the estimated prefill of their recomputed part, the overhead
 and the peer's load wait are taken out). Claims of a hold and revives (which also cost the
-peer a host-store load and a one-token prefill) have a link speed each. Before any
+peer a host-store load and a one-token prefill) have a link speed each. A link measured slower
+than it is would never be pulled over again, so never measured again: after
+:data:`EXPLORE_EVERY` pulls in a row turned down for their link's speed alone (an idle peer
+would not have changed them), the next is pulled anyway, and measured. Before any
 measurement the priors make the choice the fixed floor made before the model existed: a pull
 from an idle peer for :data:`MIN_PULL_TOKENS` tokens or more.
 
@@ -22,7 +25,7 @@ index's, the load is the peer's sealed member record, and the timings are this r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 #: The floor the priors reproduce: fewer held tokens are recomputed (a claim and a handshake
@@ -56,6 +59,9 @@ MIN_SAMPLE_TOKENS = 64
 MIN_SAMPLE_S = 0.001
 #: Measured speeds are kept in this range: one absurd sample must not stop or force all pulls.
 MIN_TOKENS_PER_S, MAX_TOKENS_PER_S = 1.0, 1e8
+#: After this many pulls of one link kind in a row turned down for the link's speed, one is
+#: pulled anyway: a link that got faster (or was measured on a bad turn) is measured again.
+EXPLORE_EVERY = 20
 
 #: How a pull gets its blocks: claiming a hold the peer still has on its device, or reviving
 #: them from its host store first.
@@ -65,6 +71,9 @@ LinkKind = Literal["hold", "revive"]
 PullPath = Literal["hold", "revive", "run"]
 LINK_OF_PATH: dict[PullPath, LinkKind] = {"hold": "hold", "revive": "revive", "run": "revive"}
 PATHS: tuple[PullPath, ...] = ("hold", "revive", "run")
+#: What :meth:`PullCostModel.decide` chose: pull (estimated faster), recompute, or explore
+#: (pulled although estimated slower, to measure the link again).
+OUTCOMES = ("pull", "recompute", "explore")
 
 
 @dataclass
@@ -89,10 +98,12 @@ class PullEstimate:
     peer_load: int
     pull_s: float
     recompute_s: float
+    #: Pulled although estimated slower, to measure the link again (:data:`EXPLORE_EVERY`).
+    explore: bool = False
 
     @property
     def pull(self) -> bool:
-        return self.pull_s < self.recompute_s
+        return self.explore or self.pull_s < self.recompute_s
 
 
 def _clamped(tokens_per_s: float) -> float:
@@ -111,8 +122,10 @@ class PullCostModel:
             "revive": Ewma(PRIOR_LINK_TOKENS_PER_S),
         }
     )
-    #: (path, "pull" or "recompute") -> how often :meth:`decide` chose it.
+    #: (path, "pull", "recompute" or "explore") -> how often :meth:`decide` chose it.
     decisions: dict[tuple[PullPath, str], int] = field(default_factory=dict)
+    #: Per link kind: pulls turned down for the link's speed since its last pull.
+    declined: dict[LinkKind, int] = field(default_factory=dict)
 
     def peer_wait_s(self, path: PullPath, peer_load: int) -> float:
         """What the peer's load adds to a pull by ``path``."""
@@ -132,10 +145,22 @@ class PullCostModel:
         return PullEstimate(path, tokens, peer_load, pull_s, tokens / self.prefill.value)
 
     def decide(self, path: PullPath, tokens: int, peer_load: int) -> PullEstimate:
-        """:meth:`estimate`, counted in :attr:`decisions`."""
+        """:meth:`estimate`, counted in :attr:`decisions`; every :data:`EXPLORE_EVERY`-th pull
+        of a link kind in a row turned down for the link's speed alone is pulled anyway."""
         choice = self.estimate(path, tokens, peer_load)
-        outcome = (path, "pull" if choice.pull else "recompute")
-        self.decisions[outcome] = self.decisions.get(outcome, 0) + 1
+        kind = LINK_OF_PATH[path]
+        if choice.pull:
+            self.declined[kind] = 0
+            outcome = "pull"
+        elif tokens >= MIN_PULL_TOKENS and not self.estimate(path, tokens, 0).pull:
+            self.declined[kind] = self.declined.get(kind, 0) + 1
+            if self.declined[kind] >= EXPLORE_EVERY:
+                self.declined[kind] = 0
+                choice = replace(choice, explore=True)
+            outcome = "explore" if choice.explore else "recompute"
+        else:
+            outcome = "recompute"  # too few tokens, or the peer's load decided it
+        self.decisions[(path, outcome)] = self.decisions.get((path, outcome), 0) + 1
         return choice
 
     def observe_prefill(self, computed_tokens: int, seconds: float) -> bool:
@@ -178,10 +203,7 @@ class PullCostModel:
             "link_samples": {kind: e.samples for kind, e in self.links.items()},
             "overhead_s": self.overhead_s,
             "decisions": {
-                path: {
-                    outcome: self.decisions.get((path, outcome), 0)
-                    for outcome in ("pull", "recompute")
-                }
+                path: {outcome: self.decisions.get((path, outcome), 0) for outcome in OUTCOMES}
                 for path in PATHS
             },
         }

@@ -289,7 +289,11 @@ def test_a_measured_fast_prefill_recomputes_a_held_branch_without_claiming_it():
     assert (payload["kv_transfer_params"], turn.source) == (LOCAL_PARAMS, "local")
     assert peer.calls == []
     assert puller.counts.too_small == 1
-    assert puller.counters()["pull_cost"]["decisions"]["hold"] == {"pull": 0, "recompute": 1}
+    assert puller.counters()["pull_cost"]["decisions"]["hold"] == {
+        "pull": 0,
+        "recompute": 1,
+        "explore": 0,
+    }
 
 
 def test_a_busy_holder_is_claimed_but_not_asked_to_revive():
@@ -303,7 +307,7 @@ def test_a_busy_holder_is_claimed_but_not_asked_to_revive():
     assert (payload["kv_transfer_params"], turn.source) == (LOCAL_PARAMS, "local")
     assert paths(holder) == [HOLD_CLAIM_PATH]
     decisions = puller.counters()["pull_cost"]["decisions"]
-    assert decisions["hold"]["pull"] == 1 and decisions["revive"] == {"pull": 0, "recompute": 1}
+    assert decisions["hold"]["pull"] == 1 and decisions["revive"]["recompute"] == 1
 
 
 def _expired_hold_homed_on_peer(load: int) -> MemoryIndexStore:
@@ -330,6 +334,7 @@ def test_a_home_revive_is_asked_when_the_branchs_last_chain_pays_the_homes_queue
     assert puller.counters()["pull_cost"]["decisions"]["revive"] == {
         "pull": int(asked),
         "recompute": int(not asked),
+        "explore": 0,
     }
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from server.plugin.pull_cost import (
     EWMA_WEIGHT,
+    EXPLORE_EVERY,
     MIN_PULL_TOKENS,
     MIN_SAMPLE_S,
     MIN_SAMPLE_TOKENS,
@@ -131,9 +132,9 @@ def test_decisions_are_counted_by_path_and_outcome_and_reported_with_the_estimat
     model.decide("run", 400, 9)
     snap = model.snapshot()
     assert snap["decisions"] == {
-        "hold": {"pull": 1, "recompute": 1},
-        "revive": {"pull": 0, "recompute": 0},
-        "run": {"pull": 0, "recompute": 1},
+        "hold": {"pull": 1, "recompute": 1, "explore": 0},
+        "revive": {"pull": 0, "recompute": 0, "explore": 0},
+        "run": {"pull": 0, "recompute": 1, "explore": 0},
     }
     assert snap["prefill_tokens_per_s"] == PRIOR_PREFILL_TOKENS_PER_S
     assert snap["link_tokens_per_s"] == {
@@ -141,3 +142,40 @@ def test_decisions_are_counted_by_path_and_outcome_and_reported_with_the_estimat
         "revive": PRIOR_LINK_TOKENS_PER_S,
     }
     assert snap["link_samples"] == {"hold": 0, "revive": 0} and snap["prefill_samples"] == 0
+
+
+def test_a_link_measured_too_slow_is_pulled_again_now_and_then_to_measure_it():
+    model = measured(prefill_tps=5000, link_tps=4000)
+    choices = [model.decide("hold", 600, 0) for _ in range(2 * EXPLORE_EVERY)]
+    explored = [i for i, c in enumerate(choices) if c.pull]
+    assert explored == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert all(choices[i].explore for i in explored)
+    assert model.snapshot()["decisions"]["hold"] == {
+        "pull": 0,
+        "recompute": 2 * EXPLORE_EVERY - 2,
+        "explore": 2,
+    }
+    # revives keep their own count: the hold's exploring does not make them pull
+    model.links["revive"].value = 4000.0
+    assert not any(model.decide("revive", 600, 0).pull for _ in range(EXPLORE_EVERY - 1))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "peer_load", "why"),
+    [
+        (MIN_PULL_TOKENS - 1, 0, "too few tokens: no pull would pay, whatever the link"),
+        (400, 3, "the busy peer decided it: an idle one would have been pulled from"),
+    ],
+)
+def test_no_exploring_where_the_link_is_not_why_a_pull_lost(tokens, peer_load, why):
+    model = PullCostModel()
+    choices = [model.decide("revive", tokens, peer_load) for _ in range(3 * EXPLORE_EVERY)]
+    assert not any(c.pull for c in choices), why
+
+
+def test_a_pull_resets_the_count_towards_exploring():
+    model = measured(prefill_tps=5000, link_tps=6000)  # 200 tokens: recompute; 1000: pull
+    for _ in range(EXPLORE_EVERY - 1):
+        assert not model.decide("hold", 200, 0).pull
+    assert model.decide("hold", 1000, 0).pull
+    assert not model.decide("hold", 200, 0).pull  # the count started over

@@ -380,4 +380,5 @@ def test_a_block_run_revive_is_asked_only_when_its_pull_beats_recomputing(
     assert puller.counters()["pull_cost"]["decisions"]["run"] == {
         "pull": int(asked),
         "recompute": int(not asked),
+        "explore": 0,
     }, why
