@@ -68,8 +68,8 @@ class GuardedStore(IndexStore):
     async def begin_turn(self, key: Key) -> TurnStart:
         return await self._call(lambda: self.inner.begin_turn(key))
 
-    async def put_hold(self, key: Key, hold: Hold) -> bool:
-        return await self._call(lambda: self.inner.put_hold(key, hold))
+    async def put_hold(self, key: Key, hold: Hold, ttl_s: float | None = None) -> bool:
+        return await self._call(lambda: self.inner.put_hold(key, hold, ttl_s))
 
     async def peek_hold(self, key: Key) -> Hold | None:
         return await self._call(lambda: self.inner.peek_hold(key))

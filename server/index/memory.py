@@ -123,14 +123,14 @@ class MemoryIndexStore(IndexStore):
             chain = self._chains.get(key, now) or []
         return TurnStart(turn=turn, hold=hold, home=home, chain=list(chain))
 
-    async def put_hold(self, key: Key, hold: Hold) -> bool:
+    async def put_hold(self, key: Key, hold: Hold, ttl_s: float | None = None) -> bool:
         now = self.clock()
         with self._lock:
             current = self._holds.get(key, now)
             if current is not None and current.turn > hold.turn:
                 self.hold_counts.stale_dropped += 1
                 return False
-            self._holds.set(key, hold, now + self.hold_ttl_s)
+            self._holds.set(key, hold, now + self.offer_s(ttl_s))
             chain = chain_of(hold.params)
             if chain:
                 self._chains.set(key, chain, now + self.session_ttl_s)

@@ -452,7 +452,7 @@ class RedisIndexStore(IndexStore):
             chain=unpack_chain(chain if isinstance(chain, bytes) else None),
         )
 
-    async def put_hold(self, key: Key, hold: Hold) -> bool:
+    async def put_hold(self, key: Key, hold: Hold, ttl_s: float | None = None) -> bool:
         """One script: compare-and-set on the hold's turn, the chain, the branch's record."""
         ss, sb = self._names(key)
         k = self.keys
@@ -463,7 +463,7 @@ class RedisIndexStore(IndexStore):
             [
                 max(hold.turn, 0),
                 encode_hold(hold, self.cipher, k.hold(ss, sb)),
-                self._ms(self.hold_ttl_s),
+                self._ms(self.offer_s(ttl_s)),
                 pack_chain(chain) if chain else b"",
                 self._ms(self.session_ttl_s),
                 sb,

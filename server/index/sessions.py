@@ -125,6 +125,10 @@ class SessionStore(IndexBackend):
     def __init__(self, hold_ttl_s: float) -> None:
         self.hold_ttl_s = hold_ttl_s
 
+    def offer_s(self, ttl_s: float | None) -> float:
+        """How long a hold filed with ``ttl_s`` is offered: never past the store's hold TTL."""
+        return self.hold_ttl_s if ttl_s is None else max(0.001, min(self.hold_ttl_s, ttl_s))
+
     @abc.abstractmethod
     async def begin_turn(self, key: Key) -> TurnStart:
         """Start a turn of ``key``'s branch: take its hold (atomic and single-use across every
@@ -132,9 +136,11 @@ class SessionStore(IndexBackend):
         hold), give the turn its number, read the session's home and the branch's chain."""
 
     @abc.abstractmethod
-    async def put_hold(self, key: Key, hold: Hold) -> bool:
+    async def put_hold(self, key: Key, hold: Hold, ttl_s: float | None = None) -> bool:
         """File D's hold for the branch's next turn, unless a newer turn (a larger
-        ``hold.turn``) already filed one; True when filed. Also records the branch's chain."""
+        ``hold.turn``) already filed one; True when filed. Also records the branch's chain.
+        ``ttl_s``: offered for less than the store's hold TTL (a hold shared with a fork's new
+        branch lives no longer than its parent's)."""
 
     @abc.abstractmethod
     async def peek_hold(self, key: Key) -> Hold | None:

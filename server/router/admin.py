@@ -49,6 +49,7 @@ from server.router.edge import (
     tenant_of,
     unavailable,
 )
+from server.router.fork_hold import share_parent_hold
 from server.router.pool import Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
@@ -286,7 +287,10 @@ class Admin:
                 await self.index.drop_session(tenant, path.split("/")[1])
             except IndexUnavailable:
                 pass  # its holds expire on their own; a claim on D then finds nothing
-        return merge(kind, answers, body)
+        merged = merge(kind, answers, body)
+        if kind == "create" and path.endswith("/branches") and merged.status_code < 300:
+            await share_parent_hold(self.index, tenant, path.split("/")[1], body)
+        return merged
 
     async def placement(self, tenant: str, path: str, body: bytes) -> list[Instance] | None:
         """The instances a session route goes to, with a shared index; None: every instance

@@ -332,6 +332,8 @@ def test_session_routes_go_where_the_index_says_through_either_router(cluster, p
         after_fork = turn(cluster.b, alt, session, branch="alt")
         assert after_fork.text == reference(plain_server, alt)
         assert after_fork.split["branch_id"] == "alt"
+        # the new branch's first turn was offered its parent's hold: P pulled the history
+        assert after_fork.route == "pd+pull" and after_fork.split["remote_hit_tokens"] > 0
 
         assert b.delete(f"/v1/kvbranch/sessions/{session}").status_code == 200
         assert a.get(f"/v1/kvbranch/sessions/{session}").status_code == 404

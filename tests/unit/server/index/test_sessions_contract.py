@@ -80,6 +80,26 @@ async def test_hold_expires(make_store: MakeStore, backend: str, clock: FakeCloc
     assert (await store.begin_turn(KEY)).hold is None
 
 
+async def test_a_hold_offered_for_less_expires_sooner_never_later(
+    make_store: MakeStore, backend: str, clock: FakeClock
+) -> None:
+    """``put_hold(..., ttl_s)``: a fork's new branch gets its parent's hold for what is left of
+    the parent's offer, never past the store's own hold TTL."""
+    store = await make_store(hold_ttl_s=10 * TTL_S)
+    fork = ("tenant-a", "sess:1", "fork")
+    assert await store.put_hold(fork, hold(0), ttl_s=TTL_S)
+    assert await store.put_hold(KEY, hold(1), ttl_s=1000 * TTL_S)
+    shared, capped = await store.peek_hold(fork), await store.peek_hold(KEY)
+    assert shared is not None and 0 < shared.expires_in_s <= TTL_S
+    assert capped is not None and TTL_S < capped.expires_in_s <= 10 * TTL_S
+
+    async def held() -> bool:
+        return await store.peek_hold(fork) is not None
+
+    await run_out(backend, clock, held)
+    assert await store.peek_hold(KEY) is not None
+
+
 async def test_chain_round_trip(store: SessionStore) -> None:
     hashes = [(b"\x01" * 24 + i.to_bytes(8, "big")).hex() for i in (7, 2**64 - 1, 0, 12345)]
     assert await store.put_hold(KEY, hold(1, hashes=hashes))

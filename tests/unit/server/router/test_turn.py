@@ -38,6 +38,7 @@ from tests.unit.server.router.fakes import (
 )
 
 CHAT = "/v1/chat/completions"
+FORKS = "/v1/kvbranch/sessions/s1/branches"
 ROUTE = "X-KVBranch-Route"
 CLAIM = {"handle": "h", "until": 1.0, "until_perf": 1.0, "mac": "m"}
 D_PARAMS = {
@@ -235,6 +236,35 @@ def test_no_prompt_stays_counted_after_its_turn():
     assert r.status_code == 200 and r.headers[ROUTE] == "decode-local"
     assert [i.prefilling for i in router.pool.all] == [0, 0]
     assert [i.inflight for i in router.pool.all] == [0, 0]
+
+
+def test_a_forks_first_turn_is_offered_its_parents_hold():
+    """A fork's new branch is offered its parent's hold, for what is left of it: its first turn
+    pulls the parent's history from the D holding it (or is served there alone) instead of
+    recomputing it on P. The parent keeps its own hold; a fork of a branch with no live hold
+    gets none; a fork the instances refused shares nothing."""
+    fakes = PD()
+    router = split_router(fakes)
+    _turn(router)  # main: held on D
+    parent = peek(router, KEY)
+    assert parent is not None
+    r = call(router, "POST", FORKS, json={"parent": "main", "branch_id": "alt"})
+    assert r.status_code < 300
+    alt = (scope_of(None), "s1", "alt")
+    shared = peek(router, alt)
+    assert shared is not None and (shared.decode_url, shared.turn) == (D, 0)
+    assert shared.params == parent.params and shared.expires_in_s <= parent.expires_in_s
+    assert peek(router, KEY) is not None  # the parent's own hold stays
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "session_id": "s1"}
+    r = call(router, "POST", CHAT, json=body, headers={BRANCH_HEADER: "alt"})
+    assert r.status_code == 200 and r.headers[ROUTE] == "pd+pull"
+    assert fakes.claims == [{"handle": D_PARAMS}]
+    # a fork of a branch with no hold, and a fork the instances refused: nothing offered
+    call(router, "POST", FORKS, json={"parent": "nothing-held", "branch_id": "b2"})
+    assert peek(router, (scope_of(None), "s1", "b2")) is None
+    fakes.answer[D] = lambda r: json_reply(404, {"error": {"message": "no branch 'main'"}})
+    call(router, "POST", FORKS, json={"parent": "main", "branch_id": "b3"})
+    assert peek(router, (scope_of(None), "s1", "b3")) is None
 
 
 def test_a_hold_d_released_is_not_pulled():
