@@ -57,7 +57,7 @@ from server.checks.ids import xargs_of
 from server.index import Hold, IndexUnavailable, Key, SessionStore, TurnStart
 from server.router import relay
 from server.router.edge import FORWARD_HEADERS, Refused, read_turn, tenant_of, unavailable
-from server.router.pool import ROUND_ROBIN, Instance, Pool
+from server.router.pool import CACHE_AWARE, ROUND_ROBIN, Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
 
@@ -325,10 +325,18 @@ class _Turn:
         prefill: Instance | None = None
         if pull is not None and decode is not None:
             prefill = await self.pool.choose_prefill(key, start, pulled=True)
-            if self.pool.serves_locally(decode, prefill):
-                self.timed("route", self._t0)
-                return await self.single(decode, LOCAL_ROUTE, hold=True)
-            pull = await flow.claim(decode, pull, self.headers)
+            local = self.pool.serves_locally(decode, prefill)
+            if not local:
+                pull = await flow.claim(decode, pull, self.headers)
+                # Refused (a fork's sibling took the handle, or D let the blocks go): D still
+                # has the history in its caches, which the P chosen for a pull may never have
+                # seen, and computes only the new tokens.
+                local = pull is None and self.pool.policy == CACHE_AWARE
+            if local:
+                served = await self.local(decode)
+                if served is not None:
+                    return served
+                decode, pull = None, None  # D failed before answering: P serves the turn
         if pull is None:  # no hold, or D refused the claim: P chosen by what it has cached
             prefill = await self.pool.choose_prefill(key, start, pulled=False)
         if prefill is None and decode is None:
@@ -362,6 +370,20 @@ class _Turn:
                 "decode on %s failed (%s): prefill instance serves the turn", decode.url, exc
             )
             return await self.single(prefill, "prefill-only")
+
+    async def local(self, decode: Instance) -> Response | None:
+        """The turn served alone by the D holding its branch (``decode-local``); None when D
+        failed before answering (unreachable, or a 5xx): nothing reached the client, and the
+        turn goes on through P."""
+        self.timed("route", self._t0)
+        body = dict(self.payload)
+        if self.key is not None:  # hold the blocks for the next turn's pull
+            body[TRANSFER_PARAMS_FIELD] = {DO_REMOTE_PREFILL: False}
+        try:
+            return await self.final(decode, body, self.key, LOCAL_ROUTE, None)
+        except _Fallback as exc:
+            logger.warning("the turn on %s alone failed (%s): P serves it", decode.url, exc)
+            return None
 
     async def on_any(self, inst: Instance, leg: Callable[[Instance], Awaitable[_T]]) -> _T:
         """``leg(inst)``; when ``inst`` could not be reached (nothing was sent), the same leg on
