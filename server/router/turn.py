@@ -57,7 +57,7 @@ from server.checks.ids import xargs_of
 from server.index import Hold, IndexUnavailable, Key, SessionStore, TurnStart
 from server.router import relay
 from server.router.edge import FORWARD_HEADERS, Refused, read_turn, tenant_of, unavailable
-from server.router.pool import CACHE_AWARE, ROUND_ROBIN, Instance, Pool
+from server.router.pool import ROUND_ROBIN, Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
 
@@ -325,18 +325,13 @@ class _Turn:
         prefill: Instance | None = None
         if pull is not None and decode is not None:
             prefill = await self.pool.choose_prefill(key, start, pulled=True)
-            local = self.pool.serves_locally(decode, prefill)
-            if not local:
-                pull = await flow.claim(decode, pull, self.headers)
-                # Refused (a fork's sibling took the handle, or D let the blocks go): D still
-                # has the history in its caches, which the P chosen for a pull may never have
-                # seen, and computes only the new tokens.
-                local = pull is None and self.pool.policy == CACHE_AWARE
-            if local:
+            if self.pool.serves_locally(decode, prefill):
                 served = await self.local(decode)
                 if served is not None:
                     return served
                 decode, pull = None, None  # D failed before answering: P serves the turn
+            else:
+                pull = await flow.claim(decode, pull, self.headers)
         if pull is None:  # no hold, or D refused the claim: P chosen by what it has cached
             prefill = await self.pool.choose_prefill(key, start, pulled=False)
         if prefill is None and decode is None:

@@ -239,20 +239,6 @@ def test_no_prompt_stays_counted_after_its_turn():
     assert [i.inflight for i in router.pool.all] == [0, 0]
 
 
-def test_a_refused_claim_leaves_the_turn_with_the_d_that_has_its_history():
-    """D busier with prompts than P: the turn is to be split, but D refuses the claim (a fork's
-    sibling took the handle, or the blocks went to new work): D, whose caches have the history
-    the chosen P may never have seen, serves it alone."""
-    fakes = PD()
-    router = make_router(fakes)
-    _turn(router)
-    router.pool.decodes[0].prefilling = 1
-    fakes.claim_status = 410
-    r = _turn(router)
-    assert r.status_code == 200 and r.headers[ROUTE] == "decode-local"
-    assert len(fakes.claims) == 1 and len(fakes.bodies(P)) == 1
-
-
 def test_a_d_that_fails_a_turn_it_serves_alone_hands_it_to_p():
     """The D holding the branch is unreachable or answers 5xx before anything reached the
     client: the turn is not lost, P serves it."""
