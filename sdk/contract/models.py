@@ -198,6 +198,8 @@ class InstanceInfo(BaseModel):
     alive: bool
     instance_id: str | None = None
     inflight: int = 0
+    #: Of those, requests whose prompt it is computing (what the decode-local rule weighs).
+    prefilling: int = 0
     requests: int = 0
     failures: int = 0
     #: Named by ``--prefill``/``--decode``, or listed by the shared index (its heartbeat
