@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("cache-aware", "always-split", "round-robin"),
         default="cache-aware",
         help="router: cache-aware (holds, pulls, P by prefill left and load; the D holding a "
-        "branch serves its next turn alone while it is less busy than P; the default), "
+        "branch serves its next turn alone unless it computes more prompts than P has requests; "
+        "the default), "
         "always-split (cache-aware, every turn through P then D) or round-robin (no index at "
         "all: the baseline benchmarks/history/cluster_agents.py measured)",
     )
