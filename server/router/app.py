@@ -129,6 +129,7 @@ class Router:
             turns=self.turn_flow.turns,
             retries=self.turn_flow.retries,
             index_errors=self.turn_flow.index_errors,
+            pins_followed=self.turn_flow.pins_followed,
         )
         self.admin = Admin(self.pool, self.index, fanout_timeout_s)
 

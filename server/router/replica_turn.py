@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -38,6 +39,7 @@ from sdk.contract import ROUTE_HEADER
 from server.index import IndexUnavailable, Key, SessionStore
 from server.router import relay
 from server.router.edge import FORWARD_HEADERS, Refused, read_turn, unavailable
+from server.router.pin_follow import follow_pin
 from server.router.pool import ROUND_ROBIN, Instance, Pool
 from server.router.turn import turn_key
 
@@ -59,7 +61,8 @@ def _ignore(_: Any) -> None:
 
 class ReplicaFlow:
     """Routes completion turns to aggregated replicas. Counters are the P/D turn's own (one
-    registry, one set of names): ``turns`` by route, ``retries`` by role, ``index_errors``."""
+    registry, one set of names): ``turns`` by route, ``retries`` by role, ``index_errors``,
+    ``pins_followed``."""
 
     def __init__(
         self,
@@ -69,12 +72,14 @@ class ReplicaFlow:
         turns: Counter,
         retries: Counter,
         index_errors: Counter,
+        pins_followed: Counter,
     ) -> None:
         self.pool = pool
         self.index = index
         self.turns = turns
         self.retries = retries
         self.index_errors = index_errors
+        self.pins_followed = pins_followed
         #: (tenant, session, instance id) this router already recorded as having the session.
         self._placed: dict[tuple[str, str, str], None] = {}
         self._writes: set[asyncio.Task[None]] = set()
@@ -96,8 +101,12 @@ class ReplicaFlow:
                 return unavailable("no replica is reachable")
             inst = chosen.replica
             route = MOVED if chosen.moved else STAYED
+            moved_from = (holder or home) if chosen.moved else None
+            answered = self.pin_follower(key, moved_from, inst, headers)
             try:
-                answer = await self.send(inst, request.url.path, content, headers, stream, route)
+                answer = await self.send(
+                    inst, request.url.path, content, headers, stream, route, answered
+                )
             except _NotSent as exc:
                 tried.add(inst.url)
                 self.retries.labels(inst.role).inc()
@@ -128,9 +137,10 @@ class ReplicaFlow:
         headers: dict[str, str],
         stream: bool,
         route: str,
+        answered: Callable[[], None] | None = None,
     ) -> Response:
         """The turn on ``inst``, its answer relayed; :class:`_NotSent` when no connection
-        was made."""
+        was made. ``answered`` runs once a 200 answer is complete (the replica has the turn)."""
         client = self.pool.client
         out_headers = {ROUTE_HEADER: route}
         inst.inflight += 1
@@ -164,10 +174,14 @@ class ReplicaFlow:
                 await resp.aread()
                 await resp.aclose()
             inst.inflight -= 1
+            if resp.status_code == 200 and answered is not None:
+                answered()
             return self.answer(resp, out_headers)
 
         def done() -> None:
             inst.inflight -= 1
+            if answered is not None:
+                answered()
 
         # want_usage: the client gets every chunk the replica sent (the router asked for none)
         return relay.relay_stream(resp, _ignore, None, True, done, out_headers)
@@ -188,15 +202,40 @@ class ReplicaFlow:
             return relay.passthrough(resp, out_headers)
         return JSONResponse(relay.rewrite_json(data, _ignore, None), headers=out_headers)
 
+    def pin_follower(
+        self, key: Key | None, left: str | None, now_on: Instance, headers: dict[str, str]
+    ) -> Callable[[], None] | None:
+        """For a turn that moved: what carries the branch's pin from the replica it left to
+        ``now_on`` once the turn is answered (:mod:`server.router.pin_follow`); None without a
+        session or a replica it left."""
+        was_on = self.pool.by_instance_id(left)
+        if key is None or was_on is None or was_on is now_on:
+            return None
+        authorization = headers.get("authorization")
+
+        def follow() -> None:
+            self._background(self._follow_pin(key, was_on, now_on, authorization))
+
+        return follow
+
+    async def _follow_pin(
+        self, key: Key, was_on: Instance, now_on: Instance, authorization: str | None
+    ) -> None:
+        if await follow_pin(self.pool.client, key, was_on, now_on, authorization):
+            self.pins_followed.inc()
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
     def place_soon(self, key: Key | None, home: str | None, inst: Instance) -> None:
         """:meth:`place` as a task: the turn need not wait for the index's write."""
         if key is None or inst.instance_id is None or self.pool.policy == ROUND_ROBIN:
             return
         if inst.instance_id == home and (key[0], key[1], inst.instance_id) in self._placed:
             return
-        task = asyncio.get_running_loop().create_task(self.place(key, home, inst.instance_id))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        self._background(self.place(key, home, inst.instance_id))
 
     async def place(self, key: Key, home: str | None, iid: str) -> None:
         """Record that the session now lives on ``iid``: its home when it changed, and among

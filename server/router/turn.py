@@ -135,6 +135,9 @@ class TurnFlow:
             "Legs sent to another instance of the role after the first could not be reached",
             "role",
         )
+        self.pins_followed = counter(
+            "pins_followed", "Pins carried to the replica a moved session's turn went to"
+        )
         self.pulled_tokens = counter(
             "pull_offered_tokens", "Tokens D held that P was offered to pull"
         )

@@ -168,6 +168,50 @@ def test_an_overloaded_holder_loses_the_turn_and_the_route_says_it_moved():
     _untouched(fakes, store)
 
 
+def test_a_pin_follows_the_branch_to_the_replica_its_turn_moved_to():
+    """The holder is overloaded, the turn moves to R1; once R1 has answered, the router reads
+    the branch on R2 (the client's own key) and, pinned there, pins it on R1 for what was left
+    of the lease. Not pinned on R2, or a turn that stayed: no pin is sent anywhere."""
+    for pinned, stream in ((True, False), (True, True), (False, False)):
+        fakes, store = _Replicas(), _Store()
+        # an unpinned branch with a lease left: only ``pinned`` says whether it is one
+        branch = {"session_id": SESSION, "branch_id": "main", "pinned": pinned}
+        branch["pin_expires_in_s"] = 90.0
+
+        def replicas(request: httpx.Request, fakes=fakes, branch=branch) -> httpx.Response:
+            if request.method == "GET" and request.url.path.endswith("/branches/main"):
+                assert request.headers["authorization"] == "Bearer k"  # the client's own key
+                fakes.seen.append((base_of(request), request.url.path, None))
+                return json_reply(200, branch)
+            return fakes(request)
+
+        router = Router([], [], hold_ttl_s=60, index=store, replica_urls=[R1, R2])
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(replicas))
+        holder = Hold(R2, R2, {"remote_num_tokens": 300}, turn=1)
+        asyncio.run(store.put_hold((scope_of("Bearer k"), SESSION, "main"), holder))
+        next(i for i in router.pool.replicas if i.url == R2).inflight = LOAD_MARGIN + 1
+        r = call(
+            router,
+            "POST",
+            CHAT,
+            json=dict(BODY, stream=stream),
+            headers={SESSION_HEADER: SESSION, "authorization": "Bearer k"},
+        )
+        assert r.status_code == 200 and r.headers[ROUTE] == "replica-moved"
+        pins = [s for s in fakes.seen if s[1].endswith("/pin")]
+        reads = [s for s in fakes.seen if s[1].endswith("/branches/main")]
+        assert reads == [(R2, f"/v1/kvbranch/sessions/{SESSION}/branches/main", None)]
+        assert pins == ([(R1, reads[0][1] + "/pin", {"ttl_s": 90.0})] if pinned else [])
+        metrics = call(router, "GET", "/metrics").content
+        assert (b"kvbranch_router_pins_followed_total 1.0" in metrics) == pinned
+    # a turn that stays where its branch is: nothing read, nothing pinned
+    fakes, store = _Replicas(), _Store()
+    router = _router(fakes, store, (R1, R2))
+    _file_hold(store, R2)
+    _turn(router)
+    assert not [s for s in fakes.seen if "/branches/" in s[1]]
+
+
 def test_a_holder_that_cannot_be_reached_hands_the_turn_to_the_next_replica():
     fakes, store = _Replicas(), _Store()
     router = _router(fakes, store, (R1, R2))
