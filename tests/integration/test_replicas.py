@@ -11,15 +11,19 @@ replica is the only source of the history: wrong KV would show as a different an
 
 from __future__ import annotations
 
+import json
 import secrets
 
 from tests.integration.cluster_fixture import sigkill
 from tests.integration.helpers import chat_body, client, empty_caches, system_prompt
 from tests.integration.replica_fixture import (
     HOLD_TTL_S,
+    KEY_A,
     KEY_B,
+    MAX_TOKENS,
     SECRET,
     ReplicaCluster,
+    Tokens,
     conversation,
     metric,
     plain,
@@ -106,6 +110,57 @@ def test_another_tenant_with_the_same_session_id_pulls_nothing(replicas, plain_s
     mine, _, _ = turn(b, messages, session)
     assert mine == plain(plain_server, messages)
     assert remote_hits(b) - remote_before >= 400
+
+
+def _streamed(server: ServerProcess, messages: list[dict], session: str) -> Tokens:
+    """One greedy streamed turn at a replica (the cost model measures streamed turns only:
+    their first event is their first token), its tokens and logprobs read from the events."""
+    body = chat_body(
+        server, messages, session=session, max_tokens=MAX_TOKENS, logprobs=True, stream=True
+    )
+    out = Tokens()
+    with client(server, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    content = (choice.get("logprobs") or {}).get("content") or []
+                    out.extend((t["token"], t["logprob"]) for t in content)
+    return out
+
+
+def _pull_cost(server: ServerProcess) -> dict[str, float]:
+    """The replica's pull cost rows on ``/metrics`` (``kvbranch_peer_pull_*``), by whole name."""
+    with client(server) as c:
+        text = c.get("/metrics").text
+    rows = (row.rsplit(" ", 1) for row in text.splitlines() if row.startswith("kvbranch_peer_pull"))
+    return {name: float(value) for name, value in rows}
+
+
+def test_streamed_turns_measure_the_prefill_and_the_link_the_pull_decision_uses(
+    replicas, plain_server
+):
+    a, b = _pair(replicas)
+    session = "cost-" + secrets.token_hex(4)
+    messages = conversation(seed=48)
+    prefill = 'kvbranch_peer_pull_samples_total{what="prefill"}'
+    hold = 'kvbranch_peer_pull_samples_total{what="hold"}'
+    pulled = 'kvbranch_peer_pull_decisions_total{decision="pull",path="hold"}'
+    link = 'kvbranch_peer_pull_link_tokens_per_second{kind="hold"}'
+    a_before = _pull_cost(a)
+    tokens = _streamed(a, messages, session)
+    assert tokens == plain(plain_server, messages)
+    assert _pull_cost(a)[prefill] == a_before[prefill] + 1, "a cold turn measured no prefill"
+    messages = then(messages, tokens, "The tool returned 42 records. Next?")
+    b_before, remote_before = _pull_cost(b), remote_hits(b)
+    assert _streamed(b, messages, session) == plain(plain_server, messages)
+    assert remote_hits(b) - remote_before >= 400
+    b_after = _pull_cost(b)
+    assert b_after[pulled] == b_before[pulled] + 1, "the hold's pull was not decided"
+    assert b_after[hold] == b_before[hold] + 1, "the pull's link was not measured"
+    assert b_after[link] != b_before[link], (b_before[link], b_after[link])
 
 
 def test_a_client_cannot_name_a_peer_or_skip_the_checks(replicas):
