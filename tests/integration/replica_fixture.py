@@ -167,8 +167,8 @@ class ReplicaCluster:
                 server.stop()  # forget what is left of it
                 restart(server)
         self.ids = {self.instance_id(server): server for server in self.replicas}
-        _wait_for("both replicas' instances listed in the index", self._listed, timeout_s)
-        _wait_for("the router seeing both replicas alive", self._routed, timeout_s)
+        wait_for("both replicas' instances listed in the index", self._listed, timeout_s)
+        wait_for("the router seeing both replicas alive", self._routed, timeout_s)
 
     def instance_id(self, server: ServerProcess) -> str:
         r = httpx.get(server.url + HEALTH_PATH, headers=server.headers(), timeout=30)
@@ -246,7 +246,7 @@ class ReplicaCluster:
             r.hset(RedisKeys(CLUSTER).session(digest(TENANT_A, session)), "home", iid)
 
 
-def _wait_for(what: str, probe: Callable[[], bool], timeout_s: float) -> None:
+def wait_for(what: str, probe: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -18,6 +18,7 @@ import threading
 from server.router.replicas import LOAD_MARGIN
 from tests.integration.helpers import chat_body, client
 from tests.integration.replica_fixture import (
+    KEY_A,
     ROUTE,
     ReplicaCluster,
     conversation,
@@ -25,6 +26,7 @@ from tests.integration.replica_fixture import (
     remote_hits,
     then,
     turn,
+    wait_for,
 )
 from tests.server_process import ServerProcess
 
@@ -86,6 +88,18 @@ def _busy(c: ReplicaCluster, server: ServerProcess, n: int) -> list[threading.Th
     return threads
 
 
+def _pinned(server: ServerProcess, branch: str) -> bool:
+    """Whether ``server`` (a replica) has the branch under the client's 600 s pin, read as
+    tenant A: more than 400 s left, which the session's automatic pin of each used branch
+    (the replicas' default ``--pin-ttl-s``, 300 s) never gives."""
+    with client(server, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        r = c.get(branch)
+    if r.status_code != 200:
+        return False
+    info = r.json()
+    return info["pinned"] is True and (info["pin_expires_in_s"] or 0) > 400
+
+
 def test_an_overloaded_holder_hands_the_session_over_and_the_history_is_pulled(
     replicas, plain_server
 ):
@@ -94,6 +108,11 @@ def test_an_overloaded_holder_hands_the_session_over_and_the_history_is_pulled(
     tokens, _, _ = turn(replicas.router, messages, session)
     first = replicas.wait_holder(session)
     other = next(s for s in replicas.replicas if s is not first)
+    # the client pins the branch (through the router: it lands where the session is)
+    branch = f"/v1/kvbranch/sessions/{session}/branches/main"
+    with client(replicas.router, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        assert c.post(branch + "/pin", json={"ttl_s": 600}).status_code == 200
+    assert not _pinned(other, branch)
     threads = _busy(replicas, first, LOAD_MARGIN + 1)
     before = remote_hits(other)
     messages = then(messages, tokens, "The tool returned 42 records. Next?")
@@ -102,6 +121,8 @@ def test_an_overloaded_holder_hands_the_session_over_and_the_history_is_pulled(
     assert replicas.wait_holder(session) is other  # read first: holds expire
     assert remote_hits(other) - before >= 400  # a move costs a pull, not a recompute
     assert tokens == plain(plain_server, messages)
+    # the pin followed the branch to the replica it moved to (after the answer, off its path)
+    wait_for("the pin on the new replica", lambda: _pinned(other, branch), 30)
     for thread in threads:
         thread.join(timeout=600)
 
