@@ -22,6 +22,10 @@ vLLM's own key check, where it applies, runs before it).
 * **What only the cluster sends** (:mod:`server.plugin.cluster_gate`): transfer params and
   hold claims without the router's proof get 403; with API keys, vLLM's dev routes need a key
   (401).
+* **Field types on the routes a router also serves** (chat and completions): ``"stream": 1``
+  and the other fields :func:`server.checks.fields.field_problem` checks get the router's 400
+  here too, so a replica behind a plain balancer answers a hostile body as our router does
+  (vLLM's lax mode would stream ``"stream": 1``).
 * **Client salt**: with keys, a ``cache_salt`` vLLM would refuse gets vLLM's 400 here, since
   the middleware turns any client salt into a valid tenant salt.
 
@@ -38,6 +42,7 @@ from sdk.contract import (
     API_PREFIX,
     BRANCH_HEADER,
     CACHE_SALT_FIELD,
+    COMPLETION_PATHS,
     GENERATE_PATHS,
     MAX_BODY_BYTES,
     SESSION_HEADER,
@@ -46,6 +51,7 @@ from sdk.contract import (
 )
 from server import dialects
 from server.checks import json_body
+from server.checks.fields import field_problem
 from server.checks.ids import id_problem
 from server.common.errors import send_error
 from server.plugin import cluster_gate
@@ -151,6 +157,8 @@ class KVBranchGuard:
                         return
                 if problem is None:  # cache hints (prompt_cache_*, cache_control): the registry
                     problem = dialects.problem(payload, path)
+                if problem is None and path in COMPLETION_PATHS:  # as the router refuses them
+                    problem = field_problem(payload)
                 if problem is None and keys:
                     try:
                         check_cache_salt(payload.get(CACHE_SALT_FIELD))

@@ -83,6 +83,28 @@ def test_hostile_ids_headers_and_types_are_400s_that_run_nothing(
         probe.hostile_request_is_400(url, model, KEY_A, path, fields, headers, param)
 
 
+#: A replica's own port refuses the same bodies as the router (its guard applies the router's
+#: checks). Headers differ: a session header that is not ASCII is a 400 naming the header
+#: there (the router's edge names the encoding), and a key that is not ASCII is refused by
+#: vLLM's own key check, with 401.
+REPLICA_DOOR = [
+    (name, path, fields, headers, "X-Session-ID" if name == "header-session-byte" else param)
+    for name, path, fields, headers, param in probe.HOSTILE
+    if name != "header-auth-byte"
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "fields", "headers", "param"),
+    REPLICA_DOOR,
+    ids=[h[0] for h in REPLICA_DOOR],
+)
+def test_a_replicas_own_port_refuses_them_alike(replicas, name, path, fields, headers, param):
+    """Behind a plain balancer (a Kubernetes Service) each replica is a door of its own."""
+    server = replicas.replicas[0]
+    probe.hostile_request_is_400(server.url, server.model, KEY_A, path, fields, headers, param)
+
+
 def test_a_session_route_with_a_lone_surrogate_is_a_400(replicas):
     with _NothingRan(replicas):
         probe.session_route_with_a_lone_surrogate_is_400(replicas.router.url, KEY_B)

@@ -90,6 +90,26 @@ def test_bad_chat_session_id_is_400_before_the_app():
 
 
 @pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("/v1/chat/completions", {"stream": 1}, "stream"),
+        ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),
+        ("/v1/chat/completions", {"stream": True, "max_tokens": 5}, None),
+        ("/v1/responses", {"stream": 1}, None),  # no router serves it: vLLM's own rules
+    ],
+)
+def test_field_types_the_router_refuses_are_refused_here_too(path, fields, param):
+    guard = KVBranchGuard(None)
+    body = json.dumps({"model": "m", "messages": [], "prompt": "x", **fields}).encode()
+    sent, reached, _ = _run(guard, path, [body])
+    if param is None:
+        assert reached
+        return
+    assert sent[0]["status"] == 400 and not reached
+    assert json.loads(sent[1]["body"])["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
     "path, payload, param",
     [
         (
