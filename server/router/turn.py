@@ -374,11 +374,9 @@ class _Turn:
         failed before answering (unreachable, or a 5xx): nothing reached the client, and the
         turn goes on through P."""
         self.timed("route", self._t0)
-        body = dict(self.payload)
-        if self.key is not None:  # hold the blocks for the next turn's pull
-            body[TRANSFER_PARAMS_FIELD] = {DO_REMOTE_PREFILL: False}
+        body, key = self.alone(hold=True)
         try:
-            return await self.final(decode, body, self.key, LOCAL_ROUTE, None)
+            return await self.final(decode, body, key, LOCAL_ROUTE, None)
         except _Fallback as exc:
             logger.warning("the turn on %s alone failed (%s): P serves it", decode.url, exc)
             return None
@@ -478,15 +476,19 @@ class _Turn:
         body[TRANSFER_PARAMS_FIELD] = {k: v for k, v in p_params.items() if k != RESPONSE_FIELD}
         return await self.final(inst, body, self.key, route, split)
 
-    async def single(self, inst: Instance, route: str, hold: bool = False) -> Response:
-        """One instance serves the whole turn (the other one is down, or the D holding the
-        branch is the less busy); ``hold``: it is a D, which keeps the blocks for the next
-        turn's pull."""
+    def alone(self, hold: bool) -> tuple[dict[str, Any], Key | None]:
+        """The body of a turn one instance serves whole, and the key its answer's params are
+        filed under; ``hold``: it is a D, which keeps the blocks for the next turn's pull."""
         body = dict(self.payload)
         if hold and self.key is not None:
             # An empty request for D's connector: hold the blocks for the next turn's pull.
             body[TRANSFER_PARAMS_FIELD] = {DO_REMOTE_PREFILL: False}
-        key = self.key if hold else None
+        return body, (self.key if hold else None)
+
+    async def single(self, inst: Instance, route: str, hold: bool = False) -> Response:
+        """One instance serves the whole turn because the other role is down or failed
+        (:meth:`alone`), tried on another instance of its role when it cannot be reached."""
+        body, key = self.alone(hold)
         try:
             return await self.on_any(inst, lambda i: self.final(i, body, key, route, None))
         except _Fallback as exc:
