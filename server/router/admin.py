@@ -11,7 +11,11 @@ that has it; ``stats`` adds
 the cluster index. A fan-out never answers with just the first instance's reply: all must
 agree, or the client gets 502 with each instance's status, and a retry with the same id
 converges (an instance that already has the session counts as created, one that no longer has it
-as deleted).
+as deleted). A delete is the exception for instances that cannot be reached: it succeeds for
+the ones that answer (200, or 202 when none of them had it), names the unreachable ones, drops
+the session's index entries so no turn or peer is sent to its KV, and the router sends each
+unreachable instance the delete again before it counts it as up
+(:mod:`server.router.pending_deletes`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from server.router.edge import (
     unavailable,
 )
 from server.router.fork_hold import share_parent_hold
+from server.router.pending_deletes import MissedDelete, PendingDeletes
 from server.router.pool import Instance, Pool
 
 logger = logging.getLogger("kvbranch.router")
@@ -179,6 +184,32 @@ def merge(kind: FanKind, answers: list[Answer], body: bytes | None) -> Response:
     return JSONResponse(data, status_code=502)
 
 
+def merge_delete(answers: list[Answer], deleted: str) -> Response:
+    """One reply for a delete some instances could not be reached for: what the others
+    answered, never a 5xx for the unreachable ones (they get it when back). 200 with the
+    answer of an instance that deleted it; 202 when none that answered had it (an unreachable
+    one may have); either names the unreachable instances. An instance that answered
+    otherwise (a 500, a refusal) is the plain fan-out's answer: the delete did not apply."""
+    unreachable = [a for a in answers if a.status is None]
+    reached = [a for a in answers if a.status is not None]
+    if not unreachable or any(
+        not (200 <= (a.status or 0) < 300 or already_done("delete", a)) for a in reached
+    ):
+        return merge("delete", answers, None)
+    missed = [{"url": a.inst.url, "role": a.inst.role} for a in unreachable]
+    for a in reached:
+        if a.status is not None and 200 <= a.status < 300:
+            try:
+                data = json.loads(a.content)
+            except ValueError:
+                data = None
+            if isinstance(data, dict):
+                return JSONResponse({**data, "unreachable": missed}, status_code=a.status)
+    return JSONResponse(
+        {"deleted": deleted, "released_blocks": 0, "unreachable": missed}, status_code=202
+    )
+
+
 def with_id(body: bytes, field: str, prefix: str) -> bytes:
     """``body`` with ``field`` set to a new id when the client left it out: every instance
     must create the same id."""
@@ -199,6 +230,8 @@ class Admin:
         self.pool = pool
         self.index = index
         self.fanout_timeout_s = fanout_timeout_s
+        self.pending = PendingDeletes()
+        pool.before_up = self.deliver_missed
 
     async def front(self) -> tuple[list[Instance], str]:
         """The live instances a session's reads and creates go to, and what to call them: the
@@ -227,14 +260,34 @@ class Admin:
         )
 
     async def _fan_one(
-        self, request: Request, inst: Instance, path: str, body: bytes | None
+        self,
+        request: Request,
+        inst: Instance,
+        path: str,
+        body: bytes | None,
+        *,
+        keep_missed: bool = False,
     ) -> Answer:
         try:
             r = await self.forward(request, inst, path, body, timeout=self.fanout_timeout_s)
         except httpx.HTTPError as exc:
+            if keep_missed:  # before it is marked down: its next probe sends it this delete
+                headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+                self.pending.add(inst.url, tenant_of(request), path, headers)
             self.pool.mark_down(inst)
             return Answer(inst, None, error=f"{type(exc).__name__}: {exc}"[:200])
         return Answer(inst, r.status_code, r.content, r.headers.get("content-type"))
+
+    async def deliver_missed(self, inst: Instance) -> bool:
+        """Before ``inst`` counts as up again: the deletes it missed while unreachable."""
+        return await self.pending.deliver(inst.url, self._send_missed)
+
+    async def _send_missed(self, url: str, missed: MissedDelete) -> int | None:
+        try:
+            r = await self.pool.probe_client.delete(url + missed.path, headers=missed.headers)
+        except httpx.HTTPError:
+            return None
+        return r.status_code
 
     async def session_route(self, request: Request, path: str) -> Response:
         if not known_route(request.method, path):
@@ -274,20 +327,31 @@ class Admin:
         # A change: every instance that has the session, the ones seen down included — the
         # answer must say which instance missed it, and a retry must reach it.
         fan = self.pool.all if placed is None else placed
-        answers = await asyncio.gather(
-            *(self._fan_one(request, t, full, body or None) for t in fan)
-        )
         kind = fan_kind(request.method, path)
+        answers = await asyncio.gather(
+            *(
+                self._fan_one(request, t, full, body or None, keep_missed=kind == "delete")
+                for t in fan
+            )
+        )
         if (
             kind == "delete"
             and path.count("/") == 1
-            and any(a.status == 200 or already_done(kind, a) for a in answers)
+            and (
+                any(a.status == 200 or already_done(kind, a) for a in answers)
+                or all(a.status is None for a in answers)
+            )
         ):
+            # Holds, home and placement go even when an instance that has the session could not
+            # be reached: no turn is sent to its KV and no peer pulls or revives it from there.
             try:
                 await self.index.drop_session(tenant, path.split("/")[1])
             except IndexUnavailable:
                 pass  # its holds expire on their own; a claim on D then finds nothing
-        merged = merge(kind, answers, body)
+        if kind == "delete":
+            merged = merge_delete(answers, path.split("/")[-1])
+        else:
+            merged = merge(kind, answers, body)
         if kind == "create" and path.endswith("/branches") and merged.status_code < 300:
             await share_parent_hold(self.index, tenant, path.split("/")[1], body)
         return merged

@@ -47,7 +47,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,6 +188,9 @@ class Pool:
         self.probe_client = probe_client if probe_client is not None else client
         self.api_key = api_key
         self._on_restart = on_restart
+        #: Run when a probe finds an instance up that was not: False keeps it down (the router's
+        #: admin sends it the deletes it missed, :mod:`server.router.pending_deletes`).
+        self.before_up: Callable[[Instance], Awaitable[bool]] | None = None
         #: The shared index whose membership this pool follows (None: seeds only).
         self.store = store
         #: ``cache-aware`` (the default) or ``round-robin``: the no-index baseline the cluster
@@ -291,6 +294,8 @@ class Pool:
                 reported,
                 inst.instance_id,
             )  # a restart lost D's blocks
+        if alive and not inst.alive and self.before_up is not None:
+            alive = await self.before_up(inst)  # what it missed while down, first
         if alive != inst.alive:
             logger.warning("%s %s is %s", inst.role, inst.url, "up" if alive else "DOWN")
         inst.alive, inst.instance_id, inst.checked_at = alive, reported, self.clock()

@@ -15,11 +15,15 @@ from __future__ import annotations
 import secrets
 import threading
 
+from sdk.contract import session_path
+from server.index.redis_store import RedisKeys, digest
 from server.router.replicas import LOAD_MARGIN
 from tests.integration.helpers import chat_body, client
 from tests.integration.replica_fixture import (
+    CLUSTER,
     KEY_A,
     ROUTE,
+    TENANT_A,
     ReplicaCluster,
     conversation,
     plain,
@@ -139,3 +143,15 @@ def test_a_dead_holder_moves_the_session(replicas, plain_server):
     assert route == "replica-moved"
     assert replicas.wait_holder(session) is other
     assert tokens == plain(plain_server, messages)
+    # Deleted while the first replica is still down: the router answers for the replica it
+    # reaches (never a 5xx for the one it cannot), names the one it could not, and the index
+    # forgets the session, so no turn or peer is sent to what the first one kept of it.
+    with client(replicas.router, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        r = c.delete(session_path(session))
+    assert r.status_code == 200, r.text
+    assert r.json()["unreachable"] == [{"url": first.url, "role": "both"}]
+    assert replicas.hold(session) is None
+    with replicas.redis_client() as redis:
+        assert not redis.exists(RedisKeys(CLUSTER).session(digest(TENANT_A, session)))
+    with client(other, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        assert c.get(session_path(session)).status_code == 404

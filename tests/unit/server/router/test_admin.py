@@ -3,6 +3,7 @@ naming the instance, a retry converges; reads fall over to a prefill that answer
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -163,3 +164,110 @@ def test_stats_add_the_cluster_index_of_the_callers_tenant_only():
     assert entry["session_id"] == "s1" and entry["tokens"] == 7 and entry["decode"] == D
     assert data["cluster"]["index_counters"]["entries"] == 2
     assert [i["role"] for i in data["cluster"]["instances"]] == ["prefill", "decode"]
+
+
+# --- a delete while an instance is unreachable ---------------------------------------------
+def test_a_delete_with_an_instance_down_succeeds_for_the_others_and_names_it():
+    fakes = Fakes()
+    fakes.answer[P] = lambda r: json_reply(200, {"deleted": "s1", "released_blocks": 4})
+    fakes.answer[D] = refused
+    router = make_router(fakes)
+    key = (scope_of("Bearer k"), "s1", "main")
+    put(router, key, D, "x", {"remote_num_tokens": 3})
+    r = call(router, "DELETE", session_path("s1"), headers={"authorization": "Bearer k"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "deleted": "s1",
+        "released_blocks": 4,
+        "unreachable": [{"url": D, "role": "decode"}],
+    }
+    # the index forgets the session: no turn and no peer is sent to D's copy of it
+    assert peek(router, key) is None
+    assert router.admin.pending.missed(D) == [session_path("s1")]
+
+
+@pytest.mark.parametrize("prefill", [refused, lambda r: err(404, "no session 's1'")])
+def test_a_delete_no_reachable_instance_had_is_accepted_not_a_5xx(prefill):
+    fakes = Fakes()
+    fakes.answer[P], fakes.answer[D] = prefill, refused
+    router = make_router(fakes)
+    key = (scope_of(None), "s1", "main")
+    put(router, key, D, "x", {"remote_num_tokens": 3})
+    r = call(router, "DELETE", session_path("s1"))
+    assert r.status_code == 202, r.text
+    assert r.json()["deleted"] == "s1" and D in {i["url"] for i in r.json()["unreachable"]}
+    assert peek(router, key) is None
+
+
+def test_a_branch_delete_with_an_instance_down_is_kept_for_it_too():
+    fakes = Fakes()
+    fakes.answer[P] = lambda r: json_reply(200, {"deleted": "b", "released_blocks": 0})
+    fakes.answer[D] = refused
+    router = make_router(fakes)
+    path = "/v1/kvbranch/sessions/s1/branches/b"
+    r = call(router, "DELETE", path)
+    assert r.status_code == 200 and r.json()["unreachable"] == [{"url": D, "role": "decode"}]
+    assert router.admin.pending.missed(D) == [path]
+
+
+def test_a_delete_an_instance_that_answered_refused_is_still_a_502():
+    # reachable but failing: the delete did not apply there and nothing will send it again
+    fakes = Fakes()
+    fakes.answer[P] = lambda r: json_reply(200, {"deleted": "s1", "released_blocks": 0})
+    fakes.answer[D] = lambda r: err(500, "engine died")
+    router = make_router(fakes)
+    r = call(router, "DELETE", session_path("s1"))
+    assert r.status_code == 502 and D in r.json()["error"]["message"]
+    assert len(router.admin.pending) == 0
+
+
+def test_an_instance_back_gets_the_delete_it_missed_before_it_counts_as_up():
+    fakes = Fakes()
+    fakes.answer[P] = lambda r: json_reply(200, {"deleted": "s1", "released_blocks": 0})
+    fakes.answer[D] = refused
+    router = make_router(fakes)
+    r = call(router, "DELETE", session_path("s1"), headers={"authorization": "Bearer k"})
+    assert r.status_code == 200
+    decode = router.pool.decodes[0]
+    assert not decode.alive  # the fan-out found it down
+    keys: list[str | None] = []
+
+    def back(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers.get("authorization"))
+        return json_reply(200, {"deleted": "s1", "released_blocks": 2})
+
+    fakes.answer[D] = back
+    fakes.seen.clear()
+    assert asyncio.run(router.pool.probe(decode, 0.0))
+    # the client's own request again, with its key (its tenant's session), and nothing else
+    sent = [(b, m, p) for b, m, p, _ in fakes.seen]
+    assert sent == [(D, "DELETE", session_path("s1"))] and keys == ["Bearer k"]
+    assert len(router.admin.pending) == 0 and decode.alive
+
+
+def test_an_instance_the_missed_delete_cannot_reach_stays_down():
+    fakes = Fakes()
+    fakes.answer[P] = lambda r: json_reply(200, {"deleted": "s1", "released_blocks": 0})
+    fakes.answer[D] = refused
+    router = make_router(fakes)
+    call(router, "DELETE", session_path("s1"))
+    decode = router.pool.decodes[0]
+    assert not asyncio.run(router.pool.probe(decode, 0.0))  # health answers, the delete not
+    assert router.admin.pending.missed(D) == [session_path("s1")] and not decode.alive
+
+
+def test_the_client_cannot_choose_which_instances_a_delete_skips():
+    # a body or query naming instances changes nothing: the fan-out is the index's or the pool's
+    fakes = Fakes()
+    fakes.answer[P] = fakes.answer[D] = lambda r: json_reply(
+        200, {"deleted": "s1", "released_blocks": 0}
+    )
+    router = make_router(fakes)
+    r = call(
+        router,
+        "DELETE",
+        session_path("s1") + "?skip=" + D,
+        content=json.dumps({"instances": [P], "unreachable": [D]}),
+    )
+    assert r.status_code == 200 and "unreachable" not in r.json()
+    assert {b for b, m, *_ in fakes.seen if m == "DELETE"} == {P, D}
