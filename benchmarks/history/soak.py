@@ -36,7 +36,9 @@ faulted once:
   (behind a plain balancer a replica is a door too);
 * a fault every ``--fault-every`` seconds, cycling router → Redis → D → P (with ``--replicas``:
   router → Redis → replica), each role's members in turn: SIGKILL, restart, and the next fault
-  only once both routers list every instance alive again.
+  only once both routers list every instance alive again. The router fault kills router1 only:
+  router0 runs the whole soak, so the report judges a router's growth (RSS over the run), which
+  it cannot for a process that was restarted.
 
 Then the cluster is stopped and plain vLLM (:mod:`tests.vanilla_vllm`: vLLM's own server, no
 kvbranch code) is started on the same cores, and every served legitimate request's body is
@@ -100,6 +102,8 @@ REPLICA_FAULT_CYCLE = ("router", "redis", "replica")
 #: Roles faulted once, not once per member: routers are stateless (one killed is every one
 #: killed), Redis is one process.
 ONCE_ROLES = ("router", "redis")
+#: The router no fault kills: the one whose growth over the whole soak the report judges.
+KEPT_ROUTER = "router0"
 ROUTER_POLICIES = ("cache-aware", "round-robin")
 #: Hard bounds on every loop (the time bounds are the run's deadline).
 MAX_SESSIONS_PER_AGENT = 500
@@ -185,7 +189,7 @@ class SoakCluster:
 
     def members(self, cycle: tuple[str, ...]) -> dict[str, list[str]]:
         """Each faulted role's processes, in the order they are killed."""
-        return {role: self.of_role(role) for role in cycle}
+        return {role: faulted_members(role, self.of_role(role)) for role in cycle}
 
     def doors(self) -> list[tuple[str, ServerProcess]]:
         """Where the hostile traffic knocks, a round at each in turn: the routers, and the first
@@ -787,9 +791,15 @@ def fault_cycle(replicas: int | None) -> tuple[str, ...]:
     return REPLICA_FAULT_CYCLE if replicas else FAULT_CYCLE
 
 
+def faulted_members(role: str, names: list[str]) -> list[str]:
+    """The processes of ``role`` a fault may kill: all but :data:`KEPT_ROUTER` (with the
+    routers killed in turn, no router ran throughout and its growth went unjudged)."""
+    return [n for n in names if n != KEPT_ROUTER] if role == "router" else names
+
+
 def fault_victim(i: int, cycle: tuple[str, ...], members: dict[str, list[str]]) -> tuple[str, str]:
     """Fault ``i``'s role and process: the roles in ``cycle`` order, each role's members in
-    turn from one cycle to the next (router0 first, router1 in the next cycle)."""
+    turn from one cycle to the next."""
     role = cycle[i % len(cycle)]
     victims = members[role]
     return role, victims[(i // len(cycle)) % len(victims)]
