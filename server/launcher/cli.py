@@ -245,6 +245,9 @@ def plan_launch(
             raise LaunchError(f"--model {model_path}: {refusal}")
         if dtype_why and not has_flag(passthrough, "--dtype"):
             notes.append(dtype_why)
+    refusal = data_parallel_refusal(args, passthrough)
+    if refusal:
+        raise LaunchError(refusal)
     replica = peer_replica(args)
     states = state_layers_in_config(config) if replica else None
     if states:
@@ -422,6 +425,24 @@ def reserved_cpu_cores(passthrough: list[str]) -> str | None:
         if value and value.isdigit():
             ranks *= int(value)
     return str(ranks)
+
+
+def data_parallel_refusal(args: argparse.Namespace, passthrough: list[str]) -> str | None:
+    """Why this launch cannot run several data-parallel engines, or None. A single instance
+    can (its plugin gives each session one engine, docs/kv_events.md); a cluster member cannot
+    yet: the index would see one member for N engines, vLLM's KV events cannot use ``ipc://``
+    past engine 0, and a peer's pull or a P/D hand-off would reach engine 0 only."""
+    value = flag_value(passthrough, "--data-parallel-size") or short_flag_value(passthrough, "-dp")
+    if not (value and value.isdigit() and int(value) > 1):
+        return None
+    if index_enabled(args) or args.role in PD_ROLES:
+        what = f"--role {args.role}" if args.role in PD_ROLES else "--index"
+        return (
+            f"--data-parallel-size {value} with {what}: a cluster member with several engines "
+            "is not supported yet; run one instance per engine (docs/kv_events.md, "
+            "'Data parallel')"
+        )
+    return None
 
 
 def short_flag_value(passthrough: list[str], flag: str) -> str | None:

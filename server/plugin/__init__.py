@@ -48,6 +48,7 @@ class KVBranchPlugin:
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         from server.connector.control.transport import AsyncControlClient
+        from server.plugin.engines import Engines
         from server.plugin.metrics import register_collector
         from server.plugin.state import PluginState
         from server.plugin.vllm_serve import apply_kv_transfer_config
@@ -58,7 +59,8 @@ class KVBranchPlugin:
         names = getattr(args, "served_model_name", None) or [args.model]
         model_name = os.environ.get(ENV_MODEL_NAME) or names[0]
         max_len = getattr(args, "max_model_len", None) or 8192
-        state.kvbranch = PluginState(engine_client, control, model_name, max_len)
+        engines = Engines.of(engine_client, path)
+        state.kvbranch = PluginState(engine_client, control, model_name, max_len, engines)
         if path:
             register_collector(path)
         from server.index.publisher import start as start_index_publisher

@@ -26,6 +26,9 @@ vLLM's own key check, where it applies, runs before it).
   and the other fields :func:`server.checks.fields.field_problem` checks get the router's 400
   here too, so a replica behind a plain balancer answers a hostile body as our router does
   (vLLM's lax mode would stream ``"stream": 1``).
+* **Engine choice**: an ``X-data-parallel-rank`` header (vLLM's per-request engine choice) is
+  dropped from every request: with data parallel the middleware picks the session's engine
+  (:mod:`server.plugin.engines`); a client never does.
 * **Client salt**: with keys, a ``cache_salt`` vLLM would refuse gets vLLM's 400 here, since
   the middleware turns any client salt into a valid tenant salt.
 
@@ -55,6 +58,7 @@ from server.checks.fields import field_problem
 from server.checks.ids import id_problem
 from server.common.errors import send_error
 from server.plugin import cluster_gate
+from server.plugin.engines import strip_client_rank
 from server.plugin.request import drain, header, read_body, route_path
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
 
@@ -81,6 +85,8 @@ class KVBranchGuard:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = route_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] == "http":
+            scope = strip_client_rank(scope)  # only the middleware picks an engine
         if cluster_gate.is_dev_path(path):
             dev_args = app_args_of(scope)
             if tenancy_on(dev_args) and owner_of(header(scope, "authorization"), dev_args) is None:

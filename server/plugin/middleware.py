@@ -3,7 +3,9 @@
 On the way in, on every generating route (:data:`sdk.contract.GENERATE_PATHS`), it drops
 kvbranch's internal fields from the client's extension args (:data:`INTERNAL_XARGS`: only the
 server sets them), stamps a server-made tag (to find the request's accounting afterwards),
-copies the ``X-KVBranch-Branch`` header into the extension args, and, when the server has API
+copies the ``X-KVBranch-Branch`` header into the extension args, sends a session's turn to the
+engine that holds the session when the server runs several data-parallel engines
+(:mod:`server.plugin.engines`), and, when the server has API
 keys, stamps the caller's tenant (``owner``) and salts the prefix cache per tenant (vLLM's
 ``cache_salt``: the tenant's id combined with the client's own salt, if any). Function tools
 the client did not mark ``strict`` are marked ``strict: true``, so vLLM constrains every tool
@@ -56,7 +58,9 @@ from server.checks.ids import xargs_of
 from server.common.sse import EVENT_END, EventSplitter, encode_event, json_event
 from server.common.tenants import scope_of
 from server.connector.control.models import Split
+from server.connector.control.transport import AsyncControlClient
 from server.plugin.engine_tokens import VllmEngine
+from server.plugin.engines import Engines, rank_header
 from server.plugin.peer_pull import PEER_PULL_PATHS, PeerPulls, PeerTurn
 from server.plugin.priority import policy_from_env
 from server.plugin.request import header, read_body, route_path
@@ -162,6 +166,7 @@ class KVBranchMiddleware:
         except ValueError:
             payload = None
         usage_rewrite = None  # cache-hint dialects (server/dialects/): session, pin, usage
+        control: AsyncControlClient | None = None  # the session's engine (data parallel)
         if isinstance(payload, dict):
             owner = owner_of(header(scope, "authorization"), app_args_of(scope))
             payload = rewrite_request(
@@ -180,17 +185,31 @@ class KVBranchMiddleware:
                 tag = ""  # it could not be carried: no split to look up
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
+            engines = _engines(scope)
+            if engines is not None and engines.several:
+                session = dialects.session_of(payload, path, header(scope, SESSION_HEADER))
+                if session is not None:
+                    engine = engines.engine_for(owner, session)
+                    control = engines.controls[engine] if engines.controls else None
+                    headers.append(rank_header(engine))
             scope = dict(scope, headers=headers)
         else:
             tag = ""
             peer_turn = None
 
-        state = _ResponseRewriter(scope, send, tag)
+        state = _ResponseRewriter(scope, send, tag, control)
         state.usage_rewrite = usage_rewrite
         state.peer_turn = peer_turn if tag else None
         if tag:  # the agent page's turn log (turn_log.py) takes the split from this one lookup
             scope[SPLIT_SCOPE_KEY] = state.fetch_split
         await self.app(scope, receive, state.send)
+
+
+def _engines(scope: dict) -> Engines | None:
+    app = scope.get("app")
+    kvb = getattr(getattr(app, "state", None), "kvbranch", None)
+    engines = getattr(kvb, "engines", None)
+    return engines if isinstance(engines, Engines) else None
 
 
 def _peer_pulls(scope: dict) -> PeerPulls | None:
@@ -218,9 +237,14 @@ async def _begin_peer_turn(scope: dict, payload: dict, path: str) -> PeerTurn | 
 
 
 class _ResponseRewriter:
-    def __init__(self, scope: dict, send: Any, tag: str) -> None:
+    def __init__(
+        self, scope: dict, send: Any, tag: str, control: AsyncControlClient | None = None
+    ) -> None:
         self._send = send
         self._tag = tag
+        #: The engine that served the request when the middleware chose it (a session's turn
+        #: with data parallel); else the split is asked of every engine.
+        self._control = control
         self.usage_rewrite: dialects.UsageRewrite | None = None  # a dialect's, per request
         #: An aggregated replica's session turn: its handle is filed, never shown to the client.
         self.peer_turn: PeerTurn | None = None
@@ -241,12 +265,21 @@ class _ResponseRewriter:
         kvb = getattr(self._app_state, "kvbranch", None) if self._app_state else None
         if kvb is None or kvb.control is None:
             return None
-        try:
-            answer = await kvb.control.call(Split(tag=self._tag))
+        if self._control is not None:
+            controls = [self._control]
+        elif isinstance(getattr(kvb, "engines", None), Engines) and kvb.engines.several:
+            controls = kvb.engines.controls  # vLLM chose the engine: whichever has the tag
+        else:
+            controls = [kvb.control]
+        for control in controls:
+            try:
+                answer = await control.call(Split(tag=self._tag))
+            except Exception as exc:  # noqa: BLE001 - accounting must never break a response
+                logger.debug("kvbranch: no split for %s: %s", self._tag, exc)
+                continue
             if answer.root is not None:
                 self._split = answer.root.model_dump(mode="json")
-        except Exception as exc:  # noqa: BLE001 - accounting must never break a response
-            logger.debug("kvbranch: no split for %s: %s", self._tag, exc)
+                break
         return self._split
 
     async def send(self, message: dict) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -39,6 +40,7 @@ from server import __version__
 from server.common.errors import error_response
 from server.connector.control import models as ctl
 from server.connector.control.transport import ControlError
+from server.plugin.engines import Engines
 from server.plugin.state import PluginState
 from server.plugin.tenancy import app_args_of, owner_of
 
@@ -68,7 +70,8 @@ def _kvb(request: Request) -> PluginState:
 
 
 async def _call(request: Request, op: ctl.ControlRequest[A]) -> A:
-    """``op`` on behalf of the caller's tenant."""
+    """``op`` on behalf of the caller's tenant, asked of the engine that holds its session
+    (data parallel: :mod:`server.plugin.engines`; engine 0 for ops without a session)."""
     kvb = _kvb(request)
     if kvb.control is None:
         raise ControlError(
@@ -77,7 +80,21 @@ async def _call(request: Request, op: ctl.ControlRequest[A]) -> A:
         )
     owner = owner_of(request.headers.get("authorization"), app_args_of(request.app))
     op.owner = owner
-    return await kvb.control.call(op)
+    control = kvb.control
+    engines = _engines(kvb)
+    if engines is not None:
+        session_id = getattr(op, "session_id", None)
+        if isinstance(op, ctl.CreateSession) and session_id is None:
+            # The engine is chosen by the id, so the id is made here, as the engine would.
+            session_id = op.session_id = f"sess_{secrets.token_urlsafe(16)}"
+        control = engines.control_for(owner, session_id) or control
+    return await control.call(op)
+
+
+def _engines(kvb: PluginState) -> Engines | None:
+    """The data-parallel engines when there are several (else None: engine 0 serves all)."""
+    engines = getattr(kvb, "engines", None)
+    return engines if isinstance(engines, Engines) and engines.several else None
 
 
 def _routed(handler: Handler) -> Handler:
@@ -230,7 +247,12 @@ async def prefetch_branch(
         if plan.location is not None:
             status = {"device": "already_resident", "host": "in_host_store"}[plan.location]
     if status == "scheduled":
-        kvb.start_prefetch(tokens, plan.cache_salt)
+        owner = owner_of(request.headers.get("authorization"), app_args_of(request.app))
+        engines = _engines(kvb)
+        if engines is not None:
+            kvb.start_prefetch(tokens, plan.cache_salt, engines.engine_for(owner, session_id))
+        else:
+            kvb.start_prefetch(tokens, plan.cache_salt)
     result = {
         "session_id": session_id,
         "branch_id": branch_id,

@@ -578,3 +578,26 @@ def test_plan_leaves_the_reserved_cores_to_vllm_without_our_connector_alone(
     monkeypatch.setenv(cli.ENV_RESERVED_CPUS, "0")  # the user's own choice stands
     plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
     assert cli.ENV_RESERVED_CPUS not in plan.env
+
+
+@pytest.mark.parametrize(
+    ("ours", "passthrough"),
+    [
+        (["--index", "redis://127.0.0.1:6379/0"], ["--data-parallel-size", "2"]),
+        (["--index", "redis://127.0.0.1:6379/0"], ["-dp=4"]),
+        (["--role", "decode"], ["--data_parallel_size=2"]),
+    ],
+)
+def test_plan_refuses_data_parallel_engines_in_a_cluster(model_dir, ours, passthrough):
+    # one index member for several engines: peers and the router would reach engine 0 only
+    with pytest.raises(LaunchError, match="one instance per engine"):
+        plan_launch(parse("--model", str(model_dir), *ours), passthrough, cuda=False)
+
+
+@pytest.mark.parametrize(
+    ("ours", "passthrough"),
+    [([], ["--data-parallel-size", "2"]), (["--index", "redis://x:1/0"], ["-dp", "1"])],
+)
+def test_plan_keeps_data_parallel_engines_of_a_single_instance(model_dir, ours, passthrough):
+    plan = plan_launch(parse("--model", str(model_dir), *ours), passthrough, cuda=False)
+    assert plan.vllm_argv[-len(passthrough) :] == passthrough

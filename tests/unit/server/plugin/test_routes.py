@@ -126,7 +126,7 @@ def client(control: FakeControl) -> TestClient:
         vllm_version="v",
         instance_id="i",
         role="single",
-        start_prefetch=lambda tokens, salt: prefetched.append(tokens),
+        start_prefetch=lambda tokens, salt, engine=None: prefetched.append(tokens),
         prefetched=prefetched,
     )
     return TestClient(app, raise_server_exceptions=False)
