@@ -16,7 +16,12 @@ the same turn rows (:func:`benchmarks.common.turn_row` plus ``conversation``, ``
   step after the other per conversation. The model's answers are *not* fed back (each step's
   prompt holds the trace's own tool calls), so a turn's prompt does not extend what D generated
   the turn before: the case where a pull must stop at the common prefix (docs/pd_notes.md
-  pitfall 5).
+  pitfall 5);
+* ``mooncake`` — Mooncake's production conversation trace (:mod:`benchmarks.traces.mooncake`:
+  token-id prompts on text completions, the trace's think times scaled by
+  ``--mooncake-time-scale``), its conversations concurrently, one step after the other. Not
+  fed back either: a turn shares with the one before only the trace's common blocks, which each
+  row carries as ``shared_tokens`` (what an unbounded cache could reuse).
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ import httpx
 
 from benchmarks import common, reporting
 from benchmarks.textgen import text_of_tokens
-from sdk.contract import DEFAULT_BRANCH
+from sdk.contract import COMPLETIONS_PATH, DEFAULT_BRANCH
 
-WORKLOADS = ("conversations", "agents", "bfcl")
+WORKLOADS = ("conversations", "agents", "bfcl", "mooncake")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "conversations") -> None:
@@ -62,6 +67,24 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str = "conv
         default=14000,
         help="bfcl: only traces whose last step is at most this long (so that they fit the "
         "max model length a small budget holds)",
+    )
+    parser.add_argument(
+        "--mooncake-block-tokens",
+        type=int,
+        default=32,
+        help="mooncake: tokens standing for one 512-token trace block (default %(default)s)",
+    )
+    parser.add_argument(
+        "--mooncake-time-scale",
+        type=float,
+        default=0.02,
+        help="mooncake: the trace's think times times this (default %(default)s)",
+    )
+    parser.add_argument(
+        "--mooncake-max-prompt-tokens",
+        type=int,
+        default=3000,
+        help="mooncake: only conversations whose scaled prompts are at most this long",
     )
 
 
@@ -193,6 +216,59 @@ async def bfcl(
     return rows
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+async def mooncake(
+    client: httpx.AsyncClient,
+    url: str,
+    args: argparse.Namespace,
+    log: reporting.Progress,
+    name: str,
+) -> list[dict[str, Any]]:
+    from benchmarks.traces import mooncake as trace
+
+    convs = trace.load(
+        args.conversations,
+        max_turns=args.turns,
+        tokens_per_block=args.mooncake_block_tokens,
+        time_scale=args.mooncake_time_scale,
+        max_tokens=args.gen_tokens,
+        max_prompt_tokens=args.mooncake_max_prompt_tokens,
+        seed=args.seed,
+    )
+    rows: list[dict[str, Any]] = []
+
+    async def one(conv: Any) -> None:
+        previous: list[int] = []
+        for step, item in enumerate(conv.steps):
+            await asyncio.sleep(item.pause_s)
+            prompt = item.body["prompt"]
+            body = {
+                "model": common.MODEL_NAME,
+                "prompt": prompt,
+                "temperature": 0.0,
+                "max_tokens": item.max_tokens,
+                **common.session_fields(conv.id),
+            }
+            res = await common.stream_request(client, f"{url}{COMPLETIONS_PATH}", body)
+            row = common.turn_row(res, conversation=conv.id, branch=DEFAULT_BRANCH, turn=step + 1)
+            row["shared_tokens"] = shared_prefix(previous, prompt)
+            rows.append(row)
+            _log_row(log, name, row)
+            previous = prompt
+
+    await asyncio.gather(*(one(c) for c in convs))
+    return rows
+
+
 async def run_workload(
     client: httpx.AsyncClient,
     url: str,
@@ -206,4 +282,6 @@ async def run_workload(
         return await agents(client, url, args, log, name, sessions_api)
     if args.workload == "bfcl":
         return await bfcl(client, url, args, log, name)
+    if args.workload == "mooncake":
+        return await mooncake(client, url, args, log, name)
     return await conversations(client, url, args, log, name, before_turn)

@@ -2,13 +2,14 @@
 KV follow it when its turns land on other replicas? (docs/cluster.md; benchmarks/README.md says
 what each front and config is.) ``kvbranch``: N ``python -m server --role single --index``
 replicas on a Redis started here, one cluster secret; ``vllm``: N :mod:`tests.vanilla_vllm`.
-Replica i on core i; fresh servers for every (front, config), one set at a time. The hashing
-fronts live in the client (a transport readdressing each request: no extra hop); ``router`` is
-ours. The workloads are pd_turns' (:mod:`benchmarks.pd_workloads`, session and branch in the
-body only).
+Replica i on core i (more replicas than cores share them in turn); fresh servers for every
+(front, config), one set at a time. The hashing fronts live in the client (a transport
+readdressing each request: no extra hop); ``router`` is ours. The workloads are pd_turns'
+(:mod:`benchmarks.pd_workloads`, session and branch in the body only).
 
     .venv/bin/python -m benchmarks replicas --replicas 2 --front round-robin affinity router
     .venv/bin/python -m benchmarks replicas --conversations 1 --turns 2 --no-results  # a smoke
+    .venv/bin/python -m benchmarks replicas --workload mooncake --conversations 6 --turns 3
 """
 
 from __future__ import annotations
@@ -84,8 +85,18 @@ class Front(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
+def replica_core(i: int) -> str:
+    """The core replica ``i`` is bound to: the cores this process may run on, in turn (with
+    more replicas than cores, replicas share: 3 on 2 cores put replicas 0 and 2 on the first)."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this platform
+        cores = list(range(os.cpu_count() or 1))
+    return str(cores[i % len(cores)])
+
+
 def replica(config: str, i: int, index: str, args: argparse.Namespace) -> ServerProcess:
-    core = str(i % (os.cpu_count() or 1))
+    core = replica_core(i)
     sizes = ["--kv-cache-gib", str(args.kv_cache_gib), "--max-model-len", str(args.max_model_len)]
     name = f"replicas-{config}-{i}"
     if config == "vllm":
@@ -135,20 +146,22 @@ async def run_set(
 def reuse(turns: list[dict[str, Any]], fed_back: bool) -> tuple[int, int]:
     """(prompt tokens reused, what one instance with an unbounded cache could reuse) over the
     turns after the first: a turn's previous turn on its branch (a fork's first turn: its
-    parent's), prompt and (``fed_back``) answer, at most all but one prompt token."""
+    parent's), prompt and (``fed_back``) answer, at most all but one prompt token; a turn that
+    says what it shares with the one before (``shared_tokens``: a trace's common blocks) that."""
     by = {(t["conversation"], t["branch"], t["turn"]): t for t in turns}
     got = ceiling = 0
     for (conv, branch, turn), t in by.items():
         prev = by.get((conv, branch, turn - 1)) or by.get((conv, DEFAULT_BRANCH, turn - 1))
         if turn > 1 and prev is not None:
             seen = prev["prompt_tokens"] + (prev["completion_tokens"] if fed_back else 0)
+            seen = t.get("shared_tokens", seen)
             ceiling += min(seen, t["prompt_tokens"] - 1)
             got += t["prompt_tokens"] - t["recomputed_tokens"]
     return got, ceiling
 
 
 def summary(res: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
-    got, ceiling = reuse(res["turns"], args.workload != "bfcl")
+    got, ceiling = reuse(res["turns"], args.workload not in ("bfcl", "mooncake"))
     return {
         "first": p50_ttft(res, 1, 1),
         "late": p50_ttft(res, 2),

@@ -11,7 +11,7 @@ from collections import Counter
 
 import httpx
 
-from benchmarks.replicas import Front, pick, records_of, reuse
+from benchmarks.replicas import Front, pick, records_of, replica_core, reuse
 from sdk.contract import DEFAULT_BRANCH
 
 
@@ -79,6 +79,15 @@ def test_the_ceiling_is_the_previous_turn_prompt_and_answer() -> None:
     assert reuse(TURNS, fed_back=False) == (530 + 60, 500 + 720)
 
 
+def test_a_trace_turn_counts_only_what_it_shares_with_the_turn_before() -> None:
+    # mooncake: the next prompt shares the trace's common blocks, not the whole last prompt
+    turns = [
+        row(DEFAULT_BRANCH, 1, 500, 8, 500, 2.0),
+        {**row(DEFAULT_BRANCH, 2, 520, 8, 100, 0.5), "shared_tokens": 480},
+    ]
+    assert reuse(turns, fed_back=False) == (420, 480)
+
+
 def test_records_compare_kvbranch_with_vllm_behind_the_same_front() -> None:
     args = argparse.Namespace(
         replicas=2, workload="agents", conversations=1, turns=3, kv_cache_gib=0.4
@@ -119,3 +128,8 @@ def test_another_workloads_records_name_it_and_never_replace_the_agents():
     assert {r.metric for r in agents} & {r.metric for r in bfcl} == set()
     assert all(r.metric.startswith("bfcl ") for r in bfcl)
     assert any(r.metric == "p50 TTFT turns >= 2" for r in agents)
+
+
+def test_more_replicas_than_cores_share_the_cores_in_turn(monkeypatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {2, 5}, raising=False)
+    assert [replica_core(i) for i in range(3)] == ["2", "5", "2"]
