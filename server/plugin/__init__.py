@@ -62,7 +62,7 @@ class KVBranchPlugin:
         engines = Engines.of(engine_client, path)
         state.kvbranch = PluginState(engine_client, control, model_name, max_len, engines)
         if path:
-            register_collector(path)
+            register_collector(path, engines.count)
         from server.index.publisher import start as start_index_publisher
         from server.plugin.peer_pull import start as start_peer_pulls
 

@@ -20,7 +20,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sdk.contract import PDStats
 from server.connector.control.models import EngineStats, GetStats, SchedulerStats
-from server.connector.control.transport import AsyncControlClient, ControlError, call_sync
+from server.connector.control.transport import (
+    AsyncControlClient,
+    ControlError,
+    call_sync,
+    engine_socket_path,
+)
+from server.plugin.engine_stats import gather_stats, merge_stats
 
 logger = logging.getLogger("kvbranch.metrics")
 _registered: dict[str, KVBranchCollector] = {}
@@ -31,16 +37,18 @@ METRICS_PATH = "/metrics"
 
 
 class KVBranchCollector:
-    def __init__(self, control_path: str) -> None:
+    def __init__(self, control_path: str, engines: int = 1) -> None:
         self.control_path = control_path
+        #: Every engine core's socket (data parallel): the stats are theirs, merged.
+        self.paths = [engine_socket_path(control_path, i) for i in range(max(1, engines))]
         #: (when, the stats or None when the connector did not answer)
         self._snapshot: tuple[float, EngineStats | None] | None = None
 
     async def refresh(self) -> None:
         """Fetch the stats without blocking the event loop (the refresh layer calls it)."""
-        client = AsyncControlClient(self.control_path, timeout=SCRAPE_TIMEOUT_S)
+        clients = [AsyncControlClient(path, timeout=SCRAPE_TIMEOUT_S) for path in self.paths]
         try:
-            stats = await client.call(GetStats(all_owners=True))
+            stats = await gather_stats(clients, GetStats(all_owners=True))
         except (ControlError, OSError, ValueError, TimeoutError) as exc:
             logger.debug("kvbranch metrics unavailable: %s", exc)
             self._snapshot = (time.monotonic(), None)  # "down", without a blocking retry
@@ -53,7 +61,12 @@ class KVBranchCollector:
             if snapshot[1] is None:
                 raise ControlError(503, "the connector did not answer")
             return snapshot[1]
-        return call_sync(self.control_path, GetStats(all_owners=True), timeout=SCRAPE_TIMEOUT_S)
+        return merge_stats(
+            [
+                call_sync(path, GetStats(all_owners=True), timeout=SCRAPE_TIMEOUT_S)
+                for path in self.paths
+            ]
+        )
 
     def collect(self):
         try:
@@ -198,10 +211,10 @@ def _pd_metrics(pd: PDStats | None):
     yield declined
 
 
-def register_collector(control_path: str) -> None:
+def register_collector(control_path: str, engines: int = 1) -> None:
     if control_path in _registered:
         return
-    collector = KVBranchCollector(control_path)
+    collector = KVBranchCollector(control_path, engines)
     REGISTRY.register(collector)
     _registered[control_path] = collector
 

@@ -40,6 +40,7 @@ from server import __version__
 from server.common.errors import error_response
 from server.connector.control import models as ctl
 from server.connector.control.transport import ControlError
+from server.plugin.engine_stats import gather_stats
 from server.plugin.engines import Engines
 from server.plugin.state import PluginState
 from server.plugin.tenancy import app_args_of, owner_of
@@ -71,7 +72,8 @@ def _kvb(request: Request) -> PluginState:
 
 async def _call(request: Request, op: ctl.ControlRequest[A]) -> A:
     """``op`` on behalf of the caller's tenant, asked of the engine that holds its session
-    (data parallel: :mod:`server.plugin.engines`; engine 0 for ops without a session)."""
+    (data parallel: :mod:`server.plugin.engines`; stats of every engine, merged; engine 0 for
+    the other ops without a session)."""
     kvb = _kvb(request)
     if kvb.control is None:
         raise ControlError(
@@ -82,6 +84,8 @@ async def _call(request: Request, op: ctl.ControlRequest[A]) -> A:
     op.owner = owner
     control = kvb.control
     engines = _engines(kvb)
+    if engines is not None and isinstance(op, ctl.GetStats):
+        return await gather_stats(engines.controls, op)  # type: ignore[no-any-return]
     if engines is not None:
         session_id = getattr(op, "session_id", None)
         if isinstance(op, ctl.CreateSession) and session_id is None:

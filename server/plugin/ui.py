@@ -19,6 +19,8 @@ from server.common.errors import error_response
 from server.common.ui_page import UI_DATA_PATH, add_page_routes
 from server.connector.control.models import GetStats
 from server.connector.control.transport import ControlError
+from server.plugin.engine_stats import gather_stats
+from server.plugin.engines import Engines
 from server.plugin.tenancy import app_args_of, owner_of, tenancy_on
 from server.plugin.turn_log import TurnLog
 
@@ -72,7 +74,11 @@ async def ui_data(request: Request) -> Response:
             503, "the kvbranch connector is not loaded on this server (started with --no-connector)"
         )
     try:
-        stats = await kvb.control.call(GetStats(owner=owner))
+        engines = getattr(kvb, "engines", None)
+        if isinstance(engines, Engines) and engines.several:
+            stats = await gather_stats(engines.controls, GetStats(owner=owner))
+        else:
+            stats = await kvb.control.call(GetStats(owner=owner))
     except ControlError as exc:
         return error_response(exc.status, exc.message)
     turns: TurnLog = getattr(request.app.state, TURN_LOG_STATE)

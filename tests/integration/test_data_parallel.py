@@ -19,6 +19,7 @@ from tests.integration.helpers import (
     BLOCK,
     chat,
     client,
+    live_sessions,
     reset_device_cache,
     system_prompt,
     text_of,
@@ -95,3 +96,23 @@ def test_a_sessions_turns_and_routes_reach_one_engine(dp_server, plain_server, e
     with client(dp_server) as c:
         assert c.delete(f"/v1/kvbranch/sessions/{session}").status_code == 200
         assert c.get(f"/v1/kvbranch/sessions/{session}").status_code == 404
+
+
+def test_stats_and_metrics_count_every_engines_sessions(dp_server):
+    sessions = [session_on(engine, "stats") for engine in range(ENGINES)]
+    with client(dp_server) as c:
+        for session in sessions:
+            assert c.post("/v1/kvbranch/sessions", json={"session_id": session}).status_code == 201
+        try:
+            stats = c.get("/v1/kvbranch/stats").json()
+            listed = {s["session_id"] for s in stats["sessions"]}
+            assert set(sessions) <= listed, stats
+            assert stats["num_own_sessions"] >= ENGINES
+            # one store per engine: the server's capacity is both of them
+            one = c.get("/v1/kvbranch/health").json()["connector"]["store_capacity_bytes"]
+            capacity = stats["store"]["capacity_blocks"] * stats["store"]["block_bytes"]
+            assert capacity > one * 1.5, (capacity, one)
+            assert live_sessions(dp_server) >= ENGINES
+        finally:
+            for session in sessions:
+                c.delete(f"/v1/kvbranch/sessions/{session}")

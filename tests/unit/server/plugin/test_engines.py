@@ -131,3 +131,23 @@ def test_session_routes_reach_the_engine_that_holds_the_session():
     engine = engine_of(None, made, 2)
     op, fields = engines.controls[engine].calls[-1]  # type: ignore[attr-defined]
     assert (op, fields["session_id"]) == ("create_session", made)
+
+
+def test_the_stats_of_several_engines_are_summed_and_their_sessions_joined():
+    from server.connector.control.models import EngineStats
+    from server.plugin.engine_stats import merge_stats
+    from tests.unit.server.plugin.test_routes import FakeControl
+
+    answer = FakeControl().answers["stats"]
+    one = EngineStats.model_validate(answer)
+    store = dict(answer["store"], block_bytes=4096, used_blocks=3, capacity_blocks=10)
+    two = EngineStats.model_validate(
+        dict(answer, store=store, sessions=[dict(SESSION, session_id="s2")], time=9.0)
+    )
+    merged = merge_stats([one, two])
+    assert merged.requests == 2 and merged.hits_tokens == {"device": 2}
+    assert merged.store.capacity_blocks == 10 and merged.store.used_blocks == 3
+    assert merged.store.block_bytes == 0  # one block's size: the first engine's, not a sum
+    assert [s.session_id for s in merged.sessions] == ["s1", "s2"]
+    assert merged.time == 9.0 and merged.pd is not None and merged.pd.holds == 2
+    assert merge_stats([one]) is one
