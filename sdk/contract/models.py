@@ -188,6 +188,9 @@ class PDStats(BaseModel):
     #: Requests the scheduler was told would load from a peer but for which no read was
     #: queued (a declined or failed handle): their tokens were recomputed.
     reads_not_queued: int = 0
+    #: Pulls loaded before the step's forward (the forward waited for the read) rather than
+    #: asynchronously: the turn's own tokens were computed in the step its read ran in.
+    sync_reads: int = 0
 
 
 class InstanceInfo(BaseModel):

@@ -147,6 +147,12 @@ class NixlChildConfig(_ExtraConfig):
     #: (for the next turn's pull by whichever replica gets it), where upstream would hold it for
     #: a D's read of the prompt as it does P's prefill legs.
     aggregated: bool = False
+    #: A verified pull is loaded *synchronously*: the step's forward waits for the read (at
+    #: most this long; past it, or on a failed read, those blocks are recomputed) and computes
+    #: the rest of the prompt in the same step, instead of upstream's asynchronous load, which
+    #: costs the turn two forwards of other requests on a busy engine
+    #: (``server/connector/pd/sync_reads.py``). 0: upstream's asynchronous load.
+    sync_pull_wait_s: float = Field(default=2.0, ge=0, le=60)
 
     @classmethod
     def _owner(cls) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -471,6 +472,87 @@ def fail_read(worker: Any, request_id: str, handles: list[int]) -> list[int]:
     kept = [h for h in handles if not worker._handle_failed_transfer(request_id, h)]
     worker._recv_failures.add(request_id)
     return kept
+
+
+# --- NIXL: a read the forward waits for (a synchronous pull) ----------------------------------
+#: :func:`read_state`'s answers.
+READ_PENDING, READ_DONE, READ_FAILED = "pending", "done", "failed"
+
+
+def make_read_synchronous(
+    sched: Any, request_id: str, block_ids: list[list[int]], local_blocks: tuple[int, ...]
+) -> bool:
+    """Point NIXL's queued read of ``request_id`` at ``block_ids`` (per group: the blocks of
+    the pulled range) and mark it not parked. Upstream takes the blocks to read into from the
+    *unhashed* ones, which a load the scheduler does not wait for has already hashed (cached
+    at allocation). False when no read is queued."""
+    entry = sched._reqs_need_recv.get(request_id)
+    if entry is None:
+        return False
+    sched._reqs_need_recv[request_id] = (entry[0], block_ids, local_blocks, False)
+    return True
+
+
+def host_buffer_reads(sched_or_worker: Any) -> bool:
+    """NIXL reads into a host buffer first (copied to the device after the step's forward)."""
+    return bool(getattr(sched_or_worker, "use_host_buffer", False))
+
+
+def reads_need_post_processing(worker: Any) -> bool:
+    """NIXL's worker rewrites received blocks after the step's forward (another peer layout,
+    a host buffer): a read the forward waits for would be used before that."""
+    return bool(
+        getattr(worker, "use_host_buffer", False)
+        or getattr(worker, "enable_permute_local_kv", False)
+        or getattr(worker, "enable_heterogeneous_attn_post_process", False)
+    )
+
+
+def start_ready_reads(worker: Any) -> None:
+    """Start the reads whose peer handshake finished since (upstream does it once per step,
+    at ``start_load_kv``)."""
+    ready = worker._ready_requests
+    while True:
+        try:
+            entry = ready.get_nowait()
+        except queue.Empty:
+            return
+        worker._read_blocks_for_req(*entry)
+
+
+def read_state(worker: Any, request_id: str) -> str:
+    """Where ``request_id``'s read stands, without taking it from upstream's bookkeeping (the
+    step's ``get_transfer_results`` still reports and releases it): :data:`READ_DONE` (every
+    transfer complete), :data:`READ_FAILED`, or :data:`READ_PENDING` (in flight, or not
+    started: its peer's handshake runs)."""
+    if request_id in worker._recv_failures or request_id in list(worker._failed_recv_reqs.queue):
+        return READ_FAILED
+    handles = worker._recving_transfers.get(request_id)
+    if handles is None:
+        return READ_PENDING
+    states = [worker.nixl_wrapper.check_xfer_state(h) for h in handles]
+    if any(s not in ("DONE", "PROC") for s in states):
+        return READ_FAILED
+    return READ_DONE if all(s == "DONE" for s in states) else READ_PENDING
+
+
+def abandon_read(worker: Any, request_id: str, meta: Any) -> list[int]:
+    """``request_id``'s read will not be waited for: fail the transfers in flight (returns the
+    handles NIXL could not release), and make a read that has not started (its handshake still
+    runs) read nothing when it does (only the peer's notification, which frees its hold)."""
+    transfers = worker._recving_transfers
+    handles = transfers.get(request_id)
+    if handles is not None:
+        kept = fail_read(worker, request_id, handles)
+        if kept:
+            transfers[request_id] = kept
+        else:
+            del transfers[request_id]
+        return kept
+    meta.local_block_ids = [[] for _ in meta.local_block_ids]
+    meta.local_physical_block_ids = []  # upstream's "full local hit": notify only
+    worker._recving_metadata.pop(request_id, None)
+    return []
 
 
 @contextlib.contextmanager

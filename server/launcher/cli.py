@@ -547,17 +547,20 @@ def pd_transfer_config(
         "kv_connector": NIXL_CONNECTOR_CLASS,
         "kv_connector_module_path": PD_CONNECTOR_MODULE,
         "kv_role": "kv_both",
+        # A failed pull (peer gone) recomputes those blocks instead of failing the request.
+        # Also in the child's own config (MultiConnector gives each child its own): the NIXL
+        # child loads pulls synchronously only under this policy (sync_reads.py).
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": nixl_extra,
     }
     if kvbranch is None:
         # Upstream's transport alone, with only the CPU fixes (NIXL's progress thread off, the
         # forward thread's cores kept): a fair baseline, not one that fights over a core.
-        return dict(nixl, kv_load_failure_policy="recompute")
+        return nixl
     return {
         "kv_connector": PD_CONNECTOR_CLASS,
         "kv_connector_module_path": PD_CONNECTOR_MODULE,
         "kv_role": "kv_both",
-        # A failed pull (peer gone) recomputes those blocks instead of failing the request.
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"connectors": [nixl, kvbranch]},
     }

@@ -55,6 +55,10 @@ def _peer_turns(server, source: str) -> float:
     return value
 
 
+def _sync_reads(server) -> int:
+    return int(stats(server)["pd"]["sync_reads"])
+
+
 def _peer_index_errors(server, op: str) -> float:
     return metric(server, "kvbranch_peer_index_errors_total", "op", op) or 0.0
 
@@ -70,12 +74,14 @@ def test_each_turn_pulls_its_history_from_the_other_replica(replicas, plain_serv
     ):
         messages = then(messages, tokens, user)
         empty_caches(here, RESET_WAIT_S)
-        remote_before = remote_hits(here)
+        remote_before, sync_before = remote_hits(here), _sync_reads(here)
         tokens, split, _ = turn(here, messages, session)
         assert tokens == plain(plain_server, messages), f"turn {step + 2} differs"
         pulled = remote_hits(here) - remote_before
         assert pulled >= 400, f"turn {step + 2} pulled {pulled} tokens from the peer"
         assert split.get("remote_hit_tokens", pulled) >= 400
+        # Loaded before the forward that computed the rest (server/connector/pd/sync_reads.py).
+        assert _sync_reads(here) == sync_before + 1
 
 
 def test_a_history_that_diverges_pulls_only_the_common_prefix(replicas, plain_server):

@@ -447,15 +447,38 @@ class Planner:
     def _holds_states(self, block: DeviceBlock) -> bool:
         return _holds(block, self.state_groups)
 
-    def note_remote_hit(self, request: Any, num_tokens: int) -> None:
+    def note_remote_hit(self, request: Any, num_tokens: int, landing_now: bool = False) -> None:
         """A peer connector (NIXL, in P/D) starts pulling ``num_tokens`` prompt tokens for this
-        request. Counted as remote hits only once vLLM reports how many landed."""
+        request. Counted as remote hits only once vLLM reports how many landed; a pull the
+        step's forward waits for (``landing_now``) is counted at once, and cut by
+        :meth:`settle_failed_pull` if it did not land."""
         with self.lock:
             plan = self.plans.setdefault(request.request_id, RequestPlan(request))
             plan.remote_pending_tokens = num_tokens
-            plan.remote_hit_tokens = 0
-            plan.remote_state = "noted"
+            plan.remote_hit_tokens = num_tokens if landing_now else 0
+            plan.remote_state = None if landing_now else "noted"
             self.foreign_loads = True
+
+    def settle_failed_pull(self, request: Any, landed: int) -> None:
+        """A pull the forward waited for landed only its first ``landed`` tokens (vLLM
+        recomputes the rest)."""
+        with self.lock:
+            plan = self.plans.get(request.request_id)
+            if plan is None:
+                return
+            counted = plan.remote_hit_tokens
+            self._settle_remote(plan, landed)
+            lost = counted - plan.remote_hit_tokens
+            split = plan.split if plan.recorded else None
+            if lost <= 0 or split is None:
+                return
+            # Recorded at allocation with the whole pull: those tokens were recomputed.
+            lost = min(lost, int(split["remote_hit_tokens"]))
+            split["remote_hit_tokens"] -= lost
+            split["recomputed_tokens"] += lost
+            if not _extra_args(request).get(PREFETCH_XARG):
+                self.hits_tokens["remote"] -= lost
+                self.hits_tokens["recomputed"] += lost
 
     def _settle_remote(self, plan: RequestPlan, landed: int) -> None:
         plan.remote_hit_tokens = max(0, min(landed, plan.remote_pending_tokens))

@@ -104,6 +104,7 @@ class KVBranchPDConnector(MultiConnector):
             "stalled_steps": self.stalled_steps,
             "handles_declined": dict(nixl.declined),
             "reads_not_queued": nixl.reads_not_queued,
+            "sync_reads": nixl.sync_reads,
         }
 
     def get_num_new_matched_tokens(
@@ -162,10 +163,27 @@ class KVBranchPDConnector(MultiConnector):
             and child_index_of(self, request.request_id) == self._nixl_index
         ):
             try:
-                planner.note_remote_hit(request, num_external_tokens)
+                sync = self._nixl_sync(request)
+                planner.note_remote_hit(request, num_external_tokens, landing_now=sync)
             except Exception:
                 logger.exception("kvbranch: counting request %s's pull", request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _nixl_sync(self, request: Request) -> bool:
+        nixl = self._nixl
+        return isinstance(nixl, VerifiedNixlConnector) and nixl.loads_synchronously(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        planner = self._kvbranch.planner
+        nixl = self._nixl
+        if planner is None or not isinstance(nixl, VerifiedNixlConnector):
+            return
+        for request, landed in nixl.take_failed_sync_reads():
+            try:
+                planner.settle_failed_pull(request, landed)
+            except Exception:
+                logger.exception("kvbranch: counting request %s's pull", request.request_id)
 
     def request_finished(
         self, request: Request, blocks: list[int]

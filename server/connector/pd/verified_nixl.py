@@ -59,6 +59,12 @@ from server.connector.control.transport import ControlError
 from server.connector.pd import side_channel
 from server.connector.pd.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
 from server.connector.pd.read_bounds import fail_slow_reads, report_unqueued
+from server.connector.pd.sync_reads import (
+    READ_DONE,
+    READ_FAILED,
+    SYNC_READS_ATTR,
+    wait_for_reads,
+)
 from server.connector.pd.transfer_auth import (
     CLAIM_FIELD,
     EXPIRES_FIELD,
@@ -87,10 +93,14 @@ from server.connector.pd.transfer_params import (
 )
 from server.connector.vllm_compat import (
     NixlConnector,
+    abandon_read,
     announce_in_batch,
     forget_unprocessed,
+    host_buffer_reads,
     lease_duration_s,
+    make_read_synchronous,
     nixl_progress_thread,
+    reads_need_post_processing,
     set_send_deadline,
     transfer_group_kinds,
     waits_for_read,
@@ -148,6 +158,7 @@ class _Seen:
     pull: bool = False  # P: a verified handle of D's, pulled only while its claim holds
     processed: bool = False  # upstream has had its one allocation for this request
     local_tokens: int = 0  # the block-aligned local hit the scheduler last offered
+    sync: bool = False  # P: the pull is loaded before this step's forward (sync_reads.py)
 
 
 class VerifiedNixlConnector(NixlConnector):
@@ -158,6 +169,10 @@ class VerifiedNixlConnector(NixlConnector):
     upstream. No exception of ours or of upstream's on a hostile handle leaves a hook: the
     handle is declined (stripped: recompute) and upstream is called again without it, since an
     exception on vLLM's scheduler thread kills the engine core."""
+
+    #: Set from the config in ``__init__`` (see there); upstream's asynchronous loads until then.
+    sync_pulls = False
+    sync_pull_wait_s = 0.0
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -201,6 +216,16 @@ class VerifiedNixlConnector(NixlConnector):
         self.hold_ttl_s = float(config.decoder_kv_blocks_ttl)
         self.pull_timeout_s = config.pull_timeout_s
         self.aggregated = config.aggregated
+        self.sync_pull_wait_s = config.sync_pull_wait_s
+        #: Synchronous pulls need what a failed one relies on: one KV cache group (vLLM maps
+        #: a load error back to requests by block id only then), vLLM's recompute policy, and
+        #: reads that land where the forward reads them (no host buffer).
+        self.sync_pulls = (
+            self.sync_pull_wait_s > 0
+            and len(self.group_kinds) == 1
+            and vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+            and not host_buffer_reads(self.connector_scheduler)
+        )
         self.declined: dict[str, int] = {}
         self._init_tracking()
 
@@ -213,6 +238,19 @@ class VerifiedNixlConnector(NixlConnector):
         self._read_started: dict[str, float] = {}
         self.reads_timed_out = 0  # worker process
         self.reads_not_queued = 0
+        #: Scheduler: this step's synchronous reads, for the worker (see ``SYNC_READS_ATTR``).
+        self._sync_next: dict[str, list[int] | None] = {}
+        #: Worker: synchronous reads upstream has not reported yet (never to the scheduler,
+        #: which asserts that a reported request is parked or finished).
+        self._sync_ids: set[str] = set()
+        #: Worker: blocks of synchronous reads that did not land, this step's load errors.
+        self._sync_invalid: set[int] = set()
+        #: Scheduler: this step's synchronous reads (request, the blocks read into), until the
+        #: step's output says which blocks did not land; then (request, tokens landed).
+        self._sync_inflight: dict[str, tuple[Any, list[int]]] = {}
+        self._sync_failed: list[tuple[Any, int]] = []
+        self.sync_reads = 0  # scheduler
+        self.sync_reads_failed = 0  # worker
 
     # --- first sight ----------------------------------------------------------------------
     def _admit(self, request: Request) -> _Seen:
@@ -309,6 +347,7 @@ class VerifiedNixlConnector(NixlConnector):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        seen: _Seen | None = None
         try:
             seen = self._admit(request)
             if seen.processed:
@@ -330,12 +369,17 @@ class VerifiedNixlConnector(NixlConnector):
         except Exception:
             self._hook_failed(request, "get_num_new_matched_tokens")
         upstream = super().get_num_new_matched_tokens
-        return self._upstream(  # type: ignore[no-any-return]
+        count, load_async = self._upstream(
             request,
             "get_num_new_matched_tokens",
             lambda: upstream(request, num_computed_tokens),
             (0, False),
         )
+        if seen is not None:
+            seen.sync = bool(load_async and count and seen.pull and self.sync_pulls)
+            if seen.sync:
+                return count, False
+        return count, load_async
 
     def _decline(self, request: Request, params: dict[str, Any], why: str) -> None:
         self.declined[why] = self.declined.get(why, 0) + 1
@@ -455,7 +499,9 @@ class VerifiedNixlConnector(NixlConnector):
             if seen is not None:
                 seen.processed = True
             sched = self.connector_scheduler
-            if (
+            if seen is not None and seen.sync and num_external_tokens and sched is not None:
+                self._queue_sync_read(sched, request, blocks, num_external_tokens, seen)
+            elif (
                 num_external_tokens
                 and sched is not None
                 and not waits_for_read(sched, request.request_id)
@@ -483,6 +529,57 @@ class VerifiedNixlConnector(NixlConnector):
                 announce_in_batch(sched, request.request_id)
         except Exception:
             self._hook_failed(request, "update_state_after_alloc")
+
+    def _queue_sync_read(
+        self, sched: Any, request: Request, blocks: Any, num_external_tokens: int, seen: _Seen
+    ) -> None:
+        """The read of a synchronous pull goes into the blocks of the pulled range (the
+        scheduler already cached them: upstream would find none unhashed), for the worker to
+        wait for before this step's forward. No read queued (upstream skipped it): those blocks
+        are reported as load errors, so vLLM recomputes them rather than read them empty."""
+        first = seen.local_tokens // self.block_size
+        count = -(-num_external_tokens // self.block_size)
+        ids = list(blocks.get_block_ids()[0][first : first + count])
+        request_id = request.request_id
+        self.sync_reads += 1
+        self._sync_inflight[request_id] = (request, ids)
+        if make_read_synchronous(sched, request_id, [ids], (first,)):
+            self._sync_next[request_id] = None
+            return
+        self._sync_next[request_id] = ids
+        logger.warning(
+            "kvbranch: request %s: no read was queued for its %d remote tokens: recomputing them",
+            request_id,
+            num_external_tokens,
+        )
+
+    def loads_synchronously(self, request: Request) -> bool:
+        """Scheduler: ``request``'s pull is loaded before its step's forward."""
+        seen = self._seen.get(id(request))
+        return seen is not None and seen.request is request and seen.sync
+
+    def take_failed_sync_reads(self) -> list[tuple[Any, int]]:
+        """Scheduler: the synchronous reads the last step's output reported not landed, as
+        (request, tokens that did land), once."""
+        failed, self._sync_failed = self._sync_failed, []
+        return failed
+
+    def _note_sync_landing(self, connector_output: Any) -> None:
+        if not self._sync_inflight:
+            return
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        for request, ids in self._sync_inflight.values():
+            bad = next((i for i, block in enumerate(ids) if block in invalid), None)
+            if bad is not None:
+                self._sync_failed.append((request, bad * self.block_size))
+        self._sync_inflight = {}
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._sync_next:
+            setattr(meta, SYNC_READS_ATTR, self._sync_next)
+            self._sync_next = {}
+        return meta
 
     def _is_d_turn(self, request: Request) -> bool:
         """A turn that D (bidirectional mode) would hold when it finishes: it carries transfer
@@ -641,6 +738,7 @@ class VerifiedNixlConnector(NixlConnector):
             for request_id in connector_output.finished_sending or ():
                 self.holds.done(request_id)
             self._report_unqueued(connector_output)
+            self._note_sync_landing(connector_output)
         except Exception:
             logger.exception("kvbranch: update_connector_output")
         super().update_connector_output(connector_output)
@@ -649,6 +747,65 @@ class VerifiedNixlConnector(NixlConnector):
         if self._unqueued:
             pending, self._unqueued = self._unqueued, {}
             self.reads_not_queued += report_unqueued(pending, connector_output)
+
+    # --- worker: synchronous reads land before the forward ---------------------------------
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._connector_metadata
+        sync = getattr(meta, SYNC_READS_ATTR, None)
+        worker = self.connector_worker
+        if sync and worker is not None:
+            self._wait_for_sync_reads(worker, meta, sync)
+
+    def _wait_for_sync_reads(
+        self, worker: Any, meta: Any, sync: dict[str, list[int] | None]
+    ) -> None:
+        """Before the forward: wait for this step's synchronous reads; the blocks of those that
+        did not land become this step's load errors (vLLM recomputes them)."""
+        reads: dict[str, Any] = {}
+        for request_id, unqueued in sync.items():
+            if unqueued is not None:
+                self._sync_invalid.update(unqueued)
+                self.sync_reads_failed += 1
+            elif request_id in meta.reqs_to_recv:
+                reads[request_id] = meta.reqs_to_recv[request_id]
+                self._sync_ids.add(request_id)
+        if not reads:
+            return
+        try:
+            states = (
+                {r: "unsupported" for r in reads}
+                if reads_need_post_processing(worker)
+                else wait_for_reads(worker, list(reads), self.sync_pull_wait_s)
+            )
+        except Exception:
+            logger.exception("kvbranch: waiting for synchronous reads failed")
+            states = {r: "error" for r in reads}
+        for request_id, state in states.items():
+            if state == READ_DONE:
+                continue
+            read = reads[request_id]
+            self._sync_invalid.update(read.local_block_ids[0])
+            self.sync_reads_failed += 1
+            logger.warning(
+                "kvbranch: request %s: its pull did not land before the forward (%s): "
+                "recomputing those tokens",
+                request_id,
+                state,
+            )
+            if state != READ_FAILED and abandon_read(worker, request_id, read):
+                logger.error(
+                    "kvbranch: request %s: NIXL could not release a read given up on; "
+                    "it may still write its blocks",
+                    request_id,
+                )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors: set[int] = set(super().get_block_ids_with_load_errors())
+        if self._sync_invalid:
+            errors |= self._sync_invalid
+            self._sync_invalid = set()
+        return errors
 
     # --- worker: a read in flight ends in bounded time ------------------------------------
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
@@ -661,6 +818,14 @@ class VerifiedNixlConnector(NixlConnector):
                 self._fail_slow_reads(worker, time.monotonic())
             except Exception:
                 logger.exception("kvbranch: checking reads in flight failed")
+        if self._sync_ids:
+            # A synchronous read's request runs: reported received, vLLM's scheduler would
+            # take it for a parked one (an assertion in the engine core).
+            ours = (results.finished_recving | results.failed_recving) & self._sync_ids
+            if ours:
+                results.finished_recving -= ours
+                results.failed_recving -= ours
+                self._sync_ids -= ours
         return results
 
     def _fail_slow_reads(self, worker: Any, now: float) -> None:

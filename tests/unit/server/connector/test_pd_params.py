@@ -91,7 +91,9 @@ class Blocks:
         return (list(self.ids),)
 
 
-def _connector(compat: dict = COMPAT, upstream: Any = None) -> VerifiedNixlConnector:
+def _connector(
+    compat: dict = COMPAT, upstream: Any = None, sync: bool = False
+) -> VerifiedNixlConnector:
     conn = object.__new__(VerifiedNixlConnector)  # no engine: the hooks' decisions only
     conn.connector_scheduler = upstream if upstream is not None else Upstream()
     conn.connector_worker = None
@@ -103,6 +105,8 @@ def _connector(compat: dict = COMPAT, upstream: Any = None) -> VerifiedNixlConne
     conn.holds = HoldRegistry(30.0)
     conn.hold_ttl_s = 480.0
     conn.pull_timeout_s = 60.0
+    conn.sync_pulls = sync
+    conn.sync_pull_wait_s = 2.0
     conn.declined = {}
     conn._init_tracking()
     return conn

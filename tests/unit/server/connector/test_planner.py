@@ -609,3 +609,19 @@ def test_request_finished_after_its_pull_landed_keeps_its_tail():
     req.num_computed_tokens = 22
     _, delay = planner.finish(req, [1, 2, 3, 4, 5, 6])
     assert delay and [rid for rid, _, _ in planner.pending_tail_saves] == ["r"]
+
+
+def test_a_pull_the_forward_waits_for_counts_at_once_and_is_cut_if_it_did_not_land():
+    planner, _, _ = make_planner()
+    req = make_request("r", 22, extra={TAG_XARG: "t"})
+    planner.on_new_request(req)
+    planner.num_new_matched_tokens(req, 4)
+    planner.note_remote_hit(req, 16, landing_now=True)
+    planner.after_alloc(req, [], 0)
+    assert planner.requests == 1  # recorded at the allocation: the read lands before the forward
+    assert planner.hits_tokens == {"device": 4, "host": 0, "remote": 16, "recomputed": 2}
+    planner.settle_failed_pull(req, 8)  # the step's output: only its first 8 tokens landed
+    assert planner.hits_tokens == {"device": 4, "host": 0, "remote": 8, "recomputed": 10}
+    assert planner.splits["t"]["remote_hit_tokens"] == 8
+    assert planner.splits["t"]["recomputed_tokens"] == 10
+    assert planner.remote_failed_tokens == 8
