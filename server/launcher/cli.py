@@ -36,6 +36,7 @@ from server.common.env import (
     ENV_API_KEYS,
     ENV_CLUSTER_NAME,
     ENV_CONTROL_SOCKET,
+    ENV_DATA_PARALLEL_SIZE,
     ENV_INDEX_URL,
     ENV_MODEL_NAME,
     ENV_PEER_PULL,
@@ -368,6 +369,9 @@ def plan_launch(
     }
     if control_socket:
         env[ENV_CONTROL_SOCKET] = control_socket
+    engines = data_parallel_size(passthrough)
+    if engines > 1:
+        env[ENV_DATA_PARALLEL_SIZE] = str(engines)
     if aging_s is not None:
         env[ENV_PRIORITY_AGING_S] = str(aging_s)
     env[ENV_ROLE] = args.role
@@ -427,13 +431,19 @@ def reserved_cpu_cores(passthrough: list[str]) -> str | None:
     return str(ranks)
 
 
+def data_parallel_size(passthrough: list[str]) -> int:
+    """``--data-parallel-size`` (or ``-dp``) after ``--``; 1 without it."""
+    value = flag_value(passthrough, "--data-parallel-size") or short_flag_value(passthrough, "-dp")
+    return int(value) if value and value.isdigit() and int(value) > 0 else 1
+
+
 def data_parallel_refusal(args: argparse.Namespace, passthrough: list[str]) -> str | None:
     """Why this launch cannot run several data-parallel engines, or None. A single instance
     can (its plugin gives each session one engine, docs/kv_events.md); a cluster member cannot
     yet: the index would see one member for N engines, vLLM's KV events cannot use ``ipc://``
     past engine 0, and a peer's pull or a P/D hand-off would reach engine 0 only."""
-    value = flag_value(passthrough, "--data-parallel-size") or short_flag_value(passthrough, "-dp")
-    if not (value and value.isdigit() and int(value) > 1):
+    value = data_parallel_size(passthrough)
+    if value <= 1:
         return None
     if index_enabled(args) or args.role in PD_ROLES:
         what = f"--role {args.role}" if args.role in PD_ROLES else "--index"
@@ -537,6 +547,7 @@ def pd_transfer_config(
         decoder_kv_blocks_ttl=int(args.pd_hold_ttl_s),
         # Ours, for both: a peer's read is served during a forward (docs/pd.md).
         nixl_progress_delay_us=args.nixl_progress_us,
+        sync_pull_wait_s=args.sync_pull_wait_s,
         # Upstream NixlConnector's own keys (passed through):
         bidirectional_kv_xfer=not args.no_bidirectional,
         # A pull of one block took 1.5-6 ms here; recomputing even 30 tokens costs more.

@@ -61,6 +61,9 @@ _positive_float = _value(float, "a number", _POSITIVE)
 _non_negative_float = _value(float, "a number", (lambda v: not v < 0, "must not be negative"))
 #: Greater than 0 and finite: nan fails ``> 0`` too, and ``inf`` would be a deadline that never
 #: fires (``call_later`` accepts it).
+_seconds_up_to_a_minute = _value(
+    float, "a number of seconds", (lambda v: 0 <= v <= 60, "must be between 0 and 60")
+)
 _finite_positive_float = _value(
     float, "a number", (lambda v: 0 < v < float("inf"), "must be a finite number greater than 0")
 )
@@ -316,6 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill/decode: NIXL's progress thread polls every US microseconds, so a peer's "
         "read is served while the engine computes (0: no thread; reads wait for the end of "
         "the engine's forward; default %(default)s)",
+    )
+    pd.add_argument(
+        "--sync-pull-wait-s",
+        type=_seconds_up_to_a_minute,
+        default=2.0,
+        metavar="S",
+        help="prefill and aggregated replicas: a pull from a peer is loaded before the engine "
+        "step's forward, which waits for the read at most S seconds (past it, or on a failed "
+        "read, those tokens are recomputed) and computes the turn's own tokens in the same "
+        "step; 0: vLLM's asynchronous load (the turn waits two steps of other requests; "
+        "default %(default)s)",
     )
     pd.add_argument(
         "--no-bidirectional",

@@ -38,6 +38,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from server.connector.config import ConnectorConfig
 from server.connector.pd import transfer_auth as auth
+from server.connector.pd.sync_reads import SYNC_READS_ATTR
 from server.connector.pd.transfer_params import block_hashes_hex, identity_of
 from server.connector.pd.verified_nixl import VerifiedNixlConnector
 from server.launcher.cli import build_parser, pd_transfer_config
@@ -66,8 +67,9 @@ def answer_to(tokens: list[int]) -> int:
     return 1 + sum((i + 1) * t for i, t in enumerate(tokens)) % 997
 
 
-def make_scheduler() -> Scheduler:
-    """vLLM's scheduler as P runs it: the launcher's P/D transfer config."""
+def make_scheduler(sync_wait_s: str = "0") -> Scheduler:
+    """vLLM's scheduler as P runs it: the launcher's P/D transfer config (``sync_wait_s``:
+    ``--sync-pull-wait-s``; 0, upstream's asynchronous loads)."""
     model = ModelConfig(
         model=str(model_folder()), dtype="float32", max_model_len=1024, skip_tokenizer_init=True
     )
@@ -86,7 +88,7 @@ def make_scheduler() -> Scheduler:
         "kv_role": "kv_both",
         "kv_connector_extra_config": ConnectorConfig(host_store_bytes=0).to_extra(),
     }
-    args = build_parser().parse_args(["--role", "prefill"])
+    args = build_parser().parse_args(["--role", "prefill", "--sync-pull-wait-s", sync_wait_s])
     transfer = KVTransferConfig(**pd_transfer_config(args, kvbranch))
     assert transfer.kv_load_failure_policy == "recompute"
     config = VllmConfig(
@@ -142,7 +144,11 @@ class FakeWorker:
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
         report, self._report = self._report, None
-        self._start_reads(out)
+        lost = self._start_reads(out)
+        if lost:
+            # A synchronous read that did not land: this very step's load errors.
+            report = report or KVConnectorOutput()
+            report.invalid_block_ids = set(report.invalid_block_ids or ()) | lost
         ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for rid in ids:
@@ -162,10 +168,11 @@ class FakeWorker:
             # news reaches the scheduler as None, not as an empty report).
             kv_connector_output=report if report is not None and not report.is_empty() else None,
         )
-        for rid, tokens in zip(ids, sampled, strict=True):
-            if tokens:
-                self.answers[rid] = tokens[0]
-        self.sched.update_from_output(out, output)
+        # Only what the scheduler keeps: it drops a step's token sampled on KV that failed to load.
+        for outputs in self.sched.update_from_output(out, output).values():
+            for o in outputs.outputs:
+                if o.new_token_ids:
+                    self.answers.setdefault(o.request_id, o.new_token_ids[0])
         return out
 
     def _sample(self, request: Request, blocks: list[int]) -> list[int]:
@@ -173,28 +180,39 @@ class FakeWorker:
         held = [self.device.get(blocks[p // BS], [None] * BS)[p % BS] for p in range(len(prompt))]
         return [answer_to(list(prompt)) if held == list(prompt) else WRONG]
 
-    def _start_reads(self, out: SchedulerOutput) -> None:
-        """NIXL's reads of this step, reported at the next step (as the worker does)."""
+    def _start_reads(self, out: SchedulerOutput) -> set[int]:
+        """NIXL's reads of this step: an asynchronous one reported at the next step (as the
+        worker does), a synchronous one (``SYNC_READS_ATTR``) done before this step's forward.
+        Returns the blocks of synchronous reads that did not land."""
         meta = out.kv_connector_metadata
         children = getattr(meta, "metadata", (meta,))
         nixl = next(m for m in children if isinstance(m, NixlConnectorMetadata))
+        sync = getattr(nixl, SYNC_READS_ATTR, None) or {}
         done: set[str] = set()
         failed: set[str] = set()
         invalid: set[int] = set()
+        lost: set[int] = set()
         for rid, req in nixl.reqs_to_recv.items():
-            if not req.awaiting_kvs:
+            if rid in sync:
+                assert not req.awaiting_kvs  # the scheduler runs it this step
+            elif not req.awaiting_kvs:
                 continue
             self.reads[rid] = self.reads.get(rid, 0) + 1
             local = list(req.local_block_ids[0])
             remote = list(req.remote.block_ids[0])[-len(local) :] if local else []
-            done.add(rid)
             if rid in self.fail_reads:
                 # Cut off: whatever reached the blocks is not the prompt's KV.
                 for block in local:
                     self.device[block] = [WRONG] * BS
+                if rid in sync:
+                    lost.update(local)
+                    continue
+                done.add(rid)
                 failed.add(rid)
                 invalid.update(local)
                 continue
+            if rid not in sync:
+                done.add(rid)
             for mine, theirs in zip(local, remote, strict=True):
                 self.device[mine] = list(self.d_blocks[theirs]) + [None] * (
                     BS - len(self.d_blocks[theirs])
@@ -203,6 +221,7 @@ class FakeWorker:
             self._report = KVConnectorOutput(
                 finished_recving=done, failed_recving=failed, invalid_block_ids=invalid
             )
+        return lost
 
 
 def d_handle(worker: FakeWorker, rid: str, held: list[int], first_block: int) -> dict[str, Any]:
@@ -285,3 +304,40 @@ def test_a_pull_that_fails_after_its_claim_recomputes_and_later_pulls_still_run(
     assert worker.reads == {"a": 1, "b": 1}
     # P computed only what D did not hold
     assert sum(scheduled) == len(prompt_b) - len(held_b)
+
+
+@pytest.fixture
+def sync_p_worker(monkeypatch):
+    monkeypatch.setenv(auth.ENV_CLUSTER_SECRET, SECRET)
+    sched = make_scheduler(sync_wait_s="2")
+    assert sched.connector._nixl.sync_pulls
+    yield FakeWorker(sched)
+    sched.shutdown()
+
+
+def test_a_synchronous_pull_computes_the_turn_in_the_step_it_reads(sync_p_worker):
+    worker = sync_p_worker
+    held, prompt = conversation(3, 2 * BS + 9, 11)
+    worker.sched.add_request(make_request("s", prompt, d_handle(worker, "s", held, 300)))
+    out = worker.step()
+    # One step: the read, then only what D did not hold, and plain vLLM's answer.
+    assert worker.reads == {"s": 1}
+    assert out.num_scheduled_tokens == {"s": len(prompt) - len(held)}
+    assert worker.answers == {"s": answer_to(prompt)}
+
+
+def test_a_synchronous_pull_that_fails_recomputes_and_later_pulls_still_run(sync_p_worker):
+    worker = sync_p_worker
+    held_a, prompt_a = conversation(1, 3 * BS + 5, 20)
+    worker.fail_reads.add("a")
+    worker.sched.add_request(make_request("a", prompt_a, d_handle(worker, "a", held_a, 100)))
+    worker.step()
+    # Read once, computed on blocks that did not land: the step's token is dropped ...
+    assert worker.reads == {"a": 1} and "a" not in worker.answers
+    # ... and the turn recomputed: plain vLLM's answer, no second read of the handle.
+    assert run_to_answer(worker, "a") == answer_to(prompt_a)
+    assert worker.reads == {"a": 1}
+    held_b, prompt_b = conversation(2, 2 * BS + 9, 11)
+    worker.sched.add_request(make_request("b", prompt_b, d_handle(worker, "b", held_b, 200)))
+    assert run_to_answer(worker, "b") == answer_to(prompt_b)
+    assert worker.reads == {"a": 1, "b": 1}
