@@ -15,6 +15,9 @@ ENV_CONTROL_SOCKET = "KVBRANCH_CONTROL_SOCKET"
 ENV_API_KEYS = "KVBRANCH_API_KEYS"
 ENV_MODEL_NAME = "KVBRANCH_MODEL_NAME"
 ENV_ROLE = "KVBRANCH_ROLE"
+#: ``--data-parallel-size`` after ``--`` (set when above 1): vLLM resets it to 1 inside each
+#: engine core of a dense model, whose connector needs the count (server.common.engine_choice).
+ENV_DATA_PARALLEL_SIZE = "KVBRANCH_DATA_PARALLEL_SIZE"
 #: The cluster index an instance publishes into (``--index``; unset or "memory": none).
 ENV_INDEX_URL = "KVBRANCH_INDEX_URL"
 ENV_CLUSTER_NAME = "KVBRANCH_CLUSTER_NAME"

@@ -21,9 +21,9 @@ Standard library and the control transport only.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
+from server.common.engine_choice import engine_of
 from server.connector.control.transport import AsyncControlClient, engine_socket_path
 
 __all__ = ["RANK_HEADER", "Engines", "engine_of", "rank_header", "strip_client_rank"]
@@ -31,17 +31,6 @@ __all__ = ["RANK_HEADER", "Engines", "engine_of", "rank_header", "strip_client_r
 #: vLLM's per-request engine choice (``OpenAIServing._get_data_parallel_rank``), lower case as
 #: ASGI carries header names.
 RANK_HEADER = b"x-data-parallel-rank"
-
-
-def engine_of(owner: str | None, session_id: str, engines: int) -> int:
-    """The engine that serves ``owner``'s session ``session_id``: stable across requests,
-    API-server processes and restarts (a digest, not Python's salted ``hash``)."""
-    if engines <= 1:
-        return 0
-    digest = hashlib.sha256(
-        b"kvbranch-engine\0" + (owner or "").encode() + b"\0" + session_id.encode()
-    ).digest()
-    return int.from_bytes(digest[:8], "big") % engines
 
 
 def strip_client_rank(scope: dict) -> dict:

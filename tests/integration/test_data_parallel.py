@@ -116,3 +116,30 @@ def test_stats_and_metrics_count_every_engines_sessions(dp_server):
         finally:
             for session in sessions:
                 c.delete(f"/v1/kvbranch/sessions/{session}")
+
+
+def test_a_turn_on_a_route_without_engine_choice_leaves_no_second_record(dp_server):
+    # vLLM's /v1/responses takes no engine choice: its turn goes where the balancer puts it
+    # (engine 0 on an idle server); the engine that does not own the session keeps no record
+    session = session_on(1, "responses")
+    messages = [{"role": "user", "content": "Name one prime number."}]
+    chat(dp_server, messages, session=session, max_tokens=4)
+    with client(dp_server) as c:
+        try:
+            for _ in range(2):
+                r = c.post(
+                    "/v1/responses",
+                    json={
+                        "model": dp_server.model,
+                        "input": "Name one prime number.",
+                        "max_output_tokens": 4,
+                        "temperature": 0,
+                        "session_id": session,
+                    },
+                )
+                assert r.status_code == 200, r.text
+            stats = c.get("/v1/kvbranch/stats").json()
+            records = [s for s in stats["sessions"] if s["session_id"] == session]
+            assert len(records) == 1, records
+        finally:
+            c.delete(f"/v1/kvbranch/sessions/{session}")

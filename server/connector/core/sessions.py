@@ -67,6 +67,11 @@ class SessionRegistry:
         self.index = index
         self.block_size = block_size
         self.block_bytes = max(block_bytes, 1)
+        #: Whether this engine keeps ``(owner, session_id)``, with several data-parallel engines
+        #: (``server.common.engine_choice``): a finished request of a session another engine owns
+        #: leaves no state here, so a session is never recorded on two engines. None: every
+        #: session is this engine's.
+        self.keeps_session: Callable[[str | None, str], bool] | None = None
         self.leases = PinLeases(
             index,
             block_bytes=block_bytes,
@@ -314,6 +319,8 @@ class SessionRegistry:
         and renew the branch's lease over its new blocks. Unknown sessions are created —
         except one deleted after this request arrived (returns None then)."""
         self._check_owner(owner)
+        if self.keeps_session is not None and not self.keeps_session(owner, session_id):
+            return None  # another engine's session (a route vLLM gives no engine choice)
         key = (owner, session_id)
         if key in self.sessions:
             session = self.get_session(session_id, owner)

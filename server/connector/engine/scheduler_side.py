@@ -9,9 +9,13 @@ table (``control/ops.py``), the device-residency probe behind prefetch, and stor
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
+from server.common.engine_choice import engine_of
+from server.common.env import ENV_DATA_PARALLEL_SIZE
 from server.connector.config import ConnectorConfig
 from server.connector.control.ops import OPS, Op, run_op
 from server.connector.control.transport import ControlServer, engine_socket_path
@@ -78,6 +82,9 @@ class KVBranchScheduler:
             idle_ttl_s=config.session_idle_ttl_s,
             require_owner=config.tenants,
         )
+        engines = data_parallel_size()
+        if engines > 1:
+            registry.keeps_session = functools.partial(_keeps, engine_index, engines)
         self.planner = Planner(
             index,
             registry,
@@ -178,3 +185,14 @@ class KVBranchScheduler:
             return all(pool.get_cached_block(h, [0]) is not None for h in block_hashes)
         except Exception:  # noqa: BLE001 - a heuristic: on any doubt, prefetch
             return False
+
+
+def data_parallel_size() -> int:
+    """The data-parallel engines of this server, as the launcher passed them (vLLM resets its own
+    count to 1 in a dense model's engine core); 1 when unset or not a number."""
+    value = os.environ.get(ENV_DATA_PARALLEL_SIZE, "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def _keeps(engine_index: int, engines: int, owner: str | None, session_id: str) -> bool:
+    return engine_of(owner, session_id, engines) == engine_index

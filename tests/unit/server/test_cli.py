@@ -601,3 +601,13 @@ def test_plan_refuses_data_parallel_engines_in_a_cluster(model_dir, ours, passth
 def test_plan_keeps_data_parallel_engines_of_a_single_instance(model_dir, ours, passthrough):
     plan = plan_launch(parse("--model", str(model_dir), *ours), passthrough, cuda=False)
     assert plan.vllm_argv[-len(passthrough) :] == passthrough
+
+
+def test_plan_tells_the_engine_cores_how_many_engines_there_are(model_dir):
+    # vLLM resets data_parallel_size to 1 inside a dense model's engine core
+    from server.common.env import ENV_DATA_PARALLEL_SIZE
+
+    plan = plan_launch(parse("--model", str(model_dir)), ["-dp", "2"], cuda=False)
+    assert plan.env[ENV_DATA_PARALLEL_SIZE] == "2"
+    plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
+    assert ENV_DATA_PARALLEL_SIZE not in plan.env

@@ -798,3 +798,19 @@ def test_require_owner_keeps_ownerless_sessions_out():
         reg.create_session("s")
     assert len(reg.sessions) == 0
     reg.create_session("s", owner="t_a")
+
+
+def test_an_engine_keeps_no_state_for_another_engines_session():
+    # several data-parallel engines: a turn that lands on the wrong engine (a route vLLM gives
+    # no engine choice) must not start a second record of the session there
+    from server.common.engine_choice import engine_of
+
+    mine = next(f"s{i}" for i in range(100) if engine_of("t", f"s{i}", 2) == 1)
+    theirs = next(f"s{i}" for i in range(100) if engine_of("t", f"s{i}", 2) == 0)
+    reg, _, _ = make()
+    reg.keeps_session = lambda owner, session: engine_of(owner, session, 2) == 1
+    tokens, hashes = conv("a", 2)
+    assert observe(reg, theirs, DEFAULT_BRANCH, tokens, hashes, owner="t") is None
+    assert ("t", theirs) not in reg.sessions
+    assert observe(reg, mine, DEFAULT_BRANCH, tokens, hashes, owner="t") is not None
+    assert ("t", mine) in reg.sessions
