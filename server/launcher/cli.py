@@ -431,6 +431,17 @@ def reserved_cpu_cores(passthrough: list[str]) -> str | None:
     return str(ranks)
 
 
+#: vLLM's flags for an API server per data-parallel rank, or ranks on several nodes (long, short).
+_SPLIT_DP_FLAGS = (
+    ("--data-parallel-rank", "-dpn"),
+    ("--data-parallel-start-rank", "-dpr"),
+    ("--data-parallel-size-local", "-dpl"),
+    ("--data-parallel-hybrid-lb", "-dph"),
+    ("--data-parallel-external-lb", "-dpe"),
+    ("--data-parallel-multi-port-external-lb", "-dpm"),
+)
+
+
 def data_parallel_size(passthrough: list[str]) -> int:
     """``--data-parallel-size`` (or ``-dp``) after ``--``; 1 without it."""
     value = flag_value(passthrough, "--data-parallel-size") or short_flag_value(passthrough, "-dp")
@@ -445,6 +456,18 @@ def data_parallel_refusal(args: argparse.Namespace, passthrough: list[str]) -> s
     value = data_parallel_size(passthrough)
     if value <= 1:
         return None
+    split = [
+        flag
+        for flag, short in _SPLIT_DP_FLAGS
+        if has_flag(passthrough, flag) or short_flag_value(passthrough, short) is not None
+    ]
+    if split or has_flag(passthrough, "--headless"):
+        return (
+            f"--data-parallel-size {value} with {(split or ['--headless'])[0]}: kvbranch keeps "
+            "each session on one engine from the API server that fronts all of them; an API "
+            "server per rank, or engines on other nodes, is not supported (docs/kv_events.md, "
+            "'Data parallel')"
+        )
     if index_enabled(args) or args.role in PD_ROLES:
         what = f"--role {args.role}" if args.role in PD_ROLES else "--index"
         return (

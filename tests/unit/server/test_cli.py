@@ -595,6 +595,21 @@ def test_plan_refuses_data_parallel_engines_in_a_cluster(model_dir, ours, passth
 
 
 @pytest.mark.parametrize(
+    "split",
+    [
+        ["--data-parallel-external-lb"],
+        ["-dph"],
+        ["--data-parallel-rank", "1"],
+        ["--data_parallel_size_local=1"],
+        ["--headless"],
+    ],
+)
+def test_plan_refuses_data_parallel_engines_an_api_server_does_not_all_front(model_dir, split):
+    with pytest.raises(LaunchError, match="fronts all of them"):
+        plan_launch(parse("--model", str(model_dir)), ["-dp", "2", *split], cuda=False)
+
+
+@pytest.mark.parametrize(
     ("ours", "passthrough"),
     [([], ["--data-parallel-size", "2"]), (["--index", "redis://x:1/0"], ["-dp", "1"])],
 )
