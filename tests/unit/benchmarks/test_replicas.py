@@ -11,7 +11,7 @@ from collections import Counter
 
 import httpx
 
-from benchmarks.replicas import Front, pick, records_of, replica_core, reuse
+from benchmarks.replicas import Front, pick, probe_records, records_of, replica_core, reuse
 from sdk.contract import DEFAULT_BRANCH
 
 
@@ -133,3 +133,44 @@ def test_another_workloads_records_name_it_and_never_replace_the_agents():
 def test_more_replicas_than_cores_share_the_cores_in_turn(monkeypatch) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {2, 5}, raising=False)
     assert [replica_core(i) for i in range(3)] == ["2", "5", "2"]
+
+
+def _probe_row(moved: float, local: float, pulled: int = 1400, host: int = 1400) -> dict:
+    return {
+        "moved": {"ttft_s": moved, "remote_hit_tokens": pulled},
+        "local": {"ttft_s": local, "host_hit_tokens": host},
+    }
+
+
+def test_the_moved_turn_target_is_judged_by_the_probe_of_the_shipped_pulls() -> None:
+    args = argparse.Namespace(probe_tokens=1500, probe_load=1)
+    probes = [
+        {
+            "config": "sync",
+            "rows": [_probe_row(1.2, 1.0), _probe_row(1.0, 1.0), _probe_row(1.1, 1.0)],
+        },
+        {"config": "async", "rows": [_probe_row(3.0, 1.0, pulled=0)]},
+        {"config": "async", "error": "RuntimeError: no replica"},
+    ]
+    recs = {r.config: r for r in probe_records(probes, args)}
+    sync = recs["kvbranch probe (sync pulls)"]
+    assert sync.value == 1.1 and sync.met and sync.target == "<= 1.3x"
+    assert "3 probes: 3 pulled, 3 host-store hits" in sync.note
+    late = recs["kvbranch probe (async pulls)"]
+    assert late.value == 3.0 and late.met is None and "0 pulled" in late.note
+    assert len(recs) == 2
+
+
+def test_the_workloads_round_robin_over_affinity_ratio_carries_no_target() -> None:
+    results = [
+        {
+            "name": "kvbranch round-robin",
+            "front": "round-robin",
+            "config": "kvbranch",
+            "turns": TURNS,
+        },
+        {"name": "kvbranch affinity", "front": "affinity", "config": "kvbranch", "turns": TURNS},
+    ]
+    recs = {(r.config, r.metric): r for r in records_of(results, _args())}
+    ratio = recs[("kvbranch round-robin/affinity", "round robin / affinity, p50 TTFT")]
+    assert ratio.value == 1.0 and ratio.met is None
