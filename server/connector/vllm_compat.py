@@ -468,9 +468,15 @@ def read_failed(worker: Any, request_id: str) -> bool:
 
 def fail_read(worker: Any, request_id: str, handles: list[int]) -> list[int]:
     """Fail ``request_id``'s read through upstream's failure path (vLLM recomputes its
-    blocks); returns the handles upstream could not release (still in flight)."""
+    blocks); returns the handles upstream could not release (still in flight), which stay
+    in the worker's reads in flight to be polled (the request leaves them otherwise)."""
     kept = [h for h in handles if not worker._handle_failed_transfer(request_id, h)]
     worker._recv_failures.add(request_id)
+    transfers = worker._recving_transfers
+    if kept:
+        transfers[request_id] = kept
+    else:
+        transfers.pop(request_id, None)
     return kept
 
 
@@ -540,15 +546,9 @@ def abandon_read(worker: Any, request_id: str, meta: Any) -> list[int]:
     """``request_id``'s read will not be waited for: fail the transfers in flight (returns the
     handles NIXL could not release), and make a read that has not started (its handshake still
     runs) read nothing when it does (only the peer's notification, which frees its hold)."""
-    transfers = worker._recving_transfers
-    handles = transfers.get(request_id)
+    handles = worker._recving_transfers.get(request_id)
     if handles is not None:
-        kept = fail_read(worker, request_id, handles)
-        if kept:
-            transfers[request_id] = kept
-        else:
-            del transfers[request_id]
-        return kept
+        return fail_read(worker, request_id, handles)
     meta.local_block_ids = [[] for _ in meta.local_block_ids]
     meta.local_physical_block_ids = []  # upstream's "full local hit": notify only
     worker._recving_metadata.pop(request_id, None)

@@ -66,9 +66,5 @@ def fail_slow_reads(worker: Any, started: dict[str, float], now: float, timeout_
             request_id,
             now - since,
         )
-        kept = fail_read(worker, request_id, handles)
-        if kept:
-            transfers[request_id] = kept
-        else:
-            del transfers[request_id]
+        fail_read(worker, request_id, handles)
     return failed
