@@ -174,9 +174,12 @@ def records_of(results: list[dict[str, Any]], args: argparse.Namespace) -> list[
     done = [r for r in results if "turns" in r]
     sums = {r["name"]: summary(r, args) for r in done}
     note = f"{args.replicas} replicas, {shape(args)}, {args.kv_cache_gib:g} GiB KV each"
-    # The forking agents' records carry no prefix (the headline reads them); another workload's
-    # names itself, so that its numbers never stand in for the agents' as "the latest".
-    at = "" if args.workload == "agents" else f"{shape(args)}: "
+    # The forking agents' records on 2 replicas carry no prefix (the headline reads them);
+    # another workload or replica count names itself, so that its numbers never stand in for
+    # those as "the latest".
+    at = "" if (args.workload, args.replicas) == ("agents", 2) else f"{shape(args)}: "
+    if args.replicas != 2:
+        at = f"{args.replicas} replicas, {at}"
     out = []
     for r in done:
         s, kv = sums[r["name"]], r["config"] == "kvbranch"

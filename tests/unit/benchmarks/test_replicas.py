@@ -174,3 +174,12 @@ def test_the_workloads_round_robin_over_affinity_ratio_carries_no_target() -> No
     recs = {(r.config, r.metric): r for r in records_of(results, _args())}
     ratio = recs[("kvbranch round-robin/affinity", "round robin / affinity, p50 TTFT")]
     assert ratio.value == 1.0 and ratio.met is None
+
+
+def test_another_replica_count_names_itself_and_never_replaces_the_two_replicas():
+    results = [
+        {"name": "kvbranch affinity", "front": "affinity", "config": "kvbranch", "turns": TURNS}
+    ]
+    three = records_of(results, argparse.Namespace(**dict(vars(_args()), replicas=3)))
+    assert all(r.metric.startswith("3 replicas, ") for r in three)
+    assert not {r.metric for r in three} & {r.metric for r in records_of(results, _args())}
