@@ -11,8 +11,8 @@ history of ``--probe-tokens`` tokens, then a short user turn):
 
 Meanwhile each replica computes cold prompts back to back (``--probe-load`` clients each), so
 that an engine step is a real forward, as in a busy cluster. The replicas alternate roles from
-probe to probe. ``sync`` replicas load a pull before the step's forward (the default); ``async``
-ones (``--sync-pull-wait-s 0``) load it as vLLM does, two steps later.
+probe to probe. ``sync`` replicas load a pull before the step's forward (``--sync-pull-wait-s
+2``, opt-in); ``async`` ones (the default) load it as vLLM does, two steps later.
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ def replicas(
         argv += ["--host-store-gib", str(args.host_store_gib)]
         argv += ["--cpu-cores", core, "--nixl-port", str(free_port())]
         argv += ["--pd-hold-ttl-s", str(HOLD_TTL_S)]
-        if config == "async":
-            argv += ["--sync-pull-wait-s", "0"]
+        argv += ["--sync-pull-wait-s", "2" if config == "sync" else "0"]
         env = {ENV_CLUSTER_SECRET: secret, "PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}
         out.append(ServerProcess(argv, name=f"probe-{config}-{i}", env=env, ready_timeout=1200))
     return out

@@ -151,8 +151,10 @@ class NixlChildConfig(_ExtraConfig):
     #: most this long; past it, or on a failed read, those blocks are recomputed) and computes
     #: the rest of the prompt in the same step, instead of upstream's asynchronous load, which
     #: costs the turn two forwards of other requests on a busy engine
-    #: (``server/connector/pd/sync_reads.py``). 0: upstream's asynchronous load.
-    sync_pull_wait_s: float = Field(default=2.0, ge=0, le=60)
+    #: (``server/connector/pd/sync_reads.py``). 0 (the default): upstream's asynchronous load;
+    #: a read given up on is released by NIXL, which blocked the worker for good once (docs/
+    #: cluster.md, "A pull the forward waits for"), so this is opt-in until that is bounded.
+    sync_pull_wait_s: float = Field(default=0.0, ge=0, le=60)
 
     @classmethod
     def _owner(cls) -> str:

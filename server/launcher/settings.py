@@ -323,13 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument(
         "--sync-pull-wait-s",
         type=_seconds_up_to_a_minute,
-        default=2.0,
+        default=0.0,
         metavar="S",
-        help="prefill and aggregated replicas: a pull from a peer is loaded before the engine "
-        "step's forward, which waits for the read at most S seconds (past it, or on a failed "
-        "read, those tokens are recomputed) and computes the turn's own tokens in the same "
-        "step; 0: vLLM's asynchronous load (the turn waits two steps of other requests; "
-        "default %(default)s)",
+        help="prefill and aggregated replicas, opt-in: a pull from a peer is loaded before the "
+        "engine step's forward, which waits for the read at most S seconds (past it, or on a "
+        "failed read, those tokens are recomputed) and computes the turn's own tokens in the "
+        "same step; 0: vLLM's asynchronous load (the turn waits two steps of other requests; "
+        "default %(default)s; docs/cluster.md, 'A pull the forward waits for')",
     )
     pd.add_argument(
         "--no-bidirectional",

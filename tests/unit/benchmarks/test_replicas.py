@@ -142,22 +142,20 @@ def _probe_row(moved: float, local: float, pulled: int = 1400, host: int = 1400)
     }
 
 
-def test_the_moved_turn_target_is_judged_by_the_probe_of_the_shipped_pulls() -> None:
+def test_the_moved_turn_target_is_judged_by_the_probe_of_the_default_pulls() -> None:
     args = argparse.Namespace(probe_tokens=1500, probe_load=1)
+    rows = [_probe_row(1.2, 1.0), _probe_row(1.0, 1.0), _probe_row(1.1, 1.0)]
     probes = [
-        {
-            "config": "sync",
-            "rows": [_probe_row(1.2, 1.0), _probe_row(1.0, 1.0), _probe_row(1.1, 1.0)],
-        },
-        {"config": "async", "rows": [_probe_row(3.0, 1.0, pulled=0)]},
-        {"config": "async", "error": "RuntimeError: no replica"},
+        {"config": "async", "rows": rows},
+        {"config": "sync", "rows": [_probe_row(3.0, 1.0, pulled=0)]},
+        {"config": "sync", "error": "RuntimeError: no replica"},
     ]
     recs = {r.config: r for r in probe_records(probes, args)}
-    sync = recs["kvbranch probe (sync pulls)"]
-    assert sync.value == 1.1 and sync.met and sync.target == "<= 1.3x"
-    assert "3 probes: 3 pulled, 3 host-store hits" in sync.note
-    late = recs["kvbranch probe (async pulls)"]
-    assert late.value == 3.0 and late.met is None and "0 pulled" in late.note
+    default = recs["kvbranch probe (async pulls)"]
+    assert default.value == 1.1 and default.met and default.target == "<= 1.3x"
+    assert "3 probes: 3 pulled, 3 host-store hits" in default.note
+    opt_in = recs["kvbranch probe (sync pulls)"]
+    assert opt_in.value == 3.0 and opt_in.met is None and "0 pulled" in opt_in.note
     assert len(recs) == 2
 
 
