@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,11 +119,8 @@ async def run_set(
     out: dict[str, Any] = {"name": f"{config} {front}", "front": front, "config": config}
     redis = RedisServer().start()
     procs = [replica(config, i, redis.url, args) for i in range(args.replicas)]
-    try:
-        for p in procs:
-            p.launch()
-        for p in procs:
-            p.wait_ready()
+    with server_set(procs, redis, out, out["name"], log):
+        start_all(procs)
         urls = [p.url for p in procs]
         transport = None if front == "router" else Front(front, urls)
         if front == "router":
@@ -133,14 +132,33 @@ async def run_set(
         log(f"[{out['name']}] ready; logs: {', '.join(str(p.log_path) for p in procs)}")
         async with httpx.AsyncClient(timeout=1800, transport=transport) as client:
             out["turns"] = await run_workload(client, urls[0], args, log, out["name"], False)
-    except Exception as exc:  # noqa: BLE001 - the other sets still run; the report says why
+    return out
+
+
+def start_all(procs: list[ServerProcess]) -> None:
+    """Launch every server, then wait for each (they start side by side)."""
+    for p in procs:
+        p.launch()
+    for p in procs:
+        p.wait_ready()
+
+
+@contextlib.contextmanager
+def server_set(
+    procs: list[ServerProcess], redis: Any, out: dict[str, Any], label: str, log: Any
+) -> Iterator[None]:
+    """The body (it starts ``procs``: :func:`start_all`); a failure is recorded in ``out``
+    (the other sets still run; the report says why); every server in ``procs`` (also one the
+    body appended) and ``redis`` stopped after."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001
         out["error"] = f"{type(exc).__name__}: {exc}"
-        log(f"[{out['name']}] failed: {out['error']}")
+        log(f"[{label}] failed: {out['error']}")
     finally:
         for p in reversed(procs):
             p.stop()
         redis.close()
-    return out
 
 
 def reuse(turns: list[dict[str, Any]], fed_back: bool) -> tuple[int, int]:
@@ -247,20 +265,10 @@ async def run_probe_set(config: str, args: argparse.Namespace, log: reporting.Pr
     out: dict[str, Any] = {"config": config}
     redis = RedisServer().start()
     procs = moved_turn.replicas(config, redis.url, SECRET, [replica_core(i) for i in (0, 1)], args)
-    try:
-        for p in procs:
-            p.launch()
-        for p in procs:
-            p.wait_ready()
+    with server_set(procs, redis, out, f"probe {config}", log):
+        start_all(procs)
         log(f"[probe {config}] ready; logs: {', '.join(str(p.log_path) for p in procs)}")
         out["rows"] = await moved_turn.run_probes([p.url for p in procs], args, log, config)
-    except Exception as exc:  # noqa: BLE001 - recorded: the report says why
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        log(f"[probe {config}] failed: {out['error']}")
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        redis.close()
     return out
 
 
