@@ -542,6 +542,11 @@ def read_state(worker: Any, request_id: str) -> str:
     return READ_DONE if all(s == "DONE" for s in states) else READ_PENDING
 
 
+def read_tracked(worker: Any, request_id: str) -> bool:
+    """NIXL's worker still tracks ``request_id``'s read: it will report it, received or failed."""
+    return request_id in worker._recving_metadata
+
+
 def abandon_read(worker: Any, request_id: str, meta: Any) -> list[int]:
     """``request_id``'s read will not be waited for: fail the transfers in flight (returns the
     handles NIXL could not release), and make a read that has not started (its handshake still

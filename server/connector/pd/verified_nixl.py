@@ -100,6 +100,7 @@ from server.connector.vllm_compat import (
     lease_duration_s,
     make_read_synchronous,
     nixl_progress_thread,
+    read_tracked,
     reads_need_post_processing,
     set_send_deadline,
     transfer_group_kinds,
@@ -799,6 +800,8 @@ class VerifiedNixlConnector(NixlConnector):
                     "it may still write its blocks",
                     request_id,
                 )
+            if not read_tracked(worker, request_id):
+                self._sync_ids.discard(request_id)  # upstream will never report it
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set(super().get_block_ids_with_load_errors())
