@@ -48,6 +48,7 @@ from server.engine.idle import ENV_IDLE_POLL_S
 from server.engine.spin import ENV_MQ_SPIN_S
 from server.engine.spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
 from server.index.event_sockets import exposed_endpoints
+from server.launcher.cpu_binding import ENV_OMP_BIND, engine_binding
 from server.launcher.model_needs import cpu_dtype, cpu_refusal
 from server.launcher.model_parsers import (
     chat_template,
@@ -378,8 +379,13 @@ def plan_launch(
     env[ENV_INDEX_URL] = args.index
     env[ENV_CLUSTER_NAME] = args.cluster_name
     env[ENV_ADVERTISE_URL] = advertise_url(args)
-    if args.cpu_cores and not cuda:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_cores
+    mask = args.cpu_cores or os.environ.get(ENV_OMP_BIND)
+    if mask and not cuda:
+        try:
+            env[ENV_OMP_BIND] = engine_binding(mask, engines)
+        except ValueError as exc:
+            where = f"--cpu-cores or {ENV_OMP_BIND}"
+            raise LaunchError(f"CPU cores {mask!r} ({where}): {exc}") from None
     if control_socket and not cuda and args.role not in PD_ROLES:
         reserved = reserved_cpu_cores(passthrough)
         if reserved is not None:

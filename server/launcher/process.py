@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,8 @@ DEFAULT_SHUTDOWN_GRACE_S = 5.0
 TEARDOWN_S = 10.0
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.5
+#: A raised exception's line in a log: ``AssertionError: ...``, ``ValueError: ...``.
+_RAISED = re.compile(r"\b[A-Z]\w*(Error|Exception): ")
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
@@ -275,7 +278,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"{self.name} server exited with {self.proc.returncode}; "
-                    f"log:\n{self.log_tail()}"
+                    f"first error: {self.first_error()}; log ({self.log_path}):\n{self.log_tail()}"
                 )
             try:
                 r = httpx.get(f"{self.url}/v1/models", headers=self.headers(), timeout=2.0)
@@ -298,6 +301,15 @@ class ServerProcess:
         if only:
             lines = [line for line in lines if any(word in line for word in only)]
         return "\n".join(lines[-n:])
+
+    def first_error(self) -> str:
+        """The log's first raised exception line: a failed start's cause, which the tail of a
+        long traceback (re-raised through the engine client) no longer shows."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return next((line.strip() for line in lines if _RAISED.search(line)), "(none found)")
 
     def terminate(self) -> None:
         """Ask the whole process group to stop (SIGTERM) without waiting; ``stop`` finishes."""

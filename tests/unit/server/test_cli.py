@@ -626,3 +626,48 @@ def test_plan_tells_the_engine_cores_how_many_engines_there_are(model_dir):
     assert plan.env[ENV_DATA_PARALLEL_SIZE] == "2"
     plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
     assert ENV_DATA_PARALLEL_SIZE not in plan.env
+
+
+@pytest.mark.parametrize(
+    ("given", "passthrough", "bound"),
+    [
+        ("1", ["--data-parallel-size", "2"], "1|1"),
+        ("0-3", ["-dp", "2"], "0,1|2,3"),
+        ("0|1", ["--data-parallel-size", "2"], "0|1"),
+        ("1", [], "1"),
+    ],
+)
+def test_plan_gives_each_data_parallel_engine_a_core_list(
+    model_dir, monkeypatch, given, passthrough, bound
+):
+    # vLLM takes one '|' list per engine: a single list from the environment (a test lane's or
+    # a container's binding) left engine 1 with none, and its engine core died at start
+    monkeypatch.setenv(cli.ENV_OMP_BIND, given)
+    plan = plan_launch(parse("--model", str(model_dir)), passthrough, cuda=False)
+    assert plan.env[cli.ENV_OMP_BIND] == bound
+    monkeypatch.delenv(cli.ENV_OMP_BIND)
+    args = parse("--model", str(model_dir), "--cpu-cores", given)
+    plan = plan_launch(args, passthrough, cuda=False)
+    assert plan.env[cli.ENV_OMP_BIND] == bound
+
+
+def test_plan_refuses_cores_it_cannot_read(model_dir, monkeypatch):
+    monkeypatch.delenv(cli.ENV_OMP_BIND, raising=False)
+    with pytest.raises(cli.LaunchError, match="--cpu-cores"):
+        plan_launch(parse("--model", str(model_dir), "--cpu-cores", "two"), [], cuda=False)
+
+
+def test_a_failed_start_names_its_first_error(tmp_path):
+    # the tail of an engine core's failure is the client's re-raise; the cause is further up
+    from server.launcher.process import ServerProcess
+
+    server = ServerProcess(["--model", "x"], name="unit-log")
+    server.log_path = tmp_path / "server.log"
+    server.log_path.write_text(
+        "WARNING failed to raise the ulimit with error current limit exceeds\n"
+        "(EngineCore_DP1) ERROR [core.py] AssertionError: no CPU list for rank 1\n"
+        + "  frame\n" * 100
+        + "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert server.first_error().endswith("AssertionError: no CPU list for rank 1")
+    assert "AssertionError" not in server.log_tail()
