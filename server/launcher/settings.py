@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="LIST",
         help="CPU platform: cores this instance computes on, e.g. '0' or '2-3' "
-        "(vLLM's VLLM_CPU_OMP_THREADS_BIND; default: vLLM's own choice)",
+        "(vLLM's VLLM_CPU_OMP_THREADS_BIND; default: vLLM's own choice); one list is spread "
+        "over data-parallel engines",
     )
     pd.add_argument(
         "--pd-hold-ttl-s",
