@@ -11,11 +11,12 @@ that has it; ``stats`` adds
 the cluster index. A fan-out never answers with just the first instance's reply: all must
 agree, or the client gets 502 with each instance's status, and a retry with the same id
 converges (an instance that already has the session counts as created, one that no longer has it
-as deleted). A delete is the exception for instances that cannot be reached: it succeeds for
-the ones that answer (200, or 202 when none of them had it), names the unreachable ones, drops
-the session's index entries so no turn or peer is sent to its KV, and the router sends each
-unreachable instance the delete again before it counts it as up
-(:mod:`server.router.pending_deletes`).
+as deleted). A delete and a fork are the exceptions for instances that cannot be reached. A
+delete succeeds for the ones that answer (200, or 202 when none of them had it), names the
+unreachable ones, drops the session's index entries so no turn or peer is sent to its KV, and
+the router sends each unreachable instance the delete again before it counts it as up
+(:mod:`server.router.pending_deletes`). A fork that every reachable instance made succeeds and
+names the unreachable ones: an instance makes a branch at its first turn there anyway.
 """
 
 from __future__ import annotations
@@ -184,18 +185,22 @@ def merge(kind: FanKind, answers: list[Answer], body: bytes | None) -> Response:
     return JSONResponse(data, status_code=502)
 
 
-def merge_delete(answers: list[Answer], deleted: str) -> Response:
-    """One reply for a delete some instances could not be reached for: what the others
-    answered, never a 5xx for the unreachable ones (they get it when back). 200 with the
-    answer of an instance that deleted it; 202 when none that answered had it (an unreachable
-    one may have); either names the unreachable instances. An instance that answered
-    otherwise (a 500, a refusal) is the plain fan-out's answer: the delete did not apply."""
+def merge_unreachable(kind: FanKind, answers: list[Answer], target: str) -> Response | None:
+    """One reply for a delete or a fork that some instances could not be reached for, when
+    every instance that answered applied it (or had already): what they answered, with the
+    unreachable instances named, never a 5xx for those. None where the plain fan-out's answer
+    stands: every instance answered, or one that answered did not apply it (a 500, a refusal).
+    A delete reaches the missed instances later (:mod:`server.router.pending_deletes`); a fork
+    needs nothing there, since an instance makes a branch it does not know at the branch's first
+    turn, and the branch's turns find the KV through the hold it shares with its parent."""
     unreachable = [a for a in answers if a.status is None]
     reached = [a for a in answers if a.status is not None]
-    if not unreachable or any(
-        not (200 <= (a.status or 0) < 300 or already_done("delete", a)) for a in reached
+    if (
+        not unreachable
+        or (kind != "delete" and not reached)  # a fork nothing made
+        or any(not (200 <= (a.status or 0) < 300 or already_done(kind, a)) for a in reached)
     ):
-        return merge("delete", answers, None)
+        return None
     missed = [{"url": a.inst.url, "role": a.inst.role} for a in unreachable]
     for a in reached:
         if a.status is not None and 200 <= a.status < 300:
@@ -205,9 +210,11 @@ def merge_delete(answers: list[Answer], deleted: str) -> Response:
                 data = None
             if isinstance(data, dict):
                 return JSONResponse({**data, "unreachable": missed}, status_code=a.status)
-    return JSONResponse(
-        {"deleted": deleted, "released_blocks": 0, "unreachable": missed}, status_code=202
-    )
+    if kind == "delete":  # none that answered had it (an unreachable one may have)
+        return JSONResponse(
+            {"deleted": target, "released_blocks": 0, "unreachable": missed}, status_code=202
+        )
+    return merge(kind, reached, None)  # a retried fork every reached instance already has
 
 
 def with_id(body: bytes, field: str, prefix: str) -> bytes:
@@ -348,9 +355,10 @@ class Admin:
                 await self.index.drop_session(tenant, path.split("/")[1])
             except IndexUnavailable:
                 pass  # its holds expire on their own; a claim on D then finds nothing
-        if kind == "delete":
-            merged = merge_delete(answers, path.split("/")[-1])
-        else:
+        merged = None
+        if kind == "delete" or (kind == "create" and path.endswith("/branches")):
+            merged = merge_unreachable(kind, answers, path.split("/")[-1])
+        if merged is None:
             merged = merge(kind, answers, body)
         if kind == "create" and path.endswith("/branches") and merged.status_code < 300:
             await share_parent_hold(self.index, tenant, path.split("/")[1], body)

@@ -281,9 +281,17 @@ def tokens_of(answer: dict) -> Tokens:
     return Tokens((t["token"], t["logprob"]) for t in content)
 
 
-def turn(server: ServerProcess, messages: list[dict], session: str, key: str = KEY_A) -> Turn:
+def turn(
+    server: ServerProcess,
+    messages: list[dict],
+    session: str,
+    key: str = KEY_A,
+    branch: str | None = None,
+) -> Turn:
     """One greedy turn at ``server`` (a replica, or the router) as ``key``'s tenant."""
-    body = chat_body(server, messages, session=session, max_tokens=MAX_TOKENS, logprobs=True)
+    body = chat_body(
+        server, messages, session=session, branch=branch, max_tokens=MAX_TOKENS, logprobs=True
+    )
     with client(server, headers={"Authorization": f"Bearer {key}"}) as c:
         r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text

@@ -143,6 +143,15 @@ def test_a_dead_holder_moves_the_session(replicas, plain_server):
     assert route == "replica-moved"
     assert replicas.wait_holder(session) is other
     assert tokens == plain(plain_server, messages)
+    # Forked while the first replica is down: made where it can be, the missed replica named
+    # (it makes the branch at a first turn there), and the branch's turn answers right.
+    with client(replicas.router, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        r = c.post(session_path(session) + "/branches", json={"parent": "main", "branch_id": "alt"})
+    assert r.status_code == 201, r.text
+    assert r.json()["unreachable"] == [{"url": first.url, "role": "both"}]
+    forked = then(messages, tokens, "Try the other tool instead.")
+    fork_tokens, _, _ = turn(replicas.router, forked, session, branch="alt")
+    assert fork_tokens == plain(plain_server, forked)
     # Deleted while the first replica is still down: the router answers for the replica it
     # reaches (never a 5xx for the one it cannot), names the one it could not, and the index
     # forgets the session, so no turn or peer is sent to what the first one kept of it.

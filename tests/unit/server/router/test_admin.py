@@ -271,3 +271,48 @@ def test_the_client_cannot_choose_which_instances_a_delete_skips():
     )
     assert r.status_code == 200 and "unreachable" not in r.json()
     assert {b for b, m, *_ in fakes.seen if m == "DELETE"} == {P, D}
+
+
+def test_a_fork_with_an_instance_down_succeeds_for_the_others_and_names_it():
+    # the missed instance makes the branch at its first turn there: nothing to send it later
+    fakes = Fakes()
+    fakes.answer[P] = lambda r: json_reply(201, {"branch_id": "b", "parent": "main"})
+    fakes.answer[D] = refused
+    router = make_router(fakes)
+    path = "/v1/kvbranch/sessions/s1/branches"
+    r = call(router, "POST", path, json={"parent": "main", "branch_id": "b"})
+    assert r.status_code == 201, r.text
+    assert r.json() == {
+        "branch_id": "b",
+        "parent": "main",
+        "unreachable": [{"url": D, "role": "decode"}],
+    }
+    assert len(router.admin.pending) == 0
+
+
+@pytest.mark.parametrize(
+    ("prefill", "status"),
+    [
+        (refused, 502),  # made nowhere
+        (lambda r: err(500, "engine died"), 502),  # an instance that answered did not make it
+        (lambda r: err(404, "no branch 'main' in session 's1'"), 502),
+    ],
+)
+def test_a_fork_no_reachable_instance_made_is_still_a_502(prefill, status):
+    fakes = Fakes()
+    fakes.answer[P], fakes.answer[D] = prefill, refused
+    r = call(
+        make_router(fakes),
+        "POST",
+        "/v1/kvbranch/sessions/s1/branches",
+        json={"parent": "main", "branch_id": "b"},
+    )
+    assert r.status_code == status, r.text
+
+
+def test_a_session_create_with_an_instance_down_is_still_a_502():
+    # every instance makes a new session with the router's id: one that missed it would
+    # refuse the session's routes (only turns make it lazily)
+    fakes = Fakes()
+    fakes.answer[D] = refused
+    assert call(make_router(fakes), "POST", SESSIONS_PATH, json={}).status_code == 502
