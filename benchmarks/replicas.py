@@ -132,7 +132,29 @@ async def run_set(
         log(f"[{out['name']}] ready; logs: {', '.join(str(p.log_path) for p in procs)}")
         async with httpx.AsyncClient(timeout=1800, transport=transport) as client:
             out["turns"] = await run_workload(client, urls[0], args, log, out["name"], False)
+        if config != "vllm":
+            out["replica_metrics"] = [peer_metrics(p) for p in procs[: args.replicas]]
+            log(f"[{out['name']}] peer pulls: {out['replica_metrics']}")
     return out
+
+
+#: The ``/metrics`` rows kept from each kvbranch replica after a workload: where its turns'
+#: histories came from and what its pull-or-recompute decisions were (why a turn recomputed).
+PEER_ROWS = ("kvbranch_peer_turns_total", "kvbranch_peer_pull_decisions_total")
+
+
+def peer_metrics(proc: ServerProcess) -> dict[str, Any]:
+    """A replica's peer-pull counters (:data:`PEER_ROWS`), by row with its labels."""
+    try:
+        text = httpx.get(proc.url + "/metrics", timeout=10).text
+    except httpx.HTTPError as exc:
+        return {"error": type(exc).__name__}
+    rows: dict[str, Any] = {}
+    for row in text.splitlines():
+        if row.startswith(PEER_ROWS):
+            name, _, value = row.rpartition(" ")
+            rows[name] = float(value)
+    return rows
 
 
 def start_all(procs: list[ServerProcess]) -> None:
