@@ -39,8 +39,10 @@ DEFAULT_SHUTDOWN_GRACE_S = 5.0
 TEARDOWN_S = 10.0
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.5
-#: A raised exception's line in a log: ``AssertionError: ...``, ``ValueError: ...``.
-_RAISED = re.compile(r"\b[A-Z]\w*(Error|Exception): ")
+#: A raised exception's line in a log: ``AssertionError: ...`` at the line's start or after a
+#: log record's prefix (``... [core.py:1510] AssertionError: ...``), its module named or not
+#: (``nixl._bindings.nixlBackendError: ...``); not an exception's name quoted in a message.
+_RAISED = re.compile(r"(?:^|\] )(?:\w+\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:

@@ -664,7 +664,7 @@ def test_a_failed_start_names_its_first_error(tmp_path):
     server = ServerProcess(["--model", "x"], name="unit-log")
     server.log_path = tmp_path / "server.log"
     server.log_path.write_text(
-        "WARNING failed to raise the ulimit with error current limit exceeds\n"
+        "WARNING failed to raise the ulimit; errors like `OSError: [Errno 24]` may follow\n"
         "(EngineCore_DP1) ERROR [core.py] AssertionError: no CPU list for rank 1\n"
         + "  frame\n" * 100
         + "RuntimeError: Engine core initialization failed. See root cause above.\n"
