@@ -55,3 +55,23 @@ def test_a_paced_progress_thread_serves_a_read_while_the_engine_never_polls(monk
     state, dst = _read(target, reader)
     assert state == "DONE"
     assert bool((dst == 7).all())
+
+
+def test_nixls_threads_yield_to_compute_and_the_forward_thread_keeps_its_priority(monkeypatch):
+    # a progress thread found spinning (its poll returning at once) starved the other replica
+    # sharing its core until vLLM's 300 s step timeout: NIXL's threads run below everything else
+    import os
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    worker = importlib.import_module(vllm_compat._LAZY["nixl_base_worker"][0])
+    before = vllm_compat.native_threads()
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    with vllm_compat.nixl_progress_thread(1000):
+        agent = nixl_api.nixl_agent("niced", worker.nixl_agent_config(backends=["UCX"]))
+    started = vllm_compat.native_threads() - before - vllm_compat.python_threads()
+    assert started, "NIXL started no thread of its own"
+    for tid in started:
+        assert os.getpriority(os.PRIO_PROCESS, tid) == vllm_compat.NIXL_THREAD_NICE, tid
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+    del agent
