@@ -41,6 +41,9 @@ SERVING_ROLES = ("replica",)
 PULLED = ("peer", "revived", "revived_run")
 _PEER_TURNS = 'kvbranch_peer_turns_total{source="'
 _REMOTE_TOKENS = 'kvbranch_prompt_tokens_total{source="remote"}'
+_CONNECTOR_UP = "kvbranch_connector_up "
+#: Keys of the totals that are no turn source (:func:`pull_line` lists the rest).
+_NOT_SOURCES = ("pulled", "remote_tokens", "readings", "connector_down")
 
 
 def in_fault(event: dict[str, Any], faults: list[dict[str, Any]]) -> bool:
@@ -180,6 +183,8 @@ def peer_pull_counts(metrics: str) -> dict[str, float]:
             counts[source] = float(row.split()[-1])
         elif row.startswith(_REMOTE_TOKENS):
             counts["remote_tokens"] = float(row.split()[-1])
+        elif row.startswith(_CONNECTOR_UP):
+            counts["connector_up"] = float(row.split()[-1])
     return counts
 
 
@@ -194,9 +199,13 @@ def pull_totals(readings: list[dict[str, Any]]) -> dict[str, float]:
             last[key] = r
     totals: Counter[str] = Counter()
     for r in last.values():
-        totals.update(r["counts"])
+        totals.update({k: v for k, v in r["counts"].items() if k != "connector_up"})
     out = {k: float(v) for k, v in sorted(totals.items())}
     out["pulled"] = float(sum(totals.get(s, 0) for s in PULLED))
+    # Readings whose connector stats were missing (``kvbranch_connector_up 0``: the collector
+    # then gives no prompt-token rows, and the pulled tokens read as 0).
+    out["readings"] = float(len(readings))
+    out["connector_down"] = float(sum(r["counts"].get("connector_up") == 0 for r in readings))
     return out
 
 
@@ -396,13 +405,18 @@ def section(record: dict[str, Any], info: dict[str, str], elapsed_s: float, plot
 
 def pull_line(pulls: dict[str, float]) -> str:
     """Every source of the replicas' session turns, summed over the run."""
-    sources = ", ".join(
-        f"{k} {v:.0f}" for k, v in pulls.items() if k not in ("pulled", "remote_tokens")
+    sources = ", ".join(f"{k} {v:.0f}" for k, v in pulls.items() if k not in _NOT_SOURCES)
+    down = pulls.get("connector_down", 0)
+    missing = (
+        f" (the connector's stats were missing in {down:.0f} of {pulls.get('readings', 0):.0f} "
+        "readings: `kvbranch_connector_up 0`)"
+        if down
+        else ""
     )
     return (
         f"- Replicas' session turns by where their history came from (summed over every "
         f"process life): {sources or 'none'}; pulled from a peer: {pulls['pulled']:.0f} turns, "
-        f"{pulls.get('remote_tokens', 0):.0f} prompt tokens."
+        f"{pulls.get('remote_tokens', 0):.0f} prompt tokens{missing}."
     )
 
 

@@ -364,6 +364,7 @@ kvbranch_peer_turns_total{source="own_hold"} 9.0
 kvbranch_peer_turns_created{source="peer"} 1.7e+09
 kvbranch_prompt_tokens_total{source="remote"} 4096.0
 kvbranch_prompt_tokens_total{source="device"} 100.0
+kvbranch_connector_up 1.0
 """
 
 
@@ -374,8 +375,23 @@ def test_peer_pull_counts_read_a_replicas_metrics():
         "revived_run": 1.0,
         "own_hold": 9.0,
         "remote_tokens": 4096.0,
+        "connector_up": 1.0,
     }
     assert soak_report.peer_pull_counts("# nothing\n") == {}
+
+
+def test_readings_without_the_connectors_stats_are_counted_and_said():
+    # a replica whose connector did not answer gives no prompt-token row: its pulled tokens
+    # read as 0, which the report must not pass off as none pulled
+    down = {"t": 3, "member": "replica1", "life": 0, "counts": {"peer": 2.0, "connector_up": 0.0}}
+    readings = [_reading(5, "replica0", 0, 1, 100), down]
+    readings[0]["counts"]["connector_up"] = 1.0
+    totals = soak_report.pull_totals(readings)
+    assert (totals["readings"], totals["connector_down"]) == (2, 1)
+    assert "connector_up" not in totals and totals["pulled"] == 3
+    line = soak_report.pull_line(totals)
+    assert "missing in 1 of 2 readings" in line and "readings 2" not in line
+    assert "missing" not in soak_report.pull_line(soak_report.pull_totals(readings[:1]))
 
 
 def _reading(t, member, life, peer, remote=0.0, own=0.0):
