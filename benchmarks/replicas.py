@@ -34,6 +34,7 @@ from benchmarks import cli, common, moved_turn, reporting  # noqa: E402
 from benchmarks.pd_report import answers, p50_ttft, shape  # noqa: E402
 from benchmarks.pd_workloads import add_workload_arguments, run_workload  # noqa: E402
 from benchmarks.records import Record, result  # noqa: E402
+from benchmarks.step_profile import sum_samples  # noqa: E402
 from sdk.contract import BRANCH_XARG, DEFAULT_BRANCH  # noqa: E402
 from server.connector.pd.transfer_auth import ENV_CLUSTER_SECRET  # noqa: E402
 from server.launcher.process import ServerProcess, free_port  # noqa: E402
@@ -149,12 +150,12 @@ def peer_metrics(proc: ServerProcess) -> dict[str, Any]:
         text = httpx.get(proc.url + "/metrics", timeout=10).text
     except httpx.HTTPError as exc:
         return {"error": type(exc).__name__}
-    rows: dict[str, Any] = {}
-    for row in text.splitlines():
-        if row.startswith(PEER_ROWS):
-            name, _, value = row.rpartition(" ")
-            rows[name] = float(value)
-    return rows
+
+    def row(sample: Any) -> str | None:
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+        return f"{sample.name}{{{labels}}}" if sample.name in PEER_ROWS else None
+
+    return sum_samples(text, row)
 
 
 def start_all(procs: list[ServerProcess]) -> None:

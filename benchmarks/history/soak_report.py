@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from benchmarks import reporting
 from benchmarks.records import Record, result
+from benchmarks.step_profile import sum_samples
 
 LEGIT = ("A", "B")
 #: A router that was never killed may grow this much over the soak (MiB of RSS, first sample
@@ -39,9 +40,9 @@ FAULT_COLOURS = {
 SERVING_ROLES = ("replica",)
 #: ``kvbranch_peer_turns_total`` sources of turns that pulled their history from a peer.
 PULLED = ("peer", "revived", "revived_run")
-_PEER_TURNS = 'kvbranch_peer_turns_total{source="'
-_REMOTE_TOKENS = 'kvbranch_prompt_tokens_total{source="remote"}'
-_CONNECTOR_UP = "kvbranch_connector_up "
+_PEER_TURNS = "kvbranch_peer_turns_total"
+_PROMPT_TOKENS = "kvbranch_prompt_tokens_total"
+_CONNECTOR_UP = "kvbranch_connector_up"
 #: Keys of the totals that are no turn source (:func:`pull_line` lists the rest).
 _NOT_SOURCES = ("pulled", "remote_tokens", "readings", "connector_down")
 
@@ -174,18 +175,17 @@ def memory_summary(
 
 def peer_pull_counts(metrics: str) -> dict[str, float]:
     """A replica's ``/metrics`` text: its session turns by where their history came from
-    (``kvbranch_peer_turns_total``'s sources) and ``remote_tokens``, the prompt tokens it
-    pulled from peers."""
-    counts: dict[str, float] = {}
-    for row in metrics.splitlines():
-        if row.startswith(_PEER_TURNS):
-            source = row[len(_PEER_TURNS) :].split('"', 1)[0]
-            counts[source] = float(row.split()[-1])
-        elif row.startswith(_REMOTE_TOKENS):
-            counts["remote_tokens"] = float(row.split()[-1])
-        elif row.startswith(_CONNECTOR_UP):
-            counts["connector_up"] = float(row.split()[-1])
-    return counts
+    (``kvbranch_peer_turns_total``'s sources), ``remote_tokens``, the prompt tokens it
+    pulled from peers, and ``connector_up``."""
+
+    def key_of(sample: Any) -> str | None:
+        if sample.name == _PEER_TURNS:
+            return str(sample.labels.get("source"))
+        if sample.name == _PROMPT_TOKENS and sample.labels.get("source") == "remote":
+            return "remote_tokens"
+        return "connector_up" if sample.name == _CONNECTOR_UP else None
+
+    return sum_samples(metrics, key_of)
 
 
 def pull_totals(readings: list[dict[str, Any]]) -> dict[str, float]:

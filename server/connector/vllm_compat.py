@@ -580,8 +580,8 @@ def nixl_progress_thread(delay_us: int | None) -> Iterator[None]:
         return original(*args, **kwargs)
 
     module.nixl_agent_config = make
-    before = native_threads()
     if paced:
+        before = native_threads()
         bind = importlib.import_module("nixl._api").nixlBind
         agent_class = bind.nixlAgent
 

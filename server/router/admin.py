@@ -355,12 +355,13 @@ class Admin:
                 await self.index.drop_session(tenant, path.split("/")[1])
             except IndexUnavailable:
                 pass  # its holds expire on their own; a claim on D then finds nothing
+        fork = kind == "create" and path.endswith("/branches")
         merged = None
-        if kind == "delete" or (kind == "create" and path.endswith("/branches")):
+        if kind == "delete" or fork:
             merged = merge_unreachable(kind, answers, path.split("/")[-1])
         if merged is None:
             merged = merge(kind, answers, body)
-        if kind == "create" and path.endswith("/branches") and merged.status_code < 300:
+        if fork and merged.status_code < 300:
             await share_parent_hold(self.index, tenant, path.split("/")[1], body)
         return merged
 
