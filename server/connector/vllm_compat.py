@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -62,6 +61,7 @@ from server.connector.core.kv_groups import (
     SLIDING_WINDOW,
     GroupWindow,
 )
+from server.connector.nixl_threads import native_threads, python_threads, watch_for_spin
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -596,35 +596,7 @@ def nixl_progress_thread(delay_us: int | None) -> Iterator[None]:
         module.nixl_agent_config = original
         if paced:
             bind.nixlAgent = agent_class
-            yield_to_compute(native_threads() - before - python_threads())
-
-
-#: The nice value of NIXL's own threads (its UCX progress thread among them): below the forward's
-#: and every other process's threads, so that a progress thread found spinning (its poll
-#: returning at once, over UCX's TCP transport) takes only CPU no one else wants.
-NIXL_THREAD_NICE = 19
-
-
-def native_threads() -> set[int]:
-    """This process's thread ids (Linux; empty elsewhere)."""
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
-def python_threads() -> set[int]:
-    return {t.native_id for t in threading.enumerate() if t.native_id is not None}
-
-
-def yield_to_compute(thread_ids: set[int]) -> None:
-    """Lower ``thread_ids`` (NIXL's, started while its agent was made) to
-    :data:`NIXL_THREAD_NICE`. Linux sets a nice value per thread."""
-    for tid in thread_ids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, NIXL_THREAD_NICE)
-        except OSError:
-            pass  # gone already, or not allowed: it keeps its priority
+            watch_for_spin(native_threads() - before - python_threads())
 
 
 # --- NIXL: the handshake side channel ---------------------------------------------------------

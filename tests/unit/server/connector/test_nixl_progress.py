@@ -57,21 +57,33 @@ def test_a_paced_progress_thread_serves_a_read_while_the_engine_never_polls(monk
     assert bool((dst == 7).all())
 
 
-def test_nixls_threads_yield_to_compute_and_the_forward_thread_keeps_its_priority(monkeypatch):
+def test_nixls_threads_keep_their_priority_and_are_watched_and_an_idle_one_is_not_lowered(
+    monkeypatch,
+):
     # a progress thread found spinning (its poll returning at once) starved the other replica
-    # sharing its core until vLLM's 300 s step timeout: NIXL's threads run below everything else
+    # sharing its core until vLLM's 300 s step timeout; lowered for good, it served a busy
+    # peer's reads in almost no CPU: NIXL's threads run at the forward's priority, watched
     import os
+
+    from server.connector import nixl_threads
 
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     worker = importlib.import_module(vllm_compat._LAZY["nixl_base_worker"][0])
-    before = vllm_compat.native_threads()
+    before = nixl_threads.native_threads()
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     with vllm_compat.nixl_progress_thread(1000):
-        agent = nixl_api.nixl_agent("niced", worker.nixl_agent_config(backends=["UCX"]))
-    started = vllm_compat.native_threads() - before - vllm_compat.python_threads()
+        target = nixl_api.nixl_agent("watched", worker.nixl_agent_config(backends=["UCX"]))
+    started = nixl_threads.native_threads() - before - nixl_threads.python_threads()
     assert started, "NIXL started no thread of its own"
+    reader = nixl_api.nixl_agent(
+        "watching", worker.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    )
+    state, _ = _read(target, reader)  # a connection in, then idle: its thread sleeps in poll
+    assert state == "DONE"
+    time.sleep(nixl_threads.WINDOW_S * (nixl_threads.SPIN_WINDOWS + 1))
     for tid in started:
-        assert os.getpriority(os.PRIO_PROCESS, tid) == vllm_compat.NIXL_THREAD_NICE, tid
-    assert os.getpriority(os.PRIO_PROCESS, 0) == mine
-    del agent
+        assert os.getpriority(os.PRIO_PROCESS, tid) == mine, tid
+        assert tid not in nixl_threads._watch.lowered, tid
+    assert started & set(nixl_threads._watch._last), "NIXL's threads are not watched"
+    del target, reader
