@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvbranch.nixl_threads")
 
 #: The nice value of a NIXL thread found spinning: below the forward's and every other
 #: process's threads, so that it takes only CPU no one else wants.
