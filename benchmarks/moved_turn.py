@@ -60,6 +60,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["sync", "async"],
         help="sync: pulls loaded before the step's forward; async: --sync-pull-wait-s 0",
     )
+    parser.add_argument(
+        "--nixl-progress-us",
+        type=int,
+        default=None,
+        metavar="US",
+        help="every kvbranch replica's --nixl-progress-us (0: no NIXL progress thread; "
+        "default: the server's)",
+    )
+
+
+def transport_args(args: argparse.Namespace) -> list[str]:
+    """The kvbranch replicas' NIXL progress-thread setting, when the run names one."""
+    if args.nixl_progress_us is None:
+        return []
+    return ["--nixl-progress-us", str(args.nixl_progress_us)]
 
 
 def replicas(
@@ -75,6 +90,7 @@ def replicas(
         argv += ["--cpu-cores", core, "--nixl-port", str(free_port())]
         argv += ["--pd-hold-ttl-s", str(HOLD_TTL_S)]
         argv += ["--sync-pull-wait-s", "2" if config == "sync" else "0"]
+        argv += transport_args(args)
         env = {ENV_CLUSTER_SECRET: secret, "PYTHONHASHSEED": "0", "VLLM_SERVER_DEV_MODE": "1"}
         out.append(ServerProcess(argv, name=f"probe-{config}-{i}", env=env, ready_timeout=1200))
     return out

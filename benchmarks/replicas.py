@@ -107,6 +107,7 @@ def replica(config: str, i: int, index: str, args: argparse.Namespace) -> Server
         return VanillaVLLM([*sizes, "--no-connector"], name=name, env=env, ready_timeout=1200)
     argv = [*sizes, "--host-store-gib", str(args.host_store_gib), "--index", index]
     argv += ["--cpu-cores", core, "--nixl-port", str(free_port())]
+    argv += moved_turn.transport_args(args)
     env = {ENV_CLUSTER_SECRET: SECRET, "PYTHONHASHSEED": "0"}
     return ServerProcess(argv, name=name, env=env, ready_timeout=1200)
 
