@@ -14,7 +14,9 @@ shares it, where its CPU share alone would halve. A thread that sleeps between p
 runnable a small part of each window; one serving a long read is runnable throughout, and is
 lowered too after the same windows (a read of gigabytes over TCP: then it yields only to
 compute). Without ``schedstat`` (a kernel without scheduler statistics) the threads are lowered
-at once, as before the watcher.
+at once, as before the watcher. A nice value ranks a thread within its own session only (Linux's
+autogroup): lowered, the thread yields to its own instance's forward, not to another instance's
+sharing the core.
 """
 
 from __future__ import annotations
