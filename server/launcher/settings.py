@@ -317,9 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_microseconds,
         default=1000,
         metavar="US",
-        help="prefill/decode: NIXL's progress thread polls every US microseconds, so a peer's "
-        "read is served while the engine computes (0: no thread; reads wait for the end of "
-        "the engine's forward; default %(default)s)",
+        help="prefill/decode and aggregated replicas: NIXL's progress thread polls every US "
+        "microseconds, so a peer's read is served while the engine computes (0: no thread; "
+        "reads wait for the end of the engine's forward; a thread found spinning is lowered "
+        "to nice 19; default %(default)s)",
     )
     pd.add_argument(
         "--sync-pull-wait-s",
