@@ -33,10 +33,13 @@ logger = logging.getLogger("kvbranch.nixl_threads")
 #: process's threads, so that it takes only CPU no one else wants.
 NIXL_THREAD_NICE = 19
 #: Each window's length, and how many windows in a row a thread must be runnable for at least
-#: :data:`SPIN_SHARE` of, to count as spinning.
+#: :data:`SPIN_SHARE` of, and on a core for at least :data:`ON_CORE_SHARE` of, to count as
+#: spinning. The second bound keeps a thread that wakes every millisecond on a crowded core,
+#: where each wake-up may wait for the core as long as it slept, from reading as spinning.
 WINDOW_S = 1.0
 SPIN_WINDOWS = 2
 SPIN_SHARE = 0.9
+ON_CORE_SHARE = 0.2
 
 
 def native_threads() -> set[int]:
@@ -51,13 +54,13 @@ def python_threads() -> set[int]:
     return {t.native_id for t in threading.enumerate() if t.native_id is not None}
 
 
-def runnable_seconds(tid: int) -> float | None:
-    """Seconds ``tid`` has been on a core or waiting for one; ``None``: no such thread, or no
+def scheduled_seconds(tid: int) -> tuple[float, float] | None:
+    """Seconds ``tid`` has been on a core, and waiting for one; ``None``: no such thread, or no
     scheduler statistics."""
     try:
         with open(f"/proc/self/task/{tid}/schedstat") as f:
             on_core, waiting = f.read().split()[:2]
-        return (int(on_core) + int(waiting)) / 1e9
+        return int(on_core) / 1e9, int(waiting) / 1e9
     except (OSError, ValueError):
         return None
 
@@ -78,14 +81,14 @@ class SpinWatch:
     def __init__(
         self,
         clock: Callable[[], float] = time.monotonic,
-        read: Callable[[int], float | None] = runnable_seconds,
+        read: Callable[[int], tuple[float, float] | None] = scheduled_seconds,
         act: Callable[[int], bool] = lower,
     ) -> None:
         self._clock = clock
         self._read = read
         self._act = act
         self._lock = threading.Lock()
-        self._last: dict[int, tuple[float, float]] = {}  # tid -> (clock, runnable seconds)
+        self._last: dict[int, tuple[float, tuple[float, float]]] = {}  # tid -> (clock, reading)
         self._strikes: dict[int, int] = {}
         self.lowered: list[int] = []
 
@@ -95,11 +98,11 @@ class SpinWatch:
         now = self._clock()
         with self._lock:
             for tid in thread_ids:
-                seconds = self._read(tid)
-                if seconds is None:
+                reading = self._read(tid)
+                if reading is None:
                     unwatchable.add(tid)
                 else:
-                    self._last[tid] = (now, seconds)
+                    self._last[tid] = (now, reading)
                     self._strikes[tid] = 0
         return unwatchable
 
@@ -112,14 +115,17 @@ class SpinWatch:
         now = self._clock()
         lowered = []
         with self._lock:
-            for tid, (then, before) in list(self._last.items()):
-                seconds = self._read(tid)
-                if seconds is None:  # the thread ended
+            for tid, (then, (on_before, waited_before)) in list(self._last.items()):
+                reading = self._read(tid)
+                if reading is None:  # the thread ended
                     del self._last[tid], self._strikes[tid]
                     continue
-                self._last[tid] = (now, seconds)
-                share = (seconds - before) / (now - then) if now > then else 0.0
-                self._strikes[tid] = self._strikes[tid] + 1 if share >= SPIN_SHARE else 0
+                self._last[tid] = (now, reading)
+                span = now - then
+                on_core = (reading[0] - on_before) / span if span > 0 else 0.0
+                runnable = on_core + ((reading[1] - waited_before) / span if span > 0 else 0.0)
+                spun = runnable >= SPIN_SHARE and on_core >= ON_CORE_SHARE
+                self._strikes[tid] = self._strikes[tid] + 1 if spun else 0
                 if self._strikes[tid] >= SPIN_WINDOWS:
                     del self._last[tid], self._strikes[tid]
                     if self._act(tid):
