@@ -78,6 +78,8 @@ CONFIGS: dict[str, list[str]] = {
     "pd-kvbranch-sched": ["--disagg", "--agent-priority"],
     # kvbranch P/D with every turn through P (the D holding a branch never serves it alone).
     "pd-kvbranch-split": ["--disagg", "--router-policy", "always-split"],
+    # kvbranch P/D with NIXL's threads at nice 19 from the start (the default watches them).
+    "pd-kvbranch-lowered": ["--disagg", "--nixl-threads", "lowered"],
 }
 #: Opt-in: the same with vLLM's own 1 s message-queue busy-wait (the launcher's default is 2 ms,
 #: server/engine/spin.py), for the side-by-side measurement of that default.

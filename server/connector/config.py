@@ -129,6 +129,9 @@ class NixlChildConfig(_ExtraConfig):
     #: engine's current forward: D's read of a turn's prompt waited for P's whole prefill of
     #: the next turn (docs/pd.md, "Where a first turn's time goes").
     nixl_progress_delay_us: int = Field(default=1000, ge=0, le=1_000_000)
+    #: NIXL's own threads at nice 19 from the start, instead of watched and lowered only once
+    #: one spins (``server/connector/nixl_threads.py``).
+    nixl_threads_lowered: bool = False
     #: How long a router's claim keeps D's hold of a turn's blocks.
     claim_ttl_s: float = Field(default=30.0, gt=0)
     #: How long D holds a finished turn's blocks for P (upstream's key and default).

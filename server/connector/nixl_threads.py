@@ -74,6 +74,13 @@ def lower(tid: int) -> bool:
         return False  # gone already, or not allowed: it keeps its priority
 
 
+def lower_all(thread_ids: set[int]) -> None:
+    """``thread_ids`` at :data:`NIXL_THREAD_NICE` from now on, unwatched (``--nixl-threads
+    lowered``)."""
+    for tid in thread_ids:
+        lower(tid)
+
+
 class SpinWatch:
     """Samples the watched threads; :meth:`sample` lowers those that spun. The clock and the
     readers are arguments so that the decision is tested on its own."""

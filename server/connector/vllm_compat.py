@@ -61,7 +61,12 @@ from server.connector.core.kv_groups import (
     SLIDING_WINDOW,
     GroupWindow,
 )
-from server.connector.nixl_threads import native_threads, python_threads, watch_for_spin
+from server.connector.nixl_threads import (
+    lower_all,
+    native_threads,
+    python_threads,
+    watch_for_spin,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -562,11 +567,12 @@ def abandon_read(worker: Any, request_id: str, meta: Any) -> list[int]:
 
 
 @contextlib.contextmanager
-def nixl_progress_thread(delay_us: int | None) -> Iterator[None]:
+def nixl_progress_thread(delay_us: int | None, lowered: bool = False) -> Iterator[None]:
     """Within: NIXL agents are built with their UCX progress thread off (``delay_us`` ``None``)
     or on, waiting ``delay_us`` between polls instead of busy-spinning. vLLM builds the agent
     config inside the worker's ``__init__`` and offers no switch, and NIXL's Python binding
-    hard-codes ``pthrDelay = 0``."""
+    hard-codes ``pthrDelay = 0``. NIXL's threads are then watched for spinning, or ``lowered``
+    at once (``server/connector/nixl_threads.py``)."""
     module = importlib.import_module(_LAZY["nixl_base_worker"][0])
     original = module.nixl_agent_config
     if original is None:  # NIXL not installed: nothing to patch
@@ -596,7 +602,11 @@ def nixl_progress_thread(delay_us: int | None) -> Iterator[None]:
         module.nixl_agent_config = original
         if paced:
             bind.nixlAgent = agent_class
-            watch_for_spin(native_threads() - before - python_threads())
+            started = native_threads() - before - python_threads()
+            if lowered:
+                lower_all(started)
+            else:
+                watch_for_spin(started)
 
 
 # --- NIXL: the handshake side channel ---------------------------------------------------------

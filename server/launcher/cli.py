@@ -576,6 +576,7 @@ def pd_transfer_config(
         decoder_kv_blocks_ttl=int(args.pd_hold_ttl_s),
         # Ours, for both: a peer's read is served during a forward (docs/pd.md).
         nixl_progress_delay_us=args.nixl_progress_us,
+        nixl_threads_lowered=args.nixl_threads == "lowered",
         sync_pull_wait_s=args.sync_pull_wait_s,
         # Upstream NixlConnector's own keys (passed through):
         bidirectional_kv_xfer=not args.no_bidirectional,

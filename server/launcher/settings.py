@@ -323,6 +323,16 @@ def build_parser() -> argparse.ArgumentParser:
         "to nice 19; default %(default)s)",
     )
     pd.add_argument(
+        "--nixl-threads",
+        choices=["watched", "lowered"],
+        default="watched",
+        help="NIXL's own threads (its progress thread, UCX's async thread): 'watched' keep the "
+        "forward's priority and one found spinning (runnable 2 s on end) is lowered to nice 19; "
+        "'lowered' run at nice 19 from the start, so a busy instance serves a peer's read only "
+        "in CPU its forward leaves (default %(default)s; docs/cluster.md, 'A spinning NIXL "
+        "progress thread')",
+    )
+    pd.add_argument(
         "--sync-pull-wait-s",
         type=_seconds_up_to_a_minute,
         default=0.0,

@@ -185,7 +185,9 @@ class VerifiedNixlConnector(NixlConnector):
         quiet = (
             contextlib.nullcontext()  # upstream's busy-spinning thread, asked for
             if config.nixl_progress_thread
-            else nixl_progress_thread(config.nixl_progress_delay_us or None)  # 0: none
+            else nixl_progress_thread(  # 0: none
+                config.nixl_progress_delay_us or None, lowered=config.nixl_threads_lowered
+            )
         )
         try:
             with quiet:

@@ -87,3 +87,24 @@ def test_nixls_threads_keep_their_priority_and_are_watched_and_an_idle_one_is_no
         assert tid not in nixl_threads._watch.lowered, tid
     assert started & set(nixl_threads._watch._last), "NIXL's threads are not watched"
     del target, reader
+
+
+def test_nixls_threads_asked_lowered_run_at_nice_19_from_the_start(monkeypatch):
+    import os
+
+    from server.connector import nixl_threads
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    worker = importlib.import_module(vllm_compat._LAZY["nixl_base_worker"][0])
+    before = nixl_threads.native_threads()
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    with vllm_compat.nixl_progress_thread(1000, lowered=True):
+        agent = nixl_api.nixl_agent("lowered", worker.nixl_agent_config(backends=["UCX"]))
+    started = nixl_threads.native_threads() - before - nixl_threads.python_threads()
+    assert started, "NIXL started no thread of its own"
+    for tid in started:
+        assert os.getpriority(os.PRIO_PROCESS, tid) == nixl_threads.NIXL_THREAD_NICE, tid
+        assert tid not in nixl_threads._watch._last, tid  # lowered, not watched
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+    del agent

@@ -87,6 +87,19 @@ def test_both_p_d_kinds_pace_nixls_progress_thread_unless_told_not_to():
         _args("--role", "decode", "--nixl-progress-us", "-5")
 
 
+def test_nixls_threads_are_watched_unless_asked_lowered_from_the_start():
+    kvb = {"kv_connector": "KVBranchConnector"}
+
+    def nixl(*argv: str) -> dict:
+        cfg = pd_transfer_config(_args(*argv), kvb)
+        return cfg["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]
+
+    assert nixl("--role", "prefill")["nixl_threads_lowered"] is False
+    assert nixl("--role", "decode", "--nixl-threads", "lowered")["nixl_threads_lowered"] is True
+    with pytest.raises(SystemExit):
+        _args("--role", "decode", "--nixl-threads", "idle")
+
+
 def test_pd_environment_ports_and_loopback_transport(monkeypatch):
     monkeypatch.delenv("UCX_TLS", raising=False)
     env = pd_environment(_args("--role", "decode", "--port", "8100"))
