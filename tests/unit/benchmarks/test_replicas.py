@@ -107,6 +107,31 @@ def test_records_compare_kvbranch_with_vllm_behind_the_same_front() -> None:
     assert not any(c.endswith(" router") for c, _ in recs)
 
 
+def test_the_lowered_threads_config_is_judged_against_plain_vllm_as_kvbranch_is() -> None:
+    slow = [dict(t, ttft_s=t["ttft_s"] * 2) for t in TURNS]
+    results = [
+        {
+            "name": "kvbranch round-robin",
+            "front": "round-robin",
+            "config": "kvbranch",
+            "turns": TURNS,
+        },
+        {
+            "name": "kvbranch-lowered round-robin",
+            "front": "round-robin",
+            "config": "kvbranch-lowered",
+            "turns": TURNS,
+        },
+        {"name": "vllm round-robin", "front": "round-robin", "config": "vllm", "turns": slow},
+    ]
+    recs = {(r.config, r.metric): r for r in records_of(results, _args())}
+    for config in ("kvbranch", "kvbranch-lowered"):
+        assert recs[(f"vllm/{config} round-robin", "p50 TTFT turns >= 2 ratio")].value == 2.0
+        reused = recs[(f"{config} round-robin", "prompt tokens reused, % of unbounded cache")]
+        assert reused.met is False  # judged against the reuse target, as kvbranch is
+    assert ("vllm/vllm round-robin", "p50 TTFT turns >= 2 ratio") not in recs
+
+
 def _args(workload: str = "agents") -> argparse.Namespace:
     return argparse.Namespace(
         replicas=2, workload=workload, conversations=1, turns=3, kv_cache_gib=0.4
