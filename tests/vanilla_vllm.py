@@ -74,6 +74,16 @@ def by_model_type(model: Path, table: dict[str, str], default: str) -> str:
     return found[0] if found else default
 
 
+def mla_backend(model: Path) -> list[str]:
+    """``--attention-backend CPU_MLA`` for a float32 model with MLA layers (a latent KV rank),
+    else nothing."""
+    config = json.loads((model / "config.json").read_text())
+    sections = [config, config.get("text_config") or {}]
+    float32 = by_model_type(model, CPU_DTYPES, DEFAULT_CPU_DTYPE) == "float32"
+    mla = any(c.get("kv_lora_rank") for c in sections)
+    return ["--attention-backend", "CPU_MLA"] if mla and float32 else []
+
+
 def reference_argv(argv: list[str]) -> list[str]:
     """vLLM's ``serve`` arguments for these flags (an unknown flag exits, as argparse does)."""
     ours, passthrough = split_passthrough(argv)
@@ -110,6 +120,9 @@ def reference_argv(argv: list[str]) -> list[str]:
         by_model_type(model, CPU_DTYPES, DEFAULT_CPU_DTYPE),
         # torch.compile's warm-up costs minutes per start on CPU
         "--enforce-eager",
+        # float32 MLA on a CPU with AMX tiles: vLLM's reference MLA backend, as the launcher
+        # names it (vLLM's AMX one takes bfloat16 or float16 weights only)
+        *mla_backend(model),
         *passthrough,  # last: vLLM keeps the last value of a repeated flag
     ]
 

@@ -49,7 +49,7 @@ from server.engine.spin import ENV_MQ_SPIN_S
 from server.engine.spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
 from server.index.event_sockets import exposed_endpoints
 from server.launcher.cpu_binding import ENV_OMP_BIND, engine_binding
-from server.launcher.model_needs import cpu_dtype, cpu_refusal
+from server.launcher.model_needs import cpu_attention_backend, cpu_dtype, cpu_refusal
 from server.launcher.model_parsers import (
     chat_template,
     chosen_parsers,
@@ -288,6 +288,10 @@ def plan_launch(
         # Measured on these CPUs: bf16 gives garbled output on AVX2 (float32 unless the model
         # needs another, model_needs.py), and torch.compile warm-up costs minutes per start.
         argv += ["--dtype", dtype, "--enforce-eager"]
+        backend = cpu_attention_backend(config, dtype)
+        if backend and not has_flag(passthrough, "--attention-backend"):
+            argv += ["--attention-backend", backend[0]]
+            notes.append(backend[1])
     if args.block_size:
         argv += ["--block-size", str(args.block_size)]
     if args.api_key:

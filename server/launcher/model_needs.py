@@ -75,6 +75,28 @@ def cpu_dtype(config: dict[str, Any] | None) -> tuple[str, str | None]:
     return "float32", None
 
 
+#: vLLM's reference MLA backend on CPU. On a CPU with AMX tiles vLLM picks its AMX MLA backend,
+#: whose weight packing takes only bfloat16, float16 or int8/fp8 weights: a float32 MLA model
+#: (the launcher's CPU default) then fails at start ("expect weight to be bfloat16, ...").
+CPU_MLA_BACKEND = "CPU_MLA"
+
+
+def uses_mla(config: dict[str, Any]) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-5): a latent KV rank."""
+    return any(c.get("kv_lora_rank") for c in _configs(config))
+
+
+def cpu_attention_backend(config: dict[str, Any] | None, dtype: str) -> tuple[str, str] | None:
+    """The attention backend the launcher names on CPU, and why; ``None``: vLLM's choice."""
+    if config and uses_mla(config) and dtype == "float32":
+        return CPU_MLA_BACKEND, (
+            f"{_what(config)} has MLA layers in float32: --attention-backend {CPU_MLA_BACKEND} "
+            "(vLLM's AMX MLA backend takes bfloat16 or float16 weights only; pass -- "
+            "--attention-backend to choose another)"
+        )
+    return None
+
+
 def uses_sparse_attention(config: dict[str, Any]) -> bool:
     return any("index_topk" in c for c in _configs(config))
 

@@ -208,3 +208,20 @@ def test_vllm_s_own_rule_gives_the_tiny_gated_deltanet_its_state_page():
     assert hybrid_attention_block_size(parser.parse_args(argv)) == 384
     dense = ["--model", str(ensure("dense")), "--max-model-len", "2048"]
     assert hybrid_attention_block_size(parser.parse_args(dense)) is None
+
+
+def test_a_float32_mla_model_on_cpu_gets_vllms_reference_mla_backend():
+    # on a CPU with AMX tiles vLLM picks its AMX MLA backend, which packs bfloat16/float16
+    # weights only: a float32 MLA model failed at start there
+    from server.launcher.model_needs import CPU_MLA_BACKEND, cpu_attention_backend
+
+    mla = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
+    mla["kv_lora_rank"] = 512
+    backend = cpu_attention_backend(mla, "float32")
+    assert backend is not None and backend[0] == CPU_MLA_BACKEND
+    assert "--attention-backend" in backend[1]
+    wrapped = {"model_type": "kimi_vl", "text_config": dict(mla)}
+    assert cpu_attention_backend(wrapped, "float32") is not None
+    assert cpu_attention_backend(mla, "bfloat16") is None  # vLLM's choice
+    assert cpu_attention_backend({"model_type": "llama"}, "float32") is None
+    assert cpu_attention_backend(None, "float32") is None
