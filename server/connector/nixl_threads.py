@@ -128,9 +128,9 @@ class SpinWatch:
                     del self._last[tid], self._strikes[tid]
                     continue
                 self._last[tid] = (now, reading)
-                span = now - then
-                on_core = (reading[0] - on_before) / span if span > 0 else 0.0
-                runnable = on_core + ((reading[1] - waited_before) / span if span > 0 else 0.0)
+                per_second = 1.0 / (now - then) if now > then else 0.0
+                on_core = (reading[0] - on_before) * per_second
+                runnable = on_core + (reading[1] - waited_before) * per_second
                 spun = runnable >= SPIN_SHARE and on_core >= ON_CORE_SHARE
                 self._strikes[tid] = self._strikes[tid] + 1 if spun else 0
                 if self._strikes[tid] >= SPIN_WINDOWS:
@@ -151,8 +151,7 @@ def watch_for_spin(thread_ids: set[int]) -> None:
     per process; those that cannot be watched are lowered now."""
     global _watcher
     with _watcher_lock:
-        for tid in _watch.watch(thread_ids):
-            lower(tid)
+        lower_all(_watch.watch(thread_ids))
         if _watcher is None and _watch.watching():
             _watcher = threading.Thread(target=_run, name="kvbranch-nixl-spin-watch", daemon=True)
             _watcher.start()

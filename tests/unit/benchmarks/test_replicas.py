@@ -74,6 +74,11 @@ TURNS = [
 ]
 
 
+def run_of(config: str, front: str, turns: list[dict] = TURNS) -> dict:
+    """One (front, config) run's result, as ``run_set`` gives it."""
+    return {"name": f"{config} {front}", "front": front, "config": config, "turns": turns}
+
+
 def test_the_ceiling_is_the_previous_turn_prompt_and_answer() -> None:
     assert reuse(TURNS, fed_back=True) == (530 + 60, 530 + 750)
     assert reuse(TURNS, fed_back=False) == (530 + 60, 500 + 720)
@@ -110,19 +115,9 @@ def test_records_compare_kvbranch_with_vllm_behind_the_same_front() -> None:
 def test_the_lowered_threads_config_is_judged_against_plain_vllm_as_kvbranch_is() -> None:
     slow = [dict(t, ttft_s=t["ttft_s"] * 2) for t in TURNS]
     results = [
-        {
-            "name": "kvbranch round-robin",
-            "front": "round-robin",
-            "config": "kvbranch",
-            "turns": TURNS,
-        },
-        {
-            "name": "kvbranch-lowered round-robin",
-            "front": "round-robin",
-            "config": "kvbranch-lowered",
-            "turns": TURNS,
-        },
-        {"name": "vllm round-robin", "front": "round-robin", "config": "vllm", "turns": slow},
+        run_of("kvbranch", "round-robin"),
+        run_of("kvbranch-lowered", "round-robin"),
+        run_of("vllm", "round-robin", slow),
     ]
     recs = {(r.config, r.metric): r for r in records_of(results, _args())}
     for config in ("kvbranch", "kvbranch-lowered"):
@@ -185,15 +180,7 @@ def test_the_moved_turn_target_is_judged_by_the_probe_of_the_default_pulls() -> 
 
 
 def test_the_workloads_round_robin_over_affinity_ratio_carries_no_target() -> None:
-    results = [
-        {
-            "name": "kvbranch round-robin",
-            "front": "round-robin",
-            "config": "kvbranch",
-            "turns": TURNS,
-        },
-        {"name": "kvbranch affinity", "front": "affinity", "config": "kvbranch", "turns": TURNS},
-    ]
+    results = [run_of("kvbranch", "round-robin"), run_of("kvbranch", "affinity")]
     recs = {(r.config, r.metric): r for r in records_of(results, _args())}
     ratio = recs[("kvbranch round-robin/affinity", "round robin / affinity, p50 TTFT")]
     assert ratio.value == 1.0 and ratio.met is None
