@@ -40,6 +40,11 @@ HOLD_TTL_S = 12.0
 TOOL_S = 1.0
 #: Background prompts: this many tokens each, one output token.
 LOAD_TOKENS = 384
+#: Each second turn (moved and local alike) first waits a random part of this long. The
+#: replicas are busy with back-to-back background prefills (one engine step each, 0.3-1 s on
+#: the boxes measured); a turn sent a fixed time after the load resumes meets the same point of
+#: a step every time, so the step's phase, not the pull, decided the ratio (docs/cluster.md).
+ARRIVAL_SPREAD_S = 1.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,6 +161,7 @@ async def _probe(
     client: httpx.AsyncClient, urls: list[str], k: int, args: argparse.Namespace, load: Load
 ) -> dict[str, Any]:
     rng = random.Random(1000 + k)
+    spread = random.Random(2000 + k)  # apart from rng: the histories stay those of before
     home, other = urls[k % 2], urls[1 - k % 2]
     row: dict[str, Any] = {"probe": k}
     for kind in ("moved", "local"):
@@ -176,8 +182,10 @@ async def _probe(
             finally:
                 load.resume()
             await asyncio.sleep(1.0)  # the engines are busy again
+            await asyncio.sleep(spread.uniform(0.0, ARRIVAL_SPREAD_S))
             second = await _turn(client, home, messages, session)
         else:
+            await asyncio.sleep(spread.uniform(0.0, ARRIVAL_SPREAD_S))
             second = await _turn(client, other, messages, session)
         row[kind] = {
             "ttft_s": second.ttft_s,
