@@ -257,13 +257,19 @@ class ServerProcess:
         else:
             env.pop(ENV_PARENT_DEATHSIG, None)
         log = self.log_path.open("wb")
+        # A process group of its own (stopped as one, out of the terminal's ^C, which the
+        # launcher handles), in the caller's session, not one of its own: Linux's autogroup
+        # shares a core between sessions before it looks at a thread's nice, so a replica's
+        # spinning NIXL thread at nice 19 still took a core from another replica there
+        # (docs/cluster.md, "A spinning NIXL progress thread").
         self.proc = subprocess.Popen(
             [self.python, "-m", self.module, "--port", str(self.port), *self.args],
             cwd=self.cwd,
             env=env,
+            stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
         )
         ServerProcess.running.add(self)
         return self

@@ -129,3 +129,26 @@ def test_a_child_behind_a_wrapper_watches_its_launcher_by_pid():
         assert took is not None, "the server behind a wrapper outlived its launcher"
     finally:
         _cleanup(proc, wrapper)
+
+
+def test_a_server_runs_in_its_own_process_group_inside_the_launchers_session(tmp_path):
+    """A replica's process group is its own (stopped as one) but its session is the launcher's:
+    Linux's autogroup shares a core between sessions before any thread's nice counts, so in
+    sessions of their own one replica's NIXL thread at nice 19 took a core from another."""
+    from server.launcher.process import ServerProcess
+
+    (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(60)\n")
+
+    class Sleeper(ServerProcess):
+        module = "sleeper"
+        cwd = tmp_path
+
+    server = Sleeper([], name="unit-session")
+    proc = server.launch().proc
+    assert proc is not None
+    try:
+        assert os.getpgid(proc.pid) == proc.pid
+        assert os.getsid(proc.pid) == os.getsid(0)
+    finally:
+        server.stop(timeout=5)
+    assert proc.poll() is not None
