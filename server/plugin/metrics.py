@@ -328,6 +328,13 @@ class PeerPullCollector:
         )
         filed.add_metric([], c["holds_filed"])
         yield filed
+        pins = CounterMetricFamily(
+            "kvbranch_peer_pins_followed",
+            "Pins carried over from the member a session turn left (the branch's pin there, for "
+            "what was left of its lease) once the turn was answered here",
+        )
+        pins.add_metric([], c.get("pins_followed", 0))
+        yield pins
         served = c.get("revives_served") or {}
         revives = CounterMetricFamily(
             "kvbranch_peer_revives",

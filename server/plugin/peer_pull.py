@@ -32,7 +32,12 @@ Kubernetes Service, llm-d's scheduler, our router — each session turn it recei
 2. **file** (when the answer is complete): this instance's own sealed handle for the turn it
    just served (the connector holds the blocks as a D does) goes into the index for the
    branch's next turn, wherever that lands, and this instance becomes the session's home; the
-   client never sees it. The handle is also kept here, for a peer's revive.
+   client never sees it. The handle is also kept here, for a peer's revive. When the branch
+   was pinned on the member that served it before (its hold's issuer, else the session's
+   home), the pin follows it here for what was left of its lease (:mod:`server.common.
+   pin_follow`, with the client's own key): a plain front moves a session without telling
+   anyone, so the replica it lands on carries the pin over, as our router does for the turns
+   it moves.
 
 Anything that fails — the index, the peer, the claim, the pull itself — costs a recompute,
 never the request.
@@ -60,6 +65,7 @@ from sdk.contract import (
     HoldClaimResult,
 )
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
+from server.common.pin_follow import follow_pin
 from server.index import Hold, InstanceRecord, Key, record_seal
 from server.plugin.pull_cost import MIN_PULL_TOKENS, PullCostModel, PullPath
 from server.plugin.revive_rules import REVIVE_HANDLE_FIELD, REVIVE_PATH
@@ -102,6 +108,11 @@ class PeerTurn:
     first_token_at: float | None = None
     #: The peer's load the pull was decided with (its wait is not the link's).
     peer_load: int = 0
+    #: The member that served the branch before (the hold's issuer, else the session's home):
+    #: its pin of the branch follows the branch here once the turn is answered. None: this one.
+    left: str | None = None
+    #: The client's ``Authorization``, for that pin's read and write (the tenant's own rights).
+    authorization: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -122,6 +133,7 @@ class PeerCounts:
     run_revives_asked: int = 0
     run_revives_refused: int = 0
     pulls_revived_run: int = 0
+    pins_followed: int = 0
     index_errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -184,9 +196,15 @@ class PeerPulls:
             self._index_error("begin_turn", exc)
             return PeerTurn(key, 0, started_at=started)
         turn = PeerTurn(
-            key, start.turn, cache_salt=payload.get(CACHE_SALT_FIELD), started_at=started
+            key,
+            start.turn,
+            cache_salt=payload.get(CACHE_SALT_FIELD),
+            started_at=started,
+            authorization=authorization,
         )
         hold: Hold | None = start.hold
+        left = hold.instance_id if hold is not None else start.home
+        turn.left = left if left != self.instance_id else None
         if hold is None:
             if start.home is not None and start.home != self.instance_id:
                 # The branch's last known chain: what the home's store had of it at most.
@@ -439,7 +457,12 @@ class PeerPulls:
 
     async def file(self, turn: PeerTurn, params: Any) -> None:
         """File this instance's handle for the branch's next turn (and record that the session
-        lives here, for session routes). Never raises."""
+        lives here, for session routes); take the branch's pin over from the member it left.
+        Never raises."""
+        if turn.left is not None:
+            task = asyncio.get_running_loop().create_task(self._follow_pin(turn))
+            self._filing.add(task)
+            task.add_done_callback(self._filing.discard)
         if not isinstance(params, dict) or not params.get(REMOTE_BLOCK_IDS):
             return
         if self.reviver is not None:
@@ -460,6 +483,20 @@ class PeerPulls:
         except Exception as exc:  # noqa: BLE001
             self._index_error("put_hold", exc)
 
+    async def _follow_pin(self, turn: PeerTurn) -> None:
+        """Carry the branch's pin over from the member it left (by that member's sealed record:
+        nothing the client sent names it); off the answer's path. Never raises."""
+        try:
+            records = await self.members()
+        except Exception as exc:  # noqa: BLE001
+            self._index_error("members", exc)
+            return
+        peer = next((r for r in records if r.instance_id == turn.left), None)
+        if peer is None:
+            return
+        if await follow_pin(self.client, turn.key, peer.url, self.url, turn.authorization):
+            self.counts.pins_followed += 1
+
     def counters(self) -> dict[str, Any]:
         c = self.counts
         return {
@@ -477,6 +514,7 @@ class PeerPulls:
             "run_revives_asked": c.run_revives_asked,
             "run_revives_refused": c.run_revives_refused,
             "pulls_revived_run": c.pulls_revived_run,
+            "pins_followed": c.pins_followed,
             "revives_served": self.reviver.counters() if self.reviver is not None else {},
             "index_errors": dict(c.index_errors),
             "pull_cost": self.cost.snapshot(),

@@ -36,10 +36,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 
 from sdk.contract import ROUTE_HEADER
+from server.common.pin_follow import follow_pin
 from server.index import IndexUnavailable, Key, SessionStore
 from server.router import relay
 from server.router.edge import FORWARD_HEADERS, Refused, read_turn, unavailable
-from server.router.pin_follow import follow_pin
 from server.router.pool import ROUND_ROBIN, Instance, Pool
 from server.router.turn import turn_key
 
@@ -206,7 +206,7 @@ class ReplicaFlow:
         self, key: Key | None, left: str | None, now_on: Instance, headers: dict[str, str]
     ) -> Callable[[], None] | None:
         """For a turn that moved: what carries the branch's pin from the replica it left to
-        ``now_on`` once the turn is answered (:mod:`server.router.pin_follow`); None without a
+        ``now_on`` once the turn is answered (:mod:`server.common.pin_follow`); None without a
         session or a replica it left."""
         was_on = self.pool.by_instance_id(left)
         if key is None or was_on is None or was_on is now_on:
@@ -221,7 +221,7 @@ class ReplicaFlow:
     async def _follow_pin(
         self, key: Key, was_on: Instance, now_on: Instance, authorization: str | None
     ) -> None:
-        if await follow_pin(self.pool.client, key, was_on, now_on, authorization):
+        if await follow_pin(self.pool.client, key, was_on.url, now_on.url, authorization):
             self.pins_followed.inc()
 
     def _background(self, work: Coroutine[Any, Any, None]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 
 from tests.integration.cluster_fixture import sigkill
 from tests.integration.helpers import chat_body, client, empty_caches, system_prompt
@@ -214,6 +215,44 @@ def test_a_replicas_nixl_side_channel_serves_only_the_cluster(replicas):
     for server in replicas.replicas:
         port = server.args[server.args.index("--nixl-port") + 1]
         check_side_channel(f"tcp://127.0.0.1:{port}", SECRET)
+
+
+def _branch(server: ServerProcess, session: str, key: str = KEY_A) -> dict:
+    """The replica's view of the session's main branch ({} when it has none)."""
+    with client(server, headers={"Authorization": f"Bearer {key}"}) as c:
+        r = c.get(f"/v1/kvbranch/sessions/{session}/branches/main")
+    return r.json() if r.status_code == 200 else {}
+
+
+def _pins_followed(server: ServerProcess) -> float:
+    with client(server) as c:
+        rows = c.get("/metrics").text.splitlines()
+    name = "kvbranch_peer_pins_followed_total "
+    return next((float(r.split()[-1]) for r in rows if r.startswith(name)), 0.0)
+
+
+def test_a_pin_follows_its_branch_to_the_replica_a_plain_front_sent_its_turn_to(replicas):
+    """Pinned on A for longer than a session turn's own lease (300 s), the branch's next turn
+    goes straight to B (a plain front tells no one): once B has answered it, B pins the branch
+    for what was left of A's lease. Another tenant naming the same session id takes no pin
+    over (its branch has the turn's own lease only)."""
+    a, b = replicas.replicas
+    session = "pin-" + secrets.token_hex(4)
+    messages = conversation(seed=53)
+    tokens, _, _ = turn(a, messages, session)
+    with client(a, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        r = c.post(f"/v1/kvbranch/sessions/{session}/branches/main/pin", json={"ttl_s": 1800})
+    assert r.status_code == 200 and r.json()["pinned"], r.text
+    before = _pins_followed(b)
+    turn(b, then(messages, tokens, "Next?"), session)
+    deadline = time.monotonic() + 15
+    while _pins_followed(b) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pins_followed(b) == before + 1
+    info = _branch(b, session)
+    assert info.get("pinned") and 1700 < info["pin_expires_in_s"] <= 1800, info
+    turn(a, then(messages, tokens, "Next?"), session, key=KEY_B)
+    assert (_branch(a, session, key=KEY_B).get("pin_expires_in_s") or 0) <= 300
 
 
 # --- last: these stop Redis and a replica (the next test's ``replicas`` mends the cluster) ---

@@ -393,3 +393,90 @@ def test_the_decisions_and_estimates_are_on_metrics():
         assert line in text, line
     prefill = puller.cost.prefill.value
     assert f"kvbranch_peer_pull_prefill_tokens_per_second {prefill}" in text
+
+
+# --- a pin follows the branch to this replica --------------------------------------------------
+
+
+class PinnedPeer(Peer):
+    """The member the branch left: its branch read answers ``branch`` (the client's own key
+    required); this replica's own pin route answers 200. Records every call."""
+
+    def __init__(self, branch: dict) -> None:
+        super().__init__()
+        self.branch = branch
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == HOLD_CLAIM_PATH:
+            return super().__call__(request)
+        self.calls.append(request)
+        assert request.headers["authorization"] == "Bearer k"
+        if request.method == "GET":
+            return httpx.Response(200, json=self.branch)
+        return httpx.Response(200, json=dict(self.branch, pinned=True))
+
+
+BRANCH = "/v1/kvbranch/sessions/s1/branches/main"
+
+
+def _turn_answered(store, peer: Peer) -> PeerPulls:
+    """A turn begun here and answered: its hold filed, and the pin follow run to its end."""
+    puller = pulls(store, peer)
+
+    async def turn_and_file():
+        turn = await puller.begin({}, KEY, "Bearer k")
+        await puller.file(turn, handle())
+        await asyncio.gather(*puller._filing)
+
+    asyncio.run(turn_and_file())
+    return puller
+
+
+def _pin_calls(peer: Peer) -> list[tuple[str, str, dict | None]]:
+    return [
+        (c.method, str(c.url), json.loads(c.content) if c.content else None)
+        for c in peer.calls
+        if c.url.path not in (HOLD_CLAIM_PATH, REVIVE_PATH)
+    ]
+
+
+@pytest.mark.parametrize("left_by", ["hold", "home"])
+def test_a_branch_pinned_where_it_was_served_is_pinned_here_for_what_was_left(left_by):
+    pinned = {"session_id": "s1", "branch_id": "main", "pinned": True, "pin_expires_in_s": 90.0}
+    peer = PinnedPeer(pinned)
+    if left_by == "hold":
+        store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle())))
+    else:
+        store = asyncio.run(_homed(PEER, peer_record()))
+    puller = _turn_answered(store, peer)
+    assert _pin_calls(peer) == [
+        ("GET", "http://10.0.0.7:8000" + BRANCH, None),
+        ("POST", "http://me:8000" + BRANCH + "/pin", {"ttl_s": 90.0}),
+    ]
+    assert puller.counts.pins_followed == 1
+    assert puller.counters()["pins_followed"] == 1
+
+
+def test_a_branch_not_pinned_where_it_was_served_is_not_pinned_here():
+    peer = PinnedPeer({"session_id": "s1", "branch_id": "main", "pinned": False})
+    store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle())))
+    puller = _turn_answered(store, peer)
+    assert [m for m, _, _ in _pin_calls(peer)] == ["GET"]
+    assert puller.counts.pins_followed == 0
+
+
+@pytest.mark.parametrize(
+    ("home", "records"),
+    [
+        ("me", ()),  # the branch was served here: its pin is here already
+        (None, ()),  # a new session: no pin anywhere
+        (PEER, ()),  # its home is no live member: nothing to read
+        (PEER, (peer_record(secret=b"x" * 32),)),  # a record not sealed by the cluster
+    ],
+)
+def test_no_pin_is_read_or_written_when(home, records):
+    pinned = {"session_id": "s1", "branch_id": "main", "pinned": True, "pin_expires_in_s": 90.0}
+    peer = PinnedPeer(pinned)
+    store = asyncio.run(_homed(home, *records) if home else _store(*records))
+    puller = _turn_answered(store, peer)
+    assert _pin_calls(peer) == [] and puller.counts.pins_followed == 0
