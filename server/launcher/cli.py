@@ -43,6 +43,7 @@ from server.common.env import (
     ENV_PRIORITY_AGING_S,
     ENV_ROLE,
 )
+from server.common.logs import PLUGIN_NAME as LOGS_PLUGIN_NAME
 from server.connector.config import ConnectorConfig, NixlChildConfig
 from server.engine.idle import ENV_IDLE_POLL_S
 from server.engine.spin import ENV_MQ_SPIN_S
@@ -361,7 +362,7 @@ def plan_launch(
     argv += scheduling_argv
     argv += passthrough
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
-    for name in (PLUGIN_NAME, SPIN_PLUGIN_NAME):
+    for name in (PLUGIN_NAME, SPIN_PLUGIN_NAME, LOGS_PLUGIN_NAME):
         if name not in plugins:
             plugins.append(name)
     env = {

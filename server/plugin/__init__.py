@@ -26,6 +26,7 @@ class KVBranchPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
+        from server.common.logs import follow_vllm_logging
         from server.plugin.guard import KVBranchGuard
         from server.plugin.holds import router as holds_router
         from server.plugin.metrics import MetricsRefresh
@@ -36,6 +37,9 @@ class KVBranchPlugin:
         from server.plugin.turn_log import TurnRecorder
         from server.plugin.ui import install as install_ui
 
+        # The API server configures vLLM's logging after the general plugins ran (the engine
+        # processes before): kvbranch's lines follow it from here.
+        follow_vllm_logging()
         app.include_router(router)
         app.include_router(holds_router)
         app.include_router(revive_router)

@@ -255,6 +255,13 @@ def test_a_pin_follows_its_branch_to_the_replica_a_plain_front_sent_its_turn_to(
     assert (_branch(a, session, key=KEY_B).get("pin_expires_in_s") or 0) <= 300
 
 
+def test_each_replica_logs_in_vllms_format_that_its_peer_pulls_are_on(replicas):
+    """kvbranch's info lines reach the log through vLLM's handler (server/common/logs.py)."""
+    for server in replicas.replicas:
+        lines = server.log_tail(20000, ("kvbranch peer pulls on",))
+        assert "INFO" in lines and "[peer_pull.py:" in lines, lines or server.log_tail(40)
+
+
 # --- last: these stop Redis and a replica (the next test's ``replicas`` mends the cluster) ---
 def test_the_index_down_costs_a_recompute_never_the_turn(replicas, plain_server):
     a, b = _pair(replicas)

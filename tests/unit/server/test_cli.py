@@ -324,10 +324,10 @@ def test_plan_options_flow_through(model_dir):
 def test_plan_keeps_existing_plugins(model_dir, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "other,thing")
     plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
-    assert plan.env["VLLM_PLUGINS"] == "other,thing,kvbranch,kvbranch_mq_spin"
-    monkeypatch.setenv("VLLM_PLUGINS", "kvbranch_mq_spin,kvbranch,other")
+    assert plan.env["VLLM_PLUGINS"] == "other,thing,kvbranch,kvbranch_mq_spin,kvbranch_logging"
+    monkeypatch.setenv("VLLM_PLUGINS", "kvbranch_logging,kvbranch_mq_spin,kvbranch,other")
     plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
-    assert plan.env["VLLM_PLUGINS"] == "kvbranch_mq_spin,kvbranch,other"
+    assert plan.env["VLLM_PLUGINS"] == "kvbranch_logging,kvbranch_mq_spin,kvbranch,other"
 
 
 @pytest.mark.parametrize("extra", [[], ["--no-connector"]])
