@@ -177,9 +177,11 @@ class KVBranchMiddleware:
                 path=path,
             )
             usage_rewrite = dialects.apply(payload, path, header(scope, SESSION_HEADER)).usage
-            if self.priority is not None:
-                self.priority.assign(payload, path, owner)
             peer_turn = await _begin_peer_turn(scope, payload, path)
+            if self.priority is not None:
+                # After the peer pull's claim: the history it brings is no prefill here.
+                held = peer_turn.held_tokens if peer_turn is not None else 0
+                self.priority.assign(payload, path, owner, held_tokens=held)
             body = request_body.data = json.dumps(payload).encode()
             if path in _NO_XARGS_PATHS:
                 tag = ""  # it could not be carried: no split to look up

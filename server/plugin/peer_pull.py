@@ -113,6 +113,9 @@ class PeerTurn:
     left: str | None = None
     #: The client's ``Authorization``, for that pin's read and write (the tenant's own rights).
     authorization: str | None = field(default=None, repr=False)
+    #: The tokens the claimed hold offers (0: nothing pulled): the request's priority counts
+    #: them as cached (:meth:`server.plugin.priority.PriorityPolicy.assign`).
+    held_tokens: int = 0
 
 
 @dataclass
@@ -272,6 +275,7 @@ class PeerPulls:
         self.counts.pulls_claimed += 1
         self.counts.pulled_hold_tokens += hold.num_tokens
         turn.source = source
+        turn.held_tokens = hold.num_tokens
 
     def observe(self, turn: PeerTurn, split: Any) -> None:
         """Measure this replica's prefill speed or the link's from a finished turn: its split

@@ -165,9 +165,14 @@ class PriorityPolicy:
             self._tenants.move_to_end(key)
         return table
 
-    def assign(self, payload: dict, path: str, tenant: str | None = None) -> Estimate | None:
+    def assign(
+        self, payload: dict, path: str, tenant: str | None = None, held_tokens: int = 0
+    ) -> Estimate | None:
         """Set ``payload["priority"]`` (at least the computed value) and remember the prompt's
-        prefixes; ``None`` (payload untouched) for a route or prompt it does not handle."""
+        prefixes; ``None`` (payload untouched) for a route or prompt it does not handle.
+        ``held_tokens``: a prefix of the prompt this instance will pull rather than compute (an
+        aggregated replica's claimed hold, :mod:`server.plugin.peer_pull`): a moved session's
+        turn is as warm as a resumed one, though this instance never saw its prompt."""
         if path not in PRIORITY_PATHS:
             return None
         found = prompt_text(payload, path)
@@ -193,8 +198,12 @@ class PriorityPolicy:
         new_units = total - cached
         if is_tokens:  # " ".join of ids: scale the new bytes back to ids
             new_tokens = round(len(text.split()) * new_units / max(total, 1))
+            total_tokens = len(text.split())
         else:
             new_tokens = -(-new_units // CHARS_PER_TOKEN)
+            total_tokens = -(-total // CHARS_PER_TOKEN)
+        if held_tokens > 0:
+            new_tokens = min(new_tokens, max(total_tokens - held_tokens, 0))
         level = level_of(new_tokens)
         client = payload.get(PRIORITY_FIELD)
         later = client if isinstance(client, int) and not isinstance(client, bool) else 0

@@ -538,3 +538,28 @@ def test_a_session_turn_is_measured_from_its_first_streamed_event(content_type, 
     run_asgi(FakeApp(200, content_type, chunks), body=body, app_obj=app_obj)
     assert pulls.counts.turns == 1
     assert pulls.cost.prefill.samples == measured
+
+
+@pytest.mark.parametrize(("held", "level"), [(0, 3), (6500, 0)])
+def test_a_turn_pulling_its_history_is_ranked_after_its_claim_by_what_is_left(
+    monkeypatch, held, level
+):
+    """The priority is set once the peer pull's claim is known: a moved session's history,
+    pulled, is no prefill here (server/plugin/priority.py)."""
+    import server.plugin.middleware as mw
+    from server.common.env import ENV_PRIORITY_AGING_S
+    from server.common.priority_code import level_in
+    from server.plugin.peer_pull import PeerTurn
+
+    monkeypatch.setenv(ENV_PRIORITY_AGING_S, "8")
+
+    async def begin(scope, payload, path):
+        return PeerTurn(("t", "s", "main"), 2, source="peer" if held else "local", held_tokens=held)
+
+    monkeypatch.setattr(mw, "_begin_peer_turn", begin)
+    history = " ".join(f"obs{i}" for i in range(3000))
+    messages = [{"role": "system", "content": history}, {"role": "user", "content": "Go on."}]
+    body = json.dumps({"model": "m", "messages": messages, "session_id": "s"}).encode()
+    app = FakeApp(200, b"application/json", [b'{"usage": {"prompt_tokens": 1}}'])
+    run_asgi(app, body=body)
+    assert level_in(json.loads(app.body)["priority"]) == level

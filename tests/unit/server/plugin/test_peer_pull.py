@@ -91,6 +91,15 @@ def test_a_branch_another_replica_holds_is_claimed_there_and_pulled():
     assert call.headers["authorization"] == "Bearer k"
 
 
+def test_a_claimed_turn_carries_the_held_tokens_its_priority_counts_as_cached():
+    store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle(tokens=600))))
+    turn = asyncio.run(pulls(store, Peer()).begin({}, KEY, "Bearer k"))
+    assert (turn.source, turn.held_tokens) == ("peer", 600)
+    refused = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle(tokens=600))))
+    turn = asyncio.run(pulls(refused, Peer(status=410)).begin({}, KEY, "Bearer k"))
+    assert turn.held_tokens == 0  # nothing pulled: the whole prompt is work here
+
+
 def test_the_hold_is_taken_once_a_second_turn_finds_none():
     store = asyncio.run(_store(peer_record(), hold=Hold("u", PEER, handle())))
     begin(store, Peer())

@@ -56,6 +56,26 @@ def test_resumed_turn_ranks_ahead_of_a_cold_prefill():
     assert resumed.priority < cold.priority
 
 
+def test_a_turn_pulling_its_history_from_a_peer_ranks_as_a_resumed_one():
+    """An aggregated replica never saw a moved session's prompt (its turns ran elsewhere): the
+    history its claimed hold brings counts as cached, the rest as new, never more."""
+    policy = PriorityPolicy(2.0, clock=Clock())
+    body = chat(words(3000, "obs"), "ok", "short tool output")
+    total = policy.assign(dict(body), CHAT, tenant="t-other")
+    assert total is not None and total.level == len(LEVEL_BOUNDS)
+    held = total.new_tokens - 100  # all but the last ~100 tokens are pulled
+    moved = policy.assign(dict(body), CHAT, tenant="t", held_tokens=held)
+    cold = policy.assign(chat(words(3000, "other")), CHAT, tenant="t")
+    assert moved is not None and cold is not None
+    assert moved.new_tokens == 100 and moved.level == 0 and moved.priority < cold.priority
+    short = policy.assign(dict(body), CHAT, tenant="u", held_tokens=600)
+    assert short is not None and short.new_tokens == total.new_tokens - 600
+    assert short.level == level_of(short.new_tokens)
+    # More held than the prompt has: nothing left, never negative.
+    over = policy.assign(dict(body), CHAT, tenant="v", held_tokens=10**6)
+    assert over is not None and over.new_tokens == 0
+
+
 def test_fork_and_shared_prefix_count_as_cached():
     policy = PriorityPolicy(2.0, clock=Clock())
     history = words(2000, "h")
