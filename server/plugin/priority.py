@@ -197,8 +197,8 @@ class PriorityPolicy:
         total = len(text.encode())
         new_units = total - cached
         if is_tokens:  # " ".join of ids: scale the new bytes back to ids
-            new_tokens = round(len(text.split()) * new_units / max(total, 1))
             total_tokens = len(text.split())
+            new_tokens = round(total_tokens * new_units / max(total, 1))
         else:
             new_tokens = -(-new_units // CHARS_PER_TOKEN)
             total_tokens = -(-total // CHARS_PER_TOKEN)
