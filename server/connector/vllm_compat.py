@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -101,6 +102,7 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorFactory",
     "KVConnectorMetadata",
+    "KVConnectorWorkerMetadata",
     "KVConnectorPromMetrics",
     "KVConnectorRole",
     "KVConnectorStats",
@@ -472,18 +474,49 @@ def read_failed(worker: Any, request_id: str) -> bool:
     return request_id in worker._recv_failures
 
 
-def fail_read(worker: Any, request_id: str, handles: list[int]) -> list[int]:
-    """Fail ``request_id``'s read through upstream's failure path (vLLM recomputes its
-    blocks); returns the handles upstream could not release (still in flight), which stay
-    in the worker's reads in flight to be polled (the request leaves them otherwise)."""
-    kept = [h for h in handles if not worker._handle_failed_transfer(request_id, h)]
+def detach_read(worker: Any, request_id: str) -> list[int]:
+    """Give ``request_id``'s read up without releasing its transfers: they leave upstream's reads
+    in flight (returned, for the caller to poll and release once they end) and upstream reports
+    the request failed with its next results (vLLM recomputes its blocks). Releasing a transfer
+    in flight does not stop it (``server/connector/pd/late_reads.py``)."""
+    handles = list(worker._recving_transfers.pop(request_id, None) or ())
     worker._recv_failures.add(request_id)
-    transfers = worker._recving_transfers
-    if kept:
-        transfers[request_id] = kept
-    else:
-        transfers.pop(request_id, None)
-    return kept
+    return handles
+
+
+def transfers_ended(worker: Any, handles: list[int]) -> bool:
+    """No transfer of ``handles`` is still in flight (each done, failed, or unknown to NIXL)."""
+    for handle in handles:
+        try:
+            if worker.nixl_wrapper.check_xfer_state(handle) == "PROC":
+                return False
+        except Exception:
+            continue  # NIXL no longer knows it: nothing of it can still be written
+    return True
+
+
+def release_transfers(worker: Any, handles: list[int]) -> None:
+    """Release ended transfers (best effort: an ended transfer writes nothing more)."""
+    for handle in handles:
+        with contextlib.suppress(Exception):
+            worker.nixl_wrapper.release_xfer_handle(handle)
+
+
+def pin_blocks(block_pool: Any, block_ids: list[int]) -> list[Any]:
+    """One more reference on each of ``block_ids`` in vLLM's block pool (not the null block),
+    so that neither their request's end nor its preemption returns them to the free queue.
+    Returns the blocks pinned, for :func:`unpin_blocks`."""
+    blocks = block_pool.blocks
+    pinned = [blocks[i] for i in dict.fromkeys(block_ids) if 0 <= i < len(blocks)]
+    pinned = [b for b in pinned if not b.is_null]
+    block_pool.touch(pinned)
+    return pinned
+
+
+def unpin_blocks(block_pool: Any, pinned: list[Any]) -> None:
+    """Drop :func:`pin_blocks`' references: a block nobody else holds goes back to the free
+    queue (cached blocks stay findable by their hash until evicted)."""
+    block_pool.free_blocks(pinned)
 
 
 # --- NIXL: a read the forward waits for (a synchronous pull) ----------------------------------
@@ -553,17 +586,25 @@ def read_tracked(worker: Any, request_id: str) -> bool:
     return request_id in worker._recving_metadata
 
 
-def abandon_read(worker: Any, request_id: str, meta: Any) -> list[int]:
-    """``request_id``'s read will not be waited for: fail the transfers in flight (returns the
-    handles NIXL could not release), and make a read that has not started (its handshake still
-    runs) read nothing when it does (only the peer's notification, which frees its hold)."""
-    handles = worker._recving_transfers.get(request_id)
-    if handles is not None:
-        return fail_read(worker, request_id, handles)
+def read_in_flight(worker: Any, request_id: str) -> bool:
+    """NIXL has transfers posted for ``request_id``'s read (it started; it may still write)."""
+    return bool(worker._recving_transfers.get(request_id))
+
+
+def skip_unstarted_read(worker: Any, request_id: str, meta: Any) -> None:
+    """``request_id``'s read, not started yet (its handshake still runs), will not be waited
+    for: it reads nothing when it starts (only the peer's notification, which frees its
+    hold)."""
     meta.local_block_ids = [[] for _ in meta.local_block_ids]
     meta.local_physical_block_ids = []  # upstream's "full local hit": notify only
     worker._recving_metadata.pop(request_id, None)
-    return []
+
+
+def read_block_ids(worker: Any, request_id: str) -> list[int]:
+    """The blocks ``request_id``'s read writes, every KV cache group's."""
+    meta = worker._recving_metadata.get(request_id)
+    groups = getattr(meta, "local_block_ids", None) or ()
+    return [block for group in groups for block in group]
 
 
 @contextlib.contextmanager

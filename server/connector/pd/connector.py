@@ -105,6 +105,8 @@ class KVBranchPDConnector(MultiConnector):
             "handles_declined": dict(nixl.declined),
             "reads_not_queued": nixl.reads_not_queued,
             "sync_reads": nixl.sync_reads,
+            "late_reads": nixl.late_reads_reported,
+            "late_read_blocks_pinned": nixl.pinned_reads.blocks_pinned,
         }
 
     def get_num_new_matched_tokens(

@@ -11,18 +11,25 @@ progress" for good. Two holes upstream ``NixlConnector`` (vLLM 0.32) leaves:
   testing came from a late one).
 * **A read in flight that never completes.** Upstream bounds handshakes (a 5 s receive
   timeout) and reads that would start after D's deadline, not a transfer in flight. Past
-  ``pull_timeout_s`` such a read is failed through upstream's own failure path (release the
-  transfer handle, which aborts it; a handle NIXL cannot release is kept and polled, so the
-  blocks are never recomputed while a read may still write them); the worker then reports the
-  request failed and vLLM recomputes (``kv_load_failure_policy: recompute``).
+  ``pull_timeout_s`` such a read is given up: the worker reports the request failed and vLLM
+  recomputes (``kv_load_failure_policy: recompute``). Releasing the transfer would not stop it,
+  so it stays in flight against blocks the scheduler pins until it ends (``late_reads.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from server.connector.vllm_compat import RequestStatus, fail_read, read_failed, reads_in_flight
+from server.connector.vllm_compat import (
+    RequestStatus,
+    read_block_ids,
+    read_failed,
+    reads_in_flight,
+)
+
+if TYPE_CHECKING:
+    from server.connector.pd.late_reads import LateReads
 
 logger = logging.getLogger("kvbranch.pd")
 
@@ -47,15 +54,17 @@ def report_unqueued(pending: dict[str, tuple[Any, int]], connector_output: Any) 
     return added
 
 
-def fail_slow_reads(worker: Any, started: dict[str, float], now: float, timeout_s: float) -> int:
-    """Fail the reads of NIXL's pull ``worker`` in flight for ``timeout_s`` or longer
-    (``started``: request id -> when first seen in flight, kept by the caller). Returns how
-    many were failed now."""
+def fail_slow_reads(
+    worker: Any, started: dict[str, float], now: float, timeout_s: float, late: LateReads
+) -> int:
+    """Give up the reads of NIXL's pull ``worker`` in flight for ``timeout_s`` or longer
+    (``started``: request id -> when first seen in flight, kept by the caller; ``late`` keeps
+    them polled until they end). Returns how many were given up now."""
     transfers = reads_in_flight(worker)
     for request_id in [r for r in started if r not in transfers]:
         del started[request_id]
     failed = 0
-    for request_id, handles in list(transfers.items()):
+    for request_id in list(transfers):
         since = started.setdefault(request_id, now)
         if now - since < timeout_s or read_failed(worker, request_id):
             continue
@@ -66,5 +75,5 @@ def fail_slow_reads(worker: Any, started: dict[str, float], now: float, timeout_
             request_id,
             now - since,
         )
-        fail_read(worker, request_id, handles)
+        late.give_up(worker, request_id, read_block_ids(worker, request_id))
     return failed

@@ -58,6 +58,7 @@ from server.connector.control.models import ClaimHold
 from server.connector.control.transport import ControlError
 from server.connector.pd import side_channel
 from server.connector.pd.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
+from server.connector.pd.late_reads import LateReadReport, LateReads, PinnedReads
 from server.connector.pd.read_bounds import fail_slow_reads, report_unqueued
 from server.connector.pd.sync_reads import (
     READ_DONE,
@@ -93,16 +94,17 @@ from server.connector.pd.transfer_params import (
 )
 from server.connector.vllm_compat import (
     NixlConnector,
-    abandon_read,
     announce_in_batch,
     forget_unprocessed,
     host_buffer_reads,
     lease_duration_s,
     make_read_synchronous,
     nixl_progress_thread,
+    read_in_flight,
     read_tracked,
     reads_need_post_processing,
     set_send_deadline,
+    skip_unstarted_read,
     transfer_group_kinds,
     waits_for_read,
 )
@@ -254,6 +256,11 @@ class VerifiedNixlConnector(NixlConnector):
         self._sync_failed: list[tuple[Any, int]] = []
         self.sync_reads = 0  # scheduler
         self.sync_reads_failed = 0  # worker
+        #: Worker: pulls given up while in flight, polled until they end (late_reads.py).
+        self.late_reads = LateReads()
+        #: Scheduler: their blocks, pinned until then.
+        self.pinned_reads = PinnedReads()
+        self.late_reads_reported = 0  # scheduler
 
     # --- first sight ----------------------------------------------------------------------
     def _admit(self, request: Request) -> _Seen:
@@ -742,6 +749,10 @@ class VerifiedNixlConnector(NixlConnector):
                 self.holds.done(request_id)
             self._report_unqueued(connector_output)
             self._note_sync_landing(connector_output)
+            report = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(report, LateReadReport):
+                self.late_reads_reported += len(report.given_up)
+                self.pinned_reads.apply(report)
         except Exception:
             logger.exception("kvbranch: update_connector_output")
         super().update_connector_output(connector_output)
@@ -796,14 +807,20 @@ class VerifiedNixlConnector(NixlConnector):
                 request_id,
                 state,
             )
-            if state != READ_FAILED and abandon_read(worker, request_id, read):
-                logger.error(
-                    "kvbranch: request %s: NIXL could not release a read given up on; "
-                    "it may still write its blocks",
-                    request_id,
-                )
+            if state != READ_FAILED:
+                self._give_up(worker, request_id, read)
             if not read_tracked(worker, request_id):
                 self._sync_ids.discard(request_id)  # upstream will never report it
+
+    def _give_up(self, worker: Any, request_id: str, read: Any) -> None:
+        """A read not waited for any longer: one not started yet reads nothing when it
+        does; one in flight is kept running against pinned blocks (late_reads.py)."""
+        if read_in_flight(worker, request_id):
+            self.late_reads.give_up(
+                worker, request_id, [b for group in read.local_block_ids for b in group]
+            )
+        else:
+            skip_unstarted_read(worker, request_id, read)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set(super().get_block_ids_with_load_errors())
@@ -818,9 +835,11 @@ class VerifiedNixlConnector(NixlConnector):
         # failure is reported with the next step's results).
         results = super().get_transfer_results(finished_req_ids)
         worker = self.connector_worker
-        if worker is not None and self.pull_timeout_s > 0:
+        if worker is not None:
             try:
-                self._fail_slow_reads(worker, time.monotonic())
+                self.late_reads.poll(worker)
+                if self.pull_timeout_s > 0:
+                    self._fail_slow_reads(worker, time.monotonic())
             except Exception:
                 logger.exception("kvbranch: checking reads in flight failed")
         if self._sync_ids:
@@ -835,5 +854,14 @@ class VerifiedNixlConnector(NixlConnector):
 
     def _fail_slow_reads(self, worker: Any, now: float) -> None:
         self.reads_timed_out += fail_slow_reads(
-            worker, self._read_started, now, self.pull_timeout_s
+            worker, self._read_started, now, self.pull_timeout_s, self.late_reads
         )
+
+    # --- late reads: worker -> scheduler ----------------------------------------------------
+    def build_connector_worker_meta(self) -> Any:
+        # Upstream's NixlConnector reports no worker metadata of its own (vLLM 0.32).
+        return self.late_reads.report()
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        self.pinned_reads.block_pool = gpu_block_pool

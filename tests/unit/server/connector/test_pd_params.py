@@ -426,28 +426,50 @@ def test_prompt_logprobs_requests_never_pull():
 
 
 # --- 7. a read in flight ends -------------------------------------------------------------
+class FakeNixlStates:
+    def __init__(self, states: dict[int, str]) -> None:
+        self.states = states
+        self.released: list[int] = []
+
+    def check_xfer_state(self, handle: int) -> str:
+        return self.states[handle]
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self.released.append(handle)
+
+
+class ReadMeta:
+    def __init__(self, *groups: list[int]) -> None:
+        self.local_block_ids = [list(g) for g in groups]
+
+
 class FakeWorker:
     def __init__(self) -> None:
         self._recving_transfers = {"slow": [11, 12], "fast": [13]}
+        self._recving_metadata = {"slow": ReadMeta([5, 6]), "fast": ReadMeta([7])}
         self._recv_failures: set[str] = set()
-        self.released: list[int] = []
-
-    def _handle_failed_transfer(self, req_id, handle, failed_req_ids=None, **kw) -> bool:
-        if handle == 12:
-            return False  # NIXL could not release it: kept, polled, blocks stay untouched
-        self.released.append(handle)
-        return True
+        self.nixl_wrapper = FakeNixlStates({11: "DONE", 12: "PROC", 13: "PROC"})
 
 
-def test_a_read_past_the_timeout_is_failed_through_upstreams_failure_path():
+def test_a_read_past_the_timeout_is_given_up_and_kept_polled_until_it_ends():
     conn = _connector()
     worker = FakeWorker()
     conn._fail_slow_reads(worker, 100.0)
     assert not worker._recv_failures  # first seen now
     worker._recving_transfers.pop("fast")  # finished in time
     conn._fail_slow_reads(worker, 100.0 + conn.pull_timeout_s + 1)
-    assert worker._recv_failures == {"slow"} and worker.released == [11]
-    assert worker._recving_transfers == {"slow": [12]}  # reported failed once it is done
+    # Upstream reports it failed (vLLM recomputes); its transfers are not released while one
+    # is in flight (a release would not stop it), and its blocks go to the scheduler to pin.
+    assert worker._recv_failures == {"slow"} and "slow" not in worker._recving_transfers
+    assert worker.nixl_wrapper.released == [] and len(conn.late_reads) == 1
+    report = conn.build_connector_worker_meta()
+    assert report.given_up == {"slow": ([5, 6], 1)} and report.ended == {}
     assert conn.reads_timed_out == 1 and "fast" not in conn._read_started
     conn._fail_slow_reads(worker, 300.0)
     assert conn.reads_timed_out == 1  # once
+    conn.late_reads.poll(worker)
+    assert conn.build_connector_worker_meta() is None  # still in flight: nothing new
+    worker.nixl_wrapper.states[12] = "DONE"
+    conn.late_reads.poll(worker)
+    assert worker.nixl_wrapper.released == [11, 12] and len(conn.late_reads) == 0
+    assert conn.build_connector_worker_meta().ended == {"slow": 1}

@@ -83,8 +83,12 @@ class _Output:
 
 
 class FakeNixl:
-    def __init__(self, states: dict[int, list[str]]) -> None:
+    def __init__(self, states: dict[int, list[str]], released: list[int]) -> None:
         self.states = states  # handle -> the states it reports, in turn (the last one stays)
+        self.released = released
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self.released.append(handle)
 
     def check_xfer_state(self, handle: int) -> str:
         seq = self.states[handle]
@@ -110,17 +114,13 @@ class FakeWorker:
         self._recv_failures: set[str] = set()
         self._failed_recv_reqs: queue.Queue = queue.Queue()
         self._ready_requests: queue.Queue = queue.Queue()
-        self.nixl_wrapper = FakeNixl(states)
         self.started: list[str] = []
         self.released: list[int] = []
+        self.nixl_wrapper = FakeNixl(states, self.released)
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         self.started.append(req_id)
         self._recving_transfers[req_id] = [99]
-
-    def _handle_failed_transfer(self, req_id, handle, failed_req_ids=None, **kw) -> bool:
-        self.released.append(handle)
-        return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # upstream's own (failed async reads): none here
@@ -176,9 +176,11 @@ def test_what_did_not_land_is_this_steps_load_errors_and_never_reported_received
     assert conn.get_block_ids_with_load_errors() == {20, 21, 30, 31, 40}
     assert conn.get_block_ids_with_load_errors() == set()  # this step's only
     assert conn.sync_reads_failed == 3
-    # The slow read is failed and released; the handshake's read will only notify its peer.
-    assert worker.released == [2] and "slow" not in worker._recving_transfers
-    assert worker._recv_failures == {"slow"}
+    # The slow read is failed but kept in flight, unreleased (a release would not stop it),
+    # its blocks reported for the scheduler to pin; the handshake's read will only notify.
+    assert worker.released == [] and "slow" not in worker._recving_transfers
+    assert worker._recv_failures == {"slow"} and len(conn.late_reads) == 1
+    assert conn.build_connector_worker_meta().given_up == {"slow": ([20, 21], 1)}
     assert hs_meta.local_physical_block_ids == [] and hs_meta.local_block_ids == [[]]
     # Reported by upstream later (then kept from the scheduler); the abandoned one never is.
     assert conn._sync_ids == {"ok", "slow"}
