@@ -12,7 +12,8 @@ history of ``--probe-tokens`` tokens, then a short user turn):
 Meanwhile each replica computes cold prompts back to back (``--probe-load`` clients each), so
 that an engine step is a real forward, as in a busy cluster. The replicas alternate roles from
 probe to probe. ``sync`` replicas load a pull before the step's forward (``--sync-pull-wait-s
-2``, opt-in); ``async`` ones (the default) load it as vLLM does, two steps later.
+2``, the default); ``async`` ones (``--sync-pull-wait-s 0``) load it as vLLM does, two steps
+later.
 """
 
 from __future__ import annotations

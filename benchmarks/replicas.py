@@ -257,7 +257,7 @@ def records_of(results: list[dict[str, Any]], args: argparse.Namespace) -> list[
 
 def probe_records(probes: list[dict[str, Any]], args: argparse.Namespace) -> list[Record]:
     """The moved-turn probe: a moved session's first turn over a local host-store hit, under
-    the same background load; the target is judged for the default (``async``) replicas'."""
+    the same background load; the target is judged for the default (``sync``) replicas'."""
     out = []
     for p in probes:
         if "rows" not in p:
@@ -270,7 +270,7 @@ def probe_records(probes: list[dict[str, Any]], args: argparse.Namespace) -> lis
             f"local {m['local']:.3f} s (p50)"
         )
         x = m["moved"] / m["local"]
-        shipped = p["config"] == "async"
+        shipped = p["config"] == "sync"
         target = f"<= {MOVED_TARGET:g}x" if shipped else ""
         out.append(
             result(

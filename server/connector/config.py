@@ -27,6 +27,8 @@ from server.connector.core.branches import (
 from server.connector.pd.hold_registry import CLAIM_MARGIN_S
 
 DEFAULT_HOST_STORE_BYTES = 2 << 30
+#: How long a step's forward waits for a synchronous pull's read before recomputing instead.
+DEFAULT_SYNC_PULL_WAIT_S = 2.0
 
 _C = TypeVar("_C", bound="_ExtraConfig")
 
@@ -154,10 +156,10 @@ class NixlChildConfig(_ExtraConfig):
     #: most this long; past it, or on a failed read, those blocks are recomputed) and computes
     #: the rest of the prompt in the same step, instead of upstream's asynchronous load, which
     #: costs the turn two forwards of other requests on a busy engine
-    #: (``server/connector/pd/sync_reads.py``). 0 (the default): upstream's asynchronous load;
-    #: a read given up on is released by NIXL, which blocked the worker for good once (docs/
-    #: cluster.md, "A pull the forward waits for"), so this is opt-in until that is bounded.
-    sync_pull_wait_s: float = Field(default=0.0, ge=0, le=60)
+    #: (``server/connector/pd/sync_reads.py``). A read given up stays in flight against pinned
+    #: blocks (``late_reads.py``), so the give-up never waits on NIXL. 0: upstream's
+    #: asynchronous load (docs/cluster.md, "A pull the forward waits for").
+    sync_pull_wait_s: float = Field(default=DEFAULT_SYNC_PULL_WAIT_S, ge=0, le=60)
 
     @classmethod
     def _owner(cls) -> str:

@@ -582,7 +582,8 @@ def pd_transfer_config(
         # Ours, for both: a peer's read is served during a forward (docs/pd.md).
         nixl_progress_delay_us=args.nixl_progress_us,
         nixl_threads_lowered=args.nixl_threads == "lowered",
-        sync_pull_wait_s=args.sync_pull_wait_s,
+        # kvbranch's synchronous load; the plain P/D baseline keeps upstream's asynchronous one.
+        sync_pull_wait_s=args.sync_pull_wait_s if kvbranch is not None else 0.0,
         # Upstream NixlConnector's own keys (passed through):
         bidirectional_kv_xfer=not args.no_bidirectional,
         # A pull of one block took 1.5-6 ms here; recomputing even 30 tokens costs more.

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from server.common.priority_code import DEFAULT_PRIORITY_AGING_S
+from server.connector.config import DEFAULT_SYNC_PULL_WAIT_S
 from server.engine.idle import DEFAULT_IDLE_POLL_MS
 from server.engine.spin import DEFAULT_SPIN_MS
 
@@ -335,13 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument(
         "--sync-pull-wait-s",
         type=_seconds_up_to_a_minute,
-        default=0.0,
+        default=DEFAULT_SYNC_PULL_WAIT_S,
         metavar="S",
-        help="prefill and aggregated replicas, opt-in: a pull from a peer is loaded before the "
-        "engine step's forward, which waits for the read at most S seconds (past it, or on a "
-        "failed read, those tokens are recomputed) and computes the turn's own tokens in the "
-        "same step; 0: vLLM's asynchronous load (the turn waits two steps of other requests; "
-        "default %(default)s; docs/cluster.md, 'A pull the forward waits for')",
+        help="prefill and aggregated replicas: a pull from a peer is loaded before the engine "
+        "step's forward, which waits for the read at most S seconds (past it, or on a failed "
+        "read, those tokens are recomputed) and computes the turn's own tokens in the same "
+        "step; 0: vLLM's asynchronous load (the turn waits two steps of other requests) "
+        "(default %(default)s; docs/cluster.md, 'A pull the forward waits for')",
     )
     pd.add_argument(
         "--no-bidirectional",

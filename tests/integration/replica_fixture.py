@@ -70,11 +70,11 @@ KEY_A = "replica-tenant-a-" + secrets.token_hex(8)
 KEY_B = "replica-tenant-b-" + secrets.token_hex(8)
 TENANT_A = scope_of(f"Bearer {KEY_A}")
 KEYS = ["--api-key", KEY_A, "--api-key", KEY_B]
-#: Pulls loaded before the step's forward (opt-in, ``--sync-pull-wait-s``): the replica tests
-#: check that path (test_replicas counts each pulled turn's synchronous read).
+#: Pulls loaded before the step's forward (the default ``--sync-pull-wait-s``): test_replicas
+#: counts each pulled turn's synchronous read.
 REPLICA_ARGS = [
     *size_args(0.25, 0.25, 4096),
-    *("--pd-hold-ttl-s", str(HOLD_TTL_S), "--sync-pull-wait-s", "2"),
+    *("--pd-hold-ttl-s", str(HOLD_TTL_S)),
     *KEYS,
 ]
 CLUSTER = "default"

@@ -166,16 +166,17 @@ def test_the_moved_turn_target_is_judged_by_the_probe_of_the_default_pulls() -> 
     args = argparse.Namespace(probe_tokens=1500, probe_load=1)
     rows = [_probe_row(1.2, 1.0), _probe_row(1.0, 1.0), _probe_row(1.1, 1.0)]
     probes = [
-        {"config": "async", "rows": rows},
-        {"config": "sync", "rows": [_probe_row(3.0, 1.0, pulled=0)]},
-        {"config": "sync", "error": "RuntimeError: no replica"},
+        {"config": "sync", "rows": rows},
+        {"config": "async", "rows": [_probe_row(3.0, 1.0, pulled=0)]},
+        {"config": "async", "error": "RuntimeError: no replica"},
     ]
     recs = {r.config: r for r in probe_records(probes, args)}
-    default = recs["kvbranch probe (async pulls)"]
+    default = recs["kvbranch probe (sync pulls)"]
     assert default.value == 1.1 and default.met and default.target == "<= 1.3x"
     assert "3 probes: 3 pulled, 3 host-store hits" in default.note
-    opt_in = recs["kvbranch probe (sync pulls)"]
-    assert opt_in.value == 3.0 and opt_in.met is None and "0 pulled" in opt_in.note
+    upstream_load = recs["kvbranch probe (async pulls)"]
+    assert upstream_load.value == 3.0 and upstream_load.met is None
+    assert "0 pulled" in upstream_load.note
     assert len(recs) == 2
 
 

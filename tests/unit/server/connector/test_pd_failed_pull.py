@@ -25,6 +25,9 @@ from typing import Any
 import pytest
 import torch
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiKVConnectorWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -36,8 +39,10 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from sdk.contract.models import PDStats
 from server.connector.config import ConnectorConfig
 from server.connector.pd import transfer_auth as auth
+from server.connector.pd.late_reads import LateReadReport
 from server.connector.pd.sync_reads import SYNC_READS_ATTR
 from server.connector.pd.transfer_params import block_hashes_hex, identity_of
 from server.connector.pd.verified_nixl import VerifiedNixlConnector
@@ -108,12 +113,14 @@ def make_scheduler(sync_wait_s: str = "0") -> Scheduler:
     )
 
 
-def make_request(rid: str, tokens: list[int], params: dict | None = None) -> Request:
+def make_request(
+    rid: str, tokens: list[int], params: dict | None = None, max_tokens: int = 1
+) -> Request:
     init_none_hash(sha256)
     request = Request(
         rid,
         list(tokens),
-        SamplingParams(max_tokens=1, temperature=0.0),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
         None,
         block_hasher=get_request_block_hasher(BS, sha256),
     )
@@ -131,8 +138,14 @@ class FakeWorker:
         self.d_blocks: dict[int, list[int]] = {}
         #: Reads of these requests fail as NIXL reports an expired hold or a dead peer.
         self.fail_reads: set[str] = set()
+        #: Synchronous reads of these requests are given up in flight: they land later
+        #: (:meth:`land_late`), into the blocks they were given.
+        self.late_reads: set[str] = set()
+        self.in_flight: dict[str, tuple[list[int], list[int]]] = {}
+        self._late: LateReadReport | None = None
         self.reads: dict[str, int] = {}  # request id -> reads queued for it
         self.answers: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}  # every token each request was given
         self._report: KVConnectorOutput | None = None
 
     def _write(self, block: int, offset: int, token: int) -> None:
@@ -149,6 +162,13 @@ class FakeWorker:
             # A synchronous read that did not land: this very step's load errors.
             report = report or KVConnectorOutput()
             report.invalid_block_ids = set(report.invalid_block_ids or ()) | lost
+        if self._late is not None:
+            # The NIXL child's worker metadata, as MultiConnector carries it (children in order).
+            report = report or KVConnectorOutput()
+            report.kv_connector_worker_meta = MultiKVConnectorWorkerMetadata(
+                metadata=(self._late, None)
+            )
+            self._late = None
         ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for rid in ids:
@@ -173,6 +193,7 @@ class FakeWorker:
             for o in outputs.outputs:
                 if o.new_token_ids:
                     self.answers.setdefault(o.request_id, o.new_token_ids[0])
+                    self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         return out
 
     def _sample(self, request: Request, blocks: list[int]) -> list[int]:
@@ -200,6 +221,11 @@ class FakeWorker:
             self.reads[rid] = self.reads.get(rid, 0) + 1
             local = list(req.local_block_ids[0])
             remote = list(req.remote.block_ids[0])[-len(local) :] if local else []
+            if rid in sync and rid in self.late_reads:
+                lost.update(local)  # given up at the wait, still in flight: pinned
+                self.in_flight[rid] = (local, remote)
+                self._late = LateReadReport(given_up={rid: (local, 1)})
+                continue
             if rid in self.fail_reads:
                 # Cut off: whatever reached the blocks is not the prompt's KV.
                 for block in local:
@@ -222,6 +248,16 @@ class FakeWorker:
                 finished_recving=done, failed_recving=failed, invalid_block_ids=invalid
             )
         return lost
+
+    def land_late(self, rid: str) -> None:
+        """A given-up read's bytes arrive now, into the blocks it was given; the next step's
+        output says it ended."""
+        local, remote = self.in_flight.pop(rid)
+        for mine, theirs in zip(local, remote, strict=True):
+            self.device[mine] = list(self.d_blocks[theirs]) + [None] * (
+                BS - len(self.d_blocks[theirs])
+            )
+        self._late = LateReadReport(ended={rid: 1})
 
 
 def d_handle(worker: FakeWorker, rid: str, held: list[int], first_block: int) -> dict[str, Any]:
@@ -341,3 +377,35 @@ def test_a_synchronous_pull_that_fails_recomputes_and_later_pulls_still_run(sync
     worker.sched.add_request(make_request("b", prompt_b, d_handle(worker, "b", held_b, 200)))
     assert run_to_answer(worker, "b") == answer_to(prompt_b)
     assert worker.reads == {"a": 1, "b": 1}
+
+
+def test_a_late_reads_blocks_go_to_no_other_request_until_it_ended(sync_p_worker):
+    worker = sync_p_worker
+    sched = worker.sched
+    held_a, prompt_a = conversation(4, 3 * BS + 5, 20)
+    worker.late_reads.add("a")
+    sched.add_request(make_request("a", prompt_a, d_handle(worker, "a", held_a, 100)))
+    assert run_to_answer(worker, "a") == answer_to(prompt_a)  # recomputed meanwhile
+    # P held the finished turn's blocks for D's read of it; D read them: the request ends.
+    worker._report = KVConnectorOutput(finished_sending={"a"})
+    worker.step()
+    assert worker.reads == {"a": 1} and "a" not in sched.requests
+    pinned = sched.connector._nixl.pinned_reads.blocks_pinned
+    assert pinned == -(-len(held_a) // BS)  # the pulled range's blocks, out of the free pool
+    assert PDStats.model_validate(sched.connector._pd_stats()).late_read_blocks_pinned == pinned
+    # A cold prompt that needs every block, pinned ones included (two prefill chunks; the
+    # blocks a finished request left cached are handed out last) ...
+    prompt_c = [(i * 11) % 500 + 1 for i in range((NUM_BLOCKS - 1) * BS - 1)]
+    sched.add_request(make_request("c", prompt_c, max_tokens=2))
+    worker.step()
+    worker.step()
+    # ... and the late read's bytes arrive now: into blocks nobody else was given.
+    worker.land_late("a")
+    for _ in range(STEP_LIMIT):
+        worker.step()
+        if len(worker.tokens.get("c", ())) == 2:
+            break
+    first = answer_to(prompt_c)
+    assert worker.tokens.get("c") == [first, answer_to([*prompt_c, first])]
+    assert sched.connector._nixl.pinned_reads.blocks_pinned == 0
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
