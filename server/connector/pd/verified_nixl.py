@@ -807,7 +807,8 @@ class VerifiedNixlConnector(NixlConnector):
                 request_id,
                 state,
             )
-            if state != READ_FAILED:
+            if state != READ_FAILED or read_in_flight(worker, request_id):
+                # (A failed read may have other transfers still in flight.)
                 self._give_up(worker, request_id, read)
             if not read_tracked(worker, request_id):
                 self._sync_ids.discard(request_id)  # upstream will never report it

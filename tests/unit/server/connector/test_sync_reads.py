@@ -186,6 +186,21 @@ def test_what_did_not_land_is_this_steps_load_errors_and_never_reported_received
     assert conn._sync_ids == {"ok", "slow"}
 
 
+def test_a_failed_read_with_a_transfer_still_in_flight_keeps_its_blocks_pinned():
+    conn = _connector(sync=True)
+    conn.sync_pull_wait_s = 0.01
+    worker = FakeWorker({"mixed": [3, 4], "failed": [5]}, {3: ["ERR"], 4: ["PROC"], 5: ["ERR"]})
+    reads = {"mixed": ReadMeta([50, 51]), "failed": ReadMeta([60])}
+    meta = StepMeta(reads, {"mixed": None, "failed": None})
+    conn.connector_worker = worker
+    conn._wait_for_sync_reads(worker, meta, getattr(meta, SYNC_READS_ATTR))
+    assert conn.get_block_ids_with_load_errors() == {50, 51, 60}
+    # One transfer of "mixed" failed, the other may still write: pinned until it ends.
+    # "failed" ended with its only transfer: released, nothing to pin.
+    assert conn.build_connector_worker_meta().given_up == {"mixed": ([50, 51], 1)}
+    assert worker.released == [5] and len(conn.late_reads) == 1
+
+
 def test_a_synchronous_read_is_kept_out_of_what_the_scheduler_is_told():
     conn = _connector(sync=True)
     conn._sync_ids = {"ok", "slow"}
