@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from server.launcher.process import ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ROOT
+from server.launcher.process import _POLL_S, ENV_PARENT_DEATHSIG, ENV_PARENT_PID, ROOT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -45,6 +45,25 @@ def _gone_within(pid: int, timeout: float) -> float | None:
     return None
 
 
+def _wait_for_reaper(parent: int, timeout: float = 60.0) -> None:
+    """Until ``parent``'s reaper runs its loop (it loads psutil's extension right before), and
+    two of its polls more: on a loaded machine its start-up alone can take seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(parent).children():
+            try:
+                polling = "reap(" in " ".join(child.cmdline()) and any(
+                    "_psutil_linux" in m.path for m in child.memory_maps()
+                )
+            except psutil.Error:
+                continue
+            if polling:
+                time.sleep(2 * _POLL_S + 0.2)
+                return
+        time.sleep(0.05)
+    pytest.fail("the reaper never started polling")
+
+
 def _cleanup(proc: subprocess.Popen, pid: int) -> None:
     for target in (proc.pid, pid):
         try:
@@ -65,7 +84,7 @@ def test_an_instances_children_stop_when_it_is_killed():
         time.sleep(600)
     """)
     try:
-        time.sleep(1.5)  # the reaper has seen the child
+        _wait_for_reaper(proc.pid)  # it has seen the child
         proc.kill()
         took = _gone_within(grandchild, 8.0)
         assert took is not None, "the engine-core stand-in outlived its killed parent"
