@@ -600,11 +600,15 @@ def skip_unstarted_read(worker: Any, request_id: str, meta: Any) -> None:
     worker._recving_metadata.pop(request_id, None)
 
 
-def read_block_ids(worker: Any, request_id: str) -> list[int]:
-    """The blocks ``request_id``'s read writes, every KV cache group's."""
-    meta = worker._recving_metadata.get(request_id)
+def block_ids_of(meta: Any) -> list[int]:
+    """The blocks a read (NIXL's per-request metadata) writes, every KV cache group's."""
     groups = getattr(meta, "local_block_ids", None) or ()
     return [block for group in groups for block in group]
+
+
+def read_block_ids(worker: Any, request_id: str) -> list[int]:
+    """The blocks ``request_id``'s read writes, every KV cache group's."""
+    return block_ids_of(worker._recving_metadata.get(request_id))
 
 
 @contextlib.contextmanager

@@ -74,8 +74,6 @@ class LateReads:
         self._in_flight: dict[str, list[int]] = {}  # request id -> transfer handles
         self._given_up: dict[str, tuple[list[int], int]] = {}
         self._ended: dict[str, int] = {}
-        self.given_up_total = 0
-        self.ended_total = 0
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -89,7 +87,6 @@ class LateReads:
             return
         self._in_flight[request_id] = handles
         self._given_up[request_id] = (list(block_ids), 1)
-        self.given_up_total += 1
         logger.warning(
             "kvbranch: request %s: a pull given up is still in flight: its %d blocks stay "
             "out of the free pool until NIXL reports it ended",
@@ -104,7 +101,6 @@ class LateReads:
                 release_transfers(worker, handles)
                 del self._in_flight[request_id]
                 self._ended[request_id] = 1
-                self.ended_total += 1
 
     def report(self) -> LateReadReport | None:
         """This step's news for the scheduler, once (None: nothing to say)."""
@@ -121,6 +117,7 @@ class PinnedReads:
     def __init__(self) -> None:
         self.block_pool: Any = None
         self._pins: dict[str, tuple[list[Any], int]] = {}  # request id -> (blocks, workers)
+        self.reads_reported = 0  # reads the workers gave up in flight
 
     @property
     def blocks_pinned(self) -> int:
@@ -128,6 +125,7 @@ class PinnedReads:
 
     def apply(self, report: LateReadReport) -> None:
         pool = self.block_pool
+        self.reads_reported += len(report.given_up)
         for request_id, (block_ids, workers) in report.given_up.items():
             if pool is None:
                 logger.error(

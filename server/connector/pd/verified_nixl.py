@@ -95,6 +95,7 @@ from server.connector.pd.transfer_params import (
 from server.connector.vllm_compat import (
     NixlConnector,
     announce_in_batch,
+    block_ids_of,
     forget_unprocessed,
     host_buffer_reads,
     lease_duration_s,
@@ -260,7 +261,6 @@ class VerifiedNixlConnector(NixlConnector):
         self.late_reads = LateReads()
         #: Scheduler: their blocks, pinned until then.
         self.pinned_reads = PinnedReads()
-        self.late_reads_reported = 0  # scheduler
 
     # --- first sight ----------------------------------------------------------------------
     def _admit(self, request: Request) -> _Seen:
@@ -751,7 +751,6 @@ class VerifiedNixlConnector(NixlConnector):
             self._note_sync_landing(connector_output)
             report = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(report, LateReadReport):
-                self.late_reads_reported += len(report.given_up)
                 self.pinned_reads.apply(report)
         except Exception:
             logger.exception("kvbranch: update_connector_output")
@@ -807,21 +806,14 @@ class VerifiedNixlConnector(NixlConnector):
                 request_id,
                 state,
             )
-            if state != READ_FAILED or read_in_flight(worker, request_id):
-                # (A failed read may have other transfers still in flight.)
-                self._give_up(worker, request_id, read)
+            if read_in_flight(worker, request_id):
+                # Kept running against pinned blocks (late_reads.py); a failed read may have
+                # other transfers still in flight.
+                self.late_reads.give_up(worker, request_id, block_ids_of(read))
+            elif state != READ_FAILED:
+                skip_unstarted_read(worker, request_id, read)
             if not read_tracked(worker, request_id):
                 self._sync_ids.discard(request_id)  # upstream will never report it
-
-    def _give_up(self, worker: Any, request_id: str, read: Any) -> None:
-        """A read not waited for any longer: one not started yet reads nothing when it
-        does; one in flight is kept running against pinned blocks (late_reads.py)."""
-        if read_in_flight(worker, request_id):
-            self.late_reads.give_up(
-                worker, request_id, [b for group in read.local_block_ids for b in group]
-            )
-        else:
-            skip_unstarted_read(worker, request_id, read)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set(super().get_block_ids_with_load_errors())

@@ -9,27 +9,14 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockPool
 
 from server.connector.pd.late_reads import LateReadReport, LateReads, PinnedReads
-
-
-class Nixl:
-    def __init__(self, states: dict[int, str]) -> None:
-        self.states = states
-        self.released: list[int] = []
-
-    def check_xfer_state(self, handle: int) -> str:
-        if handle not in self.states:
-            raise KeyError(handle)  # NIXL no longer knows it
-        return self.states[handle]
-
-    def release_xfer_handle(self, handle: int) -> None:
-        self.released.append(handle)
+from tests.unit.server.connector.test_pd_params import FakeNixlStates, _connector
 
 
 class Worker:
     def __init__(self, transfers: dict[str, list[int]], states: dict[int, str]) -> None:
         self._recving_transfers = transfers
         self._recv_failures: set[str] = set()
-        self.nixl_wrapper = Nixl(states)
+        self.nixl_wrapper = FakeNixlStates(states)  # a handle it does not list: KeyError
 
 
 def test_a_read_in_flight_is_failed_now_and_kept_polled_until_it_ends():
@@ -120,8 +107,6 @@ def test_without_a_bound_block_pool_nothing_is_pinned():
 
 
 def test_the_nixl_child_pins_what_its_workers_report():
-    from tests.unit.server.connector.test_pd_params import _connector
-
     conn = _connector()
     pool = _pool()
     blocks = pool.get_new_blocks(2)
@@ -134,7 +119,7 @@ def test_the_nixl_child_pins_what_its_workers_report():
         kv_connector_worker_meta = LateReadReport({"r": (_ids(blocks), 1)})
 
     conn.update_connector_output(StepOutput())
-    assert conn.pinned_reads.blocks_pinned == 2 and conn.late_reads_reported == 1
+    assert conn.pinned_reads.blocks_pinned == 2 and conn.pinned_reads.reads_reported == 1
     StepOutput.kv_connector_worker_meta = LateReadReport(ended={"r": 1})
     conn.update_connector_output(StepOutput())
     assert conn.pinned_reads.blocks_pinned == 0
