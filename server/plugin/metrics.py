@@ -316,25 +316,28 @@ class PeerPullCollector:
         turns.add_metric(["peer_unknown"], c["peers_unknown"])
         turns.add_metric(["claim_refused"], c["claims_refused"])
         yield turns
-        tokens = CounterMetricFamily(
-            "kvbranch_peer_pull_offered_tokens",
-            "Tokens the peers held for turns this replica claimed (what it pulls is the verified "
-            "prefix of these: kvbranch_hits_tokens{source=remote})",
+        yield from _unlabelled(
+            CounterMetricFamily,
+            [
+                (
+                    "kvbranch_peer_pull_offered_tokens",
+                    "Tokens the peers held for turns this replica claimed (what it pulls is the "
+                    "verified prefix of these: kvbranch_hits_tokens{source=remote})",
+                    c["pulled_hold_tokens"],
+                ),
+                (
+                    "kvbranch_peer_holds_filed",
+                    "This replica's holds filed in the index for next turns",
+                    c["holds_filed"],
+                ),
+                (
+                    "kvbranch_peer_pins_followed",
+                    "Pins carried over from the member a session turn left (the branch's pin "
+                    "there, for what was left of its lease) once the turn was answered here",
+                    c.get("pins_followed", 0),
+                ),
+            ],
         )
-        tokens.add_metric([], c["pulled_hold_tokens"])
-        yield tokens
-        filed = CounterMetricFamily(
-            "kvbranch_peer_holds_filed", "This replica's holds filed in the index for next turns"
-        )
-        filed.add_metric([], c["holds_filed"])
-        yield filed
-        pins = CounterMetricFamily(
-            "kvbranch_peer_pins_followed",
-            "Pins carried over from the member a session turn left (the branch's pin there, for "
-            "what was left of its lease) once the turn was answered here",
-        )
-        pins.add_metric([], c.get("pins_followed", 0))
-        yield pins
         served = c.get("revives_served") or {}
         revives = CounterMetricFamily(
             "kvbranch_peer_revives",
@@ -345,12 +348,16 @@ class PeerPullCollector:
         for outcome, n in sorted((served.get("outcomes") or {}).items()):
             revives.add_metric([outcome], n)
         yield revives
-        revived = CounterMetricFamily(
-            "kvbranch_peer_revived_tokens",
-            "Tokens this replica loaded from its host store and held for peers' revives",
+        yield from _unlabelled(
+            CounterMetricFamily,
+            [
+                (
+                    "kvbranch_peer_revived_tokens",
+                    "Tokens this replica loaded from its host store and held for peers' revives",
+                    served.get("revived_tokens", 0),
+                )
+            ],
         )
-        revived.add_metric([], served.get("revived_tokens", 0))
-        yield revived
         errors = CounterMetricFamily(
             "kvbranch_peer_index_errors",
             "Index calls of session turns that failed (the turn recomputed)",
