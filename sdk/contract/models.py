@@ -191,6 +191,9 @@ class PDStats(BaseModel):
     #: Pulls loaded before the step's forward (the forward waited for the read) rather than
     #: asynchronously: the turn's own tokens were computed in the step its read ran in.
     sync_reads: int = 0
+    #: Of those, the ones that did not land before the forward (failed, the peer's handshake
+    #: still running, or past the wait): their tokens were recomputed.
+    sync_reads_not_landed: int = 0
     #: Pulls given up (past the synchronous wait or ``pull_timeout_s``) while NIXL still had
     #: them in flight: recomputed, their blocks kept out of the free pool until they ended.
     late_reads: int = 0

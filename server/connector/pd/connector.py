@@ -105,6 +105,7 @@ class KVBranchPDConnector(MultiConnector):
             "handles_declined": dict(nixl.declined),
             "reads_not_queued": nixl.reads_not_queued,
             "sync_reads": nixl.sync_reads,
+            "sync_reads_not_landed": nixl.sync_reads_not_landed,
             "late_reads": nixl.pinned_reads.reads_reported,
             "late_read_blocks_pinned": nixl.pinned_reads.blocks_pinned,
         }

@@ -15,7 +15,7 @@ request's KV by then, and the late bytes would overwrite it: wrong tokens for so
 * **Worker** (:class:`LateReads`): a read given up while in flight leaves upstream's tracking
   *unreleased* (upstream reports the request failed; vLLM recomputes) and is polled here every
   step until NIXL says its transfers ended (done or failed); they are released then. Each
-  step's output carries a :class:`LateReadReport`: the reads given up in flight this step (their
+  step's output carries a :class:`ReadReport`: the reads given up in flight this step (their
   blocks) and those that ended.
 * **Scheduler** (:class:`PinnedReads`): pins a reported read's blocks — one more reference in
   vLLM's block pool, the use vLLM's connector API names for ``bind_gpu_block_pool`` — so that
@@ -43,17 +43,20 @@ logger = logging.getLogger("kvbranch.pd")
 
 
 @dataclass
-class LateReadReport(KVConnectorWorkerMetadata):
-    """Workers → scheduler, one step: reads given up while in flight and reads that ended."""
+class ReadReport(KVConnectorWorkerMetadata):
+    """Workers → scheduler, one step: reads given up while in flight, reads that ended, and
+    whether the step's synchronous reads landed."""
 
     #: request id -> (the blocks the read writes, how many workers gave it up in flight)
     given_up: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     #: request id -> how many workers saw their given-up read end
     ended: dict[str, int] = field(default_factory=dict)
+    #: request id -> whether its synchronous read landed (on every worker)
+    sync_landed: dict[str, bool] = field(default_factory=dict)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> LateReadReport:
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> ReadReport:
         """Several workers (tensor parallel) each report their own reads of a request."""
-        if not isinstance(other, LateReadReport):
+        if not isinstance(other, ReadReport):
             return self
         given_up = dict(self.given_up)
         for request_id, (blocks, workers) in other.given_up.items():
@@ -64,7 +67,10 @@ class LateReadReport(KVConnectorWorkerMetadata):
         ended = dict(self.ended)
         for request_id, workers in other.ended.items():
             ended[request_id] = ended.get(request_id, 0) + workers
-        return LateReadReport(given_up, ended)
+        landed = dict(self.sync_landed)
+        for request_id, ok in other.sync_landed.items():
+            landed[request_id] = landed.get(request_id, True) and ok
+        return ReadReport(given_up, ended, landed)
 
 
 class LateReads:
@@ -102,11 +108,11 @@ class LateReads:
                 del self._in_flight[request_id]
                 self._ended[request_id] = 1
 
-    def report(self) -> LateReadReport | None:
+    def report(self) -> ReadReport | None:
         """This step's news for the scheduler, once (None: nothing to say)."""
         if not self._given_up and not self._ended:
             return None
-        report = LateReadReport(self._given_up, self._ended)
+        report = ReadReport(self._given_up, self._ended)
         self._given_up, self._ended = {}, {}
         return report
 
@@ -123,7 +129,7 @@ class PinnedReads:
     def blocks_pinned(self) -> int:
         return sum(len(blocks) for blocks, _ in self._pins.values())
 
-    def apply(self, report: LateReadReport) -> None:
+    def apply(self, report: ReadReport) -> None:
         pool = self.block_pool
         self.reads_reported += len(report.given_up)
         for request_id, (block_ids, workers) in report.given_up.items():
@@ -150,4 +156,4 @@ class PinnedReads:
             unpin_blocks(pool, pinned)
 
 
-__all__ = ["LateReadReport", "LateReads", "PinnedReads"]
+__all__ = ["ReadReport", "LateReads", "PinnedReads"]

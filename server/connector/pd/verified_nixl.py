@@ -58,7 +58,7 @@ from server.connector.control.models import ClaimHold
 from server.connector.control.transport import ControlError
 from server.connector.pd import side_channel
 from server.connector.pd.hold_registry import CLAIM_MARGIN_S, Hold, HoldRegistry
-from server.connector.pd.late_reads import LateReadReport, LateReads, PinnedReads
+from server.connector.pd.late_reads import LateReads, PinnedReads, ReadReport
 from server.connector.pd.read_bounds import fail_slow_reads, report_unqueued
 from server.connector.pd.sync_reads import (
     READ_DONE,
@@ -251,11 +251,15 @@ class VerifiedNixlConnector(NixlConnector):
         self._sync_ids: set[str] = set()
         #: Worker: blocks of synchronous reads that did not land, this step's load errors.
         self._sync_invalid: set[int] = set()
-        #: Scheduler: this step's synchronous reads (request, the blocks read into), until the
-        #: step's output says which blocks did not land; then (request, tokens landed).
-        self._sync_inflight: dict[str, tuple[Any, list[int]]] = {}
+        #: Worker: whether each of this step's synchronous reads landed, for the scheduler.
+        self._sync_landed: dict[str, bool] = {}
+        #: Scheduler: synchronous reads (their requests) until a worker's report says whether
+        #: they landed (reported by request id: with asynchronous scheduling the next step's
+        #: reads are queued before this step's output arrives); then (request, tokens landed).
+        self._sync_inflight: dict[str, Any] = {}
         self._sync_failed: list[tuple[Any, int]] = []
         self.sync_reads = 0  # scheduler
+        self.sync_reads_not_landed = 0  # scheduler, from the workers' reports
         self.sync_reads_failed = 0  # worker
         #: Worker: pulls given up while in flight, polled until they end (late_reads.py).
         self.late_reads = LateReads()
@@ -552,7 +556,7 @@ class VerifiedNixlConnector(NixlConnector):
         ids = list(blocks.get_block_ids()[0][first : first + count])
         request_id = request.request_id
         self.sync_reads += 1
-        self._sync_inflight[request_id] = (request, ids)
+        self._sync_inflight[request_id] = request
         if make_read_synchronous(sched, request_id, [ids], (first,)):
             self._sync_next[request_id] = None
             return
@@ -574,15 +578,13 @@ class VerifiedNixlConnector(NixlConnector):
         failed, self._sync_failed = self._sync_failed, []
         return failed
 
-    def _note_sync_landing(self, connector_output: Any) -> None:
-        if not self._sync_inflight:
-            return
-        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
-        for request, ids in self._sync_inflight.values():
-            bad = next((i for i, block in enumerate(ids) if block in invalid), None)
-            if bad is not None:
-                self._sync_failed.append((request, bad * self.block_size))
-        self._sync_inflight = {}
+    def _settle_sync_reads(self, landed: dict[str, bool]) -> None:
+        """A read that did not land had all its blocks reported as load errors: none landed."""
+        for request_id, ok in landed.items():
+            request = self._sync_inflight.pop(request_id, None)
+            if request is not None and not ok:
+                self.sync_reads_not_landed += 1
+                self._sync_failed.append((request, 0))
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
@@ -655,6 +657,7 @@ class VerifiedNixlConnector(NixlConnector):
             entry = self._seen.get(id(request))
             if entry is not None and entry.request is request:
                 del self._seen[id(request)]
+            self._sync_inflight.pop(request.request_id, None)
 
     def _finish_as_replica(self, request: Request) -> None:
         """An aggregated replica's turn ends as D's turns do, whichever way its history came:
@@ -748,10 +751,10 @@ class VerifiedNixlConnector(NixlConnector):
             for request_id in connector_output.finished_sending or ():
                 self.holds.done(request_id)
             self._report_unqueued(connector_output)
-            self._note_sync_landing(connector_output)
             report = getattr(connector_output, "kv_connector_worker_meta", None)
-            if isinstance(report, LateReadReport):
+            if isinstance(report, ReadReport):
                 self.pinned_reads.apply(report)
+                self._settle_sync_reads(report.sync_landed)
         except Exception:
             logger.exception("kvbranch: update_connector_output")
         super().update_connector_output(connector_output)
@@ -779,6 +782,7 @@ class VerifiedNixlConnector(NixlConnector):
         for request_id, unqueued in sync.items():
             if unqueued is not None:
                 self._sync_invalid.update(unqueued)
+                self._sync_landed[request_id] = False
                 self.sync_reads_failed += 1
             elif request_id in meta.reqs_to_recv:
                 reads[request_id] = meta.reqs_to_recv[request_id]
@@ -795,6 +799,7 @@ class VerifiedNixlConnector(NixlConnector):
             logger.exception("kvbranch: waiting for synchronous reads failed")
             states = {r: "error" for r in reads}
         for request_id, state in states.items():
+            self._sync_landed[request_id] = state == READ_DONE
             if state == READ_DONE:
                 continue
             read = reads[request_id]
@@ -853,7 +858,11 @@ class VerifiedNixlConnector(NixlConnector):
     # --- late reads: worker -> scheduler ----------------------------------------------------
     def build_connector_worker_meta(self) -> Any:
         # Upstream's NixlConnector reports no worker metadata of its own (vLLM 0.32).
-        return self.late_reads.report()
+        report = self.late_reads.report()
+        if self._sync_landed:
+            report = report or ReadReport()
+            report.sync_landed, self._sync_landed = self._sync_landed, {}
+        return report
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 
-from server.connector.pd.late_reads import LateReadReport, LateReads, PinnedReads
+from server.connector.pd.late_reads import LateReads, PinnedReads, ReadReport
 from tests.unit.server.connector.test_pd_params import FakeNixlStates, _connector
 
 
@@ -45,8 +45,8 @@ def test_a_read_that_already_ended_is_released_and_never_reported():
 
 
 def test_reports_of_several_workers_add_up():
-    a = LateReadReport({"r": ([1, 2], 1)}, {"q": 1})
-    b = LateReadReport({"r": ([2, 3], 1), "s": ([9], 1)}, {"q": 1})
+    a = ReadReport({"r": ([1, 2], 1)}, {"q": 1})
+    b = ReadReport({"r": ([2, 3], 1), "s": ([9], 1)}, {"q": 1})
     both = a.aggregate(b)
     assert both.given_up == {"r": ([1, 2, 3], 2), "s": ([9], 1)} and both.ended == {"q": 2}
 
@@ -55,7 +55,7 @@ def _pool() -> BlockPool:
     return BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=4)
 
 
-def _pinned(pool: BlockPool, report: LateReadReport) -> PinnedReads:
+def _pinned(pool: BlockPool, report: ReadReport) -> PinnedReads:
     pinned = PinnedReads()
     pinned.block_pool = pool
     pinned.apply(report)
@@ -70,39 +70,39 @@ def test_a_late_reads_blocks_outlive_their_request_until_it_ended():
     pool = _pool()
     request_blocks = pool.get_new_blocks(3)
     free = pool.get_num_free_blocks()
-    pinned = _pinned(pool, LateReadReport({"r": (_ids(request_blocks)[1:], 1)}))
+    pinned = _pinned(pool, ReadReport({"r": (_ids(request_blocks)[1:], 1)}))
     assert pinned.blocks_pinned == 2
     pool.free_blocks(request_blocks)  # the request ends (or is preempted)
     assert pool.get_num_free_blocks() == free + 1  # only the block the read does not write
     others = pool.get_new_blocks(pool.get_num_free_blocks())
     assert not set(_ids(others)) & set(_ids(request_blocks)[1:])  # nobody else gets them
     pool.free_blocks(others)
-    pinned.apply(LateReadReport(ended={"r": 1}))
+    pinned.apply(ReadReport(ended={"r": 1}))
     assert pinned.blocks_pinned == 0 and pool.get_num_free_blocks() == free + 3
 
 
 def test_a_pin_waits_for_every_worker_that_gave_the_read_up():
     pool = _pool()
     blocks = pool.get_new_blocks(2)
-    pinned = _pinned(pool, LateReadReport({"r": (_ids(blocks), 2)}))
+    pinned = _pinned(pool, ReadReport({"r": (_ids(blocks), 2)}))
     pool.free_blocks(blocks)
     free = pool.get_num_free_blocks()
-    pinned.apply(LateReadReport(ended={"r": 1}))
+    pinned.apply(ReadReport(ended={"r": 1}))
     assert pool.get_num_free_blocks() == free and pinned.blocks_pinned == 2
-    pinned.apply(LateReadReport(ended={"r": 1, "unknown": 1}))
+    pinned.apply(ReadReport(ended={"r": 1, "unknown": 1}))
     assert pool.get_num_free_blocks() == free + 2 and pinned.blocks_pinned == 0
 
 
 def test_the_null_block_and_ids_outside_the_pool_are_never_pinned():
     pool = _pool()
-    pinned = _pinned(pool, LateReadReport({"r": ([0, 99, -1], 1)}))
+    pinned = _pinned(pool, ReadReport({"r": ([0, 99, -1], 1)}))
     assert pinned.blocks_pinned == 0
-    pinned.apply(LateReadReport(ended={"r": 1}))
+    pinned.apply(ReadReport(ended={"r": 1}))
 
 
 def test_without_a_bound_block_pool_nothing_is_pinned():
     pinned = PinnedReads()
-    pinned.apply(LateReadReport({"r": ([1], 1)}, {"r": 1}))
+    pinned.apply(ReadReport({"r": ([1], 1)}, {"r": 1}))
     assert pinned.blocks_pinned == 0
 
 
@@ -116,10 +116,10 @@ def test_the_nixl_child_pins_what_its_workers_report():
         finished_sending = None
         finished_recving = None
         invalid_block_ids: set[int] = set()
-        kv_connector_worker_meta = LateReadReport({"r": (_ids(blocks), 1)})
+        kv_connector_worker_meta = ReadReport({"r": (_ids(blocks), 1)})
 
     conn.update_connector_output(StepOutput())
     assert conn.pinned_reads.blocks_pinned == 2 and conn.pinned_reads.reads_reported == 1
-    StepOutput.kv_connector_worker_meta = LateReadReport(ended={"r": 1})
+    StepOutput.kv_connector_worker_meta = ReadReport(ended={"r": 1})
     conn.update_connector_output(StepOutput())
     assert conn.pinned_reads.blocks_pinned == 0

@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConne
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -42,7 +43,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from sdk.contract.models import PDStats
 from server.connector.config import ConnectorConfig
 from server.connector.pd import transfer_auth as auth
-from server.connector.pd.late_reads import LateReadReport
+from server.connector.pd.late_reads import ReadReport
 from server.connector.pd.sync_reads import SYNC_READS_ATTR
 from server.connector.pd.transfer_params import block_hashes_hex, identity_of
 from server.connector.pd.verified_nixl import VerifiedNixlConnector
@@ -72,15 +73,18 @@ def answer_to(tokens: list[int]) -> int:
     return 1 + sum((i + 1) * t for i, t in enumerate(tokens)) % 997
 
 
-def make_scheduler(sync_wait_s: str = "0") -> Scheduler:
+def make_scheduler(sync_wait_s: str = "0", overlapping: bool = False) -> Scheduler:
     """vLLM's scheduler as P runs it: the launcher's P/D transfer config (``sync_wait_s``:
-    ``--sync-pull-wait-s``; 0, upstream's asynchronous loads)."""
+    ``--sync-pull-wait-s``; 0, upstream's asynchronous loads). ``overlapping``: vLLM's
+    asynchronous scheduling (its default where kvbranch's warm-first scheduler is off, as on
+    GPUs): the next step is scheduled before the last one's output is taken, and a step's
+    budget holds a prompt that needs every block."""
     model = ModelConfig(
         model=str(model_folder()), dtype="float32", max_model_len=1024, skip_tokenizer_init=True
     )
     sched = SchedulerConfig(
         max_num_seqs=8,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=1024 if overlapping else 512,
         max_model_len=1024,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
@@ -105,7 +109,10 @@ def make_scheduler(sync_wait_s: str = "0") -> Scheduler:
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
-    return Scheduler(
+    # vLLM's CPU platform turns asynchronous scheduling off; on GPUs it is on by default.
+    config.scheduler_config.async_scheduling = overlapping
+    scheduler = AsyncScheduler if overlapping else Scheduler
+    return scheduler(
         vllm_config=config,
         kv_cache_config=kv,
         structured_output_manager=StructuredOutputManager(config),
@@ -142,7 +149,7 @@ class FakeWorker:
         #: (:meth:`land_late`), into the blocks they were given.
         self.late_reads: set[str] = set()
         self.in_flight: dict[str, tuple[list[int], list[int]]] = {}
-        self._late: LateReadReport | None = None
+        self._late: ReadReport | None = None
         self.reads: dict[str, int] = {}  # request id -> reads queued for it
         self.answers: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {}  # every token each request was given
@@ -156,6 +163,12 @@ class FakeWorker:
 
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
+        self.update(out, self.forward(out))
+        return out
+
+    def forward(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """The worker's step ``out``: its reads, then its forward (each scheduled position's KV
+        written, a token sampled where the prompt is complete)."""
         report, self._report = self._report, None
         lost = self._start_reads(out)
         if lost:
@@ -180,7 +193,7 @@ class FakeWorker:
             for pos in range(start, start + n):
                 self._write(blocks[pos // BS], pos % BS, tokens[pos])
             sampled.append(self._sample(request, blocks) if start + n == request.num_tokens else [])
-        output = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=sampled,
@@ -188,13 +201,16 @@ class FakeWorker:
             # news reaches the scheduler as None, not as an empty report).
             kv_connector_output=report if report is not None and not report.is_empty() else None,
         )
+
+    def update(self, out: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """The scheduler takes step ``out``'s output (with asynchronous scheduling, after it
+        scheduled the next step)."""
         # Only what the scheduler keeps: it drops a step's token sampled on KV that failed to load.
         for outputs in self.sched.update_from_output(out, output).values():
             for o in outputs.outputs:
                 if o.new_token_ids:
                     self.answers.setdefault(o.request_id, o.new_token_ids[0])
                     self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return out
 
     def _sample(self, request: Request, blocks: list[int]) -> list[int]:
         prompt = request.all_token_ids
@@ -224,7 +240,7 @@ class FakeWorker:
             if rid in sync and rid in self.late_reads:
                 lost.update(local)  # given up at the wait, still in flight: pinned
                 self.in_flight[rid] = (local, remote)
-                self._late = LateReadReport(given_up={rid: (local, 1)})
+                self._late = ReadReport(given_up={rid: (local, 1)})
                 continue
             if rid in self.fail_reads:
                 # Cut off: whatever reached the blocks is not the prompt's KV.
@@ -257,7 +273,7 @@ class FakeWorker:
             self.device[mine] = list(self.d_blocks[theirs]) + [None] * (
                 BS - len(self.d_blocks[theirs])
             )
-        self._late = LateReadReport(ended={rid: 1})
+        self._late = ReadReport(ended={rid: 1})
 
 
 def d_handle(worker: FakeWorker, rid: str, held: list[int], first_block: int) -> dict[str, Any]:
@@ -409,3 +425,55 @@ def test_a_late_reads_blocks_go_to_no_other_request_until_it_ended(sync_p_worker
     assert worker.tokens.get("c") == [first, answer_to([*prompt_c, first])]
     assert sched.connector._nixl.pinned_reads.blocks_pinned == 0
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+
+
+@pytest.fixture
+def overlapping_p_worker(monkeypatch):
+    monkeypatch.setenv(auth.ENV_CLUSTER_SECRET, SECRET)
+    sched = make_scheduler(sync_wait_s="2", overlapping=True)
+    assert sched.connector._nixl.sync_pulls and sched.defer_block_free
+    yield FakeWorker(sched)
+    sched.shutdown()
+
+
+def test_a_late_read_of_a_request_aborted_before_its_output_is_pinned_in_time(
+    overlapping_p_worker,
+):
+    """With asynchronous scheduling the step after a give-up is scheduled before the give-up's
+    report reaches the scheduler; a client's abort in between ends the request first. vLLM
+    defers the free of a request's blocks until the output of its last scheduled step (a KV
+    consumer with overlapping steps: ``defer_block_free``), and that output pins them: no
+    allocation between. (With that deferral off, the cold prompt below is given the late
+    read's blocks at once and its third token is computed on the late bytes.)"""
+    worker = overlapping_p_worker
+    sched = worker.sched
+    held_a, prompt_a = conversation(5, 3 * BS + 5, 20)
+    worker.late_reads.add("a")
+    sched.add_request(make_request("a", prompt_a, d_handle(worker, "a", held_a, 100)))
+    step_a = sched.schedule()
+    output_a = worker.forward(step_a)  # the read given up in flight: its report in this output
+    assert worker.reads == {"a": 1} and "a" in worker.in_flight
+    # The client leaves before the step's output is taken; a cold prompt that needs every
+    # block arrives and is scheduled next.
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    prompt_c = [(i * 11) % 500 + 1 for i in range((NUM_BLOCKS - 1) * BS - 3)]
+    sched.add_request(make_request("c", prompt_c, max_tokens=3))
+    step_c = sched.schedule()
+    output_c = worker.forward(step_c)
+    worker.update(step_a, output_a)
+    worker.update(step_c, output_c)
+    pinned = sched.connector._nixl.pinned_reads.blocks_pinned
+    assert pinned == -(-len(held_a) // BS)
+    # One more step (where vLLM recomputes what the read's load errors name), then the late
+    # bytes arrive, then the cold prompt runs to its third token.
+    worker.step()
+    worker.land_late("a")
+    for _ in range(STEP_LIMIT):
+        worker.step()
+        if len(worker.tokens.get("c", ())) == 3:
+            break
+    tokens = list(prompt_c)
+    for _ in range(3):
+        tokens.append(answer_to(tokens))
+    assert worker.tokens.get("c") == tokens[len(prompt_c) :]
+    assert sched.connector._nixl.pinned_reads.blocks_pinned == 0

@@ -8,9 +8,9 @@ from __future__ import annotations
 import queue
 from typing import Any
 
+from server.connector.pd.late_reads import ReadReport
 from server.connector.pd.sync_reads import READ_TIMED_OUT, SYNC_READS_ATTR, wait_for_reads
 from tests.unit.server.connector.test_pd_params import (
-    BS,
     HELD,
     PROMPT,
     Blocks,
@@ -180,7 +180,11 @@ def test_what_did_not_land_is_this_steps_load_errors_and_never_reported_received
     # its blocks reported for the scheduler to pin; the handshake's read will only notify.
     assert worker.released == [] and "slow" not in worker._recving_transfers
     assert worker._recv_failures == {"slow"} and len(conn.late_reads) == 1
-    assert conn.build_connector_worker_meta().given_up == {"slow": ([20, 21], 1)}
+    report = conn.build_connector_worker_meta()
+    assert report.given_up == {"slow": ([20, 21], 1)}
+    # Whether each landed, by request id, for the scheduler's accounts.
+    assert report.sync_landed == {"ok": True, "slow": False, "hs": False, "lost": False}
+    assert conn.build_connector_worker_meta() is None  # this step's only
     assert hs_meta.local_physical_block_ids == [] and hs_meta.local_block_ids == [[]]
     # Reported by upstream later (then kept from the scheduler); the abandoned one never is.
     assert conn._sync_ids == {"ok", "slow"}
@@ -229,19 +233,28 @@ def _filtered(conn: Any, results: Any) -> Any:
 
 
 def test_the_scheduler_learns_which_synchronous_reads_did_not_land():
+    """By request id from the workers' report: with asynchronous scheduling the next step's
+    reads are queued before this step's output arrives, and a step's output may carry no
+    connector news at all."""
     conn = _connector(sync=True)
-    req = Req("p", PROMPT, _d_handle(HELD))
-    _sync_pull(conn, req, 4, [7, 8, 9, 10, 11])
-    assert conn.loads_synchronously(req)
+    first = Req("p", PROMPT, _d_handle(HELD))
+    _sync_pull(conn, first, 4, [7, 8, 9, 10, 11])
+    second = Req("q", PROMPT, _d_handle(HELD))
+    _sync_pull(conn, second, 4, [20, 21, 22, 23, 24])  # queued before the first one's output
+    assert conn.loads_synchronously(first) and conn.loads_synchronously(second)
 
     class StepOutput:
         finished_sending = None
         finished_recving = None
-        invalid_block_ids = {9}  # the read's second block did not land
+        invalid_block_ids = {9}
+        # Two tensor-parallel workers: the first read landed on one of them only.
+        kv_connector_worker_meta = ReadReport(sync_landed={"p": True}).aggregate(
+            ReadReport(sync_landed={"p": False})
+        )
 
     conn.update_connector_output(StepOutput())
-    assert conn.take_failed_sync_reads() == [(req, BS)]  # its first block did
+    assert conn.take_failed_sync_reads() == [(first, 0)]
     assert conn.take_failed_sync_reads() == []
-    StepOutput.invalid_block_ids = {9}
-    conn.update_connector_output(StepOutput())  # the next step: that read is no longer in it
-    assert conn.take_failed_sync_reads() == []
+    StepOutput.kv_connector_worker_meta = ReadReport(sync_landed={"q": True})
+    conn.update_connector_output(StepOutput())  # the second step's: it landed
+    assert conn.take_failed_sync_reads() == [] and conn._sync_inflight == {}
