@@ -169,8 +169,10 @@ def _scheduler_metrics(sched: SchedulerStats | None):
 
 
 def _pd_metrics(pd: PDStats | None):
-    """P/D instances: holds (a lease on device blocks), how often they yielded to new work,
-    steps where a waiting request found the device cache full, and declined handles."""
+    """P/D instances and aggregated replicas: holds (a lease on device blocks), how often they
+    yielded to new work, steps where a waiting request found the device cache full, declined
+    handles, synchronous pulls and pulls given up in flight (blocks that stay pinned until the
+    read ends: a value that never drops is a read that never ended)."""
     if pd is None:
         return
     yield from _unlabelled(
@@ -178,6 +180,11 @@ def _pd_metrics(pd: PDStats | None):
         [
             ("kvbranch_pd_holds", "Conversations held on the device for a peer's pull", pd.holds),
             ("kvbranch_pd_held_blocks", "Device blocks held for a peer's pull", pd.held_blocks),
+            (
+                "kvbranch_pd_late_read_blocks_pinned",
+                "Device blocks pinned for pulls given up while NIXL still had them in flight",
+                pd.late_read_blocks_pinned,
+            ),
         ],
     )
     yield from _unlabelled(
@@ -198,6 +205,21 @@ def _pd_metrics(pd: PDStats | None):
                 "kvbranch_pd_claims_refused",
                 "Claims refused (hold released, expired or used)",
                 pd.claims_refused,
+            ),
+            (
+                "kvbranch_pd_sync_reads",
+                "Pulls loaded before the step's forward (the forward waited for the read)",
+                pd.sync_reads,
+            ),
+            (
+                "kvbranch_pd_sync_reads_not_landed",
+                "Synchronous pulls that did not land before the forward (recomputed)",
+                pd.sync_reads_not_landed,
+            ),
+            (
+                "kvbranch_pd_late_reads",
+                "Pulls given up while NIXL still had them in flight (recomputed, blocks pinned)",
+                pd.late_reads,
             ),
         ],
     )
