@@ -10,6 +10,7 @@ readdressing each request: no extra hop); ``router`` is ours. The workloads are 
     .venv/bin/python -m benchmarks replicas --replicas 2 --front round-robin affinity router
     .venv/bin/python -m benchmarks replicas --conversations 1 --turns 2 --no-results  # a smoke
     .venv/bin/python -m benchmarks replicas --workload mooncake --conversations 6 --turns 3
+    .venv/bin/python -m benchmarks replicas --front --moved-probes 20 --probe-configs sync
 """
 
 from __future__ import annotations
@@ -336,7 +337,14 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, info: Any, s
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--front", nargs="+", default=list(FRONTS), choices=FRONTS)
+    parser.add_argument(
+        "--front",
+        nargs="*",
+        default=list(FRONTS),
+        choices=FRONTS,
+        help="the fronts to run the workload behind (--front alone: none, only the "
+        "moved-turn probes)",
+    )
     parser.add_argument(
         "--configs",
         nargs="+",

@@ -56,8 +56,10 @@ def _peer_turns(server, source: str) -> float:
     return value
 
 
-def _sync_reads(server) -> int:
-    return int(stats(server)["pd"]["sync_reads"])
+def _sync_reads(server) -> tuple[int, int]:
+    """Synchronous pulls, and those the workers reported not landed."""
+    pd = stats(server)["pd"]
+    return int(pd["sync_reads"]), int(pd["sync_reads_not_landed"])
 
 
 def _peer_index_errors(server, op: str) -> float:
@@ -81,8 +83,9 @@ def test_each_turn_pulls_its_history_from_the_other_replica(replicas, plain_serv
         pulled = remote_hits(here) - remote_before
         assert pulled >= 400, f"turn {step + 2} pulled {pulled} tokens from the peer"
         assert split.get("remote_hit_tokens", pulled) >= 400
-        # Loaded before the forward that computed the rest (server/connector/pd/sync_reads.py).
-        assert _sync_reads(here) == sync_before + 1
+        # Loaded before the forward that computed the rest (server/connector/pd/sync_reads.py),
+        # and the workers reported it landed.
+        assert _sync_reads(here) == (sync_before[0] + 1, sync_before[1])
 
 
 def test_a_history_that_diverges_pulls_only_the_common_prefix(replicas, plain_server):
