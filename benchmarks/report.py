@@ -48,6 +48,21 @@ def run_key(r: Record) -> tuple[str, str, str, str]:
     return (r.date, r.commit, r.command, r.machine)
 
 
+#: Metrics a benchmark no longer writes, per benchmark: metric (after a run's shape prefix,
+#: ``"bfcl 4x3: "``) -> what replaced it. Their records stay in ``results/``; the page names
+#: them once instead of showing each run's last number of a target no longer judged.
+RETIRED: dict[str, dict[str, str]] = {
+    "replicas": {
+        "moved turn / local turn, p50 TTFT": "the moved-turn probe (moved turn / local "
+        "host-store hit) and, without a target, round robin / affinity",
+    },
+}
+
+
+def is_retired(r: Record) -> bool:
+    return r.metric.rpartition(": ")[2] in RETIRED.get(r.benchmark, {})
+
+
 def latest(all_records: list[Record]) -> dict[str, list[Record]]:
     """Per benchmark, the newest record of each (config, metric), in the order the newest run
     wrote them (older runs' numbers after it)."""
@@ -55,7 +70,8 @@ def latest(all_records: list[Record]) -> dict[str, list[Record]]:
     best: dict[tuple[str, str, str], tuple[int, Record]] = {}
     for i in order:
         r = all_records[i]
-        best[(r.benchmark, r.config, r.metric)] = (i, r)
+        if not is_retired(r):
+            best[(r.benchmark, r.config, r.metric)] = (i, r)
     out: dict[str, list[tuple[str, int, Record]]] = {}
     for (bench, _, _), (i, r) in best.items():
         out.setdefault(bench, []).append((r.date, i, r))
@@ -140,8 +156,10 @@ def per_count_key(r: Record) -> tuple[str, str] | None:
 
 
 def run_tables(recs: list[Record], shared: list[str]) -> list[str]:
-    """One run's numbers: one row per metric and a column per config; numbers measured per
-    agent count one row per config and count, a column per thing measured."""
+    """One run's numbers: one row per metric and a column per config (a run of one config: one
+    line per metric under the run's line, a table of one column being longer for nothing);
+    numbers measured per agent count one row per config and count, a column per thing
+    measured."""
     counted: list[tuple[str, str, Record]] = []
     rest: list[tuple[str, str, Record]] = []
     for r in recs:
@@ -152,7 +170,9 @@ def run_tables(recs: list[Record], shared: list[str]) -> list[str]:
             counted.append((key[0], key[1], r))
     lines: list[str] = []
     fmt = partial(value_cell, shared=shared)
-    if rest:
+    if rest and len({config for _, config, _ in rest}) == 1:
+        lines += [f"  - {metric} ({config}): {fmt(r)}" for metric, config, r in rest]
+    elif rest:
         lines += ["", *pivot(rest, "metric", fmt)]
     if counted:
         lines += ["", *pivot(counted, "config, agents", fmt)]
@@ -186,6 +206,10 @@ def section(bench: str, rows: list[Record]) -> list[str]:
     """A benchmark's section: its plots, each run its latest numbers come from, then its
     ``config@variant`` runs in one table."""
     lines = [f"## {bench}", ""]
+    retired = RETIRED.get(bench, {})
+    if retired:
+        words = "; ".join(f"`{m}` ({by})" for m, by in retired.items())
+        lines.append(f"Retired (records kept in `results/`): {words}.")
     plots = sorted({p for r in rows for p in r.plots})
     lines += [f"![{p}]({p})" for p in plots]
     if plots:

@@ -112,12 +112,32 @@ def test_report_is_the_same_for_the_same_record_files_whatever_order_they_were_w
 
 def test_the_sections_show_every_target_of_the_latest_numbers():
     text = report.render(_history(), [])
-    cells = "\n".join(line for line in text.splitlines() if line.startswith("| "))
+    # Table cells, and the lines of a run of one config (one line per metric, no table).
+    cells = "\n".join(line for line in text.splitlines() if line.startswith(("| ", "  - ")))
     assert "2 s (target >= 3x: **NOT MET**)" in cells
     assert "| 9 s" not in cells  # the older p50 is superseded
     assert "4 s (target <= 5: MET)" in cells  # its own latest
     assert "0 answers (target 0: –)" in cells  # undecided
     assert "1 processes (target 0: **NOT MET**)" in cells
+
+
+def test_a_run_of_one_config_is_one_line_per_metric_and_a_retired_metric_is_named_once(
+    monkeypatch,
+):
+    monkeypatch.setitem(report.RETIRED, "turn_ttft", {"old ratio": "the new probe"})
+    probe = dict(date="2026-12-02 10:00 UTC", commit="3333333", config="probe", unit="x")
+    recs = [
+        *_history(),
+        _rec(metric="bfcl 4x3: old ratio", value=1.78, unit="x", target="<= 1.3x", met=False),
+        _rec(**probe, metric="moved / local", value=1.03, target="<= 1.3x", met=True),
+    ]
+    text = report.render(recs, [])
+    section = text.split("\n## turn_ttft\n", 1)[1].split("\n## ", 1)[0]
+    assert "old ratio" in section and "1.78" not in section  # named, its number not shown
+    assert "`old ratio` (the new probe)" in section
+    # A run of one config: a line under its run line, not a one-column table.
+    run = section.split("git 3333333", 1)[1]
+    assert run.split("\n")[1] == "  - moved / local (probe): 1.03x (target <= 1.3x: MET)"
 
 
 def test_a_finished_study_is_one_line_that_names_every_target_it_missed():
