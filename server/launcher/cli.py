@@ -76,6 +76,7 @@ from server.launcher.settings import (
     CONNECTOR_MODULE,
     DEFAULT_COLD_PREFILL_CHUNK,
     GIB,
+    HEADER_GATE,
     NIXL_CONNECTOR_CLASS,
     PD_CONNECTOR_CLASS,
     PD_CONNECTOR_MODULE,
@@ -298,6 +299,9 @@ def plan_launch(
     if args.api_key:
         # vLLM's --api-key takes a list in ONE flag; repeating the flag keeps only the last.
         argv += ["--api-key", *args.api_key]
+    # Headers checked as the router's edge checks them, before vLLM's own key check (its
+    # --middleware appends: a user's own after `--` still apply, outside this one).
+    argv += ["--middleware", HEADER_GATE]
     control_socket = None
     if not args.no_connector:
         # A fresh private directory (mode 0700, unpredictable name) per server: the socket

@@ -25,6 +25,9 @@ CONNECTOR_MODULE = "server.connector.connector"
 PD_CONNECTOR_CLASS = "KVBranchPDConnector"
 NIXL_CONNECTOR_CLASS = "VerifiedNixlConnector"
 PD_CONNECTOR_MODULE = "server.connector.pd"
+#: The instance's outermost ASGI layer, given to vLLM's ``--middleware`` (applied after vLLM's
+#: own middleware, so before its key check): server/plugin/header_gate.py.
+HEADER_GATE = "server.plugin.header_gate.HeaderGate"
 ROLES = ("single", "prefill", "decode", "router")
 #: The roles of a P/D pair's instances (``--disagg`` and ``--cluster`` start them with ``--role``).
 PD_ROLES = ("prefill", "decode")

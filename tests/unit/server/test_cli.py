@@ -229,6 +229,8 @@ def test_plan_cpu(model_dir):
     assert "--enable-prompt-tokens-details" in argv
     assert "--block-size" not in argv
     assert "--api-key" not in argv
+    # The header gate, outside vLLM's own middleware (server/plugin/header_gate.py).
+    assert flag_value(argv, "--middleware") == "server.plugin.header_gate.HeaderGate"
     config = json.loads(flag_value(argv, "--kv-transfer-config"))
     assert config["kv_connector"] == CONNECTOR_CLASS == "KVBranchConnector"
     assert config["kv_connector_module_path"] == CONNECTOR_MODULE == "server.connector.connector"
