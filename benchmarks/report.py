@@ -206,11 +206,12 @@ def section(bench: str, rows: list[Record]) -> list[str]:
     """A benchmark's section: its plots, each run its latest numbers come from, then its
     ``config@variant`` runs in one table."""
     lines = [f"## {bench}", ""]
+    plots = sorted({p for r in rows for p in r.plots})
     retired = RETIRED.get(bench, {})
     if retired:
+        # A run's list item may follow the paragraph directly; the plots need a blank line.
         words = "; ".join(f"`{m}` ({by})" for m, by in retired.items())
-        lines.append(f"Retired (records kept in `results/`): {words}.")
-    plots = sorted({p for r in rows for p in r.plots})
+        lines += [f"Retired (records kept in `results/`): {words}.", *([""] if plots else [])]
     lines += [f"![{p}]({p})" for p in plots]
     if plots:
         lines.append("")
