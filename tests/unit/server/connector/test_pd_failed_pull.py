@@ -6,7 +6,8 @@ upstream offers D's tokens again, then skips the read it already queued once
 (``_remote_blocks_processed``), and the request waits for a read that never comes
 (docs/pd.md, "A pull that fails"). kvbranch's P must recompute instead.
 
-Real parts: vLLM's ``Scheduler`` with the connector stack and transfer config the launcher gives
+Real parts: vLLM's ``Scheduler`` (and its ``AsyncScheduler``, for asynchronous scheduling) with
+the connector stack and transfer config the launcher gives
 P (``pd_transfer_config``: ``KVBranchPDConnector`` of ``VerifiedNixlConnector`` and the kvbranch
 connector, failure policy "recompute"). Faked: only what the worker processes do. The fake
 worker keeps what every device block holds (token ids written by a forward or by a read), reads
