@@ -18,9 +18,6 @@ from typing import Any
 from server.checks.headers import header_problem
 from server.common.errors import send_error
 
-#: The import path the launcher passes to vLLM's ``--middleware``.
-HEADER_GATE = f"{__name__}.HeaderGate"
-
 
 class HeaderGate:
     """ASGI: a request whose checked headers are repeated or not printable ASCII gets 400
@@ -38,4 +35,4 @@ class HeaderGate:
         await self.app(scope, receive, send)
 
 
-__all__ = ["HEADER_GATE", "HeaderGate"]
+__all__ = ["HeaderGate"]

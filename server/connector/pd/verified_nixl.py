@@ -260,7 +260,6 @@ class VerifiedNixlConnector(NixlConnector):
         self._sync_failed: list[tuple[Any, int]] = []
         self.sync_reads = 0  # scheduler
         self.sync_reads_not_landed = 0  # scheduler, from the workers' reports
-        self.sync_reads_failed = 0  # worker
         #: Worker: pulls given up while in flight, polled until they end (late_reads.py).
         self.late_reads = LateReads()
         #: Scheduler: their blocks, pinned until then.
@@ -783,7 +782,6 @@ class VerifiedNixlConnector(NixlConnector):
             if unqueued is not None:
                 self._sync_invalid.update(unqueued)
                 self._sync_landed[request_id] = False
-                self.sync_reads_failed += 1
             elif request_id in meta.reqs_to_recv:
                 reads[request_id] = meta.reqs_to_recv[request_id]
                 self._sync_ids.add(request_id)
@@ -804,7 +802,6 @@ class VerifiedNixlConnector(NixlConnector):
                 continue
             read = reads[request_id]
             self._sync_invalid.update(read.local_block_ids[0])
-            self.sync_reads_failed += 1
             logger.warning(
                 "kvbranch: request %s: its pull did not land before the forward (%s): "
                 "recomputing those tokens",

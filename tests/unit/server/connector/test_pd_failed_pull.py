@@ -305,6 +305,23 @@ def d_handle(worker: FakeWorker, rid: str, held: list[int], first_block: int) ->
     return params
 
 
+def run_to_tokens(worker: FakeWorker, rid: str, count: int) -> list[int]:
+    """Step until ``rid`` has ``count`` tokens (or the step limit): the tokens it got."""
+    for _ in range(STEP_LIMIT):
+        worker.step()
+        if len(worker.tokens.get(rid, ())) >= count:
+            break
+    return worker.tokens.get(rid, [])
+
+
+def greedy(prompt: list[int], count: int) -> list[int]:
+    """Plain vLLM's first ``count`` tokens: the fake model on right KV, token by token."""
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(answer_to(tokens))
+    return tokens[len(prompt) :]
+
+
 def run_to_answer(worker: FakeWorker, rid: str) -> int:
     for _ in range(STEP_LIMIT):
         worker.step()
@@ -418,12 +435,7 @@ def test_a_late_reads_blocks_go_to_no_other_request_until_it_ended(sync_p_worker
     worker.step()
     # ... and the late read's bytes arrive now: into blocks nobody else was given.
     worker.land_late("a")
-    for _ in range(STEP_LIMIT):
-        worker.step()
-        if len(worker.tokens.get("c", ())) == 2:
-            break
-    first = answer_to(prompt_c)
-    assert worker.tokens.get("c") == [first, answer_to([*prompt_c, first])]
+    assert run_to_tokens(worker, "c", 2) == greedy(prompt_c, 2)
     assert sched.connector._nixl.pinned_reads.blocks_pinned == 0
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
 
@@ -469,12 +481,5 @@ def test_a_late_read_of_a_request_aborted_before_its_output_is_pinned_in_time(
     # bytes arrive, then the cold prompt runs to its third token.
     worker.step()
     worker.land_late("a")
-    for _ in range(STEP_LIMIT):
-        worker.step()
-        if len(worker.tokens.get("c", ())) == 3:
-            break
-    tokens = list(prompt_c)
-    for _ in range(3):
-        tokens.append(answer_to(tokens))
-    assert worker.tokens.get("c") == tokens[len(prompt_c) :]
+    assert run_to_tokens(worker, "c", 3) == greedy(prompt_c, 3)
     assert sched.connector._nixl.pinned_reads.blocks_pinned == 0

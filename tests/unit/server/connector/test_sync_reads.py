@@ -175,7 +175,6 @@ def test_what_did_not_land_is_this_steps_load_errors_and_never_reported_received
     conn._wait_for_sync_reads(worker, meta, getattr(meta, SYNC_READS_ATTR))
     assert conn.get_block_ids_with_load_errors() == {20, 21, 30, 31, 40}
     assert conn.get_block_ids_with_load_errors() == set()  # this step's only
-    assert conn.sync_reads_failed == 3
     # The slow read is failed but kept in flight, unreleased (a release would not stop it),
     # its blocks reported for the scheduler to pin; the handshake's read will only notify.
     assert worker.released == [] and "slow" not in worker._recving_transfers
@@ -184,6 +183,7 @@ def test_what_did_not_land_is_this_steps_load_errors_and_never_reported_received
     assert report.given_up == {"slow": ([20, 21], 1)}
     # Whether each landed, by request id, for the scheduler's accounts.
     assert report.sync_landed == {"ok": True, "slow": False, "hs": False, "lost": False}
+    assert list(report.sync_landed.values()).count(False) == 3  # not landed, of the four
     assert conn.build_connector_worker_meta() is None  # this step's only
     assert hs_meta.local_physical_block_ids == [] and hs_meta.local_block_ids == [[]]
     # Reported by upstream later (then kept from the scheduler); the abandoned one never is.

@@ -14,7 +14,6 @@ from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddlew
 
 from server.checks.headers import header_problem
 from server.launcher.settings import HEADER_GATE
-from server.plugin.header_gate import HEADER_GATE as GATE_PATH
 from server.plugin.header_gate import HeaderGate
 
 KEY = "sk-test"
@@ -42,7 +41,7 @@ async def post(api: FastAPI, headers: list[tuple[bytes, bytes]]) -> httpx.Respon
 
 
 def test_the_launcher_names_the_gate():
-    assert HEADER_GATE == GATE_PATH
+    assert HEADER_GATE == f"{HeaderGate.__module__}.{HeaderGate.__qualname__}"
 
 
 @pytest.mark.parametrize(
