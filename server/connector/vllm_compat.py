@@ -755,24 +755,28 @@ async def prefill_only(
     extra_args: dict[str, Any],
     session_id: str | None,
     priority: int = 0,
+    data_parallel_rank: int | None = None,
 ) -> dict[str, Any] | None:
     """Run ``token_ids`` through the engine as a one-token greedy request (a prefill) and
     return the ``kv_transfer_params`` its finished output carries (the connector's handle),
     None when it has none. ``extra_args`` go where vLLM's OpenAI routes put ``vllm_xargs``
     (``kv_transfer_params`` among them); ``session_id`` is the engine request's, as vLLM's
-    routes set it from a session header. Cancelling the awaiting task aborts the request
+    routes set it from a session header; ``data_parallel_rank`` the engine it runs on (None:
+    where vLLM's balancer puts it). Cancelling the awaiting task aborts the request
     (vLLM's ``generate`` does on cancellation)."""
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
 
     params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=dict(extra_args))
     transfer: dict[str, Any] | None = None
+    rank = {"data_parallel_rank": data_parallel_rank} if data_parallel_rank is not None else {}
     async for output in engine_client.generate(
         tokens_input(list(token_ids), cache_salt=cache_salt),
         params,
         request_id,
         priority=priority,
         session_id=session_id,
+        **rank,
     ):
         if output.finished:
             transfer = output.kv_transfer_params

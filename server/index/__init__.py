@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from server.index.base import IndexUnavailable
 from server.index.blocks import BlockBatch, BlockHits, BlockIndex
-from server.index.membership import InstanceRecord, Membership
+from server.index.membership import InstanceRecord, Membership, member_id
 from server.index.memory import MemoryIndexStore
 from server.index.sessions import Hold, Key, SessionStore, TurnStart
 from server.index.store import IndexStore, InstanceIndex
@@ -42,6 +42,7 @@ __all__ = [
     "MemoryIndexStore",
     "SessionStore",
     "TurnStart",
+    "member_id",
     "open_store",
 ]
 

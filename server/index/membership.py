@@ -48,6 +48,13 @@ class InstanceRecord:
     mac: str = ""
 
 
+def member_id(instance_id: str, engine: int, engines: int) -> str:
+    """The index identity of data-parallel engine ``engine`` of the ``engines`` behind one API
+    server (each engine core has its own connector, host store and NIXL side channel, so each
+    is a member); the instance's own id with a single engine."""
+    return instance_id if engines <= 1 else f"{instance_id}-dp{engine}"
+
+
 def generation_of(record: InstanceRecord, tier: str) -> int:
     """The generation ``record``'s entries of ``tier`` ("device" or "host") are stamped with."""
     return record.host_generation if tier == "host" else record.generation

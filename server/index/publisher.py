@@ -1,5 +1,9 @@
 """The instance side of the cluster index (docs/kv_events.md): one asyncio task in the kvbranch
-plugin of every instance started with a shared ``--index``.
+plugin of every instance started with a shared ``--index``. An instance with several
+data-parallel engines is one member per engine (:func:`~server.index.membership.member_id`):
+each engine core has its own connector, host store, KV-event publisher and NIXL side channel,
+so each is a member with its own record, block entries and generation, all sharing the API
+server's URL.
 
 * **heartbeat** every :data:`HEARTBEAT_INTERVAL_S`: the instance's
   :class:`~server.index.membership.InstanceRecord` (identity, URL, role, model, block size,
@@ -22,15 +26,16 @@ import asyncio
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from server.connector.pd.transfer_auth import load_cluster_secret
 from server.index import record_seal
 from server.index.blocks import Tier
 from server.index.events import EventConsumer, Generation
-from server.index.membership import DEFAULT_HEARTBEAT_TTL_S, InstanceRecord, Role
+from server.index.membership import DEFAULT_HEARTBEAT_TTL_S, InstanceRecord, Role, member_id
 from server.index.sessions import offered_hold_ttl_s
 from server.index.store import InstanceIndex
 
@@ -60,12 +65,13 @@ def role_of(launcher_role: str) -> Role:
 
 
 def sources_of(engine_client: Any) -> list[Source]:
-    """The KV event publishers of this instance's engines (one per DP rank), from vLLM's
-    resolved configs (``/kv_event_sources``), else from the configured one; [] when events
-    are off or not published over ZMQ."""
+    """The KV event publishers of this instance's engines (one per DP rank, in rank order),
+    from vLLM's resolved configs (``/kv_event_sources``), else from the configured one; []
+    when events are off or not published over ZMQ."""
     configs: list[Any] = []
     try:
-        configs = list((engine_client.get_kv_event_sources() or {}).values())
+        by_rank = engine_client.get_kv_event_sources() or {}
+        configs = [by_rank[rank] for rank in sorted(by_rank)]
     except Exception:  # noqa: BLE001 - an older client or a render-only server
         configs = []
     if not configs:
@@ -85,14 +91,25 @@ def sources_of(engine_client: Any) -> list[Source]:
     return out
 
 
+@dataclass
+class Member:
+    """One member this publisher keeps in the index: its record (read fresh at each heartbeat)
+    and the generation its block entries are stamped with."""
+
+    record: Callable[[], InstanceRecord]
+    generation: Generation
+
+
 class IndexPublisher:
-    """Heartbeats and block events of one instance into ``store``."""
+    """Heartbeats and block events of one instance into ``store``: one member per record in
+    ``record`` (a data-parallel instance's engines, in rank order), engine ``i``'s events from
+    ``sources[i]`` (one member: every source is its own)."""
 
     # Shape only beside sdk/_stream.py's stream: a constructor that keeps its arguments.
     def __init__(
         self,
         store: InstanceIndex,
-        record: Callable[[], InstanceRecord],
+        record: Callable[[], InstanceRecord] | Sequence[Callable[[], InstanceRecord]],
         sources: list[Source],
         *,
         interval_s: float = HEARTBEAT_INTERVAL_S,
@@ -104,19 +121,31 @@ class IndexPublisher:
         self.store = store
         #: The cluster secret: every heartbeat is sealed with it, or no router lists the record.
         self.secret = secret if secret is not None else load_cluster_secret()
-        #: The heartbeat: the record (read fresh each time), how often, how long it lives.
-        self.record = record
+        records = [record] if callable(record) else list(record)
+        if not records:
+            raise ValueError("an index publisher needs at least one member")
+        if len(records) > 1 and sources and len(sources) != len(records):
+            raise ValueError(f"{len(records)} members, {len(sources)} KV-event sources")
+        #: The members, each with its record and its entries' generation.
+        self.members = [Member(r, Generation()) for r in records]
+        #: The heartbeat: how often, how long it lives.
         self.interval_s = interval_s
         self.ttl_s = ttl_s
         #: Bounds: block batches waiting for the index, and the seconds one call may take.
         self.max_pending = max_pending
         self.call_timeout_s = call_timeout_s
-        self.generation = Generation()
         self.consumers = [
-            EventConsumer(ep, rp, self.sink, topic=topic, generation=self.generation)
-            for ep, rp, topic in sources
+            EventConsumer(
+                ep,
+                rp,
+                partial(self.sink_of, i if len(self.members) > 1 else 0),
+                topic=topic,
+                generation=self.members[i if len(self.members) > 1 else 0].generation,
+            )
+            for i, (ep, rp, topic) in enumerate(sources)
         ]
-        self.pending: deque[tuple[int, Tier, list[int], list[int]]] = deque()
+        #: (member, generation, tier, stored, removed) batches waiting for the index.
+        self.pending: deque[tuple[int, int, Tier, list[int], list[int]]] = deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.outage = False
@@ -127,17 +156,34 @@ class IndexPublisher:
         self.batches_dropped = 0
         self.batches_stale = 0
 
+    @property
+    def record(self) -> Callable[[], InstanceRecord]:
+        """The first member's record (the instance's own with a single engine)."""
+        return self.members[0].record
+
+    @property
+    def generation(self) -> Generation:
+        """The first member's generation (the instance's own with a single engine)."""
+        return self.members[0].generation
+
     # --- what the consumers feed -----------------------------------------------------------
     async def sink(
         self, generation: int, tier: Tier, stored: list[int], removed: list[int]
+    ) -> None:
+        """The first member's batch (a single engine's)."""
+        await self.sink_of(0, generation, tier, stored, removed)
+
+    async def sink_of(
+        self, member: int, generation: int, tier: Tier, stored: list[int], removed: list[int]
     ) -> None:
         if len(self.pending) >= self.max_pending:
             # Entries would be incomplete: drop what waits and make everything older invisible.
             self.batches_dropped += len(self.pending) + 1
             self.pending.clear()
-            self.generation.bump("index publisher queue overflowed")
+            for m in self.members:
+                m.generation.bump("index publisher queue overflowed")
         else:
-            self.pending.append((generation, tier, stored, removed))
+            self.pending.append((member, generation, tier, stored, removed))
         self._wake.set()
 
     # --- the task --------------------------------------------------------------------------
@@ -186,33 +232,38 @@ class IndexPublisher:
             await self.shutdown()
 
     async def heartbeat(self) -> None:
-        record = record_seal.seal(
-            replace(
-                self.record(),
-                generation=self.generation.of("device"),
-                host_generation=self.generation.of("host"),
-            ),
-            self.secret,
-        )
-        try:
-            await asyncio.wait_for(self.store.heartbeat(record, self.ttl_s), self.call_timeout_s)
-        except Exception:
-            self.heartbeats_failed += 1
-            raise
+        for member in self.members:
+            record = record_seal.seal(
+                replace(
+                    member.record(),
+                    generation=member.generation.of("device"),
+                    host_generation=member.generation.of("host"),
+                ),
+                self.secret,
+            )
+            try:
+                await asyncio.wait_for(
+                    self.store.heartbeat(record, self.ttl_s), self.call_timeout_s
+                )
+            except Exception:
+                self.heartbeats_failed += 1
+                raise
         self.heartbeats_sent += 1
         logger.debug("kvbranch index publisher: %s", self.counters())
 
     async def flush(self) -> None:
         """Apply waiting batches in order; one that fails stays first in line."""
-        iid = self.record().instance_id
         while self.pending:
-            generation, tier, stored, removed = self.pending[0]
-            if generation < self.generation.of(tier):
+            index, generation, tier, stored, removed = self.pending[0]
+            member = self.members[index]
+            if generation < member.generation.of(tier):
                 self.pending.popleft()  # invisible anyway
                 self.batches_stale += 1
                 continue
             await asyncio.wait_for(
-                self.store.publish_blocks(iid, generation, tier, stored, removed),
+                self.store.publish_blocks(
+                    member.record().instance_id, generation, tier, stored, removed
+                ),
                 self.call_timeout_s,
             )
             self.pending.popleft()
@@ -221,12 +272,13 @@ class IndexPublisher:
 
     async def shutdown(self) -> None:
         """Leave the cluster (best effort, bounded) and release the store."""
-        try:
-            await asyncio.wait_for(
-                self.store.deregister(self.record().instance_id), DEREGISTER_TIMEOUT_S
-            )
-        except Exception as exc:  # noqa: BLE001 - its record expires by TTL anyway
-            logger.info("kvbranch index: deregister skipped (%s)", exc)
+        for member in self.members:
+            try:
+                await asyncio.wait_for(
+                    self.store.deregister(member.record().instance_id), DEREGISTER_TIMEOUT_S
+                )
+            except Exception as exc:  # noqa: BLE001 - its record expires by TTL anyway
+                logger.info("kvbranch index: deregister skipped (%s)", exc)
         try:
             await asyncio.wait_for(self.store.close(), DEREGISTER_TIMEOUT_S)
         except Exception:  # noqa: BLE001
@@ -249,36 +301,56 @@ class IndexPublisher:
             "replay_failures": sum(c.replay_failures for c in consumers),
             "restarts": sum(c.restarts for c in consumers),
             "event_sources": len(self.consumers),
+            "members": len(self.members),
             "outage": self.outage,
         }
 
 
-def nixl_side_channel(role: str) -> str:
-    """P/D and aggregated replicas: the NIXL side channel (host:port) the launcher gave vLLM;
-    "" otherwise."""
+def nixl_side_channel(role: str, engine: int = 0) -> str:
+    """P/D and aggregated replicas: the NIXL side channel (host:port) the launcher gave vLLM,
+    for data-parallel engine ``engine`` (vLLM offsets the port by the engine's rank); ""
+    otherwise."""
     from server.common.env import ENV_PEER_PULL
 
     if role not in ("prefill", "decode") and os.environ.get(ENV_PEER_PULL) != "1":
         return ""
     host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "")
     port = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "")
-    return f"{host}:{port}" if host and port else ""
+    if not (host and port.isdigit()):
+        return ""
+    return f"{host}:{int(port) + engine}"
+
+
+def engine_load(engine_client: Any, engine: int, engines: int) -> int:
+    """Requests in flight on one engine: with several, the waiting and running counts vLLM's
+    data-parallel client balances by (``lb_engines``, vLLM 0.32's ``DPAsyncMPClient``,
+    refreshed by its coordinator); else, or when that is missing, the whole instance's."""
+    if engines > 1:
+        counts = getattr(getattr(engine_client, "engine_core", None), "lb_engines", None)
+        try:
+            return int(sum(counts[engine]))  # type: ignore[index]
+        except (TypeError, IndexError, ValueError):
+            pass
+    try:
+        return int(engine_client.get_num_unfinished_requests())
+    except Exception:  # noqa: BLE001 - not an AsyncLLM: no load signal
+        return 0
 
 
 def record_factory(
-    state: Any, engine_client: Any, url: str, launcher_role: str
+    state: Any, engine_client: Any, url: str, launcher_role: str, engine: int = 0
 ) -> Callable[[], InstanceRecord]:
-    """The instance's record, read fresh at each heartbeat (load changes)."""
+    """The record of the instance's data-parallel engine ``engine`` (the instance's with a
+    single engine), read fresh at each heartbeat (load changes)."""
     config = getattr(engine_client, "vllm_config", None)
     cache = getattr(config, "cache_config", None)
-    parallel = getattr(config, "parallel_config", None)
     block_size = int(getattr(cache, "block_size", 0) or 0)
-    engines = int(getattr(parallel, "data_parallel_size", 1) or 1)
-    nixl = nixl_side_channel(launcher_role)
+    engines = engine_count(engine_client)
+    nixl = nixl_side_channel(launcher_role, engine)
     role = role_of(launcher_role)
     # Shape only beside router/app.py's Pool(...): keyword arguments named as their values.
     base = InstanceRecord(
-        instance_id=state.instance_id,
+        instance_id=member_id(state.instance_id, engine, engines),
         url=url,
         role=role,
         model=state.model_name,
@@ -288,13 +360,15 @@ def record_factory(
     )
 
     def make() -> InstanceRecord:
-        try:
-            load = int(engine_client.get_num_unfinished_requests())
-        except Exception:  # noqa: BLE001 - not an AsyncLLM: no load signal
-            load = 0
-        return replace(base, load=load)
+        return replace(base, load=engine_load(engine_client, engine, engines))
 
     return make
+
+
+def engine_count(engine_client: Any) -> int:
+    """The data-parallel engines behind this API server (1 without data parallel)."""
+    parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
+    return int(getattr(parallel, "data_parallel_size", 1) or 1)
 
 
 #: The index offers a hold for this long when the engine's config names none.
@@ -341,19 +415,29 @@ def start(state: Any, engine_client: Any, args: Any) -> IndexPublisher | None:
     sources = sources_of(engine_client)
     if not sources:
         logger.warning("kvbranch index: vLLM KV events are off: publishing heartbeats only")
+    role = os.environ.get(ENV_ROLE, "single")
+    engines = engine_count(engine_client)
+    if engines > 1 and sources and len(sources) != engines:
+        logger.warning(
+            "kvbranch index: %d KV-event sources for %d engines: publishing heartbeats only",
+            len(sources),
+            engines,
+        )
+        sources = []
     publisher = IndexPublisher(
         store,
-        record_factory(state, engine_client, advertise, os.environ.get(ENV_ROLE, "single")),
+        [record_factory(state, engine_client, advertise, role, e) for e in range(engines)],
         sources,
     )
     task = asyncio.get_running_loop().create_task(publisher.run(), name="kvbranch-index")
     publisher_task.add(task)
     task.add_done_callback(publisher_task.discard)
     logger.info(
-        "kvbranch index publisher: %s cluster=%s as %s, %d event source(s) %s",
+        "kvbranch index publisher: %s cluster=%s as %s (%s), %d event source(s) %s",
         store.kind,
         os.environ.get(ENV_CLUSTER_NAME, "default"),
         advertise,
+        ", ".join(m.record().instance_id for m in publisher.members),
         len(sources),
         [s[0] for s in sources],
     )

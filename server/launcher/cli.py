@@ -45,6 +45,7 @@ from server.common.env import (
 )
 from server.common.logs import PLUGIN_NAME as LOGS_PLUGIN_NAME
 from server.connector.config import ConnectorConfig, NixlChildConfig
+from server.engine.event_endpoints import PLUGIN_NAME as EVENTS_PLUGIN_NAME
 from server.engine.idle import ENV_IDLE_POLL_S
 from server.engine.spin import ENV_MQ_SPIN_S
 from server.engine.spin import PLUGIN_NAME as SPIN_PLUGIN_NAME
@@ -366,7 +367,7 @@ def plan_launch(
     argv += scheduling_argv
     argv += passthrough
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
-    for name in (PLUGIN_NAME, SPIN_PLUGIN_NAME, LOGS_PLUGIN_NAME):
+    for name in (PLUGIN_NAME, SPIN_PLUGIN_NAME, LOGS_PLUGIN_NAME, EVENTS_PLUGIN_NAME):
         if name not in plugins:
             plugins.append(name)
     env = {
@@ -400,7 +401,7 @@ def plan_launch(
         if reserved is not None:
             env[ENV_RESERVED_CPUS] = reserved
     if args.role in PD_ROLES or replica:
-        env.update(pd_environment(args))
+        env.update(pd_environment(args, engines))
     if replica:
         env[ENV_PEER_PULL] = "1"
     if keys:
@@ -465,9 +466,10 @@ def data_parallel_size(passthrough: list[str]) -> int:
 
 def data_parallel_refusal(args: argparse.Namespace, passthrough: list[str]) -> str | None:
     """Why this launch cannot run several data-parallel engines, or None. A single instance
-    can (its plugin gives each session one engine, docs/kv_events.md); a cluster member cannot
-    yet: the index would see one member for N engines, vLLM's KV events cannot use ``ipc://``
-    past engine 0, and a peer's pull or a P/D hand-off would reach engine 0 only."""
+    can (its plugin gives each session one engine, docs/kv_events.md), and so can an aggregated
+    replica (each engine is a member of the index: its own record, KV events on its own
+    ``ipc://`` sockets, NIXL side channel, holds); a P/D instance cannot yet: our router's
+    hand-off names an instance, not an engine."""
     value = data_parallel_size(passthrough)
     if value <= 1:
         return None
@@ -483,12 +485,11 @@ def data_parallel_refusal(args: argparse.Namespace, passthrough: list[str]) -> s
             "server per rank, or engines on other nodes, is not supported (docs/kv_events.md, "
             "'Data parallel')"
         )
-    if index_enabled(args) or args.role in PD_ROLES:
-        what = f"--role {args.role}" if args.role in PD_ROLES else "--index"
+    if args.role in PD_ROLES:
         return (
-            f"--data-parallel-size {value} with {what}: a cluster member with several engines "
-            "is not supported yet; run one instance per engine (docs/kv_events.md, "
-            "'Data parallel')"
+            f"--data-parallel-size {value} with --role {args.role}: a prefill or decode "
+            "instance with several engines is not supported yet; run one instance per engine "
+            "(docs/kv_events.md, 'Data parallel')"
         )
     return None
 
@@ -617,12 +618,17 @@ def pd_transfer_config(
     }
 
 
-def pd_environment(args: argparse.Namespace) -> dict[str, str]:
+def pd_environment(args: argparse.Namespace, engines: int = 1) -> dict[str, str]:
     """NIXL side channel and UCX transports. On one box UCX uses TCP over loopback and shared
     memory; on a cluster leave UCX_TLS unset (UCX picks RDMA: InfiniBand, RoCE, EFA)."""
     nixl_port = args.nixl_port or args.port + 10000
     if nixl_port > 65535:
         raise LaunchError(f"--port {args.port}: pass --nixl-port (port + 10000 is over 65535)")
+    if nixl_port + engines - 1 > 65535:
+        raise LaunchError(
+            f"--nixl-port {nixl_port}: {engines} data-parallel engines listen on it and the "
+            f"{engines - 1} port(s) after it, past 65535"
+        )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "localhost") else args.host
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_port), "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
     if host == "127.0.0.1" and "UCX_TLS" not in os.environ:

@@ -176,8 +176,9 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port() -> int:
-    """A free TCP port outside the kernel's ephemeral range.
+def free_port(span: int = 1) -> int:
+    """A free TCP port outside the kernel's ephemeral range (with ``span``: the first of that
+    many consecutive free ports, as a data-parallel instance's NIXL side channels need).
 
     The server that will listen on it binds it only after loading (a minute or more for an
     instance). A port from the ephemeral range could meanwhile be taken by any socket in the
@@ -189,18 +190,26 @@ def free_port() -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.choice(candidates)
-        if port in _handed_out:
+        ports = range(port, port + span)
+        if port + span > 65536 or any(p in _handed_out for p in ports) or not _bindable(ports):
             continue
+        _handed_out.update(ports)
+        return port
+    if span > 1:
+        raise OSError(f"no {span} consecutive free ports")
+    with socket.socket() as sock:  # a crowded range: the kernel's choice
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _bindable(ports: range) -> bool:
+    for port in ports:
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    with socket.socket() as sock:  # a crowded range: the kernel's choice
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+                return False
+    return True
 
 
 class ServerProcess:

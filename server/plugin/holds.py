@@ -3,11 +3,16 @@ conversation right before the prefill instance pulls it, so that the decode inst
 release those blocks for new work while they are being read (see
 :mod:`server.connector.pd.transfer_auth`). 410 when the hold is already gone: the turn recomputes.
 
+With several data-parallel engines the claim goes to the engine that issued the handle: the one
+whose NIXL side channel it names (vLLM offsets the side-channel port by the engine's rank; the
+handle is sealed, and an engine checks it again before anything is held).
+
 Body :class:`~sdk.contract.HoldClaimRequest`, answer :class:`~sdk.contract.HoldClaimResult`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fastapi import APIRouter, Body, Request
@@ -21,6 +26,19 @@ from server.connector.control.transport import ControlError
 router = APIRouter(tags=["kvbranch"])
 
 _BAD_BODY = f'body must be {{"{CLAIM_HANDLE_FIELD}": <transfer params a decode instance issued>}}'
+#: vLLM's NIXL side-channel port of engine 0 (engine ``i`` listens on this plus ``i``).
+SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
+def issuing_engine(handle: dict[str, Any], engines: int) -> int:
+    """The data-parallel engine whose side channel ``handle`` names (0 when it names none of
+    them: that engine then refuses a handle it did not issue)."""
+    base = os.environ.get(SIDE_CHANNEL_PORT_ENV, "")
+    port = handle.get("remote_port")
+    if engines <= 1 or not base.isdigit() or type(port) is not int:
+        return 0
+    engine = port - int(base)
+    return engine if 0 <= engine < engines else 0
 
 
 @router.post(HOLD_CLAIM_PATH)
@@ -30,8 +48,11 @@ async def claim_hold(request: Request, body: Any = Body(...)) -> Response:  # no
         return error_response(400, _BAD_BODY)
     if kvb.control is None:
         return error_response(503, "the kvbranch connector is not loaded on this server")
+    handle = body[CLAIM_HANDLE_FIELD]
+    controls = kvb.engines.controls or [kvb.control]
+    control = controls[min(issuing_engine(handle, kvb.engines.count), len(controls) - 1)]
     try:
-        result = await kvb.control.call(ClaimHold(handle=body[CLAIM_HANDLE_FIELD]))
+        result = await control.call(ClaimHold(handle=handle))
     except ControlError as exc:
         return error_response(exc.status, exc.message)
     return JSONResponse(result.model_dump(mode="json"))  # a HoldClaimResult, parsed already

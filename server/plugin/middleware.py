@@ -177,7 +177,8 @@ class KVBranchMiddleware:
                 path=path,
             )
             usage_rewrite = dialects.apply(payload, path, header(scope, SESSION_HEADER)).usage
-            peer_turn = await _begin_peer_turn(scope, payload, path)
+            engine = _session_engine(scope, payload, path, owner)
+            peer_turn = await _begin_peer_turn(scope, payload, path, engine or 0)
             if self.priority is not None:
                 # After the peer pull's claim: the history it brings is no prefill here.
                 held = peer_turn.held_tokens if peer_turn is not None else 0
@@ -187,13 +188,10 @@ class KVBranchMiddleware:
                 tag = ""  # it could not be carried: no split to look up
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
-            engines = _engines(scope)
-            if engines is not None and engines.several:
-                session = dialects.session_of(payload, path, header(scope, SESSION_HEADER))
-                if session is not None:
-                    engine = engines.engine_for(owner, session)
-                    control = engines.controls[engine] if engines.controls else None
-                    headers.append(rank_header(engine))
+            if engine is not None:
+                engines = _engines(scope)
+                control = engines.controls[engine] if engines and engines.controls else None
+                headers.append(rank_header(engine))
             scope = dict(scope, headers=headers)
         else:
             tag = ""
@@ -214,6 +212,16 @@ def _engines(scope: dict) -> Engines | None:
     return engines if isinstance(engines, Engines) else None
 
 
+def _session_engine(scope: dict, payload: dict, path: str, owner: str | None) -> int | None:
+    """The data-parallel engine that keeps this request's session (None: one engine, or a
+    turn without a session, which vLLM's balancer places)."""
+    engines = _engines(scope)
+    if engines is None or not engines.several:
+        return None
+    session = dialects.session_of(payload, path, header(scope, SESSION_HEADER))
+    return engines.engine_for(owner, session) if session is not None else None
+
+
 def _peer_pulls(scope: dict) -> PeerPulls | None:
     app = scope.get("app")
     kvb = getattr(getattr(app, "state", None), "kvbranch", None)
@@ -221,10 +229,13 @@ def _peer_pulls(scope: dict) -> PeerPulls | None:
     return peers if isinstance(peers, PeerPulls) else None
 
 
-async def _begin_peer_turn(scope: dict, payload: dict, path: str) -> PeerTurn | None:
-    """An aggregated replica's session turn: its branch's hold taken from the index and, when
-    a peer holds the branch, the claimed pull put in the request (:mod:`server.plugin.
-    peer_pull`); None elsewhere. After the guard, which refused any client transfer params."""
+async def _begin_peer_turn(
+    scope: dict, payload: dict, path: str, engine: int = 0
+) -> PeerTurn | None:
+    """An aggregated replica's session turn (on data-parallel engine ``engine``): its branch's
+    hold taken from the index and, when a peer holds the branch, the claimed pull put in the
+    request (:mod:`server.plugin.peer_pull`); None elsewhere. After the guard, which refused
+    any client transfer params."""
     peers = _peer_pulls(scope)
     if peers is None or path not in PEER_PULL_PATHS:
         return None
@@ -235,7 +246,7 @@ async def _begin_peer_turn(scope: dict, payload: dict, path: str) -> PeerTurn | 
     branch = xargs.get(BRANCH_XARG) if isinstance(xargs, dict) else None
     authorization = header(scope, "authorization")
     key = (scope_of(authorization), session, str(branch or DEFAULT_BRANCH))
-    return await peers.begin(payload, key, authorization, path)
+    return await peers.begin(payload, key, authorization, path, engine)
 
 
 class _ResponseRewriter:

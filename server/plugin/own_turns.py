@@ -40,9 +40,13 @@ class OwnTurn:
     identity: str
     hashes: list[str]
     tokens: array[int] = field(repr=False)
+    #: The data-parallel engine that served it (its host store, its prefill).
+    engine: int = 0
 
     @classmethod
-    def of(cls, turn: int, cache_salt: Any, params: dict[str, Any]) -> OwnTurn | None:
+    def of(
+        cls, turn: int, cache_salt: Any, params: dict[str, Any], engine: int = 0
+    ) -> OwnTurn | None:
         """From the sealed handle the connector issued for the turn; None when it lacks the
         fields (then nothing can be revived)."""
         tokens, hashes = params.get(TOKENS_FIELD), params.get(HASHES_FIELD)
@@ -56,7 +60,7 @@ class OwnTurn:
         ):
             return None
         salt = cache_salt if isinstance(cache_salt, str) else None
-        return cls(turn, salt, identity, list(hashes), array("i", tokens))
+        return cls(turn, salt, identity, list(hashes), array("i", tokens), engine)
 
 
 class OwnTurns:

@@ -39,6 +39,13 @@ Kubernetes Service, llm-d's scheduler, our router — each session turn it recei
    anyone, so the replica it lands on carries the pin over, as our router does for the turns
    it moves.
 
+With several data-parallel engines each engine is a member of its own (its connector, host
+store and NIXL side channel; :func:`~server.index.membership.member_id`): a session's turn is
+the member of the engine the plugin gives the session (the digest of its owner and id), whose
+hold it files and whose holds count as its own; a peer's claim reaches the engine whose side
+channel the handle names (:mod:`server.plugin.holds`), its revive the engine that served the
+turn, its block-run revive the member it names.
+
 Anything that fails — the index, the peer, the claim, the pull itself — costs a recompute,
 never the request.
 """
@@ -66,7 +73,7 @@ from sdk.contract import (
 )
 from server.common.cluster_auth import ROUTER_PROOF_HEADER, sign
 from server.common.pin_follow import follow_pin
-from server.index import Hold, InstanceRecord, Key, record_seal
+from server.index import Hold, InstanceRecord, Key, member_id, record_seal
 from server.plugin.pull_cost import MIN_PULL_TOKENS, PullCostModel, PullPath
 from server.plugin.revive_rules import REVIVE_HANDLE_FIELD, REVIVE_PATH
 
@@ -100,6 +107,10 @@ class PeerTurn:
     key: Key
     turn: int
     source: str = "local"
+    #: The data-parallel engine serving it, and that engine's member id (the instance's id
+    #: with a single engine).
+    engine: int = 0
+    member: str = ""
     #: The request's cache salt (the tenant's), kept with this replica's handle for revives.
     cache_salt: Any = None
     #: When the turn began here and when its first token went out (``time.monotonic``; the
@@ -153,10 +164,13 @@ class PeerPulls:
         client: httpx.AsyncClient | None = None,
         min_tokens: int = MIN_PULL_TOKENS,
         clock: Any = time.monotonic,
+        engines: int = 1,
     ) -> None:
         #: The shared index (a SessionStore and a Membership: the publisher's store).
         self.store = store
         self.instance_id = instance_id
+        #: The data-parallel engines behind this API server, each a member of its own.
+        self.engines = max(1, int(engines))
         self.url = url
         self.secret = secret
         self.client = client or httpx.AsyncClient(timeout=CLAIM_TIMEOUT_S)
@@ -176,6 +190,18 @@ class PeerPulls:
         #: The block-run fallback (None: no fallback), set by :func:`start`.
         self.runs: RunLookup | None = None
 
+    def member_of(self, engine: int) -> str:
+        """The member id of this replica's data-parallel engine ``engine``."""
+        return member_id(self.instance_id, engine, self.engines)
+
+    def engine_of_member(self, member: str | None) -> int | None:
+        """The engine of this replica that ``member`` names (None: the first); None when it
+        is none of them."""
+        if member is None:
+            return 0
+        members = [self.member_of(e) for e in range(self.engines)]
+        return members.index(member) if member in members else None
+
     def _index_error(self, op: str, exc: BaseException) -> None:
         self.counts.index_errors[op] = self.counts.index_errors.get(op, 0) + 1
         logger.info("kvbranch peer pulls: index %s failed (%s): recomputing", op, exc)
@@ -186,30 +212,34 @@ class PeerPulls:
         key: Key,
         authorization: str | None,
         path: str = PEER_PULL_PATHS[0],
+        engine: int = 0,
     ) -> PeerTurn:
         """Take the branch's hold and set the request's transfer params: a claimed handle of
-        the peer that holds the branch (or revived it), else :data:`LOCAL_PARAMS`. Never
-        raises."""
+        the peer that holds the branch (or revived it), else :data:`LOCAL_PARAMS`. ``engine``:
+        the data-parallel engine the turn goes to. Never raises."""
         self.counts.turns += 1
         started = time.monotonic()
+        me = self.member_of(engine)
         payload["kv_transfer_params"] = dict(LOCAL_PARAMS)
         try:
             start = await asyncio.wait_for(self.store.begin_turn(key), INDEX_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the index is advisory
             self._index_error("begin_turn", exc)
-            return PeerTurn(key, 0, started_at=started)
+            return PeerTurn(key, 0, started_at=started, engine=engine, member=me)
         turn = PeerTurn(
             key,
             start.turn,
+            engine=engine,
+            member=me,
             cache_salt=payload.get(CACHE_SALT_FIELD),
             started_at=started,
             authorization=authorization,
         )
         hold: Hold | None = start.hold
         left = hold.instance_id if hold is not None else start.home
-        turn.left = left if left != self.instance_id else None
+        turn.left = left if left != me else None
         if hold is None:
-            if start.home is not None and start.home != self.instance_id:
+            if start.home is not None and start.home != me:
                 # The branch's last known chain: what the home's store had of it at most.
                 known = len(start.chain) * self.block_size if self.block_size else 0
                 tokens = known or None
@@ -217,7 +247,7 @@ class PeerPulls:
                     return turn
             await self._pull_run(payload, turn, path, authorization)
             return turn
-        if hold.instance_id == self.instance_id:
+        if hold.instance_id == me:
             self.counts.own_holds += 1  # its blocks are in this instance's own caches
             return turn
         if not await self._worth_pulling(turn, "hold", hold.num_tokens, hold.instance_id):
@@ -329,7 +359,8 @@ class PeerPulls:
             return
         try:
             found = await asyncio.wait_for(
-                self.runs.find(payload, path, await self.members()), REVIVE_WAIT_S
+                self.runs.find(payload, path, await self.members(), engine=turn.engine),
+                REVIVE_WAIT_S,
             )
         except Exception as exc:  # noqa: BLE001 - the index, the connector: advisory
             self._index_error("block_hits", exc)
@@ -440,7 +471,7 @@ class PeerPulls:
         if run is None:
             self.counts.revives_asked += 1
         else:
-            body.update(token_ids=run.token_ids, cache_salt=run.cache_salt)
+            body.update(token_ids=run.token_ids, cache_salt=run.cache_salt, member=peer.instance_id)
         content = json.dumps(body).encode()
         try:
             r = await self.client.post(
@@ -470,20 +501,19 @@ class PeerPulls:
         if not isinstance(params, dict) or not params.get(REMOTE_BLOCK_IDS):
             return
         if self.reviver is not None:
-            self.reviver.remember(turn.key, turn.turn, turn.cache_salt, params)
-        hold = Hold(self.url, self.instance_id, dict(params), turn=turn.turn)
+            self.reviver.remember(turn.key, turn.turn, turn.cache_salt, params, turn.engine)
+        me = turn.member or self.member_of(turn.engine)
+        hold = Hold(self.url, me, dict(params), turn=turn.turn)
         tenant, session = turn.key[0], turn.key[1]
         try:
             if await asyncio.wait_for(self.store.put_hold(turn.key, hold), INDEX_TIMEOUT_S):
                 self.counts.holds_filed += 1
             await asyncio.wait_for(
-                self.store.add_session_instances(tenant, session, [self.instance_id]),
+                self.store.add_session_instances(tenant, session, [me]),
                 INDEX_TIMEOUT_S,
             )
             # Where a peer asks for a revive once the hold's offer has ended.
-            await asyncio.wait_for(
-                self.store.set_home(tenant, session, self.instance_id), INDEX_TIMEOUT_S
-            )
+            await asyncio.wait_for(self.store.set_home(tenant, session, me), INDEX_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             self._index_error("put_hold", exc)
 
@@ -534,32 +564,36 @@ def start(state: Any) -> PeerPulls | None:
     if os.environ.get(ENV_PEER_PULL) != "1" or publisher is None:
         return None
     record = publisher.record()
+    engines = state.engines.count
     pulls = PeerPulls(
         publisher.store,
         instance_id=state.instance_id,
         url=record.url,
         secret=publisher.secret,
+        engines=engines,
     )
     pulls.block_size = record.block_size
     if state.control is not None and record.block_size > 0:
         from server.plugin.revive import Reviver, control_coverage, engine_prefill
         from server.plugin.run_lookup import RunLookup, engine_render
 
-        run_cover = control_coverage(state.control)
+        controls = state.engines.controls or [state.control]
+        cover = control_coverage(controls)
         pulls.reviver = Reviver(
-            control_coverage(state.control),
-            engine_prefill(state.engine_client),
+            cover,
+            engine_prefill(state.engine_client, engines),
             block_size=record.block_size,
             min_tokens=pulls.min_tokens,
-            run_coverage=run_cover,
+            run_coverage=cover,
         )
         pulls.runs = RunLookup(
             publisher.store,
             engine_render(state.engine_client),
-            run_cover,
+            cover,
             instance_id=state.instance_id,
             block_size=record.block_size,
             min_tokens=pulls.min_tokens,
+            engines=engines,
         )
     logger.info(
         "kvbranch peer pulls on: session turns pull from the replica holding them%s",

@@ -78,9 +78,11 @@ REVIVE_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": False, "do_remote_
 #: A revive's prefill may wait this long in the engine (then it is aborted: the peer recomputes).
 REVIVE_TIMEOUT_S = 8.0
 
-Coverage = Callable[[HostCoverage], Awaitable[HostCoverageResult]]
-RunCover = Callable[[RunCoverage], Awaitable[RunCoverageResult]]
-#: (token ids, the turn, its key, the tenant's owner) -> the finished request's handle.
+#: A control op's answer from one data-parallel engine's connector (``engine``: its rank).
+Coverage = Callable[..., Awaitable[HostCoverageResult]]
+RunCover = Callable[..., Awaitable[RunCoverageResult]]
+#: (token ids, the turn, its key, the tenant's owner) -> the finished request's handle (run on
+#: the turn's engine, ``own.engine``).
 Prefill = Callable[[list[int], OwnTurn, Key, "str | None"], Awaitable["dict[str, Any] | None"]]
 
 
@@ -112,10 +114,11 @@ class Reviver:
         self.outcomes: dict[str, int] = {}
         self.revived_tokens = 0
 
-    def remember(self, key: Key, turn: int, cache_salt: Any, params: Any) -> None:
-        """Keep the handle this replica issued for ``key``'s turn (what a revive needs)."""
+    def remember(self, key: Key, turn: int, cache_salt: Any, params: Any, engine: int = 0) -> None:
+        """Keep the handle this replica's data-parallel engine ``engine`` issued for ``key``'s
+        turn (what a revive needs)."""
         if isinstance(params, dict):
-            own = OwnTurn.of(turn, cache_salt, params)
+            own = OwnTurn.of(turn, cache_salt, params, engine)
             if own is not None:
                 self.turns.remember(key, own)
 
@@ -130,16 +133,17 @@ class Reviver:
         return result
 
     async def revive_run(
-        self, key: Key, owner: str | None, target: ReviveTarget
+        self, key: Key, owner: str | None, target: ReviveTarget, engine: int = 0
     ) -> dict[str, Any] | Refusal:
-        """A block-run revive of ``target``'s token ids for ``key``'s turn, or why not.
-        Nothing runs in the engine unless every check passed."""
-        result = await self._revive_run(key, owner, target)
+        """A block-run revive of ``target``'s token ids for ``key``'s turn on data-parallel
+        engine ``engine`` (whose host store the index listed), or why not. Nothing runs in the
+        engine unless every check passed."""
+        result = await self._revive_run(key, owner, target, engine)
         self._count(result.reason if isinstance(result, Refusal) else "served")
         return result
 
     async def _revive_run(
-        self, key: Key, owner: str | None, target: ReviveTarget
+        self, key: Key, owner: str | None, target: ReviveTarget, engine: int
     ) -> dict[str, Any] | Refusal:
         assert target.token_ids is not None
         refused = salt_refusal(target.cache_salt, owner)
@@ -154,13 +158,18 @@ class Reviver:
         try:
             try:
                 cover = await self.run_coverage(
-                    RunCoverage(token_ids=tokens, cache_salt=target.cache_salt)
+                    RunCoverage(token_ids=tokens, cache_salt=target.cache_salt), engine=engine
                 )
             except Exception as exc:  # noqa: BLE001 - the connector's answer, or none
                 logger.info("kvbranch revive: run coverage failed (%s)", exc)
                 return Refusal(503, "no_coverage", "the host store could not be asked: recompute")
             own = OwnTurn(
-                0, target.cache_salt, cover.identity, list(cover.hashes), array("i", tokens)
+                0,
+                target.cache_salt,
+                cover.identity,
+                list(cover.hashes),
+                array("i", tokens),
+                engine,
             )
             return await self._prefill(own, cover.blocks, key, owner, identity_ok=True)
         finally:
@@ -181,7 +190,7 @@ class Reviver:
                 owner=owner,
             )
             try:
-                cover = await self.coverage(ask)
+                cover = await self.coverage(ask, engine=own.engine)
             except Exception as exc:  # noqa: BLE001 - the connector's answer, or none
                 logger.info("kvbranch revive: host coverage failed (%s)", exc)
                 return Refusal(503, "no_coverage", "the host store could not be asked: recompute")
@@ -233,8 +242,9 @@ def revive_priority(clock: Callable[[], float] = time.monotonic) -> int:
     return encode(clock(), 0) if aging_from_env() is not None else 0
 
 
-def engine_prefill(engine_client: Any) -> Prefill:
-    """The revive's request on this replica's own engine."""
+def engine_prefill(engine_client: Any, engines: int = 1) -> Prefill:
+    """The revive's request on this replica's own engine (of ``engines`` data-parallel ones:
+    the turn's, ``own.engine``)."""
 
     async def run(tokens: list[int], own: OwnTurn, key: Key, owner: str | None) -> Any:
         from server.connector.vllm_compat import prefill_only
@@ -253,17 +263,19 @@ def engine_prefill(engine_client: Any) -> Prefill:
             extra_args=extra,
             session_id=key[1],
             priority=revive_priority(),
+            data_parallel_rank=own.engine if engines > 1 else None,
         )
 
     return run
 
 
-def control_coverage(control: Any) -> Any:
-    """A control op's answer from this replica's connector (``host_coverage``,
-    ``run_coverage``)."""
+def control_coverage(controls: Any) -> Any:
+    """A control op's answer (``host_coverage``, ``run_coverage``) from the connector of
+    data-parallel engine ``engine`` (``controls``: one control client per engine, or one)."""
+    clients = list(controls) if isinstance(controls, (list, tuple)) else [controls]
 
-    async def ask(req: Any) -> Any:
-        return await control.call(req)
+    async def ask(req: Any, engine: int = 0) -> Any:
+        return await clients[engine].call(req)
 
     return ask
 
@@ -286,7 +298,10 @@ async def revive_branch(request: Request, body: Any = Body(...)) -> Response:  #
     if target.token_ids is None:
         result = await reviver.revive(key, owner)
     else:
-        result = await reviver.revive_run(key, owner, target)
+        engine = kvb.peer_pulls.engine_of_member(target.member)
+        if engine is None:
+            return error_response(404, "no engine of this replica is that member")
+        result = await reviver.revive_run(key, owner, target, engine)
     if isinstance(result, Refusal):
         return error_response(result.status, result.message)
     return JSONResponse({REVIVE_HANDLE_FIELD: result})

@@ -15,7 +15,10 @@ from costing the holder what the peer would compute itself:
 * the turn's identity (cache salt, adapter, engine) must be what the revive request will carry,
   or its block hashes would miss the store and the holder would compute the whole prefix.
 
-A *block-run* revive is asked for a turn the holder has no record of (a session-less turn, a
+A *block-run* revive also names the member whose host store the index listed (``member``: on
+a data-parallel holder, one member per engine, it says which engine's store to load from; a
+member id that is not one of the holder's is a 404). It is asked for a turn the holder has no
+record of (a session-less turn, a
 fork's new branch, a refused home): the asking peer found in the cluster index that the
 holder's host store has the longest run of its prompt's blocks, and sends the prompt's token
 ids up to that run's end, with its cache salt. The holder takes neither on trust: it hashes the
@@ -63,10 +66,13 @@ class ReviveTarget:
     branch_id: str
     token_ids: list[int] | None = None
     cache_salt: str | None = None
+    #: The holder's member the index listed the run under (a block-run revive; None: the
+    #: holder's first engine).
+    member: str | None = None
 
 
 _BRANCH_FIELDS = frozenset(("session_id", "branch_id"))
-_RUN_FIELDS = _BRANCH_FIELDS | {"token_ids", "cache_salt"}
+_RUN_FIELDS = _BRANCH_FIELDS | {"token_ids", "cache_salt", "member"}
 #: The longest cache salt a run names (vLLM's salt check allows no more than this either way).
 MAX_SALT_CHARS = 128
 
@@ -74,8 +80,8 @@ MAX_SALT_CHARS = 128
 def parse_target(body: Any) -> ReviveTarget | Refusal:
     """``{"session_id": ..., "branch_id": ...}`` (``branch_id`` defaults to the main branch),
     both valid ids, plus ``token_ids`` (at most :data:`MAX_REVIVE_TOKENS` ids in
-    ``[0, 2**31)``) and ``cache_salt`` (a string or null) for a block-run revive; anything
-    else is a 400."""
+    ``[0, 2**31)``), ``cache_salt`` (a string or null) and ``member`` (an id, optional) for a
+    block-run revive; anything else is a 400."""
     if not isinstance(body, dict) or set(body) - _RUN_FIELDS:
         return Refusal(400, "bad_request", 'body must be {"session_id": ..., "branch_id": ...}')
     run = _run_of(body)
@@ -91,14 +97,23 @@ def parse_target(body: Any) -> ReviveTarget | Refusal:
             return Refusal(400, "bad_request", str(exc)[:MESSAGE_CHARS])
     if run is None:
         return ReviveTarget(str(session), str(branch))
-    return ReviveTarget(str(session), str(branch), run[0], run[1])
+    member = body.get("member")
+    if member is not None:
+        if not isinstance(member, str):
+            return Refusal(400, "bad_request", "member must be a string")
+        try:
+            check_id(member, "member")
+        except ValueError as exc:
+            return Refusal(400, "bad_request", str(exc)[:MESSAGE_CHARS])
+    return ReviveTarget(str(session), str(branch), run[0], run[1], member)
 
 
 def _run_of(body: dict[str, Any]) -> tuple[list[int], str | None] | None | Refusal:
     """A block-run revive's token ids and salt; None for a branch revive."""
     if "token_ids" not in body:
-        if "cache_salt" in body:
-            return Refusal(400, "bad_request", "cache_salt goes with token_ids only")
+        extra = [f for f in ("cache_salt", "member") if f in body]
+        if extra:
+            return Refusal(400, "bad_request", f"{extra[0]} goes with token_ids only")
         return None
     tokens, salt = body["token_ids"], body.get("cache_salt")
     if (

@@ -27,14 +27,15 @@ from typing import Any
 
 from sdk.contract import CACHE_SALT_FIELD
 from server.connector.control.models import RunCoverage, RunCoverageResult
-from server.index import InstanceRecord
+from server.index import InstanceRecord, member_id
 from server.plugin.revive_rules import MAX_REVIVE_TOKENS
 
 logger = logging.getLogger("kvbranch.run_lookup")
 
 #: (request body, route path) -> the prompt's token ids, None when it cannot say.
 Render = Callable[[dict[str, Any], str], Awaitable["list[int] | None"]]
-RunCover = Callable[[RunCoverage], Awaitable[RunCoverageResult]]
+#: (the prompt's coverage ask, ``engine=`` the data-parallel engine asked) -> its answer.
+RunCover = Callable[..., Awaitable[RunCoverageResult]]
 
 
 @dataclass(frozen=True)
@@ -79,31 +80,33 @@ class RunLookup:
         instance_id: str,
         block_size: int,
         min_tokens: int,
+        engines: int = 1,
     ) -> None:
         self.store = store
         self.render = render
+        #: The host store's cover of a prompt, asked of one engine (``engine=`` its rank).
         self.cover = cover
         self.instance_id = instance_id
+        self.engines = engines
         self.block_size = block_size
         self.min_tokens = min_tokens
 
     async def find(
-        self, payload: dict[str, Any], path: str, members: list[InstanceRecord]
+        self, payload: dict[str, Any], path: str, members: list[InstanceRecord], engine: int = 0
     ) -> RunFound | None:
-        """Whom to ask for a block-run revive of this request's prompt, or None."""
+        """Whom to ask for a block-run revive of this request's prompt (going to this replica's
+        data-parallel engine ``engine``), or None. The other engines of this replica are
+        members like any peer's."""
         tokens = await self.render(payload, path)
         if not tokens or len(tokens) <= self.min_tokens:
             return None
         tokens = tokens[:MAX_REVIVE_TOKENS]
         salt = payload.get(CACHE_SALT_FIELD)
         salt = salt if isinstance(salt, str) and salt else None
-        cover = await self.cover(RunCoverage(token_ids=tokens, cache_salt=salt))
+        cover = await self.cover(RunCoverage(token_ids=tokens, cache_salt=salt), engine=engine)
         chain = [low64(h) for h in cover.hashes]
-        others = [
-            m
-            for m in members
-            if m.instance_id != self.instance_id and m.block_size == self.block_size
-        ]
+        own = member_id(self.instance_id, engine, self.engines)
+        others = [m for m in members if m.instance_id != own and m.block_size == self.block_size]
         if not chain or not others:
             return None
         hits = await self.store.block_hits(chain, others)

@@ -195,9 +195,13 @@ def plan_instances(
         roles = ["prefill"] * args.prefills + ["decode"] * args.decodes
     specs: list[ChildSpec] = []
     counts = {"prefill": 0, "decode": 0, REPLICA: 0}
+    from server.launcher.cli import data_parallel_size
+
+    # A replica's data-parallel engine i listens on its NIXL port + i.
+    engines = data_parallel_size(passthrough) if args.replicas is not None else 1
     for i, role in enumerate(roles):
         counts[role] += 1
-        port, nixl = port_of(), port_of()
+        port, nixl = port_of(), (port_of() if engines == 1 else port_of(engines))
         launched_as = "single" if role == REPLICA else role
         argv = [*base, "--role", launched_as, "--index", index_url, "--nixl-port", str(nixl)]
         core = cores[i] if cores else None

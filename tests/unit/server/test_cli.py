@@ -326,10 +326,18 @@ def test_plan_options_flow_through(model_dir):
 def test_plan_keeps_existing_plugins(model_dir, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "other,thing")
     plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
-    assert plan.env["VLLM_PLUGINS"] == "other,thing,kvbranch,kvbranch_mq_spin,kvbranch_logging"
-    monkeypatch.setenv("VLLM_PLUGINS", "kvbranch_logging,kvbranch_mq_spin,kvbranch,other")
+    assert (
+        plan.env["VLLM_PLUGINS"]
+        == "other,thing,kvbranch,kvbranch_mq_spin,kvbranch_logging,kvbranch_event_endpoints"
+    )
+    monkeypatch.setenv(
+        "VLLM_PLUGINS", "kvbranch_logging,kvbranch_mq_spin,kvbranch,other,kvbranch_event_endpoints"
+    )
     plan = plan_launch(parse("--model", str(model_dir)), [], cuda=False)
-    assert plan.env["VLLM_PLUGINS"] == "kvbranch_logging,kvbranch_mq_spin,kvbranch,other"
+    assert (
+        plan.env["VLLM_PLUGINS"]
+        == "kvbranch_logging,kvbranch_mq_spin,kvbranch,other,kvbranch_event_endpoints"
+    )
 
 
 @pytest.mark.parametrize("extra", [[], ["--no-connector"]])
@@ -585,15 +593,31 @@ def test_plan_leaves_the_reserved_cores_to_vllm_without_our_connector_alone(
 @pytest.mark.parametrize(
     ("ours", "passthrough"),
     [
-        (["--index", "redis://127.0.0.1:6379/0"], ["--data-parallel-size", "2"]),
-        (["--index", "redis://127.0.0.1:6379/0"], ["-dp=4"]),
         (["--role", "decode"], ["--data_parallel_size=2"]),
+        (["--role", "prefill", "--index", "redis://127.0.0.1:6379/0"], ["-dp=4"]),
     ],
 )
-def test_plan_refuses_data_parallel_engines_in_a_cluster(model_dir, ours, passthrough):
-    # one index member for several engines: peers and the router would reach engine 0 only
+def test_plan_refuses_data_parallel_engines_of_a_pd_instance(model_dir, ours, passthrough):
+    # our router's hand-off names an instance, not one of its engines
     with pytest.raises(LaunchError, match="one instance per engine"):
         plan_launch(parse("--model", str(model_dir), *ours), passthrough, cuda=False)
+
+
+def test_an_aggregated_replica_may_run_several_engines_each_a_member(model_dir):
+    plan = plan_launch(
+        parse("--model", str(model_dir), "--index", "redis://127.0.0.1:6379/0", "--port", "8000"),
+        ["--data-parallel-size", "2"],
+        cuda=False,
+    )
+    # engine i's NIXL side channel is vLLM's port + i: the launcher names engine 0's
+    assert plan.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "18000"
+    assert plan.env[cli.ENV_PEER_PULL] == "1"
+    with pytest.raises(LaunchError, match="past 65535"):
+        plan_launch(
+            parse("--model", str(model_dir), "--index", "redis://x:1/0", "--nixl-port", "65535"),
+            ["-dp", "2"],
+            cuda=False,
+        )
 
 
 @pytest.mark.parametrize(

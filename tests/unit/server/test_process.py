@@ -5,6 +5,7 @@ instances are in tests/integration/test_router_lifecycle.py."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -43,6 +44,14 @@ def _gone_within(pid: int, timeout: float) -> float | None:
             return time.monotonic() - start
         time.sleep(0.1)
     return None
+
+
+def _wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 60.0) -> None:
+    """Until ``proc`` (or a child sharing its stdout) prints the line ``text``."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no {text!r} line within {timeout}s"
+    line = proc.stdout.readline()
+    assert line.strip() == text, f"expected {text!r}, got {line!r}"
 
 
 def _wait_for_reaper(parent: int, timeout: float = 60.0) -> None:
@@ -98,7 +107,7 @@ def test_a_launched_child_stops_when_its_launcher_is_killed(deathsig):
     proc, child = _spawn(f"""
         import os, subprocess, sys, time
         code = ("from server.launcher.process import die_with_launcher; die_with_launcher(0.5); "
-                "import time; time.sleep(600)")
+                "print('armed', flush=True); import time; time.sleep(600)")
         env = dict(os.environ, {ENV_PARENT_PID}=str(os.getpid()),
                    {ENV_PARENT_DEATHSIG}="{deathsig}")
         child = subprocess.Popen([sys.executable, "-c", code], env=env)
@@ -106,6 +115,9 @@ def test_a_launched_child_stops_when_its_launcher_is_killed(deathsig):
         time.sleep(600)
     """)
     try:
+        # Its import can take seconds on a loaded machine: killed before it is armed, the
+        # launcher would test nothing (and the watchdog's first look would come late).
+        _wait_for_line(proc, "armed")
         time.sleep(1.0)
         assert _gone_within(child, 0.5) is None, "the child stopped while its launcher lived"
         proc.kill()

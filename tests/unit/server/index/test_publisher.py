@@ -208,3 +208,74 @@ def test_a_replicas_holds_are_offered_while_its_connector_still_holds_them():
     assert index_hold_ttl_s(engine({"decoder_kv_blocks_ttl": 8})) == 4.0
     assert index_hold_ttl_s(engine({})) == DEFAULT_HOLD_TTL_S - 5.0
     assert index_hold_ttl_s(SimpleNamespace()) == DEFAULT_HOLD_TTL_S - 5.0
+
+
+async def test_each_data_parallel_engine_is_a_member_with_its_own_blocks(tmp_path, monkeypatch):
+    """Two engines' real vLLM publishers (engine 1 on its ``_dp1`` ipc sockets): a block engine 1
+    stored is listed under engine 1's member only, each member heartbeats with its own NIXL
+    side channel, and both leave at shutdown."""
+    from server.common.env import ENV_PEER_PULL
+    from server.engine import event_endpoints
+
+    original = ZmqEventPublisher.__dict__["offset_endpoint_port"]
+    event_endpoints.install()
+    monkeypatch.setenv(ENV_PEER_PULL, "1")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "18000")
+    endpoint, replay = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/rp.sock"
+    engines = [
+        ZmqEventPublisher(rank, endpoint=endpoint, replay_endpoint=replay, topic="kvbranch")
+        for rank in (0, 1)
+    ]
+    configs = {rank: p.get_publisher_config() for rank, p in enumerate(engines)}
+    client = SimpleNamespace(
+        get_kv_event_sources=lambda: configs,
+        vllm_config=SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=128),
+            parallel_config=SimpleNamespace(data_parallel_size=2),
+        ),
+        engine_core=SimpleNamespace(lb_engines=[[0, 1], [2, 3]]),
+    )
+    state = SimpleNamespace(instance_id="abc", model_name="m")
+    records = [record_factory(state, client, "http://127.0.0.1:9", "single", e) for e in (0, 1)]
+    store = FlakyStore()
+    pub = IndexPublisher(store, records, sources_of(client), interval_s=0.05)
+    task = asyncio.create_task(pub.run())
+    try:
+        event = BlockStored(
+            block_hashes=[201],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=128,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+        )
+        for _ in range(600):  # the hang guard: 30 s (ZMQ drops what precedes the join)
+            engines[1].publish(KVEventBatch(ts=time.time(), events=[event]))
+            await asyncio.sleep(0.05)
+            if pub.batches_applied:
+                break
+        await until(lambda: pub.heartbeats_sent >= 1)
+        members = {m.instance_id: m for m in await store.members()}
+        assert {i: (m.nixl, m.load, m.url) for i, m in members.items()} == {
+            "abc-dp0": ("127.0.0.1:18000", 1, "http://127.0.0.1:9"),
+            "abc-dp1": ("127.0.0.1:18001", 5, "http://127.0.0.1:9"),
+        }
+        got = await store.block_hits([201], list(members.values()))
+        assert (got["abc-dp0"].host, got["abc-dp1"].host) == (0, 1)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for p in engines:
+            p.shutdown()
+        ZmqEventPublisher.offset_endpoint_port = original
+    assert sorted(store.deregistered) == ["abc-dp0", "abc-dp1"]
+
+
+async def test_overflow_bumps_every_members_generation():
+    store = FlakyStore()
+    pub = IndexPublisher(store, [record, record], [], max_pending=1)
+    await pub.sink_of(1, 0, "device", [1], [])
+    await pub.sink_of(0, 0, "device", [2], [])
+    assert [m.generation.values for m in pub.members] == [{"device": 1, "host": 1}] * 2

@@ -553,7 +553,7 @@ def test_a_turn_pulling_its_history_is_ranked_after_its_claim_by_what_is_left(
 
     monkeypatch.setenv(ENV_PRIORITY_AGING_S, "8")
 
-    async def begin(scope, payload, path):
+    async def begin(scope, payload, path, engine=0):
         return PeerTurn(("t", "s", "main"), 2, source="peer" if held else "local", held_tokens=held)
 
     monkeypatch.setattr(mw, "_begin_peer_turn", begin)

@@ -271,7 +271,7 @@ def test_a_filed_turn_makes_this_replica_the_sessions_home_and_is_kept_for_reviv
     kept = []
 
     class Keeper:
-        def remember(self, key, turn, salt, params):
+        def remember(self, key, turn, salt, params, engine=0):
             kept.append((key, turn, salt))
 
     puller.reviver = Keeper()  # type: ignore[assignment]
@@ -283,6 +283,39 @@ def test_a_filed_turn_makes_this_replica_the_sessions_home_and_is_kept_for_reviv
 
     assert asyncio.run(turn_and_file()) == "me"
     assert kept == [(KEY, 1, "salt-a")]
+
+
+def test_each_data_parallel_engine_is_its_own_member():
+    """A replica with two engines: a turn on engine 1 files its hold and the session's home
+    as engine 1's member; engine 1's own hold is its own caches' (no claim), while a hold of
+    its engine 0 is a peer's like any other, claimed on the side channel that engine names."""
+    store = asyncio.run(_store())
+    peer = Peer()
+    client = httpx.AsyncClient(transport=httpx.MockTransport(peer))
+    puller = PeerPulls(
+        store, instance_id="me", url="http://me:8000", secret=SECRET, client=client, engines=2
+    )
+
+    async def turn_and_file():
+        turn = await puller.begin({}, KEY, None, engine=1)
+        await puller.file(turn, handle())
+        return turn, await store.peek_home(KEY[0], KEY[1])
+
+    turn, home = asyncio.run(turn_and_file())
+    assert (turn.member, home) == ("me-dp1", "me-dp1")
+    again = asyncio.run(puller.begin({}, KEY, None, engine=1))
+    assert again.source == "local" and puller.counts.own_holds == 1 and peer.calls == []
+
+    sibling = record_seal.seal(
+        InstanceRecord("me-dp0", "http://me:8000", "both", nixl="127.0.0.1:18000", engines=2),
+        SECRET,
+    )
+    store = asyncio.run(
+        _store(sibling, hold=Hold("http://me:8000", "me-dp0", handle(host="127.0.0.1", port=18000)))
+    )
+    puller.store, puller._members = store, (float("-inf"), [])
+    pulled = asyncio.run(puller.begin({}, KEY, None, engine=1))
+    assert pulled.source == "peer" and len(peer.calls) == 1
 
 
 # --- pull or recompute: the cost model's inputs, as the wiring feeds them ---------------------

@@ -33,7 +33,7 @@ class Engine:
         self.asked: list[HostCoverage] = []
         self.prefills: list[tuple[list[int], str | None]] = []
 
-    async def coverage(self, req: HostCoverage) -> HostCoverageResult:
+    async def coverage(self, req: HostCoverage, engine: int = 0) -> HostCoverageResult:
         self.asked.append(req)
         return HostCoverageResult(blocks=self.blocks, identity_ok=self.identity_ok)
 
@@ -103,7 +103,7 @@ def test_the_slot_is_given_back_whatever_happened():
 
 def test_a_failing_host_store_or_engine_is_a_503_never_an_exception():
     class Broken(Engine):
-        async def coverage(self, req):
+        async def coverage(self, req, engine=0):
             raise RuntimeError("control socket gone")
 
     refused = revive(reviver(Broken()))

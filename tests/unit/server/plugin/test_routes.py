@@ -31,6 +31,7 @@ from sdk.contract import (
 )
 from server.connector.control.models import ControlRequest, EngineStoreStats, parse_answer
 from server.connector.control.transport import ControlError
+from server.plugin.engines import Engines
 from server.plugin.holds import router as holds_router
 from server.plugin.routes import router
 
@@ -120,6 +121,7 @@ def client(control: FakeControl) -> TestClient:
     prefetched: list[Any] = []
     app.state.kvbranch = SimpleNamespace(
         control=control,
+        engines=Engines(None, 1),
         engine_client=None,
         model_name="m",
         max_model_len=3,
@@ -219,6 +221,29 @@ def test_without_the_connector_every_route_is_503(client: TestClient) -> None:
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
     assert client.get(HEALTH_PATH).json()["connector"]["loaded"] is False
     assert client.post(HOLD_CLAIM_PATH, json={"handle": {}}).status_code == 503
+
+
+def test_a_hold_claim_reaches_the_engine_whose_side_channel_the_handle_names(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With data-parallel engines a claim goes to the engine that issued the handle: vLLM's
+    side channel of engine i is the launcher's port plus i. A port that is none of them goes
+    to engine 0, which refuses a handle it did not issue."""
+    from server.plugin.holds import SIDE_CHANNEL_PORT_ENV
+
+    monkeypatch.setenv(SIDE_CHANNEL_PORT_ENV, "18000")
+    engines = Engines(None, 2)
+    engines.controls = [FakeControl(), FakeControl()]  # type: ignore[list-item]
+    client.app.state.kvbranch.engines = engines  # type: ignore[attr-defined]
+    for port, engine in ((18001, 1), (18000, 0), (18002, 0), ("18001", 0), (17999, 0)):
+        handle = {"remote_request_id": "x", "remote_port": port}
+        r = client.post(HOLD_CLAIM_PATH, json={"handle": handle})
+        assert r.status_code == 200, r.text
+        called = [len(c.calls) for c in engines.controls]  # type: ignore[attr-defined]
+        assert engines.controls[engine].calls[-1] == ("claim_hold", {"handle": handle}), port  # type: ignore[attr-defined]
+        for c in engines.controls:
+            c.calls.clear()  # type: ignore[attr-defined]
+        assert called[1 - engine] == 0, port
 
 
 def test_hold_claims(client: TestClient, control: FakeControl) -> None:

@@ -91,18 +91,36 @@ class Engine:
         self.blocks, self.handle = blocks, handle
         self.asked: list[RunCoverage] = []
         self.prefills: list[tuple[list[int], str | None, str | None]] = []
+        #: The data-parallel engine each cover was asked of, and each prefill ran on.
+        self.engines: list[int] = []
+        self.prefill_engines: list[int] = []
 
-    async def coverage(self, req):  # the branch revive's: never asked here
+    async def coverage(self, req, engine=0):  # the branch revive's: never asked here
         raise AssertionError("a block-run revive asked for a branch's cover")
 
-    async def run_cover(self, req: RunCoverage) -> RunCoverageResult:
+    async def run_cover(self, req: RunCoverage, engine: int = 0) -> RunCoverageResult:
         self.asked.append(req)
+        self.engines.append(engine)
         hashes = [h.hex() for h in fake_hashes(req.token_ids, req.cache_salt)]
         return RunCoverageResult(hashes=hashes, blocks=self.blocks, identity="id-salt")
 
     async def prefill(self, tokens, own, key, owner):
         self.prefills.append((list(tokens), own.cache_salt, owner))
+        self.prefill_engines.append(own.engine)
         return self.handle
+
+
+def holder_pulls(r: Reviver, engines: int = 1) -> PeerPulls:
+    """The holder's peer pulls with ``r`` as its reviver (``engines`` data-parallel members)."""
+    pulls = PeerPulls(
+        MemoryIndexStore(hold_ttl_s=60),
+        instance_id="holder",
+        url="http://holder:8000",
+        secret=SECRET,
+        engines=engines,
+    )
+    pulls.reviver = r
+    return pulls
 
 
 def reviver(engine: Engine) -> Reviver:
@@ -176,7 +194,7 @@ def test_the_route_refuses_a_bad_run_with_400_before_anything_is_asked(body):
     engine = Engine()
     app = FastAPI()
     app.include_router(revive_router)
-    app.state.kvbranch = SimpleNamespace(peer_pulls=SimpleNamespace(reviver=reviver(engine)))
+    app.state.kvbranch = SimpleNamespace(peer_pulls=holder_pulls(reviver(engine)))
     r = TestClient(app).post(REVIVE_PATH, json=body)
     assert r.status_code == 400, r.text
     assert engine.asked == [] and engine.prefills == []
@@ -192,7 +210,7 @@ def test_the_route_binds_a_run_to_the_callers_tenant(monkeypatch):
     engine = Engine()
     app = FastAPI()
     app.include_router(revive_router)
-    app.state.kvbranch = SimpleNamespace(peer_pulls=SimpleNamespace(reviver=reviver(engine)))
+    app.state.kvbranch = SimpleNamespace(peer_pulls=holder_pulls(reviver(engine)))
     http = TestClient(app)
     owner_a = owner_of("Bearer ka")
     assert owner_a is not None and owner_a != owner_of("Bearer kb")
@@ -275,7 +293,7 @@ def asker(store, holder: Holder, own_blocks: int = 0) -> PeerPulls:
     async def render(payload, path):
         return list(PROMPT)
 
-    async def own_cover(req: RunCoverage) -> RunCoverageResult:
+    async def own_cover(req: RunCoverage, engine: int = 0) -> RunCoverageResult:
         hashes = [h.hex() for h in fake_hashes(req.token_ids, req.cache_salt)]
         return RunCoverageResult(hashes=hashes, blocks=own_blocks, identity="i")
 
@@ -306,6 +324,7 @@ def test_a_fork_with_no_record_on_its_home_pulls_the_longest_host_run_by_block_r
         "branch_id": "fork-1",
         "token_ids": PROMPT[: 7 * BS + 1],
         "cache_salt": SALT,
+        "member": PEER,
     }
     assert verify(
         SECRET, run_revive.headers[ROUTER_PROOF_HEADER], "POST", REVIVE_PATH, run_revive.content
@@ -382,3 +401,22 @@ def test_a_block_run_revive_is_asked_only_when_its_pull_beats_recomputing(
         "recompute": int(not asked),
         "explore": 0,
     }, why
+
+
+def test_a_run_revive_loads_from_the_engine_its_member_names():
+    """A data-parallel holder is one member per engine: the run the index listed under its
+    engine 1's member is covered and prefilled on engine 1; a member id that is none of its
+    engines is a 404 before anything is asked."""
+    engine = Engine()
+    app = FastAPI()
+    app.include_router(revive_router)
+    app.state.kvbranch = SimpleNamespace(peer_pulls=holder_pulls(reviver(engine), engines=2))
+    http = TestClient(app)
+    body = {"session_id": "s1", "token_ids": TOKENS, "cache_salt": None, "member": "holder-dp1"}
+    r = http.post(REVIVE_PATH, json=body)
+    assert r.status_code == 200, r.text
+    assert (engine.engines, engine.prefill_engines) == ([1], [1])
+    for member in ("holder", "holder-dp2", "other-dp1"):
+        r = http.post(REVIVE_PATH, json=dict(body, member=member))
+        assert r.status_code == 404, (member, r.text)
+    assert engine.engines == [1]

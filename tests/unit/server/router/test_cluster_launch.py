@@ -297,6 +297,28 @@ def test_replicas_are_single_instances_on_the_index_each_with_its_ports():
     assert [r.port for r in routers] == [8700, 8701]
 
 
+def test_a_data_parallel_replica_gets_a_run_of_nixl_ports_one_per_engine():
+    argv = ["--cluster", "--replicas", "2", "--index", INDEX]
+    args = parse(argv)
+    check_args(args, argv)
+    asked: list[tuple[int, ...]] = []
+
+    def port_of(*span: int) -> int:
+        asked.append(span)
+        return 9000 + 10 * len(asked)
+
+    instances = plan_instances(args, argv, ["-dp", "2"], INDEX, None, port_of)
+    assert asked == [(), (2,), (), (2,)]  # each replica: its HTTP port, then two NIXL ports
+    assert [value(i.argv, "--nixl-port") for i in instances] == ["9020", "9040"]
+
+
+def test_free_port_hands_out_a_run_of_free_ports():
+    from server.launcher.process import free_port
+
+    first = free_port(3)
+    assert free_port(3) not in range(first - 2, first + 3)
+
+
 def test_the_default_cluster_is_still_prefill_and_decode():
     _, instances, routers = plan(["--cluster"])
     assert [i.role for i in instances] == ["prefill", "decode"]
