@@ -188,6 +188,10 @@ def test_a_handle_of_another_identity_is_no_hold():
         {"session_id": "s1", "token_ids": [1], "cache_salt": 5},
         {"session_id": "s1", "token_ids": [1], "cache_salt": "x" * 129},
         {"session_id": "s1", "cache_salt": "x"},
+        {"session_id": "s1", "member": "holder-dp1"},
+        {"session_id": "s1", "token_ids": [1], "member": 5},
+        {"session_id": "s1", "token_ids": [1], "member": "../holder"},
+        {"session_id": "s1", "token_ids": [1], "member": "x" * 4096},
     ],
 )
 def test_the_route_refuses_a_bad_run_with_400_before_anything_is_asked(body):
