@@ -159,6 +159,28 @@ def test_role_and_sources_and_record():
     )
 
 
+async def publish_until_applied(
+    vllm_pub: ZmqEventPublisher, pub: IndexPublisher, hashes: list[int]
+) -> None:
+    """Publish host-store blocks ``hashes`` on vLLM's publisher until ``pub`` applied a batch:
+    ZMQ drops what is published before the subscriber has joined (waits on its state, not on
+    a guess of the join time)."""
+    event = BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=128,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+    )
+    for _ in range(600):  # the hang guard: 30 s
+        vllm_pub.publish(KVEventBatch(ts=time.time(), events=[event]))
+        await asyncio.sleep(0.05)
+        if pub.batches_applied:
+            return
+
+
 async def test_real_vllm_publisher_end_to_end(tmp_path):
     endpoint, replay = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/rp.sock"
     vllm_pub = ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay, topic="kvbranch")
@@ -166,22 +188,7 @@ async def test_real_vllm_publisher_end_to_end(tmp_path):
     pub = IndexPublisher(store, record, [(endpoint, replay, "kvbranch")], interval_s=0.05)
     task = asyncio.create_task(pub.run())
     try:
-        event = BlockStored(
-            block_hashes=[101, 102],
-            parent_block_hash=None,
-            token_ids=[],
-            block_size=128,
-            lora_id=None,
-            medium="CPU",
-            lora_name=None,
-        )
-        # ZMQ drops what is published before the subscriber has joined: publish until the
-        # publisher applied one (waits on its state, not on a guess of the join time)
-        for _ in range(600):  # the hang guard: 30 s
-            vllm_pub.publish(KVEventBatch(ts=time.time(), events=[event]))
-            await asyncio.sleep(0.05)
-            if pub.batches_applied:
-                break
+        await publish_until_applied(vllm_pub, pub, [101, 102])
         await until(lambda: pub.heartbeats_sent >= 1)
         assert await hits(store, [101, 102]) == (0, 2)
     finally:
@@ -242,20 +249,7 @@ async def test_each_data_parallel_engine_is_a_member_with_its_own_blocks(tmp_pat
     pub = IndexPublisher(store, records, sources_of(client), interval_s=0.05)
     task = asyncio.create_task(pub.run())
     try:
-        event = BlockStored(
-            block_hashes=[201],
-            parent_block_hash=None,
-            token_ids=[],
-            block_size=128,
-            lora_id=None,
-            medium="CPU",
-            lora_name=None,
-        )
-        for _ in range(600):  # the hang guard: 30 s (ZMQ drops what precedes the join)
-            engines[1].publish(KVEventBatch(ts=time.time(), events=[event]))
-            await asyncio.sleep(0.05)
-            if pub.batches_applied:
-                break
+        await publish_until_applied(engines[1], pub, [201])
         await until(lambda: pub.heartbeats_sent >= 1)
         members = {m.instance_id: m for m in await store.members()}
         assert {i: (m.nixl, m.load, m.url) for i, m in members.items()} == {
