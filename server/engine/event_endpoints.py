@@ -50,6 +50,7 @@ def ipc_suffixed(original: Offset) -> Offset:
 
     setattr(offset_endpoint_port, _MARK, True)
     offset_endpoint_port.__doc__ = original.__doc__
+    offset_endpoint_port.__wrapped__ = original  # type: ignore[attr-defined]
     return offset_endpoint_port
 
 

@@ -13,9 +13,13 @@ from server.engine import event_endpoints
 
 @pytest.fixture
 def restore_offset():
-    original = ZmqEventPublisher.__dict__["offset_endpoint_port"]
+    """vLLM's own offset for the test (the plugin may have run in this process already: vLLM
+    loads its general plugins once per process), the process's one again after it."""
+    current = ZmqEventPublisher.__dict__["offset_endpoint_port"]
+    vllms = getattr(current.__func__, "__wrapped__", current.__func__)
+    ZmqEventPublisher.offset_endpoint_port = staticmethod(vllms)
     yield
-    ZmqEventPublisher.offset_endpoint_port = original
+    ZmqEventPublisher.offset_endpoint_port = current
 
 
 def publisher(folder: Path, rank: int) -> ZmqEventPublisher:
