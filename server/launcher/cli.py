@@ -90,6 +90,7 @@ from server.launcher.settings import (
     index_enabled,
     peer_replica,
 )
+from server.launcher.vllm_flags import data_parallel_size, flag_value, has_flag, short_flag_value
 
 #: When the launcher started (``python -m server`` imports this module first): phase times count
 #: from here.
@@ -458,12 +459,6 @@ _SPLIT_DP_FLAGS = (
 )
 
 
-def data_parallel_size(passthrough: list[str]) -> int:
-    """``--data-parallel-size`` (or ``-dp``) after ``--``; 1 without it."""
-    value = flag_value(passthrough, "--data-parallel-size") or short_flag_value(passthrough, "-dp")
-    return int(value) if value and value.isdigit() and int(value) > 0 else 1
-
-
 def data_parallel_refusal(args: argparse.Namespace, passthrough: list[str]) -> str | None:
     """Why this launch cannot run several data-parallel engines, or None. A single instance
     can (its plugin gives each session one engine, docs/kv_events.md), and so can an aggregated
@@ -492,28 +487,6 @@ def data_parallel_refusal(args: argparse.Namespace, passthrough: list[str]) -> s
             "(docs/kv_events.md, 'Data parallel')"
         )
     return None
-
-
-def short_flag_value(passthrough: list[str], flag: str) -> str | None:
-    """The value of a short vLLM flag (``-tp 2`` or ``-tp=2``; the last one wins)."""
-    value = None
-    for i, arg in enumerate(passthrough):
-        name, eq, rest = arg.partition("=")
-        if name == flag:
-            value = rest if eq else (passthrough[i + 1] if i + 1 < len(passthrough) else "")
-    return value
-
-
-def flag_value(passthrough: list[str], flag: str) -> str | None:
-    """The value of ``flag`` after ``--`` (``--flag value`` or ``--flag=value``, the last one
-    wins; underscores too), or ``None``."""
-    spellings = {flag, "--" + flag[2:].replace("-", "_")}
-    value = None
-    for i, arg in enumerate(passthrough):
-        name, eq, rest = arg.partition("=")
-        if name in spellings:
-            value = rest if eq else (passthrough[i + 1] if i + 1 < len(passthrough) else "")
-    return value
 
 
 #: server/engine/scheduler.py's scheduler (named here: importing it imports vLLM).
@@ -555,13 +528,6 @@ def scheduling_plan(
     if warm_first:
         argv += ["--scheduler-cls", WARM_FIRST_SCHEDULER]
     return argv, aging_s
-
-
-def has_flag(passthrough: list[str], flag: str) -> bool:
-    """``flag`` is among vLLM's arguments after ``--`` (also as ``--flag=value`` and with
-    underscores, which vLLM's parser accepts too)."""
-    spellings = {flag, "--" + flag[2:].replace("-", "_")}
-    return any(a.partition("=")[0] in spellings for a in passthrough)
 
 
 def kv_events_config(folder: str, port: int) -> dict:

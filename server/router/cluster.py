@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.launcher.settings import LaunchError
+from server.launcher.vllm_flags import data_parallel_size
 from server.router.launch import (
     _CLUSTER_FLAGS,
     bind_listener,
@@ -195,8 +196,6 @@ def plan_instances(
         roles = ["prefill"] * args.prefills + ["decode"] * args.decodes
     specs: list[ChildSpec] = []
     counts = {"prefill": 0, "decode": 0, REPLICA: 0}
-    from server.launcher.cli import data_parallel_size
-
     # A replica's data-parallel engine i listens on its NIXL port + i.
     engines = data_parallel_size(passthrough) if args.replicas is not None else 1
     for i, role in enumerate(roles):
