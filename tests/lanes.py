@@ -10,8 +10,9 @@ one lane overlap the other's tests.
   and every test of the kvbranch server run in the kvbranch lane, and after them the modules of
   :data:`KVBRANCH_LANE_MODULES` (servers of their own, started once the lane's shared servers
   are released); the keyed P/D pair's modules, the other modules with servers of their own and
-  the cluster in the other. Without those modules the other lane alone was the run's wall time,
-  the kvbranch lane idle for its second half (docs/testing.md has the figures). Each lane starts
+  the cluster in the other. The other lane is the run's wall time, the kvbranch lane idle for
+  its second half; a module moved across must fit beside the other lane's engines, or the
+  lanes only wait for each other (docs/testing.md has the figures). Each lane starts
   only its own servers, but for the plain vLLM reference, which one lane serves to both.
 * **How the tests get there**: a worker writes each collected test's lane to the run's lanes
   directory (:func:`write`); the controller's :class:`LaneScheduling` sends each lane, whole
@@ -35,7 +36,7 @@ from tests import prestart
 LANES = ("kvbranch", "others")
 #: Modules with only servers of their own that run in the kvbranch lane, last there (their
 #: group comes after the kvbranch server's: tests/conftest.py), to even the lanes out.
-KVBRANCH_LANE_MODULES = frozenset({"test_model_families.py", "test_data_parallel_replica.py"})
+KVBRANCH_LANE_MODULES = frozenset({"test_data_parallel_replica.py"})
 #: The run's lanes directory, made by the controller and inherited by the workers.
 LANES_DIR_ENV = "KVBRANCH_TEST_LANES_DIR"
 _MAP = "lanes.json"

@@ -32,12 +32,12 @@ def test_unit_kvbranch_and_keyed_servers_tests_share_a_lane_and_the_rest_the_oth
 
 
 def test_the_listed_modules_with_servers_of_their_own_even_the_lanes_out():
-    families = FakeItem(
-        "tests/integration/test_model_families.py::t",
-        "/r/tests/integration/test_model_families.py",
-        ["dense_servers"],
+    replica = FakeItem(
+        "tests/integration/test_data_parallel_replica.py::t",
+        "/r/tests/integration/test_data_parallel_replica.py",
+        ["dp_replica"],
     )
-    assert lanes.lane_of(families) == "kvbranch"
+    assert lanes.lane_of(replica) == "kvbranch"
 
 
 def test_each_lane_is_bound_to_its_share_of_the_cpus():
