@@ -7,13 +7,10 @@ core), so two lanes of one core each do nearly twice the work; and starts, sleep
 one lane overlap the other's tests.
 
 * **Which lane** (:func:`lane_of`): the unit tests (while the servers start), the keyed package
-  and every test of the kvbranch server run in the kvbranch lane, and after them the modules of
-  :data:`KVBRANCH_LANE_MODULES` (servers of their own, started once the lane's shared servers
-  are released); the keyed P/D pair's modules, the other modules with servers of their own and
-  the cluster in the other. The other lane is the run's wall time, the kvbranch lane idle for
-  its second half; a module moved across must fit beside the other lane's engines, or the
-  lanes only wait for each other (docs/testing.md has the figures). Each lane starts
-  only its own servers, but for the plain vLLM reference, which one lane serves to both.
+  and every test of the kvbranch server run in the kvbranch lane; the keyed P/D pair's modules,
+  the modules with servers of their own and the cluster in the other (the longer lane: its
+  servers start one after the other, within the memory budget). Each lane starts only its own
+  servers, but for the plain vLLM reference, which one lane serves to both.
 * **How the tests get there**: a worker writes each collected test's lane to the run's lanes
   directory (:func:`write`); the controller's :class:`LaneScheduling` sends each lane, whole
   and in collection order, to one worker. (pytest-xdist's ``loadgroup`` cannot: it renames a
@@ -34,9 +31,6 @@ from xdist.scheduler import LoadScopeScheduling
 from tests import prestart
 
 LANES = ("kvbranch", "others")
-#: Modules with only servers of their own that run in the kvbranch lane, last there (their
-#: group comes after the kvbranch server's: tests/conftest.py), to even the lanes out.
-KVBRANCH_LANE_MODULES = frozenset({"test_data_parallel_replica.py"})
 #: The run's lanes directory, made by the controller and inherited by the workers.
 LANES_DIR_ENV = "KVBRANCH_TEST_LANES_DIR"
 _MAP = "lanes.json"
@@ -46,8 +40,6 @@ def lane_of(item: Any) -> str:
     if not prestart.is_integration(item):
         return LANES[0]  # the unit tests: while this lane's servers start
     if {"keyed_server", "kvbranch_server"} & set(item.fixturenames):
-        return LANES[0]
-    if Path(str(item.fspath)).name in KVBRANCH_LANE_MODULES:
         return LANES[0]
     return LANES[1]
 

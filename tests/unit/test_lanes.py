@@ -31,15 +31,6 @@ def test_unit_kvbranch_and_keyed_servers_tests_share_a_lane_and_the_rest_the_oth
     assert [lanes.lane_of(item) for item in ITEMS] == ["kvbranch", "kvbranch", "kvbranch", "others"]
 
 
-def test_the_listed_modules_with_servers_of_their_own_even_the_lanes_out():
-    replica = FakeItem(
-        "tests/integration/test_data_parallel_replica.py::t",
-        "/r/tests/integration/test_data_parallel_replica.py",
-        ["dp_replica"],
-    )
-    assert lanes.lane_of(replica) == "kvbranch"
-
-
 def test_each_lane_is_bound_to_its_share_of_the_cpus():
     assert [lanes.cores_of(lane, [0, 1]) for lane in lanes.LANES] == ["0", "1"]
     assert [lanes.cores_of(lane, [3, 2, 1, 0]) for lane in lanes.LANES] == ["0,1", "2,3"]
