@@ -5,8 +5,16 @@ session another engine owns). Standard library only: both processes import it.""
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
-__all__ = ["engine_of"]
+__all__ = ["engine_count", "engine_of"]
+
+
+def engine_count(engine_client: Any) -> int:
+    """The data-parallel engines behind an API server's engine client (its config's
+    ``data_parallel_size``; 1 without data parallel)."""
+    parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
+    return int(getattr(parallel, "data_parallel_size", 1) or 1)
 
 
 def engine_of(owner: str | None, session_id: str, engines: int) -> int:

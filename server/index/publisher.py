@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from server.common.engine_choice import engine_count
 from server.connector.pd.transfer_auth import load_cluster_secret
 from server.index import record_seal
 from server.index.blocks import Tier
@@ -134,15 +135,17 @@ class IndexPublisher:
         #: Bounds: block batches waiting for the index, and the seconds one call may take.
         self.max_pending = max_pending
         self.call_timeout_s = call_timeout_s
+        #: Which member each source feeds: engine i's its own, or all the one member's.
+        owners = range(len(sources)) if len(self.members) > 1 else [0] * len(sources)
         self.consumers = [
             EventConsumer(
                 ep,
                 rp,
-                partial(self.sink_of, i if len(self.members) > 1 else 0),
+                partial(self.sink_of, owner),
                 topic=topic,
-                generation=self.members[i if len(self.members) > 1 else 0].generation,
+                generation=self.members[owner].generation,
             )
-            for i, (ep, rp, topic) in enumerate(sources)
+            for owner, (ep, rp, topic) in zip(owners, sources, strict=True)
         ]
         #: (member, generation, tier, stored, removed) batches waiting for the index.
         self.pending: deque[tuple[int, int, Tier, list[int], list[int]]] = deque()
@@ -167,12 +170,6 @@ class IndexPublisher:
         return self.members[0].generation
 
     # --- what the consumers feed -----------------------------------------------------------
-    async def sink(
-        self, generation: int, tier: Tier, stored: list[int], removed: list[int]
-    ) -> None:
-        """The first member's batch (a single engine's)."""
-        await self.sink_of(0, generation, tier, stored, removed)
-
     async def sink_of(
         self, member: int, generation: int, tier: Tier, stored: list[int], removed: list[int]
     ) -> None:
@@ -363,12 +360,6 @@ def record_factory(
         return replace(base, load=engine_load(engine_client, engine, engines))
 
     return make
-
-
-def engine_count(engine_client: Any) -> int:
-    """The data-parallel engines behind this API server (1 without data parallel)."""
-    parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
-    return int(getattr(parallel, "data_parallel_size", 1) or 1)
 
 
 #: The index offers a hold for this long when the engine's config names none.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.common.engine_choice import engine_of
+from server.common.engine_choice import engine_count, engine_of
 from server.connector.control.transport import AsyncControlClient, engine_socket_path
 
 __all__ = ["RANK_HEADER", "Engines", "engine_of", "rank_header", "strip_client_rank"]
@@ -61,8 +61,7 @@ class Engines:
     @classmethod
     def of(cls, engine_client: Any, control_path: str | None) -> Engines:
         """The engines ``engine_client`` balances over (``data_parallel_size`` of its config)."""
-        parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
-        return cls(control_path, int(getattr(parallel, "data_parallel_size", 1) or 1))
+        return cls(control_path, engine_count(engine_client))
 
     @property
     def several(self) -> bool:

@@ -82,9 +82,9 @@ async def test_heartbeat_registers_and_shutdown_deregisters(running):
 
 async def test_block_batches_reach_the_index(running):
     store, pub, _ = running
-    await pub.sink(0, "device", [1, 2, 3], [])
-    await pub.sink(0, "host", [1, 2], [])
-    await pub.sink(0, "device", [], [3])
+    await pub.sink_of(0, 0, "device", [1, 2, 3], [])
+    await pub.sink_of(0, 0, "host", [1, 2], [])
+    await pub.sink_of(0, 0, "device", [], [3])
     await until(lambda: pub.batches_applied == 3)
     await until(lambda: pub.heartbeats_sent >= 1)
     assert await hits(store, [1, 2, 3]) == (2, 2)
@@ -96,7 +96,7 @@ async def test_unreachable_index_warns_once_keeps_batches_and_recovers(running, 
     await until(lambda: pub.heartbeats_sent >= 1)
     caplog.set_level(logging.WARNING, logger="kvbranch.index.publisher")
     store.down = True
-    await pub.sink(0, "device", [5, 6], [])
+    await pub.sink_of(0, 0, "device", [5, 6], [])
     # A retry while down: the first heartbeat that failed and at least one more (after a
     # back-off of 0.5 s), waited for as a count, not as a time: one warning for both.
     await until(lambda: pub.heartbeats_failed >= 2)
@@ -113,11 +113,11 @@ async def test_overflow_drops_and_bumps_the_generation():
     store = FlakyStore()
     pub = IndexPublisher(store, record, [], max_pending=2)
     for h in (1, 2, 3):
-        await pub.sink(pub.generation.of("device"), "device", [h], [])
+        await pub.sink_of(0, pub.generation.of("device"), "device", [h], [])
     assert pub.batches_dropped == 3 and not pub.pending
     assert pub.generation.values == {"device": 1, "host": 1}
-    await pub.sink(0, "device", [9], [])  # consumed under the old generation: stale
-    await pub.sink(1, "device", [10], [])
+    await pub.sink_of(0, 0, "device", [9], [])  # consumed under the old generation: stale
+    await pub.sink_of(0, 1, "device", [10], [])
     await pub.flush()
     assert pub.batches_stale == 1 and pub.batches_applied == 1
     await pub.heartbeat()
