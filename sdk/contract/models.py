@@ -180,6 +180,8 @@ class PDStats(BaseModel):
 
     holds: int
     held_blocks: int
+    #: Holds placed since the start (``holds`` counts those alive now: leases expire).
+    holds_placed: int = 0
     holds_released_for_new_work: int
     claims: int
     claims_refused: int

@@ -190,6 +190,7 @@ def _pd_metrics(pd: PDStats | None):
     yield from _unlabelled(
         CounterMetricFamily,
         [
+            ("kvbranch_pd_holds_placed", "Holds placed for a peer's pull", pd.holds_placed),
             (
                 "kvbranch_pd_holds_released",
                 "Holds released early because new work needed the blocks",

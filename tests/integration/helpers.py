@@ -207,15 +207,16 @@ def stats(server) -> dict:
 
 def pd_activity(server) -> dict:
     """What a refused request must leave as it was on a P or D instance: the engine requests
-    and pulled tokens the connector counted, and the P/D side's holds, claims (refused too) and
-    declined handles."""
+    and pulled tokens the connector counted, and the P/D side's holds placed, claims (refused
+    too) and declined handles. Holds are counted as placed, not as alive: a hold whose lease
+    ends while a probe runs is no work the probe caused."""
     counted = stats(server)
     pd = counted.get("pd") or {}
     return {
         "requests": counted["requests"],
         "remote_tokens": counted["hits_tokens"]["remote"],
         "declined": dict(pd.get("handles_declined") or {}),
-        "holds": pd.get("holds"),
+        "holds_placed": pd.get("holds_placed"),
         "claims": pd.get("claims"),
         "claims_refused": pd.get("claims_refused"),
     }

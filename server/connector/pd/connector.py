@@ -97,6 +97,7 @@ class KVBranchPDConnector(MultiConnector):
         holds = nixl.holds
         return {
             "holds": len(holds),
+            "holds_placed": holds.placed,
             "held_blocks": holds.held_blocks(),
             "holds_released_for_new_work": holds.released_for_pressure,
             "claims": holds.claims,

@@ -38,6 +38,7 @@ class HoldRegistry:
         self.claim_ttl_s = claim_ttl_s
         self._holds: OrderedDict[str, Hold] = OrderedDict()
         self._lock = threading.Lock()
+        self.placed = 0
         self.released_for_pressure = 0
         self.claims = 0
         self.claims_refused = 0
@@ -45,6 +46,7 @@ class HoldRegistry:
     def add(self, hold: Hold) -> None:
         with self._lock:
             self._holds[hold.request_id] = hold
+            self.placed += 1
 
     def done(self, request_id: str) -> None:
         with self._lock:

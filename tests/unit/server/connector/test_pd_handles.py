@@ -229,6 +229,7 @@ def test_holds_release_oldest_unclaimed_first_and_claims_block_release():
     assert reg.held_blocks() == 3 and reg.released_for_pressure == 2
     reg.done("r1")
     assert len(reg) == 2
+    assert reg.placed == 3  # a count of holds placed: ending one does not lower it
 
 
 def test_a_claim_never_outlives_the_hold():
