@@ -130,6 +130,7 @@ class Router:
             retries=self.turn_flow.retries,
             index_errors=self.turn_flow.index_errors,
             pins_followed=self.turn_flow.pins_followed,
+            resent=self.turn_flow.resent,
         )
         self.admin = Admin(self.pool, self.index, fanout_timeout_s)
 

@@ -16,8 +16,13 @@ replicas that have it, so its next turn finds it while the hold is taken or gone
 routes reach every replica that has its branches and pins (:mod:`server.router.admin`).
 
 Faults: a replica that cannot be connected to (nothing was sent) is marked down and the turn
-goes to the next choice; one that fails after the request may have run answers 503 (a turn is
-never sent twice). Every answer's status counts toward ejection (:mod:`server.router.pool`).
+goes to the next choice. One that drops the connection before any answer (killed mid-turn: the
+client has seen nothing) is marked down too and the turn is sent once more, to another replica:
+losing KV costs a recompute there, losing the request would cost the client its turn. Only
+once: a request that kills every replica it reaches must not take the cluster down. A replica
+that answers 5xx, or a stream already relayed, is not sent again (the replica is alive; the
+answer, or its first bytes, reached the client): 503. Every answer's status counts toward
+ejection (:mod:`server.router.pool`).
 ``X-KVBranch-Route`` says ``replica`` when the turn went where the session's KV is (the holder,
 else its home, or a new session's first replica) and ``replica-moved`` when it went elsewhere.
 """
@@ -55,6 +60,16 @@ class _NotSent(Exception):
     """The replica could not be connected to: nothing was sent, another may take the turn."""
 
 
+class _Dropped(Exception):
+    """The replica took the request and dropped the connection before any answer: the client
+    has seen nothing, another replica may take the turn once."""
+
+
+#: Transport errors of a connection lost before the answer began (not a timeout: a slow
+#: replica is alive, and sending its turn again would double the load that slowed it).
+DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
 def _ignore(_: Any) -> None:
     """A replica's answer carries no params for the router to file: it files its own hold."""
 
@@ -62,7 +77,7 @@ def _ignore(_: Any) -> None:
 class ReplicaFlow:
     """Routes completion turns to aggregated replicas. Counters are the P/D turn's own (one
     registry, one set of names): ``turns`` by route, ``retries`` by role, ``index_errors``,
-    ``pins_followed``."""
+    ``pins_followed``, ``resent``."""
 
     def __init__(
         self,
@@ -73,6 +88,7 @@ class ReplicaFlow:
         retries: Counter,
         index_errors: Counter,
         pins_followed: Counter,
+        resent: Counter,
     ) -> None:
         self.pool = pool
         self.index = index
@@ -80,6 +96,7 @@ class ReplicaFlow:
         self.retries = retries
         self.index_errors = index_errors
         self.pins_followed = pins_followed
+        self.resent = resent
         #: (tenant, session, instance id) this router already recorded as having the session.
         self._placed: dict[tuple[str, str, str], None] = {}
         self._writes: set[asyncio.Task[None]] = set()
@@ -95,6 +112,7 @@ class ReplicaFlow:
         content = json.dumps(payload).encode()
         stream = payload.get("stream") is True
         tried: set[str] = set()
+        dropped = False
         while True:  # each pass leaves one more replica out: it ends
             chosen = await self.pool.choose_replica(key, holder=holder, home=home, skip=tried)
             if chosen is None:
@@ -111,6 +129,14 @@ class ReplicaFlow:
                 tried.add(inst.url)
                 self.retries.labels(inst.role).inc()
                 logger.warning("replica %s unreachable (%s): choosing another", inst.url, exc)
+                continue
+            except _Dropped as exc:
+                if dropped:
+                    return unavailable(f"the replica failed mid-turn: {exc}")
+                dropped = True
+                tried.add(inst.url)
+                self.resent.inc()
+                logger.warning("replica %s dropped a turn (%s): sent once more", inst.url, exc)
                 continue
             self.place_soon(key, home, inst)
             return answer
@@ -140,7 +166,8 @@ class ReplicaFlow:
         answered: Callable[[], None] | None = None,
     ) -> Response:
         """The turn on ``inst``, its answer relayed; :class:`_NotSent` when no connection
-        was made. ``answered`` runs once a 200 answer is complete (the replica has the turn)."""
+        was made, :class:`_Dropped` when it was lost before the answer began. ``answered`` runs
+        once a 200 answer is complete (the replica has the turn)."""
         client = self.pool.client
         out_headers = {ROUTE_HEADER: route}
         inst.inflight += 1
@@ -157,6 +184,10 @@ class ReplicaFlow:
             inst.inflight -= 1
             self.pool.failed(inst, reachable=False)
             raise _NotSent(f"{type(exc).__name__}: {exc}") from None
+        except DROPPED as exc:
+            inst.inflight -= 1
+            self.pool.failed(inst, reachable=False)
+            raise _Dropped(type(exc).__name__) from None
         except httpx.HTTPError as exc:
             inst.inflight -= 1
             self.pool.failed(inst, reachable=False)

@@ -138,6 +138,10 @@ class TurnFlow:
         self.pins_followed = counter(
             "pins_followed", "Pins carried to the replica a moved session's turn went to"
         )
+        self.resent = counter(
+            "turns_resent",
+            "Turns sent to another replica after the first dropped the connection unanswered",
+        )
         self.pulled_tokens = counter(
             "pull_offered_tokens", "Tokens D held that P was offered to pull"
         )

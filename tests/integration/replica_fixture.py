@@ -18,9 +18,9 @@ the modules:
   fixture calls :meth:`ReplicaCluster.whole` first: it restarts a replica a test stopped or
   SIGKILLed (a new instance id, a new NIXL port, its old HTTP port), starts Redis if a test
   left it down, and waits until the index lists both replicas' current instances and the
-  router sees both alive. The tests that kill a replica (a dead holder through the router, a
-  peer SIGKILLed between turns) run last in their modules, so a run of both modules restarts
-  one replica once, and a test that failed midway never fails the next one. (Ordering the
+  router sees both alive. The tests that kill a replica (a holder killed mid-turn through the
+  router, a peer SIGKILLed between turns) run last in their modules, so a run of both modules
+  restarts one replica once, and a test that failed midway never fails the next one. (Ordering the
   breaking tests last across both modules would not spare the restart: each of them needs two
   live replicas and leaves one.) test_replicas_edge runs after both and starts the peer
   test_replicas' last test killed: a second restart in a run of all three (its docstring says

@@ -7,17 +7,19 @@ The router keeps a session on the replica whose hold the index names (the hold t
 filed itself: the router only reads it), moves the session when that replica is overloaded — the
 new replica pulls the history from the old one — or gone — the new one recomputes. Every answer
 is compared with plain vLLM's, greedy, token for token with logprobs. The kill test runs last:
-it stops a replica (the next test's ``replicas`` starts it again).
+it SIGKILLs a replica mid-turn (the next test's ``replicas`` starts it again).
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
+import time
 
 from sdk.contract import session_path
 from server.index.redis_store import RedisKeys, digest
 from server.router.replicas import LOAD_MARGIN
+from tests.integration.cluster_fixture import sigkill
 from tests.integration.helpers import chat_body, client
 from tests.integration.replica_fixture import (
     CLUSTER,
@@ -29,6 +31,7 @@ from tests.integration.replica_fixture import (
     plain,
     remote_hits,
     then,
+    tokens_of,
     turn,
     wait_for,
 )
@@ -131,18 +134,56 @@ def test_an_overloaded_holder_hands_the_session_over_and_the_history_is_pulled(
         thread.join(timeout=600)
 
 
-def test_a_dead_holder_moves_the_session(replicas, plain_server):
+def _running(server: ServerProcess) -> float:
+    """Requests the replica's engine is running now (vLLM's gauge)."""
+    with client(server) as c:
+        text = c.get("/metrics").text
+    rows = [r for r in text.splitlines() if r.startswith("vllm:num_requests_running{")]
+    return sum(float(r.split()[-1]) for r in rows)
+
+
+def _long_turn(server: ServerProcess, messages: list[dict], session: str | None = None) -> dict:
+    """A greedy turn of exactly :data:`LONG` tokens (long enough to be killed mid-way)."""
+    body = chat_body(
+        server, messages, session=session, max_tokens=LONG, min_tokens=LONG, logprobs=True
+    )
+    with client(server, headers={"Authorization": f"Bearer {KEY_A}"}) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return {"answer": r.json(), "route": r.headers.get(ROUTE)}
+
+
+#: Tokens of the turn killed mid-way: seconds of decoding on one core.
+LONG = 256
+
+
+def test_a_holder_killed_mid_turn_loses_no_turn_and_moves_the_session(replicas, plain_server):
     session = "dead-" + secrets.token_hex(4)
     messages = conversation(seed=54)
     tokens, _, _ = turn(replicas.router, messages, session)
     first = replicas.wait_holder(session)
     other = next(s for s in replicas.replicas if s is not first)
-    first.stop()
-    messages = then(messages, tokens, "Next?")
-    tokens, _, route = turn(replicas.router, messages, session)
-    assert route == "replica-moved"
+    messages = then(messages, tokens, "Next? Explain each step.")
+    # The holder takes the turn and is SIGKILLed while decoding it: the router, whose client
+    # has seen nothing yet, sends the turn once more, to the other replica (which recomputes:
+    # the holder is gone), and the client gets plain vLLM's answer.
+    result: dict = {}
+    sent = threading.Thread(
+        target=lambda: result.update(_long_turn(replicas.router, messages, session))
+    )
+    sent.start()
+    deadline = time.monotonic() + 120
+    while _running(first) < 1:
+        assert time.monotonic() < deadline, "the turn never ran on its holder"
+        time.sleep(0.05)
+    sigkill(first)
+    sent.join(timeout=600)
+    assert result, "the turn got no answer"
+    assert result["route"] == "replica-moved"
     assert replicas.wait_holder(session) is other
-    assert tokens == plain(plain_server, messages)
+    tokens = tokens_of(result["answer"])
+    assert tokens == tokens_of(_long_turn(plain_server, messages)["answer"])
+    assert len(tokens) == LONG
     # Forked while the first replica is down: made where it can be, the missed replica named
     # (it makes the branch at a first turn there), and the branch's turn answers right.
     with client(replicas.router, headers={"Authorization": f"Bearer {KEY_A}"}) as c:

@@ -66,6 +66,8 @@ class _Replicas:
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, dict[str, Any] | None]] = []
         self.down: set[str] = set()
+        #: Replicas that take a turn and drop the connection before answering (killed).
+        self.drop: set[str] = set()
         self.status = 200
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -78,6 +80,8 @@ class _Replicas:
         self.seen.append((base, request.url.path, body))
         if request.url.path != CHAT:
             return json_reply(200, {"from": base})
+        if base in self.drop:
+            raise httpx.RemoteProtocolError("Server disconnected", request=request)
         if self.status != 200:
             return json_reply(self.status, {"error": {"message": "engine died"}})
         if body and body.get("stream"):
@@ -242,6 +246,32 @@ def test_a_replica_that_fails_mid_turn_is_503_and_the_turn_is_not_sent_again():
     assert r.status_code == 503 and len(fakes.turns()) == 1
     failed = next(i for i in router.pool.replicas if i.url == fakes.turns()[0])
     assert failed.consecutive_failures == 1
+
+
+def test_a_replica_killed_mid_turn_hands_the_turn_to_another_once():
+    fakes, store = _Replicas(), _Store()
+    router = _router(fakes, store, (R1, R2, R3))
+    asyncio.run(router.pool.probe_all())
+    _file_hold(store, R2)
+    fakes.drop.add(R2)  # it takes the turn and dies before answering
+    r = _turn(router)
+    assert r.status_code == 200 and r.headers[ROUTE] == "replica-moved"
+    assert fakes.turns()[0] == R2 and len(fakes.turns()) == 2
+    assert r.json()["choices"][0]["message"]["content"] == fakes.turns()[1]
+    holder = next(i for i in router.pool.replicas if i.url == R2)
+    assert not holder.alive
+    assert b"kvbranch_router_turns_resent_total 1.0" in call(router, "GET", "/metrics").content
+    _untouched(fakes, store)
+
+
+def test_a_turn_dropped_twice_is_503_and_not_sent_a_third_time():
+    """A request that kills each replica it reaches takes down two, not the cluster."""
+    fakes, store = _Replicas(), _Store()
+    router = _router(fakes, store, (R1, R2, R3))
+    fakes.drop |= {R1, R2, R3}
+    r = _turn(router)
+    assert r.status_code == 503 and "mid-turn" in r.json()["error"]["message"]
+    assert len(fakes.turns()) == 2
 
 
 def test_without_a_hold_the_turn_goes_home_then_by_rendezvous():
