@@ -23,6 +23,10 @@ ENV_INDEX_URL = "KVBRANCH_INDEX_URL"
 ENV_CLUSTER_NAME = "KVBRANCH_CLUSTER_NAME"
 #: The URL routers reach this instance at (``--advertise-url``), as its heartbeat says.
 ENV_ADVERTISE_URL = "KVBRANCH_ADVERTISE_URL"
+#: vLLM's NIXL side channel as the launcher gives it to vLLM: the host, and the port of
+#: data-parallel engine 0 (vLLM offsets it by the engine's rank: engine ``i`` listens on it + i).
+ENV_NIXL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+ENV_NIXL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 #: ``1``: an aggregated replica (``--role single`` with a shared index): the plugin takes each
 #: session turn's hold from the index, pulls from the peer holding it, and files the new hold.
 ENV_PEER_PULL = "KVBRANCH_PEER_PULL"
@@ -41,3 +45,10 @@ ENV_SPLIT_BURSTS = "KVBRANCH_SPLIT_BURSTS"
 def on_unless_zero(name: str) -> bool:
     """A switch that is on by default: ``NAME=0`` in the environment turns it off (A/B runs)."""
     return os.environ.get(name, "").strip() != "0"
+
+
+def nixl_side_channel_port() -> int | None:
+    """The NIXL side-channel port of data-parallel engine 0 (:data:`ENV_NIXL_PORT`); None
+    when the launcher gave vLLM none."""
+    port = os.environ.get(ENV_NIXL_PORT, "")
+    return int(port) if port.isdigit() else None

@@ -307,15 +307,15 @@ def nixl_side_channel(role: str, engine: int = 0) -> str:
     """P/D and aggregated replicas: the NIXL side channel (host:port) the launcher gave vLLM,
     for data-parallel engine ``engine`` (vLLM offsets the port by the engine's rank); ""
     otherwise."""
-    from server.common.env import ENV_PEER_PULL
+    from server.common.env import ENV_NIXL_HOST, ENV_PEER_PULL, nixl_side_channel_port
 
     if role not in ("prefill", "decode") and os.environ.get(ENV_PEER_PULL) != "1":
         return ""
-    host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "")
-    port = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "")
-    if not (host and port.isdigit()):
+    host = os.environ.get(ENV_NIXL_HOST, "")
+    port = nixl_side_channel_port()
+    if not host or port is None:
         return ""
-    return f"{host}:{int(port) + engine}"
+    return f"{host}:{port + engine}"
 
 
 def engine_load(engine_client: Any, engine: int, engines: int) -> int:

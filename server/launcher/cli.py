@@ -39,6 +39,8 @@ from server.common.env import (
     ENV_DATA_PARALLEL_SIZE,
     ENV_INDEX_URL,
     ENV_MODEL_NAME,
+    ENV_NIXL_HOST,
+    ENV_NIXL_PORT,
     ENV_PEER_PULL,
     ENV_PRIORITY_AGING_S,
     ENV_ROLE,
@@ -596,7 +598,7 @@ def pd_environment(args: argparse.Namespace, engines: int = 1) -> dict[str, str]
             f"{engines - 1} port(s) after it, past 65535"
         )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "localhost") else args.host
-    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_port), "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
+    env = {ENV_NIXL_PORT: str(nixl_port), ENV_NIXL_HOST: host}
     if host == "127.0.0.1" and "UCX_TLS" not in os.environ:
         env["UCX_TLS"] = "tcp,self,sm"
         env["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", "lo")

@@ -12,13 +12,13 @@ Body :class:`~sdk.contract.HoldClaimRequest`, answer :class:`~sdk.contract.HoldC
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
 
 from sdk.contract import CLAIM_HANDLE_FIELD, HOLD_CLAIM_PATH
+from server.common.env import nixl_side_channel_port
 from server.common.errors import error_response
 from server.connector.control.models import ClaimHold
 from server.connector.control.transport import ControlError
@@ -26,18 +26,16 @@ from server.connector.control.transport import ControlError
 router = APIRouter(tags=["kvbranch"])
 
 _BAD_BODY = f'body must be {{"{CLAIM_HANDLE_FIELD}": <transfer params a decode instance issued>}}'
-#: vLLM's NIXL side-channel port of engine 0 (engine ``i`` listens on this plus ``i``).
-SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 
 def issuing_engine(handle: dict[str, Any], engines: int) -> int:
     """The data-parallel engine whose side channel ``handle`` names (0 when it names none of
     them: that engine then refuses a handle it did not issue)."""
-    base = os.environ.get(SIDE_CHANNEL_PORT_ENV, "")
+    base = nixl_side_channel_port()
     port = handle.get("remote_port")
-    if engines <= 1 or not base.isdigit() or type(port) is not int:
+    if engines <= 1 or base is None or type(port) is not int:
         return 0
-    engine = port - int(base)
+    engine = port - base
     return engine if 0 <= engine < engines else 0
 
 

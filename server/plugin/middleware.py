@@ -177,7 +177,8 @@ class KVBranchMiddleware:
                 path=path,
             )
             usage_rewrite = dialects.apply(payload, path, header(scope, SESSION_HEADER)).usage
-            engine = _session_engine(scope, payload, path, owner)
+            engines = _engines(scope)
+            engine = _session_engine(engines, scope, payload, path, owner)
             peer_turn = await _begin_peer_turn(scope, payload, path, engine or 0)
             if self.priority is not None:
                 # After the peer pull's claim: the history it brings is no prefill here.
@@ -188,9 +189,8 @@ class KVBranchMiddleware:
                 tag = ""  # it could not be carried: no split to look up
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(body)).encode()))
-            if engine is not None:
-                engines = _engines(scope)
-                control = engines.controls[engine] if engines and engines.controls else None
+            if engine is not None and engines is not None:
+                control = engines.controls[engine] if engines.controls else None
                 headers.append(rank_header(engine))
             scope = dict(scope, headers=headers)
         else:
@@ -212,10 +212,11 @@ def _engines(scope: dict) -> Engines | None:
     return engines if isinstance(engines, Engines) else None
 
 
-def _session_engine(scope: dict, payload: dict, path: str, owner: str | None) -> int | None:
-    """The data-parallel engine that keeps this request's session (None: one engine, or a
-    turn without a session, which vLLM's balancer places)."""
-    engines = _engines(scope)
+def _session_engine(
+    engines: Engines | None, scope: dict, payload: dict, path: str, owner: str | None
+) -> int | None:
+    """The data-parallel engine of ``engines`` that keeps this request's session (None: one
+    engine, or a turn without a session, which vLLM's balancer places)."""
     if engines is None or not engines.several:
         return None
     session = dialects.session_of(payload, path, header(scope, SESSION_HEADER))

@@ -107,10 +107,8 @@ class PeerTurn:
     key: Key
     turn: int
     source: str = "local"
-    #: The data-parallel engine serving it, and that engine's member id (the instance's id
-    #: with a single engine).
+    #: The data-parallel engine serving it (its member id: :meth:`PeerPulls.member_of`).
     engine: int = 0
-    member: str = ""
     #: The request's cache salt (the tenant's), kept with this replica's handle for revives.
     cache_salt: Any = None
     #: When the turn began here and when its first token went out (``time.monotonic``; the
@@ -225,12 +223,11 @@ class PeerPulls:
             start = await asyncio.wait_for(self.store.begin_turn(key), INDEX_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the index is advisory
             self._index_error("begin_turn", exc)
-            return PeerTurn(key, 0, started_at=started, engine=engine, member=me)
+            return PeerTurn(key, 0, started_at=started, engine=engine)
         turn = PeerTurn(
             key,
             start.turn,
             engine=engine,
-            member=me,
             cache_salt=payload.get(CACHE_SALT_FIELD),
             started_at=started,
             authorization=authorization,
@@ -502,7 +499,7 @@ class PeerPulls:
             return
         if self.reviver is not None:
             self.reviver.remember(turn.key, turn.turn, turn.cache_salt, params, turn.engine)
-        me = turn.member or self.member_of(turn.engine)
+        me = self.member_of(turn.engine)
         hold = Hold(self.url, me, dict(params), turn=turn.turn)
         tenant, session = turn.key[0], turn.key[1]
         try:

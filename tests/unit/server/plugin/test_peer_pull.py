@@ -302,7 +302,7 @@ def test_each_data_parallel_engine_is_its_own_member():
         return turn, await store.peek_home(KEY[0], KEY[1])
 
     turn, home = asyncio.run(turn_and_file())
-    assert (turn.member, home) == ("me-dp1", "me-dp1")
+    assert (puller.member_of(turn.engine), home) == ("me-dp1", "me-dp1")
     again = asyncio.run(puller.begin({}, KEY, None, engine=1))
     assert again.source == "local" and puller.counts.own_holds == 1 and peer.calls == []
 

@@ -229,9 +229,9 @@ def test_a_hold_claim_reaches_the_engine_whose_side_channel_the_handle_names(
     """With data-parallel engines a claim goes to the engine that issued the handle: vLLM's
     side channel of engine i is the launcher's port plus i. A port that is none of them goes
     to engine 0, which refuses a handle it did not issue."""
-    from server.plugin.holds import SIDE_CHANNEL_PORT_ENV
+    from server.common.env import ENV_NIXL_PORT
 
-    monkeypatch.setenv(SIDE_CHANNEL_PORT_ENV, "18000")
+    monkeypatch.setenv(ENV_NIXL_PORT, "18000")
     engines = Engines(None, 2)
     engines.controls = [FakeControl(), FakeControl()]  # type: ignore[list-item]
     client.app.state.kvbranch.engines = engines  # type: ignore[attr-defined]
