@@ -85,8 +85,12 @@ class _Upstream:
         resp: httpx.Response,
         on_close: Callable[[], None],
         on_first: Callable[[], None] | None = None,
+        chunks: AsyncIterator[bytes] | None = None,
     ) -> None:
         self.resp = resp
+        #: The body's raw chunks: the response's own, or what is left of them (with the
+        #: chunks already read put back) when the caller read the first one itself.
+        self.chunks = chunks if chunks is not None else resp.aiter_raw()
         self._on_close: Callable[[], None] | None = on_close
         self._on_first = on_first
 
@@ -129,7 +133,7 @@ async def relay_events(upstream: _Upstream, rewrite: Rewrite) -> AsyncIterator[b
     done = False
     try:
         try:
-            async for data in upstream.resp.aiter_raw():
+            async for data in upstream.chunks:
                 upstream.first()
                 complete = events.feed(data)
                 done = done or DONE_EVENT in complete
@@ -172,17 +176,27 @@ def relay_stream(
     on_close: Callable[[], None],
     headers: dict[str, str],
     on_first: Callable[[], None] | None = None,
+    chunks: AsyncIterator[bytes] | None = None,
 ) -> StreamingResponse:
     """The client's streaming response for an open upstream stream. ``on_first`` runs once,
-    when the instance's first bytes arrive (its prompt is computed) or the relay ends."""
+    when the instance's first bytes arrive (its prompt is computed) or the relay ends.
+    ``chunks``: the body's raw chunks when the caller has read some (:func:`put_back`)."""
 
     def rewrite(event: bytes) -> bytes | None:
         return rewrite_event(event, file_params, split, want_usage)
 
-    upstream = _Upstream(resp, on_close, on_first)
+    upstream = _Upstream(resp, on_close, on_first, chunks)
     return _RelayedStream(
         relay_events(upstream, rewrite),
         upstream,
         media_type="text/event-stream",
         headers=headers,
     )
+
+
+async def put_back(head: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A body's raw chunks with the first one, already read, in front again."""
+    if head:
+        yield head
+    async for data in rest:
+        yield data

@@ -19,10 +19,12 @@ Faults: a replica that cannot be connected to (nothing was sent) is marked down 
 goes to the next choice. One that drops the connection before any answer (killed mid-turn: the
 client has seen nothing) is marked down too and the turn is sent once more, to another replica:
 losing KV costs a recompute there, losing the request would cost the client its turn. Only
-once: a request that kills every replica it reaches must not take the cluster down. A replica
-that answers 5xx, or a stream already relayed, is not sent again (the replica is alive; the
-answer, or its first bytes, reached the client): 503. Every answer's status counts toward
-ejection (:mod:`server.router.pool`).
+once: a request that kills every replica it reaches must not take the cluster down. A stream
+counts as unanswered until its first chunk (vLLM sends its headers at once, its first token
+after the prefill): the router reads that chunk before it answers the client. A replica that
+answers 5xx (alive: the turn may be what fails) is not sent again: 503; a stream that breaks
+after its first chunk ends with an error event (:func:`server.router.relay.cut_short_event`).
+Every answer's status counts toward ejection (:mod:`server.router.pool`).
 ``X-KVBranch-Route`` says ``replica`` when the turn went where the session's KV is (the holder,
 else its home, or a new session's first replica) and ``replica-moved`` when it went elsewhere.
 """
@@ -32,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -195,6 +197,12 @@ class ReplicaFlow:
         except BaseException:  # the client left while the replica had not answered yet
             inst.inflight -= 1
             raise
+        chunks = None
+        if stream and resp.status_code == 200:
+            try:
+                chunks = await self.first_chunk(inst, resp)
+            except httpx.HTTPError as exc:  # not dropped: timed out before its first token
+                return unavailable(f"the replica failed mid-turn: {type(exc).__name__}")
         if resp.status_code >= 500:
             self.pool.failed(inst)
         else:
@@ -215,7 +223,27 @@ class ReplicaFlow:
                 answered()
 
         # want_usage: the client gets every chunk the replica sent (the router asked for none)
-        return relay.relay_stream(resp, _ignore, None, True, done, out_headers)
+        return relay.relay_stream(resp, _ignore, None, True, done, out_headers, chunks=chunks)
+
+    async def first_chunk(self, inst: Instance, resp: httpx.Response) -> AsyncIterator[bytes]:
+        """A stream's body, its first chunk read before the client is answered: vLLM sends a
+        stream's headers at once and its first token after the prefill, so a replica killed
+        while queueing or prefilling drops a stream whose client has seen nothing yet —
+        :class:`_Dropped`, sent once more like an unanswered turn. Another transport error
+        here (a timeout) is raised as is; the replica is released either way."""
+        chunks = resp.aiter_raw()
+        try:
+            head = await anext(chunks, b"")
+        except BaseException as exc:
+            inst.inflight -= 1
+            await resp.aclose()
+            if isinstance(exc, DROPPED):
+                self.pool.failed(inst, reachable=False)
+                raise _Dropped(type(exc).__name__) from None
+            if isinstance(exc, httpx.HTTPError):
+                self.pool.failed(inst, reachable=False)
+            raise
+        return relay.put_back(head, chunks)
 
     @staticmethod
     def answer(resp: httpx.Response, out_headers: dict[str, str]) -> Response:

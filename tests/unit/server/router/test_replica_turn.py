@@ -59,6 +59,18 @@ class _Body(httpx.AsyncByteStream):
             yield piece
 
 
+class _Dropping(httpx.AsyncByteStream):
+    """A stream whose connection drops after ``sent`` bytes (a replica killed mid-answer)."""
+
+    def __init__(self, sent: bytes, request: httpx.Request) -> None:
+        self.sent, self.request = sent, request
+
+    async def __aiter__(self):  # type: ignore[override]
+        if self.sent:
+            yield self.sent
+        raise httpx.RemoteProtocolError("peer closed connection", request=self.request)
+
+
 class _Replicas:
     """Fake replicas: health names the instance id (its URL), a turn gets a JSON answer (with
     transfer params the router must take out) or an SSE stream; ``down`` refuse connections."""
@@ -68,6 +80,9 @@ class _Replicas:
         self.down: set[str] = set()
         #: Replicas that take a turn and drop the connection before answering (killed).
         self.drop: set[str] = set()
+        #: Replicas whose stream's headers come and then the connection drops, after this
+        #: many bytes of the body (0: before its first chunk).
+        self.drop_stream: dict[str, int] = {}
         self.status = 200
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -90,11 +105,10 @@ class _Replicas:
                 {"choices": [], "usage": {"total_tokens": 3}, TRANSFER_PARAMS_FIELD: {"x": 1}},
             ]
             data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
-            return httpx.Response(
-                200,
-                headers={"content-type": "text/event-stream"},
-                stream=_Body(data + b"data: [DONE]\n\n"),
-            )
+            body: httpx.AsyncByteStream = _Body(data + b"data: [DONE]\n\n")
+            if base in self.drop_stream:
+                body = _Dropping(data[: self.drop_stream[base]], request)
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=body)
         answer = {"choices": [{"message": {"content": base}}], TRANSFER_PARAMS_FIELD: {"x": 1}}
         return json_reply(200, answer)
 
@@ -272,6 +286,30 @@ def test_a_turn_dropped_twice_is_503_and_not_sent_a_third_time():
     r = _turn(router)
     assert r.status_code == 503 and "mid-turn" in r.json()["error"]["message"]
     assert len(fakes.turns()) == 2
+
+
+def test_a_stream_dropped_before_its_first_chunk_is_sent_once_more():
+    """vLLM sends a stream's headers at once: a replica killed while prefilling has answered
+    200 and nothing else. The client, which has seen nothing, gets the other replica's stream."""
+    fakes, store = _Replicas(), _Store()
+    router = _router(fakes, store, (R1, R2))
+    _file_hold(store, R2)
+    fakes.drop_stream[R2] = 0
+    r = _turn(router, {**BODY, "stream": True})
+    assert r.status_code == 200 and r.headers[ROUTE] == "replica-moved"
+    assert fakes.turns() == [R2, R1]
+    assert b'"content": "hi"' in r.content and r.content.endswith(b"data: [DONE]\n\n")
+    assert b"kvbranch_router_turns_resent_total 1.0" in call(router, "GET", "/metrics").content
+
+
+def test_a_stream_dropped_after_its_first_chunk_ends_with_an_error_event_not_sent_again():
+    fakes, store = _Replicas(), _Store()
+    router = _router(fakes, store, (R1, R2))
+    _file_hold(store, R2)
+    fakes.drop_stream[R2] = 20  # part of the first event reached the client
+    r = _turn(router, {**BODY, "stream": True})
+    assert r.status_code == 200 and fakes.turns() == [R2]
+    assert b"the answer is incomplete" in r.content and b"[DONE]" not in r.content
 
 
 def test_without_a_hold_the_turn_goes_home_then_by_rendezvous():
