@@ -94,11 +94,12 @@ def sources_of(engine_client: Any) -> list[Source]:
 
 @dataclass
 class Member:
-    """One member this publisher keeps in the index: its record (read fresh at each heartbeat)
-    and the generation its block entries are stamped with."""
+    """One member this publisher keeps in the index: its record (read fresh at each heartbeat),
+    the generation its block entries are stamped with, and its id (fixed: the record's)."""
 
     record: Callable[[], InstanceRecord]
     generation: Generation
+    instance_id: str
 
 
 class IndexPublisher:
@@ -128,7 +129,7 @@ class IndexPublisher:
         if len(records) > 1 and sources and len(sources) != len(records):
             raise ValueError(f"{len(records)} members, {len(sources)} KV-event sources")
         #: The members, each with its record and its entries' generation.
-        self.members = [Member(r, Generation()) for r in records]
+        self.members = [Member(r, Generation(), r().instance_id) for r in records]
         #: The heartbeat: how often, how long it lives.
         self.interval_s = interval_s
         self.ttl_s = ttl_s
@@ -258,9 +259,7 @@ class IndexPublisher:
                 self.batches_stale += 1
                 continue
             await asyncio.wait_for(
-                self.store.publish_blocks(
-                    member.record().instance_id, generation, tier, stored, removed
-                ),
+                self.store.publish_blocks(member.instance_id, generation, tier, stored, removed),
                 self.call_timeout_s,
             )
             self.pending.popleft()
@@ -272,7 +271,7 @@ class IndexPublisher:
         for member in self.members:
             try:
                 await asyncio.wait_for(
-                    self.store.deregister(member.record().instance_id), DEREGISTER_TIMEOUT_S
+                    self.store.deregister(member.instance_id), DEREGISTER_TIMEOUT_S
                 )
             except Exception as exc:  # noqa: BLE001 - its record expires by TTL anyway
                 logger.info("kvbranch index: deregister skipped (%s)", exc)
@@ -428,7 +427,7 @@ def start(state: Any, engine_client: Any, args: Any) -> IndexPublisher | None:
         store.kind,
         os.environ.get(ENV_CLUSTER_NAME, "default"),
         advertise,
-        ", ".join(m.record().instance_id for m in publisher.members),
+        ", ".join(m.instance_id for m in publisher.members),
         len(sources),
         [s[0] for s in sources],
     )

@@ -76,6 +76,16 @@ def _ignore(_: Any) -> None:
     """A replica's answer carries no params for the router to file: it files its own hold."""
 
 
+async def first_chunk(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """A stream's body with its first chunk read before the client is answered: vLLM sends a
+    stream's headers at once and its first token after the prefill, so a replica killed while
+    queueing or prefilling drops a stream whose client has seen nothing yet (raised here, and
+    the turn is sent once more like an unanswered one)."""
+    chunks = resp.aiter_raw()
+    head = await anext(chunks, b"")
+    return relay.put_back(head, chunks)
+
+
 class ReplicaFlow:
     """Routes completion turns to aggregated replicas. Counters are the P/D turn's own (one
     registry, one set of names): ``turns`` by route, ``retries`` by role, ``index_errors``,
@@ -174,6 +184,8 @@ class ReplicaFlow:
         out_headers = {ROUTE_HEADER: route}
         inst.inflight += 1
         inst.requests += 1
+        resp: httpx.Response | None = None
+        chunks: AsyncIterator[bytes] | None = None
         try:
             req = client.build_request(
                 "POST",
@@ -182,27 +194,20 @@ class ReplicaFlow:
                 headers={**headers, "content-type": "application/json"},
             )
             resp = await client.send(req, stream=stream)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            if stream and resp.status_code == 200:
+                chunks = await first_chunk(resp)
+        except BaseException as exc:  # before anything reached the client
             inst.inflight -= 1
+            if resp is not None:
+                await resp.aclose()
+            if not isinstance(exc, httpx.HTTPError):
+                raise  # the client left while the replica had not answered yet
             self.pool.failed(inst, reachable=False)
-            raise _NotSent(f"{type(exc).__name__}: {exc}") from None
-        except DROPPED as exc:
-            inst.inflight -= 1
-            self.pool.failed(inst, reachable=False)
-            raise _Dropped(type(exc).__name__) from None
-        except httpx.HTTPError as exc:
-            inst.inflight -= 1
-            self.pool.failed(inst, reachable=False)
+            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                raise _NotSent(f"{type(exc).__name__}: {exc}") from None
+            if isinstance(exc, DROPPED):
+                raise _Dropped(type(exc).__name__) from None
             return unavailable(f"the replica failed mid-turn: {type(exc).__name__}")
-        except BaseException:  # the client left while the replica had not answered yet
-            inst.inflight -= 1
-            raise
-        chunks = None
-        if stream and resp.status_code == 200:
-            try:
-                chunks = await self.first_chunk(inst, resp)
-            except httpx.HTTPError as exc:  # not dropped: timed out before its first token
-                return unavailable(f"the replica failed mid-turn: {type(exc).__name__}")
         if resp.status_code >= 500:
             self.pool.failed(inst)
         else:
@@ -224,26 +229,6 @@ class ReplicaFlow:
 
         # want_usage: the client gets every chunk the replica sent (the router asked for none)
         return relay.relay_stream(resp, _ignore, None, True, done, out_headers, chunks=chunks)
-
-    async def first_chunk(self, inst: Instance, resp: httpx.Response) -> AsyncIterator[bytes]:
-        """A stream's body, its first chunk read before the client is answered: vLLM sends a
-        stream's headers at once and its first token after the prefill, so a replica killed
-        while queueing or prefilling drops a stream whose client has seen nothing yet —
-        :class:`_Dropped`, sent once more like an unanswered turn. Another transport error
-        here (a timeout) is raised as is; the replica is released either way."""
-        chunks = resp.aiter_raw()
-        try:
-            head = await anext(chunks, b"")
-        except BaseException as exc:
-            inst.inflight -= 1
-            await resp.aclose()
-            if isinstance(exc, DROPPED):
-                self.pool.failed(inst, reachable=False)
-                raise _Dropped(type(exc).__name__) from None
-            if isinstance(exc, httpx.HTTPError):
-                self.pool.failed(inst, reachable=False)
-            raise
-        return relay.put_back(head, chunks)
 
     @staticmethod
     def answer(resp: httpx.Response, out_headers: dict[str, str]) -> Response:
